@@ -1,0 +1,31 @@
+# The README's two commands. Both create .venv when missing and install specpilot into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.specpilot-installed
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	# Without a GPU take the local CPU torch wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install -q "torch>=2.4,<3"; \
+	else \
+		$(PIP) install -q torch==2.13.0 || $(PIP) install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.4,<3"; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/specpilot demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,60 @@
+"""The `specpilot` command line. Every sub-command lives in a library module that exposes
+`add_arguments(parser)` and `run(args) -> int`; this file only wires them together."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command, module, one-line help). Modules are imported lazily, when their command (or --help) needs them.
+COMMANDS: list[tuple[str, str, str]] = [
+    ("demo", "specpilot.demo", "run the whole mission end to end on the embedded pair (or your own)"),
+    ("generate", "specpilot.drafting.cli", "generate text with the speculative decoder"),
+    ("models", "specpilot.train.build_pair", "build the embedded default model pair (`specpilot models build`)"),
+    ("record", "specpilot.envs.record", "record replay traces and a latency profile for a task"),
+    ("grid", "specpilot.train.grid", "grid-search the best static (depth, size) configuration"),
+    ("train", "specpilot.train.cli", "train PPO depth/size policies (stage 1) or co-adapt them (stage 2)"),
+    ("eval", "specpilot.eval.cli", "evaluate methods on held-out task suites and write a report"),
+    ("export", "specpilot.policies.export", "export a trained run to decoder.json + safetensors + engine configs"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specpilot",
+        description="Learn how much to speculate: exact tree speculative decoding steered by PPO policies.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name, help_text in COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if not (err.name or "").startswith("specpilot"):
+                raise
+            p.set_defaults(_handler=_not_built(name))
+            continue
+        module.add_arguments(p)
+        p.set_defaults(_handler=module.run)
+    return parser
+
+
+def _not_built(name: str):
+    def handler(args) -> int:
+        print(f"specpilot {name}: not built yet in this version", file=sys.stderr)
+        return 2
+
+    return handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 0
+    return int(args._handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""Exact tree speculative decoding: model pair, tree drafting, verification/sampling, caches, the decoding loop."""
+from specpilot.drafting.pair import ModelPair, VocabularyMismatchError
+from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
+
+__all__ = ["ModelPair", "VocabularyMismatchError", "TreeConfig", "DraftState", "CycleRecord", "GenerationOutput"]
