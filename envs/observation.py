@@ -1,0 +1,148 @@
+"""Observation features for the depth and size policies: the ONE definition shared by the environments, the
+PPOController at inference and the exporter (so training and inference can never drift apart).
+
+Layout of an observation vector (float32, length 2*num_scores + 3):
+
+    [0, n)        scores: cumulative draft log-probs sorted descending, clipped at score_floor, divided by
+                  -score_floor, so in [-1, 0]; padding slots hold -1.0 (the floor, i.e. "improbable")
+    [n, 2n)       mask: 1.0 for a real score, 0.0 for padding (padding is explicit: log p = 0 would mean p = 1)
+    2n            depth / max_depth                       (0, 1]
+    2n + 1        min(context_len / max_context, 1)       [0, 1]
+    2n + 2        min(new_tokens / max_new_tokens, 1)     [0, 1]
+
+The depth policy sees the frontier (W*W children, W at depth 1); the size policy the top `num_scores` candidates
+of the whole tree (default num_scores = the largest verification size it can choose).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from specpilot.drafting.types import DraftState
+
+SPEC_VERSION = 1
+NUM_SCALARS = 3  # depth, context length, generation progress
+
+
+@dataclass(frozen=True)
+class ObservationSpec:
+    """What a policy observes; stored next to every trained policy (policies.json, exports).
+
+    version: layout version; bump when the feature layout changes so stale policies fail loudly.
+    kind: "depth" (frontier scores) or "size" (top candidate scores).
+    width: beam width W of the tree the policy was trained on.
+    max_depth: most draft levels; normalises the depth feature.
+    num_scores: score slots (depth: W*W; size: the largest verification size).
+    score_floor: log-probs below it are clipped to it (-20: p < 2e-9 is indistinguishable from 0 for a policy).
+    max_context: context length mapped to 1.0 (longer contexts saturate).
+    """
+
+    kind: str
+    width: int
+    max_depth: int
+    num_scores: int
+    score_floor: float = -20.0
+    max_context: int = 4096
+    version: int = SPEC_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("depth", "size"):
+            raise ValueError(f"ObservationSpec.kind must be 'depth' or 'size', got {self.kind!r}")
+        if self.num_scores < 1 or self.width < 1 or self.max_depth < 1 or self.max_context < 1:
+            raise ValueError(f"ObservationSpec sizes must be >= 1: {self}")
+        if not self.score_floor < 0:
+            raise ValueError(f"ObservationSpec.score_floor must be negative, got {self.score_floor}")
+
+    @property
+    def dim(self) -> int:
+        return 2 * self.num_scores + NUM_SCALARS
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ObservationSpec":
+        version = int(data.get("version", -1))
+        if version != SPEC_VERSION:
+            raise ValueError(
+                f"observation spec version {version} does not match this specpilot's version {SPEC_VERSION}: "
+                "retrain the policy (or use the specpilot version that trained it)"
+            )
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+    @classmethod
+    def for_depth(cls, width: int, max_depth: int, **kw) -> "ObservationSpec":
+        return cls(kind="depth", width=width, max_depth=max_depth, num_scores=width * width, **kw)
+
+    @classmethod
+    def for_size(cls, width: int, max_depth: int, size_actions: list[int] | None = None,
+                 num_scores: int | None = None, **kw) -> "ObservationSpec":
+        if num_scores is None:
+            if not size_actions:
+                raise ValueError("ObservationSpec.for_size needs size_actions or num_scores")
+            num_scores = max(size_actions)
+        return cls(kind="size", width=width, max_depth=max_depth, num_scores=int(num_scores), **kw)
+
+
+def _as_numpy(scores: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(scores, np.ndarray):
+        return scores
+    try:
+        return scores.numpy()  # zero-copy view; the fast path (CPU tensor without grad)
+    except (RuntimeError, TypeError):  # on an accelerator or requiring grad: tolerate it at a copy's cost
+        return scores.detach().cpu().numpy()
+
+
+def _build(scores: torch.Tensor | np.ndarray, state: DraftState, spec: ObservationSpec) -> np.ndarray:
+    n = spec.num_scores
+    values = _as_numpy(scores)[:n]  # sorted descending already: the first n are the top n
+    k = values.shape[0]
+    out = np.empty(2 * n + NUM_SCALARS, dtype=np.float32)
+    head = out[:k]
+    # clip at the floor, then scale into [-1, 0], in place (np.clip's dispatch alone costs ~10 us). Scores are
+    # log-probs (<= 0) by contract; the final minimum guards round-off above 0 cheaply.
+    np.maximum(values, spec.score_floor, out=head, casting="unsafe")
+    head *= np.float32(-1.0 / spec.score_floor)
+    np.minimum(head, 0.0, out=head)
+    out[k:n] = -1.0
+    out[n:n + k] = 1.0
+    out[n + k:2 * n] = 0.0
+    out[2 * n] = min(state.depth / spec.max_depth, 1.0)
+    out[2 * n + 1] = min(state.context_len / spec.max_context, 1.0)
+    out[2 * n + 2] = min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0
+    return out
+
+
+def depth_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:
+    """Depth policy input: the last level's frontier scores (W*W children; W at depth 1) + scalars."""
+    return _build(state.frontier_scores, state, spec)
+
+
+def size_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:
+    """Size policy input: the top `spec.num_scores` candidate scores of the whole tree + scalars."""
+    return _build(state.candidate_scores, state, spec)
+
+
+def observe(state: DraftState, spec: ObservationSpec) -> np.ndarray:
+    """Dispatch on spec.kind."""
+    return depth_observation(state, spec) if spec.kind == "depth" else size_observation(state, spec)
+
+
+def observation_space(spec: ObservationSpec) -> gym.spaces.Box:
+    """Box matching the layout above (bounds exact, so check_env and SB3 agree with the features)."""
+    n = spec.num_scores
+    low = np.concatenate([np.full(n, -1.0), np.zeros(n), np.zeros(NUM_SCALARS)]).astype(np.float32)
+    high = np.concatenate([np.zeros(n), np.ones(n), np.ones(NUM_SCALARS)]).astype(np.float32)
+    return gym.spaces.Box(low=low, high=high, dtype=np.float32)
+
+
+def default_size_actions(device: str | None = None) -> list[int]:
+    """Verification sizes the size policy chooses from: small trees on CPU; on GPU the paper's 12 linear bins
+    over 20..240."""
+    if device is not None and str(device).startswith("cuda"):
+        return [int(v) for v in np.linspace(20, 240, 12)]
+    return [2, 4, 6, 8, 12, 16, 24, 32]

@@ -1,0 +1,113 @@
+"""Heuristic controllers: each stopping rule on hand-made DraftStates, the HF +2/-1 schedule, the registry."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specpilot.drafting.types import CycleRecord, DraftState
+from specpilot.policies.base import Controller, default_static_config
+from specpilot.policies.heuristics import (
+    HEURISTICS,
+    ConfidenceController,
+    DDDController,
+    GammaTuneController,
+    HFHeuristicController,
+    SVIPController,
+    make_heuristic,
+)
+
+
+def make_state(depth: int = 1, frontier=(-0.1,), width: int = 2, top_prob: float = 0.9, entropy: float = 0.1,
+               max_depth: int = 12) -> DraftState:
+    scores = torch.tensor(sorted(frontier, reverse=True), dtype=torch.float32)
+    return DraftState(depth=depth, max_depth=max_depth, width=width, context_len=10, frontier_scores=scores,
+                      candidate_scores=scores.clone(), last_top_prob=top_prob, last_entropy=entropy,
+                      new_tokens=0, max_new_tokens=64)
+
+
+def record(depth: int, accepted: int) -> CycleRecord:
+    return CycleRecord(depth=depth, size=8, accepted=accepted, emitted=accepted + 1, draft_s=0.01, verify_s=0.02,
+                       policy_s=0.0, context_len=10)
+
+
+# Beam of width 2: logsumexp(log .5, log .3) = log .8 = -0.22 (continue); logsumexp(log .4, log .2) = log .6 = -0.51
+@pytest.mark.parametrize(
+    "depth, beam, expected",
+    [
+        (5, [math.log(0.5), math.log(0.3), -9.0], False),  # confident beam at a check depth
+        (5, [math.log(0.4), math.log(0.2), -9.0], True),  # unconfident beam at a check depth
+        (7, [math.log(0.4), math.log(0.2)], True),
+        (9, [math.log(0.4), math.log(0.2)], True),
+        (6, [math.log(0.4), math.log(0.2)], False),  # not a check depth
+        (1, [-5.0, -6.0], False),
+        (5, [math.log(0.5), math.log(0.3), math.log(0.15)], False),  # scores beyond the beam W do not count
+    ],
+)
+def test_ddd_stops_on_beam_confidence(depth, beam, expected):
+    assert DDDController().should_stop(make_state(depth=depth, frontier=beam, width=2)) is expected
+
+
+def test_ddd_confidence_is_logsumexp_of_beam():
+    state = make_state(frontier=[math.log(0.5), math.log(0.3), math.log(0.1)], width=2)
+    assert DDDController.confidence(state) == pytest.approx(math.log(0.8), abs=1e-6)
+
+
+# sqrt(0.15 * H) > 0.3  <=>  H > 0.6
+@pytest.mark.parametrize("entropy, expected", [(0.0, False), (0.5, False), (0.59, False), (0.61, True), (3.0, True),
+                                               (-1e-9, False)])
+def test_svip_entropy_rule(entropy, expected):
+    assert SVIPController().should_stop(make_state(entropy=entropy)) is expected
+
+
+@pytest.mark.parametrize("top_prob, expected", [(0.99, False), (0.41, False), (0.4, False), (0.39, True), (0.0, True)])
+def test_confidence_threshold(top_prob, expected):
+    assert ConfidenceController().should_stop(make_state(top_prob=top_prob)) is expected
+
+
+def test_hf_heuristic_schedule_plus_two_minus_one():
+    ctrl = HFHeuristicController(initial_depth=5)
+    assert not ctrl.should_stop(make_state(depth=4)) and ctrl.should_stop(make_state(depth=5))
+    ctrl.observe(record(depth=5, accepted=5))  # fully accepted: +2
+    assert ctrl.target == 7
+    ctrl.observe(record(depth=7, accepted=3))  # partially accepted: -1
+    assert ctrl.target == 6
+    for _ in range(10):
+        ctrl.observe(record(depth=ctrl.target, accepted=0))
+    assert ctrl.target == 1  # never below 1
+    ctrl.reset()
+    assert ctrl.target == 5
+
+
+def test_hf_heuristic_respects_max_depth():
+    ctrl = HFHeuristicController(initial_depth=5, max_depth=6)
+    ctrl.observe(record(depth=5, accepted=5))
+    assert ctrl.target == 6
+
+
+def test_gammatune_switches_on_acceptance_rate():
+    ctrl = GammaTuneController(gamma_min=2, gamma_max=6, rate=0.5)
+    assert ctrl.target == 6
+    ctrl.observe(record(depth=6, accepted=0))
+    assert ctrl.target == 2
+    ctrl.observe(record(depth=2, accepted=2))
+    ctrl.observe(record(depth=2, accepted=2))
+    assert ctrl.target == 6
+    ctrl.observe(record(depth=6, accepted=0))
+    ctrl.reset()
+    assert ctrl.target == 6
+
+
+@pytest.mark.parametrize("name", sorted(HEURISTICS))
+def test_registry_builds_controllers_with_default_size(name):
+    ctrl = make_heuristic(name)
+    assert isinstance(ctrl, Controller)
+    assert ctrl.choose_size(make_state()) == default_static_config()[1]
+    assert ctrl.describe()["name"] == name
+    assert make_heuristic(name, size=7).choose_size(make_state()) == 7
+
+
+def test_registry_unknown_name_lists_choices():
+    with pytest.raises(ValueError, match="ddd"):
+        make_heuristic("nope")

@@ -1,0 +1,105 @@
+"""Observation features: layout, padding + mask, bounds, JSON round trip, size-action lists."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specpilot.drafting.types import DraftState
+from specpilot.envs.observation import (
+    ObservationSpec,
+    default_size_actions,
+    depth_observation,
+    observation_space,
+    size_observation,
+)
+
+W, MAX_DEPTH = 3, 6
+
+
+def make_state(frontier, candidates=None, depth: int = 2, context_len: int = 100, new_tokens: int = 8) -> DraftState:
+    f = torch.tensor(sorted(frontier, reverse=True), dtype=torch.float32)
+    c = torch.tensor(sorted(candidates if candidates is not None else frontier, reverse=True), dtype=torch.float32)
+    return DraftState(depth=depth, max_depth=MAX_DEPTH, width=W, context_len=context_len, frontier_scores=f,
+                      candidate_scores=c, last_top_prob=0.5, last_entropy=1.0, new_tokens=new_tokens,
+                      max_new_tokens=32)
+
+
+DEPTH_SPEC = ObservationSpec.for_depth(W, MAX_DEPTH, max_context=200)
+SIZE_SPEC = ObservationSpec.for_size(W, MAX_DEPTH, size_actions=[2, 4, 6, 8], max_context=200)
+
+
+def test_spec_sizes():
+    assert DEPTH_SPEC.num_scores == W * W and DEPTH_SPEC.dim == 2 * W * W + 3
+    assert SIZE_SPEC.num_scores == 8
+
+
+def test_depth_observation_layout_padding_and_mask():
+    state = make_state([-0.5, -1.0, -40.0], depth=1, context_len=50)  # W children at depth 1
+    obs = depth_observation(state, DEPTH_SPEC)
+    n = DEPTH_SPEC.num_scores
+    assert obs.dtype == np.float32 and obs.shape == (DEPTH_SPEC.dim,)
+    np.testing.assert_allclose(obs[:3], [-0.025, -0.05, -1.0])  # -40 clipped at the floor -20
+    np.testing.assert_array_equal(obs[3:n], -1.0)  # padding is "improbable", never log p = 0
+    np.testing.assert_array_equal(obs[n:n + 3], 1.0)
+    np.testing.assert_array_equal(obs[n + 3:2 * n], 0.0)
+    np.testing.assert_allclose(obs[2 * n:], [1 / MAX_DEPTH, 0.25, 0.25])
+
+
+def test_no_fake_zero_logprob_in_padding():
+    obs = depth_observation(make_state([-3.0]), DEPTH_SPEC)
+    assert not np.any(obs[: DEPTH_SPEC.num_scores] == 0.0)
+
+
+def test_size_observation_truncates_to_top_scores():
+    cands = [-0.1 * i for i in range(1, 20)]
+    obs = size_observation(make_state([-0.1], cands), SIZE_SPEC)
+    n = SIZE_SPEC.num_scores
+    np.testing.assert_allclose(obs[:n], np.array(cands[:n]) / 20.0, rtol=1e-6)
+    np.testing.assert_array_equal(obs[n:2 * n], 1.0)
+
+
+@pytest.mark.parametrize("context_len, new_tokens", [(0, 0), (10_000, 999), (199, 31)])
+def test_observation_within_space_bounds(context_len, new_tokens):
+    space = observation_space(DEPTH_SPEC)
+    rng = np.random.default_rng(0)
+    for k in (1, 4, 9, 12):
+        scores = -np.abs(rng.normal(0, 10, size=k))
+        obs = depth_observation(make_state(scores.tolist(), context_len=context_len, new_tokens=new_tokens),
+                                DEPTH_SPEC)
+        assert space.contains(obs), obs
+
+
+def test_observation_space_passes_gymnasium_checks():
+    space = observation_space(SIZE_SPEC)
+    assert space.shape == (SIZE_SPEC.dim,) and space.dtype == np.float32
+    assert space.contains(space.sample())
+
+
+def test_spec_json_round_trip_and_version_check():
+    data = json.loads(json.dumps(SIZE_SPEC.to_dict()))
+    assert ObservationSpec.from_dict(data) == SIZE_SPEC
+    with pytest.raises(ValueError, match="version"):
+        ObservationSpec.from_dict({**data, "version": 999})
+
+
+@pytest.mark.parametrize("device, expected_len, lo, hi", [("cpu", 8, 2, 32), (None, 8, 2, 32), ("cuda", 12, 20, 240)])
+def test_default_size_actions(device, expected_len, lo, hi):
+    actions = default_size_actions(device)
+    assert len(actions) == expected_len and actions[0] == lo and actions[-1] == hi
+    assert actions == sorted(set(actions))
+
+
+def test_observation_is_fast():
+    spec = ObservationSpec.for_depth(10, 12)
+    state = make_state(sorted(np.linspace(-15, -0.1, 100).tolist()))
+    depth_observation(state, spec)
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        depth_observation(state, spec)
+    per_call = (time.perf_counter() - start) / n
+    assert per_call < 200e-6, f"{per_call * 1e6:.1f} us per observation"  # loose: shared CI machines

@@ -1,0 +1,234 @@
+"""Checkpoint / resume / run-directory contracts of the PPO training machinery, and loading a run's controllers."""
+from __future__ import annotations
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from stable_baselines3 import PPO
+
+from specpilot.drafting.types import DraftState
+from specpilot.envs.observation import ObservationSpec, observation_space
+from specpilot.policies.ppo import PolicyLoadError, PPOController, load_run_controllers
+from specpilot.train.logging import CycleMetricsCallback, RunLogger, resolve_wandb_mode
+from specpilot.train.ppo import (
+    CheckpointError,
+    read_progress,
+    settings_for,
+    sha256_file,
+    train_policy,
+    update_manifest,
+    write_policies_index,
+)
+
+
+class CountingEnv(gym.Env):
+    """Two-step episodes; counts every step across instances and can raise KeyboardInterrupt at a given count."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, shape=(2,), dtype=np.float32)
+    action_space = gym.spaces.Discrete(2)
+    steps = 0
+    interrupt_at: int | None = None
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, dtype=np.float32), {}
+
+    def step(self, action):
+        CountingEnv.steps += 1
+        if CountingEnv.interrupt_at is not None and CountingEnv.steps >= CountingEnv.interrupt_at:
+            raise KeyboardInterrupt
+        self.t += 1
+        info = {"accepted": 1, "emitted": 2, "depth": 1 + self.t, "size": 4, "draft_s": 0.01, "verify_s": 0.02}
+        return np.array([self.t / 2, float(action)], dtype=np.float32), float(action), self.t >= 2, False, info
+
+
+@pytest.fixture(autouse=True)
+def counting_env():
+    CountingEnv.steps, CountingEnv.interrupt_at = 0, None
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    CountingEnv.steps, CountingEnv.interrupt_at = 0, None
+    torch.set_num_threads(old)
+
+
+def tiny(**kw):
+    base = dict(total_timesteps=1024, n_steps=128, batch_size=64, n_epochs=2, pi_arch=[8], vf_arch=[8], seed=0,
+                checkpoint_every=128, eval_every=256)
+    return settings_for("depth", **{**base, **kw})
+
+
+def val_fn(model) -> float:
+    return float(model.num_timesteps)  # later is better: best.zip must track the newest validation
+
+
+def test_interrupted_training_resumes_without_repeating_steps(tmp_path):
+    CountingEnv.interrupt_at = 600  # inside the 5th rollout: 4 * 128 = 512 steps trained
+    with pytest.raises(KeyboardInterrupt):
+        train_policy(CountingEnv, val_fn, tiny(), tmp_path, "stage")
+    progress = read_progress(tmp_path / "stage")
+    assert progress["timesteps_done"] == 512
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["stages"]["stage"]["status"] == "interrupted" and "torch" in manifest["versions"]
+
+    CountingEnv.steps, CountingEnv.interrupt_at = 0, None
+    best = train_policy(CountingEnv, val_fn, tiny(), tmp_path, "stage", resume=True)
+    assert CountingEnv.steps == 1024 - 512  # only the remaining budget ran
+    assert read_progress(tmp_path / "stage")["timesteps_done"] == 1024
+    assert PPO.load(best, device="cpu").num_timesteps == 1024
+    assert json.loads((tmp_path / "stage" / "best.json").read_text())["timesteps"] == 1024
+    assert len(list((tmp_path / "stage" / "checkpoints").glob("step_*.zip"))) == 3  # pruned to keep_checkpoints
+
+    CountingEnv.steps = 0
+    train_policy(CountingEnv, val_fn, tiny(), tmp_path, "stage", resume=True)  # finished stage: nothing to do
+    assert CountingEnv.steps == 0
+
+
+def test_existing_stage_is_never_overwritten(tmp_path):
+    train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
+    assert (tmp_path / "stage" / "best.zip").is_file()
+    with pytest.raises(FileExistsError, match="resume=True"):
+        train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
+
+
+def test_resume_extends_budget(tmp_path):
+    train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
+    CountingEnv.steps = 0
+    train_policy(CountingEnv, None, tiny(total_timesteps=512), tmp_path, "stage", resume=True)
+    assert CountingEnv.steps == 256 and read_progress(tmp_path / "stage")["timesteps_done"] == 512
+
+
+def test_corrupted_checkpoint_gives_clear_error(tmp_path):
+    train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
+    progress = read_progress(tmp_path / "stage")
+    ckpt = tmp_path / "stage" / "checkpoints" / progress["checkpoint"]
+    ckpt.write_bytes(b"not a zip at all")
+    with pytest.raises(CheckpointError, match=ckpt.name) as err:
+        train_policy(CountingEnv, None, tiny(total_timesteps=512), tmp_path, "stage", resume=True)
+    assert "delete" in str(err.value)
+
+
+def test_mismatched_settings_refuse_to_resume(tmp_path):
+    train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
+    with pytest.raises(CheckpointError, match="pi_arch"):
+        train_policy(CountingEnv, None, tiny(total_timesteps=512, pi_arch=[16]), tmp_path, "stage", resume=True)
+
+
+def test_corrupted_progress_file_gives_clear_error(tmp_path):
+    train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
+    (tmp_path / "stage" / "checkpoints" / "progress.json").write_text("{trunc")
+    with pytest.raises(CheckpointError, match="progress.json"):
+        train_policy(CountingEnv, None, tiny(total_timesteps=512), tmp_path, "stage", resume=True)
+
+
+def test_manifest_merges_sections(tmp_path):
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"abc")
+    update_manifest(tmp_path, config={"a": 1}, models={"target": {"sha256": sha256_file(weights)}})
+    manifest = update_manifest(tmp_path, config={"b": 2}, seeds={"train": 0})
+    assert manifest["config"] == {"a": 1, "b": 2} and manifest["seeds"] == {"train": 0}
+    assert manifest["models"]["target"]["sha256"].startswith("ba7816bf")
+    assert json.loads((tmp_path / "manifest.json").read_text()) == manifest
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# logging
+
+
+@pytest.mark.parametrize("arg, env, expected", [(None, None, "offline"), (None, "disabled", "disabled"),
+                                                ("online", "offline", "online"), (None, "dryrun", "offline")])
+def test_wandb_mode_resolution(monkeypatch, arg, env, expected):
+    if env is None:
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+    else:
+        monkeypatch.setenv("WANDB_MODE", env)
+    assert resolve_wandb_mode(arg) == expected
+
+
+def test_logger_records_cycle_metrics_to_tensorboard(tmp_path):
+    with RunLogger(tmp_path, {"x": 1}, mode="disabled") as run_logger:
+        train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage", logger=run_logger)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tb" / "stage").glob("events.out.tfevents.*"))  # SB3's train/* metrics
+
+
+def test_cycle_metrics_definitions():
+    cb = CycleMetricsCallback(None, "s")
+    cb._cycles.update(emitted=[2.0, 4.0], draft_s=[0.1, 0.1], verify_s=[0.2, 0.2], depth=[1, 3], size=[4, 8],
+                      accepted=[1, 3])
+    metrics = cb.rollout_metrics()
+    assert metrics["s/cycle/mean_accepted_length"] == 3.0
+    assert metrics["s/cycle/tokens_per_s"] == pytest.approx(6.0 / 0.6)  # renewal-reward: sum / sum
+    assert metrics["s/cycle/depth_mean"] == 2.0
+
+
+@pytest.mark.slow
+def test_wandb_offline_writes_locally(tmp_path):
+    with RunLogger(tmp_path, {"x": 1}, mode="offline") as run_logger:
+        run_logger.log({"s/val/score": 1.0, "s/cycle/depth": [1, 2, 3]}, step=1)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run directory -> controllers
+
+W, DMAX, SIZE_ACTIONS = 2, 5, [2, 4, 8]
+DEPTH_SPEC = ObservationSpec.for_depth(W, DMAX)
+SIZE_SPEC = ObservationSpec.for_size(W, DMAX, size_actions=SIZE_ACTIONS)
+
+
+class SpaceOnlyEnv(gym.Env):
+    def __init__(self, spec, n):
+        self.observation_space, self.action_space = observation_space(spec), gym.spaces.Discrete(n)
+
+    def reset(self, *, seed=None, options=None):
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, True, False, {}
+
+
+def make_run(tmp_path):
+    depth_zip, size_zip = tmp_path / "depth_s2" / "best.zip", tmp_path / "size_s3" / "best.zip"
+    depth_zip.parent.mkdir()
+    size_zip.parent.mkdir()
+    PPO("MlpPolicy", SpaceOnlyEnv(DEPTH_SPEC, 2), policy_kwargs={"net_arch": [8]}).save(depth_zip)
+    PPO("MlpPolicy", SpaceOnlyEnv(SIZE_SPEC, 3), policy_kwargs={"net_arch": [8]}).save(size_zip)
+    write_policies_index(tmp_path, depth=depth_zip, size=size_zip, depth_spec=DEPTH_SPEC, size_spec=SIZE_SPEC,
+                         size_actions=SIZE_ACTIONS, fallback_depth=3, fallback_size=5)
+    return depth_zip, size_zip
+
+
+def test_load_run_controllers(tmp_path):
+    make_run(tmp_path)
+    index = json.loads((tmp_path / "policies.json").read_text())
+    assert index["depth"]["path"] == "depth_s2/best.zip"  # relative: run dirs can move
+    ctrls = load_run_controllers(tmp_path)
+    assert set(ctrls) == {"ltd", "depth_only", "size_only"}
+    assert all(isinstance(c, PPOController) for c in ctrls.values())
+    state = DraftState(2, DMAX, W, 30, torch.tensor([-0.1, -0.5, -1.0, -2.0]), torch.tensor([-0.1, -0.2, -0.5]),
+                       0.8, 0.5, 4, 32)
+    assert ctrls["ltd"].choose_size(state) in SIZE_ACTIONS
+    assert ctrls["depth_only"].choose_size(state) == 5
+    assert ctrls["size_only"].should_stop(state) is False and ctrls["size_only"].should_stop(
+        DraftState(3, DMAX, W, 30, state.frontier_scores, state.candidate_scores, 0.8, 0.5, 4, 32))
+
+
+def test_corrupted_policy_file_names_the_file(tmp_path):
+    _, size_zip = make_run(tmp_path)
+    size_zip.write_bytes(b"\x00garbage")
+    with pytest.raises(PolicyLoadError, match="size_s3"):
+        load_run_controllers(tmp_path)
+
+
+def test_missing_policy_file_names_the_file(tmp_path):
+    depth_zip, _ = make_run(tmp_path)
+    depth_zip.unlink()
+    with pytest.raises(PolicyLoadError, match="depth_s2"):
+        load_run_controllers(tmp_path)
+    with pytest.raises(PolicyLoadError, match="policies.json"):
+        load_run_controllers(tmp_path / "nowhere")

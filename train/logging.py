@@ -1,0 +1,184 @@
+"""Run logging: TensorBoard always, wandb optionally (offline by default, so it never needs the network).
+
+    logger = RunLogger(run_dir, config)                # wandb mode: argument > $WANDB_MODE > "offline"
+    logger.log({"stage/val/tokens_per_s": 51.2}, step=4096)
+    model.set_logger(logger.sb3_logger("depth_s1"))    # SB3's own train/* metrics go to both sinks
+    callback = CycleMetricsCallback(logger, "depth_s1")
+
+Metric namespaces (fixed, per training stage):
+    <stage>/rollout/reward_mean      mean raw (un-normalised) env reward per step over the rollout
+    <stage>/cycle/mean_accepted_length  tau: tokens emitted per finished cycle (bonus token included)
+    <stage>/cycle/tokens_per_s       sum(emitted) / sum(draft_s + verify_s) over the rollout's finished cycles
+    <stage>/cycle/depth, /size       histograms (TensorBoard) and means of the chosen depth / verification size
+    <stage>/val/*                    validation results;  <stage>/train/*, <stage>/time/* from SB3
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.logger import KVWriter, Logger, TensorBoardOutputFormat
+
+WANDB_MODES = ("online", "offline", "disabled")
+CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
+
+
+def resolve_wandb_mode(mode: str | None = None) -> str:
+    """The argument if given, else $WANDB_MODE, else "offline"."""
+    mode = mode or os.environ.get("WANDB_MODE") or "offline"
+    if mode == "dryrun":  # wandb's old name for offline
+        mode = "offline"
+    if mode not in WANDB_MODES:
+        raise ValueError(f"wandb mode must be one of {WANDB_MODES}, got {mode!r}")
+    return mode
+
+
+class RunLogger:
+    """Writes scalars/histograms to run_dir/tb (TensorBoard) and, unless disabled, a wandb run in run_dir/wandb."""
+
+    def __init__(self, run_dir: str | Path, config: dict | None = None, mode: str | None = None, *,
+                 project: str = "specpilot", name: str | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.mode = resolve_wandb_mode(mode)
+        self.tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        self.wandb_run = None
+        if self.mode != "disabled":
+            self.wandb_run = self._init_wandb(config or {}, project, name or self.run_dir.name)
+
+    def _init_wandb(self, config: dict, project: str, name: str):
+        try:
+            import wandb
+
+            return wandb.init(project=project, name=name, dir=str(self.run_dir), mode=self.mode, config=config,
+                              reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
+        except Exception as err:  # logging must never kill a training run
+            warnings.warn(f"wandb could not start in {self.mode} mode ({err}); logging to TensorBoard only",
+                          stacklevel=3)
+            return None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Scalars become scalars, sequences become histograms (TensorBoard) / wandb.Histogram."""
+        payload: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple, np.ndarray)):
+                arr = np.asarray(value, dtype=np.float64)
+                if arr.size == 0:
+                    continue
+                self.tb.add_histogram(key, arr, global_step=step)
+                payload[key] = arr
+            elif isinstance(value, (int, float, np.integer, np.floating)):
+                if np.isfinite(value):
+                    self.tb.add_scalar(key, float(value), global_step=step)
+                    payload[key] = float(value)
+        if self.wandb_run is not None and payload:
+            import wandb
+
+            data = {k: wandb.Histogram(v) if isinstance(v, np.ndarray) else v for k, v in payload.items()}
+            # a per-stage step key instead of wandb's global `step=`: stages restart at 0 and wandb's step must
+            # only grow
+            data["timesteps"] = step
+            self.wandb_run.log(data)
+
+    def sb3_logger(self, stage: str) -> Logger:
+        """An SB3 Logger whose records go to TensorBoard (run_dir/tb/<stage>) and to wandb under <stage>/."""
+        tb_dir = str(self.run_dir / "tb" / stage)
+        formats: list[KVWriter] = [TensorBoardOutputFormat(tb_dir), _ForwardWriter(self, stage)]
+        return Logger(folder=str(self.run_dir / "tb" / stage), output_formats=formats)
+
+    def close(self) -> None:
+        self.tb.close()
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish()
+            except Exception as err:  # pragma: no cover - best effort at shutdown
+                warnings.warn(f"wandb finish failed: {err}", stacklevel=2)
+            self.wandb_run = None
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _ForwardWriter(KVWriter):
+    """Forwards SB3's dumped records to wandb (TensorBoard gets them from SB3's own writer)."""
+
+    def __init__(self, run_logger: RunLogger, stage: str) -> None:
+        self.run_logger = run_logger
+        self.stage = stage
+
+    def write(self, key_values: dict[str, Any], key_excluded: dict[str, tuple[str, ...]], step: int = 0) -> None:
+        run = self.run_logger.wandb_run
+        if run is None:
+            return
+        data = {f"{self.stage}/{k}": float(v) for k, v in key_values.items()
+                if isinstance(v, (int, float, np.integer, np.floating)) and "wandb" not in key_excluded.get(k, ())}
+        if data:
+            data["timesteps"] = step
+            run.log(data)
+
+    def close(self) -> None:
+        pass
+
+
+class CycleMetricsCallback(BaseCallback):
+    """Logs per-rollout cycle metrics from env infos.
+
+    Environments report a finished draft-and-verify cycle by putting the keys `accepted`, `emitted`, `depth`,
+    `size`, `draft_s`, `verify_s` in that step's info (steps without them, e.g. a depth policy's CONTINUE, are
+    skipped). Rewards are logged un-normalised (VecNormalize's original reward when present).
+    """
+
+    def __init__(self, run_logger: RunLogger | None, stage: str, verbose: int = 0) -> None:
+        super().__init__(verbose)
+        self.run_logger = run_logger
+        self.stage = stage
+        self._cycles: dict[str, list[float]] = defaultdict(list)
+        self._rewards: list[float] = []
+
+    def _on_rollout_start(self) -> None:
+        self._cycles.clear()
+        self._rewards.clear()
+
+    def _on_step(self) -> bool:
+        vec_norm = self.model.get_vec_normalize_env()
+        rewards = vec_norm.get_original_reward() if vec_norm is not None else self.locals.get("rewards")
+        if rewards is not None:
+            self._rewards.extend(np.asarray(rewards, dtype=np.float64).ravel().tolist())
+        for info in self.locals.get("infos", ()):
+            if all(k in info for k in CYCLE_INFO_KEYS):
+                for k in CYCLE_INFO_KEYS:
+                    self._cycles[k].append(float(info[k]))
+        return True
+
+    def rollout_metrics(self) -> dict[str, Any]:
+        p = f"{self.stage}/"
+        out: dict[str, Any] = {}
+        if self._rewards:
+            out[p + "rollout/reward_mean"] = float(np.mean(self._rewards))
+        if self._cycles.get("emitted"):
+            emitted = np.asarray(self._cycles["emitted"])
+            time_s = np.asarray(self._cycles["draft_s"]) + np.asarray(self._cycles["verify_s"])
+            out[p + "cycle/mean_accepted_length"] = float(emitted.mean())
+            out[p + "cycle/tokens_per_s"] = float(emitted.sum() / time_s.sum()) if time_s.sum() > 0 else None
+            out[p + "cycle/count"] = int(emitted.size)
+            for k in ("depth", "size"):
+                out[p + f"cycle/{k}"] = np.asarray(self._cycles[k])
+                out[p + f"cycle/{k}_mean"] = float(np.mean(self._cycles[k]))
+        return out
+
+    def _on_rollout_end(self) -> None:
+        metrics = self.rollout_metrics()
+        if self.run_logger is not None and metrics:
+            self.run_logger.log(metrics, step=self.num_timesteps)

@@ -1,0 +1,452 @@
+"""PPO training machinery for the depth and size policies (environment-agnostic: envs come from a factory).
+
+    settings = settings_for("size", total_timesteps=100_000, seed=1)
+    best_zip = train_policy(make_env, val_fn, settings, run_dir, "size_s1", logger=RunLogger(run_dir, cfg))
+    write_policies_index(run_dir, depth=..., size=best_zip, depth_spec=..., size_spec=..., size_actions=...)
+
+Run directory layout (shared with `specpilot.policies.ppo.load_run_controllers` and the exporter):
+    run_dir/manifest.json                    config, seeds, package versions, models/hashes, per-stage status
+    run_dir/<stage>/checkpoints/step_<n>.zip  SB3 model after n trained env steps (+ step_<n>_vecnormalize.pkl)
+    run_dir/<stage>/checkpoints/progress.json the latest complete checkpoint: {"timesteps_done", ...}
+    run_dir/<stage>/best.zip, best.json      the checkpoint best on validation ({"score", "timesteps", ...})
+    run_dir/tb/, run_dir/wandb/              TensorBoard and wandb (offline) logs
+    run_dir/policies.json                    which stage produced the final depth / size policies
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import gymnasium as gym
+from stable_baselines3 import PPO
+from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+from specpilot.envs.observation import ObservationSpec
+from specpilot.train.logging import CycleMetricsCallback, RunLogger
+
+PROGRESS_FILE = "progress.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from (corrupted, or trained with different settings/spaces)."""
+
+
+@dataclass
+class WarmupLinearSchedule:
+    """Learning rate as a function of SB3's progress_remaining (1 -> 0): linear warm-up from 0 to `peak` over the
+    first `warmup_fraction` of training, then linear decay to 0 (the LTD paper's schedule). A class rather than a
+    closure so checkpoints pickle it by reference."""
+
+    peak: float
+    warmup_fraction: float = 0.01
+
+    def __call__(self, progress_remaining: float) -> float:
+        progress = 1.0 - progress_remaining
+        if self.warmup_fraction > 0 and progress < self.warmup_fraction:
+            # floor at 1% of a warm-up step's worth so the very first update is not a no-op
+            return self.peak * max(progress, 0.01 * self.warmup_fraction) / self.warmup_fraction
+        return self.peak * max(0.0, 1.0 - progress) / max(1e-12, 1.0 - self.warmup_fraction)
+
+
+@dataclass
+class PPOSettings:
+    """Hyper-parameters of one PPO stage (defaults: the LTD paper's; use `settings_for(kind)`)."""
+
+    kind: str = "depth"
+    """Which policy: "depth" (CONTINUE/STOP after each level) or "size" (verification size index)."""
+    total_timesteps: int = 1_000_000
+    """Budget in environment steps (paper: 1M for depth, 100k for size)."""
+    pi_arch: list[int] = field(default_factory=lambda: [1024])
+    """Hidden layers of the actor MLP (paper: depth [1024], size [1024, 256])."""
+    vf_arch: list[int] = field(default_factory=lambda: [1024, 256])
+    """Hidden layers of the value MLP (paper: [1024, 256] for both)."""
+    gamma: float = 0.999
+    """Discount (paper: 0.999 for depth so it does not stop prematurely; 0.9 for size)."""
+    learning_rate: float = 1e-3
+    """Peak learning rate of the warm-up-then-linear-decay schedule."""
+    warmup_fraction: float = 0.01
+    """Fraction of the budget spent warming the learning rate up from 0."""
+    n_steps: int = 2048
+    """Rollout length per environment between updates."""
+    batch_size: int = 256
+    """Minibatch size of each gradient step."""
+    n_epochs: int = 20
+    """Passes over each rollout."""
+    ent_coef: float = 0.01
+    """Entropy bonus coefficient."""
+    gae_lambda: float = 0.95
+    """GAE lambda (SB3 default)."""
+    clip_range: float = 0.2
+    """PPO clip range (SB3 default)."""
+    n_envs: int = 1
+    """Parallel environments (DummyVecEnv: one process; the decoder itself is the expensive part)."""
+    normalize_reward: bool = True
+    """Scale rewards by a running std of returns (VecNormalize); tokens/s rewards are O(10-1000) and would
+    otherwise swamp the value loss. Inference is unaffected (observations are never normalised)."""
+    seed: int = 0
+    """Seed for SB3 (torch, numpy, env seeding)."""
+    device: str = "cpu"
+    """Torch device of the policy networks (tiny MLPs: "cpu" is usually fastest)."""
+    checkpoint_every: int = 20_480
+    """Save a resumable checkpoint at the first update boundary after this many env steps."""
+    eval_every: int = 20_480
+    """Call val_fn at the first update boundary after this many env steps; keep the best as best.zip."""
+    keep_checkpoints: int = 3
+    """How many recent checkpoints to keep on disk."""
+    verbose: int = 0
+    """SB3 verbosity."""
+
+
+_PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "depth": dict(kind="depth", total_timesteps=1_000_000, pi_arch=[1024], vf_arch=[1024, 256], gamma=0.999),
+    "size": dict(kind="size", total_timesteps=100_000, pi_arch=[1024, 256], vf_arch=[1024, 256], gamma=0.9),
+}
+# Settings that must match for a checkpoint to be resumable (the budget may grow; the logging cadence may change).
+_RESUME_KEYS = ("kind", "pi_arch", "vf_arch", "gamma", "n_steps", "batch_size", "n_epochs", "normalize_reward")
+
+
+def settings_for(kind: str, **overrides) -> PPOSettings:
+    """The paper's settings for a "depth" or "size" policy, with keyword overrides."""
+    if kind not in _PAPER_DEFAULTS:
+        raise ValueError(f"kind must be 'depth' or 'size', got {kind!r}")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(PPOSettings)}
+    if unknown:
+        raise TypeError(f"unknown PPOSettings fields: {sorted(unknown)}")
+    return PPOSettings(**{**_PAPER_DEFAULTS[kind], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# manifest and policies index
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("specpilot", "torch", "stable-baselines3", "gymnasium", "numpy", "transformers"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomic write: a crash mid-write never leaves a truncated JSON file behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file (for the manifest's models section: which weights a run was trained against)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def update_manifest(run_dir: str | Path, **sections: Any) -> dict:
+    """Merge sections into run_dir/manifest.json (dict sections merge one level deep); always records versions.
+    Typical sections: config=..., seeds=..., models={"target": {"name":..., "sha256":...}, ...}."""
+    path = Path(run_dir) / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.is_file() else {"created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
+            manifest[key].update(value)
+        else:
+            manifest[key] = value
+    manifest["versions"] = _versions()
+    _write_json(path, manifest)
+    return manifest
+
+
+def write_policies_index(
+    run_dir: str | Path,
+    depth: str | Path | None = None,
+    size: str | Path | None = None,
+    *,
+    depth_spec: ObservationSpec | None = None,
+    size_spec: ObservationSpec | None = None,
+    size_actions: list[int] | None = None,
+    fallback_depth: int | None = None,
+    fallback_size: int | None = None,
+) -> Path:
+    """Record which policy zips are the run's final depth/size policies (read by load_run_controllers).
+    `fallback_*` is the static config used for the part a single-policy controller does not decide."""
+    run_dir = Path(run_dir)
+
+    def rel(p: str | Path) -> str:
+        p = Path(p)
+        if not p.is_file():
+            raise FileNotFoundError(f"policy file {p} does not exist")
+        try:
+            return str(p.resolve().relative_to(run_dir.resolve()))
+        except ValueError:
+            return str(p.resolve())
+
+    index: dict[str, Any] = {"depth": None, "size": None,
+                             "fallback": {"depth": fallback_depth, "size": fallback_size}}
+    if depth is not None:
+        if depth_spec is None or depth_spec.kind != "depth":
+            raise ValueError("write_policies_index: a depth policy needs its depth ObservationSpec")
+        index["depth"] = {"path": rel(depth), "spec": depth_spec.to_dict()}
+    if size is not None:
+        if size_spec is None or size_spec.kind != "size" or not size_actions:
+            raise ValueError("write_policies_index: a size policy needs its size ObservationSpec and size_actions")
+        index["size"] = {"path": rel(size), "spec": size_spec.to_dict(), "size_actions": [int(v) for v in size_actions]}
+    path = run_dir / "policies.json"
+    _write_json(path, index)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def read_progress(stage_dir: str | Path) -> dict | None:
+    """The latest checkpoint's progress record of a stage, or None when it has none."""
+    path = Path(stage_dir) / "checkpoints" / PROGRESS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is corrupted ({err}); delete {path.parent} to restart the stage, or restore "
+                              "the file") from err
+
+
+class _StageCallback(BaseCallback):
+    """Checkpoints and validation, both at update boundaries (rollout start): the weights then match
+    `num_timesteps` exactly, so a resumed run neither repeats nor skips trained steps."""
+
+    def __init__(self, stage_dir: Path, settings: PPOSettings, val_fn: Callable | None, run_logger: RunLogger | None,
+                 stage: str, progress: dict | None) -> None:
+        super().__init__(settings.verbose)
+        self.stage_dir = stage_dir
+        self.ckpt_dir = stage_dir / "checkpoints"
+        self.settings = settings
+        self.val_fn = val_fn
+        self.run_logger = run_logger
+        self.stage = stage
+        progress = progress or {}
+        self.trained = int(progress.get("timesteps_done", 0))
+        self.last_ckpt = self.trained
+        self.last_eval = int(progress.get("last_eval", self.trained))
+        # only a resumed stage inherits its best score: a fresh start must not be beaten by a stale best.json
+        best = _read_best(stage_dir) if progress else None
+        self.best_score = best.get("score") if best else None
+
+    def _on_rollout_start(self) -> None:
+        self.trained = self.num_timesteps
+        if self.num_timesteps - self.last_eval >= self.settings.eval_every:
+            self.validate()
+        if self.num_timesteps - self.last_ckpt >= self.settings.checkpoint_every:
+            self.save_checkpoint()
+
+    def _on_step(self) -> bool:
+        return True
+
+    def _on_training_end(self) -> None:
+        self.trained = self.num_timesteps
+        if self.val_fn is not None and self.last_eval != self.num_timesteps:
+            self.validate()
+        self.save_checkpoint()
+
+    def validate(self) -> None:
+        self.last_eval = self.num_timesteps
+        if self.val_fn is None:
+            return
+        score = float(self.val_fn(self.model))
+        if self.run_logger is not None:
+            self.run_logger.log({f"{self.stage}/val/score": score}, step=self.num_timesteps)
+        if self.best_score is None or score > self.best_score:
+            self.best_score = score
+            self._save_best(score)
+
+    def _save_best(self, score: float | None) -> None:
+        self.model.save(self.stage_dir / "best.zip")
+        _write_json(self.stage_dir / "best.json", {"score": score, "timesteps": self.num_timesteps,
+                                                   "stage": self.stage, "time": time.time()})
+
+    def save_checkpoint(self) -> Path:
+        """Save model (+ VecNormalize) at the last update boundary, then point progress.json at it."""
+        done = self.trained
+        model = self.model
+        seen = model.num_timesteps
+        model.num_timesteps = done  # an interrupted rollout's steps were never trained on: they are redone
+        try:
+            zip_path = self.ckpt_dir / f"step_{done:010d}.zip"
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            model.save(zip_path)
+        finally:
+            model.num_timesteps = seen
+        vec_name = None
+        vec_norm = model.get_vec_normalize_env()
+        if vec_norm is not None:
+            vec_name = f"step_{done:010d}_vecnormalize.pkl"
+            vec_norm.save(str(self.ckpt_dir / vec_name))
+        _write_json(self.ckpt_dir / PROGRESS_FILE, {
+            "timesteps_done": done, "total_timesteps": self.settings.total_timesteps,
+            "checkpoint": zip_path.name, "vecnormalize": vec_name, "last_eval": self.last_eval,
+            "settings": asdict(self.settings), "time": time.time()})
+        self.last_ckpt = done
+        self._prune(keep=zip_path.name)
+        return zip_path
+
+    def _prune(self, keep: str) -> None:
+        zips = sorted(self.ckpt_dir.glob("step_*.zip"))
+        for old in zips[: max(0, len(zips) - self.settings.keep_checkpoints)]:
+            if old.name != keep:
+                old.unlink(missing_ok=True)
+                old.with_name(old.stem + "_vecnormalize.pkl").unlink(missing_ok=True)
+
+
+def _read_best(stage_dir: Path) -> dict | None:
+    path = stage_dir / "best.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # best.json is advisory; a fresh validation rewrites it
+
+
+def _make_venv(env_factory: Callable[[], gym.Env], n_envs: int) -> DummyVecEnv:
+    return DummyVecEnv([lambda: Monitor(env_factory()) for _ in range(n_envs)])
+
+
+def _build_model(venv, settings: PPOSettings) -> PPO:
+    return PPO(
+        "MlpPolicy", venv,
+        learning_rate=WarmupLinearSchedule(settings.learning_rate, settings.warmup_fraction),
+        n_steps=settings.n_steps, batch_size=settings.batch_size, n_epochs=settings.n_epochs,
+        gamma=settings.gamma, gae_lambda=settings.gae_lambda, clip_range=settings.clip_range,
+        ent_coef=settings.ent_coef,
+        policy_kwargs=dict(net_arch=dict(pi=list(settings.pi_arch), vf=list(settings.vf_arch))),
+        seed=settings.seed, device=settings.device, verbose=settings.verbose,
+    )
+
+
+def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings: PPOSettings):
+    """(model, env) restored from the checkpoint progress.json points at; CheckpointError when impossible."""
+    old = progress.get("settings", {})
+    diffs = {k: (old.get(k), getattr(settings, k)) for k in _RESUME_KEYS if k in old and old[k] != getattr(settings, k)}
+    if diffs:
+        raise CheckpointError(
+            f"{ckpt_dir / PROGRESS_FILE} was written with different settings {diffs} (checkpoint vs now): resume "
+            "with the checkpoint's settings, or use a new stage name / delete the stage directory to start over")
+    zip_path = ckpt_dir / str(progress.get("checkpoint"))
+    if not zip_path.is_file():
+        raise CheckpointError(f"checkpoint {zip_path} named in {PROGRESS_FILE} is missing: restore it, or delete "
+                              f"{ckpt_dir} to restart the stage")
+    env = venv
+    if progress.get("vecnormalize"):
+        vec_path = ckpt_dir / progress["vecnormalize"]
+        try:
+            env = VecNormalize.load(str(vec_path), venv)
+        except Exception as err:
+            raise CheckpointError(f"VecNormalize statistics {vec_path} cannot be loaded ({type(err).__name__}: "
+                                  f"{err}): restore the file or delete {ckpt_dir} to restart the stage") from err
+    elif settings.normalize_reward:
+        env = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=settings.gamma)
+    try:
+        model = PPO.load(zip_path, env=env, device=settings.device)
+    except Exception as err:
+        # SB3 raises BadZipFile/EOFError on truncated files and ValueError on space mismatches
+        raise CheckpointError(
+            f"checkpoint {zip_path} cannot be resumed ({type(err).__name__}: {err}). If it is corrupted, delete it "
+            f"and point {ckpt_dir / PROGRESS_FILE} at an earlier step_*.zip (or delete {ckpt_dir} to start over); "
+            "if the environment's spaces changed, train a new stage instead of resuming") from err
+    if int(model.num_timesteps) != int(progress["timesteps_done"]):
+        raise CheckpointError(f"checkpoint {zip_path} holds {model.num_timesteps} steps but {PROGRESS_FILE} says "
+                              f"{progress['timesteps_done']}: the directory is inconsistent; delete {ckpt_dir}")
+    return model, env
+
+
+def train_policy(
+    env_factory: Callable[[], gym.Env],
+    val_fn: Callable[[PPO], float] | None,
+    settings: PPOSettings,
+    run_dir: str | Path,
+    stage_name: str,
+    resume: bool = False,
+    logger: RunLogger | None = None,
+    *,
+    init_from: str | Path | None = None,
+    callbacks: list[BaseCallback] | None = None,
+) -> Path:
+    """Train one PPO stage and return run_dir/<stage_name>/best.zip.
+
+    env_factory: builds one training env (called n_envs times). val_fn(model) -> score to maximise (validation
+    throughput; it should decide through PPOController so validation uses the inference code path); None keeps
+    the final model as best. resume: continue from the stage's latest checkpoint (remaining budget = total - done;
+    a larger total extends a finished stage; no checkpoint yet = fresh start); without it an existing stage with
+    checkpoints is refused, never overwritten. init_from: start from another policy zip's weights (co-adaptation
+    rounds; ignored when resuming). KeyboardInterrupt saves a checkpoint at the last update boundary, then
+    propagates. Validation and checkpoints happen at update boundaries, so they fire at the first rollout end
+    after every `eval_every` / `checkpoint_every` steps, and once more at the end.
+    """
+    run_dir = Path(run_dir)
+    stage_dir = run_dir / stage_name
+    ckpt_dir = stage_dir / "checkpoints"
+    progress = read_progress(stage_dir)
+    if progress is not None and not resume:
+        raise FileExistsError(f"stage {stage_dir} already has checkpoints: pass resume=True to continue it, or use "
+                              "another stage name / delete the directory to start over")
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    venv = _make_venv(env_factory, settings.n_envs)
+
+    resumed = progress is not None
+    if resumed:
+        model, env = _load_checkpoint(ckpt_dir, progress, venv, settings)
+        done = int(progress["timesteps_done"])
+    else:
+        env = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=settings.gamma) \
+            if settings.normalize_reward else venv
+        model = _build_model(env, settings)
+        if init_from is not None:
+            model.set_parameters(str(init_from), exact_match=True, device=settings.device)
+        done = 0
+    if logger is not None:
+        model.set_logger(logger.sb3_logger(stage_name))
+
+    update_manifest(run_dir, stages={stage_name: {"settings": asdict(settings), "status": "running",
+                                                  "timesteps_done": done, "init_from": str(init_from or "")}})
+    stage_cb = _StageCallback(stage_dir, settings, val_fn, logger, stage_name, progress)
+    remaining = settings.total_timesteps - done
+    if remaining > 0:
+        cbs: list[BaseCallback] = [stage_cb, CycleMetricsCallback(logger, stage_name), *(callbacks or [])]
+        try:
+            model.learn(total_timesteps=remaining, callback=CallbackList(cbs), reset_num_timesteps=not resumed)
+        except KeyboardInterrupt:
+            path = stage_cb.save_checkpoint()
+            update_manifest(run_dir, stages={stage_name: {"settings": asdict(settings), "status": "interrupted",
+                                                          "timesteps_done": stage_cb.trained,
+                                                          "checkpoint": str(path)}})
+            raise
+        finally:
+            env.close()
+    else:
+        env.close()
+    best = stage_dir / "best.zip"
+    if val_fn is None or not best.is_file():
+        if stage_cb.model is None:  # nothing left to train: the callback never ran
+            stage_cb.init_callback(model)
+        stage_cb._save_best(None if val_fn is None else stage_cb.best_score)
+    update_manifest(run_dir, stages={stage_name: {"settings": asdict(settings), "status": "done",
+                                                  "timesteps_done": int(model.num_timesteps),
+                                                  "best": _read_best(stage_dir)}})
+    return best
