@@ -1,0 +1,50 @@
+"""KV-cache helpers over transformers' DynamicCache: create, crop to a length, keep selected positions.
+
+After every cycle the caches must hold exactly the accepted prefix: rejected tree branches are dropped and the
+accepted path is compacted to contiguous positions (`keep_positions`), or the tail is cut (`crop_to`).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Drop every cached position at index >= length."""
+    excess = cache.get_seq_length() - length
+    if excess < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+    if excess:
+        cache.crop(-excess)
+
+
+def keep_positions(cache: DynamicCache, prefix_len: int, extra: torch.Tensor) -> None:
+    """Keep positions [0, prefix_len) plus the cache indices in `extra` (ascending), in that order; drop the rest.
+
+    When `extra` is the contiguous run prefix_len..prefix_len+k-1 this is a plain crop (no copy).
+    """
+    k = int(extra.numel())
+    total = cache.get_seq_length()
+    if k == 0:
+        crop_to(cache, prefix_len)
+        return
+    first, last = int(extra[0]), int(extra[-1])
+    if first == prefix_len and last == prefix_len + k - 1:
+        crop_to(cache, prefix_len + k)
+        return
+    keep = torch.cat([torch.arange(prefix_len, device=extra.device), extra])
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        keep_dev = keep.to(layer.keys.device)
+        assert layer.keys.shape[-2] == total, "cache layers disagree on length"
+        layer.keys = layer.keys.index_select(-2, keep_dev)
+        layer.values = layer.values.index_select(-2, keep_dev)

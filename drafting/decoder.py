@@ -1,0 +1,291 @@
+"""The decoding loop: SpeculativeDecoder, its step-level DecodingSession, and the autoregressive baseline.
+
+Everything that decodes — `generate()`, the Gymnasium environments, evaluation, exported decoders — drives the
+same `DecodingSession` steps:
+
+    session = decoder.start(prompt, max_new_tokens=..., temperature=...)   # prefill (not timed)
+    while not session.done:
+        state = session.draft_level()          # one draft forward -> DraftState (repeat while continuing)
+        ...
+        record = session.verify(size)          # one target forward over the top-`size` candidates -> CycleRecord
+
+Invariant between cycles: the target's cache holds committed[:-1] and the last committed token is the root of the
+next tree; the draft's cache holds a prefix of committed (it catches up in the next cycle's first forward).
+Inference runs under torch.inference_mode(); every clock read synchronises the device first.
+"""
+from __future__ import annotations
+
+import torch
+
+from specpilot.drafting.cache import cache_length, crop_to, keep_positions, new_cache
+from specpilot.drafting.pair import ModelPair
+from specpilot.drafting.sampling import sample, sampling_probs
+from specpilot.drafting.timing import Clock
+from specpilot.drafting.tree import TreeDrafter
+from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
+from specpilot.drafting.verify import (accept_chain_sampled, accept_greedy, accept_tree_sampled, block_inputs,
+                                       select_block)
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def _check_context(pair: ModelPair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty: give at least one token")
+    need = prompt_len + max_new_tokens + lookahead
+    limit = min(pair.max_context, int(getattr(pair.draft.config, "max_position_embeddings", need)))
+    if need > limit:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
+            f"{need} positions but the models' context is {limit}; shorten the prompt or lower max_new_tokens"
+        )
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
+
+
+class DecodingSession:
+    """One prompt's generation, advanced cycle by cycle (see the module docstring)."""
+
+    def __init__(self, decoder: "SpeculativeDecoder", prompt: list[int], *, max_new_tokens: int,
+                 temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
+        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        pair, tree = decoder.pair, decoder.tree
+        _check_context(pair, len(prompt), max_new_tokens, tree.max_depth + 1)
+        self.pair, self.tree_config = pair, tree
+        self.max_new_tokens = max_new_tokens
+        self.sampling = (temperature, top_k, top_p) if temperature > 0 else None
+        self.device = pair.device
+        self.clock = Clock(self.device)
+        self.generator = _generator(seed, self.device)
+        self.eos = pair.eos_token_id
+        self.committed: list[int] = list(prompt)
+        self.prompt_len = len(prompt)
+        self.new_tokens: list[int] = []
+        self.cycles: list[CycleRecord] = []
+        self.token_times: list[float] = []
+        self.finished_by: str | None = None
+        self.drafter = TreeDrafter(pair.draft, tree.width, tree.max_depth,
+                                   sample_chain=tree.width == 1 and self.sampling is not None)
+        self.target_cache = new_cache(pair.target)
+        self._draft_s = 0.0
+        self._policy_s = 0.0
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            if len(prompt) > 1:
+                ids = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)
+                pair.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1)
+                self.drafter.prefill(prompt[:-1])
+            self.start_time = self.clock.now()
+        self.prefill_s = self.start_time - t0
+
+    # -- state -------------------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.finished_by is not None
+
+    @property
+    def depth(self) -> int:
+        return self.drafter.tree.depth if self.drafter.tree is not None else 0
+
+    @property
+    def context_len(self) -> int:
+        return len(self.committed)
+
+    def add_policy_time(self, seconds: float) -> None:
+        """Charge controller decision time to the current cycle (generate() does this for its controller)."""
+        self._policy_s += seconds
+
+    def _state(self) -> DraftState:
+        tree = self.drafter.tree
+        depth = tree.depth
+        level_start = 0 if depth == 1 else self.tree_config.width + (depth - 2) * self.tree_config.width ** 2
+        level_scores = tree.scores[level_start: tree.size]
+        return DraftState(
+            depth=depth, max_depth=self.tree_config.max_depth, width=self.tree_config.width,
+            context_len=len(self.committed),
+            frontier_scores=torch.sort(level_scores, descending=True).values.cpu(),
+            candidate_scores=torch.sort(tree.scores[: tree.size], descending=True).values.cpu(),
+            last_top_prob=self.drafter.last_top_prob, last_entropy=self.drafter.last_entropy,
+            new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,
+        )
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+    def draft_level(self) -> DraftState:
+        """Run one draft forward (the first of a cycle also catches the draft up) and return the new state."""
+        if self.done:
+            raise RuntimeError("the generation is finished; start a new session")
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            if self.drafter.tree is None:
+                unseen = self.committed[self.drafter.committed:]
+                self.drafter.start_cycle(unseen, self.sampling, self.generator)
+            else:
+                if self.drafter.tree.depth >= self.tree_config.max_depth:
+                    raise RuntimeError(f"cannot draft past max_depth={self.tree_config.max_depth}; call verify()")
+                self.drafter.extend(self.sampling, self.generator)
+            state = self._state()
+            self._draft_s += self.clock.now() - t0
+        return state
+
+    def verify(self, size: int) -> CycleRecord:
+        """Verify the top-`size` candidates (clipped to those drafted) in one target forward; emit 1..accepted+1
+        tokens; leave both caches holding exactly the committed prefix."""
+        tree = self.drafter.tree
+        if tree is None:
+            raise RuntimeError("verify() needs a drafted tree: call draft_level() first")
+        if isinstance(size, bool) or not isinstance(size, (int,)) and not hasattr(size, "__index__"):
+            raise TypeError(f"verification size must be an integer, got {size!r}")
+        size = int(size)
+        if size < 1:
+            raise ValueError(f"verification size must be >= 1, got {size}")
+        size = min(size, tree.size, self.tree_config.max_size)
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            cache_len = cache_length(self.target_cache)
+            block = select_block(tree, size, self.committed[-1])
+            inputs = block_inputs(tree, block, cache_len, len(self.committed) - 1, self.device)
+            logits = self.pair.target(**inputs, cache=self.target_cache, use_cache=True).logits[0]
+            if self.sampling is None:
+                path, bonus = accept_greedy(block, logits)
+            elif tree.draft_probs is not None:
+                path, bonus = accept_chain_sampled(block, logits, tree.draft_probs, self.sampling, self.generator)
+            else:
+                path, bonus = accept_tree_sampled(block, logits, self.sampling, self.generator)
+            emitted = [block.tokens[i] for i in path] + [bonus]
+            # keep the root and the accepted path's entries, compacted; the bonus becomes the next root
+            kept = torch.tensor([cache_len + i for i in [0] + path], dtype=torch.long, device=self.device)
+            keep_positions(self.target_cache, cache_len, kept)
+            self.drafter.end_cycle()
+            emitted = self._truncate(emitted)
+            self.committed.extend(emitted)
+            self.new_tokens.extend(emitted)
+            now = self.clock.now()
+        verify_s = now - t0
+        self.token_times.extend([now - self.start_time] * len(emitted))
+        record = CycleRecord(depth=tree.depth, size=size, accepted=len(path), emitted=len(emitted),
+                             draft_s=self._draft_s, verify_s=verify_s, policy_s=self._policy_s,
+                             context_len=len(self.committed) - len(emitted))
+        self.cycles.append(record)
+        self._draft_s = self._policy_s = 0.0
+        return record
+
+    def _truncate(self, emitted: list[int]) -> list[int]:
+        """Never emit past EOS or max_new_tokens; mark the session finished when either is hit."""
+        room = self.max_new_tokens - len(self.new_tokens)
+        if self.eos is not None and self.eos in emitted[:room]:
+            self.finished_by = "eos"
+            return emitted[: emitted.index(self.eos) + 1]
+        if len(emitted) >= room:
+            self.finished_by = "length"
+            return emitted[:room]
+        return emitted
+
+    def output(self) -> GenerationOutput:
+        total = self.token_times[-1] if self.token_times else 0.0
+        return GenerationOutput(tokens=list(self.new_tokens), prompt_len=self.prompt_len, cycles=list(self.cycles),
+                                prefill_s=self.prefill_s, total_s=total, token_times=list(self.token_times),
+                                finished_by=self.finished_by or "length", text=self.pair.decode(self.new_tokens))
+
+
+class SpeculativeDecoder:
+    """Exact tree speculative decoding of `pair.target` with `pair.draft`, steered by a Controller.
+
+    Greedy output equals the target's greedy output token for token; sampled output follows the target's law
+    (temperature, top-k, top-p applied identically to both models).
+    """
+
+    def __init__(self, pair: ModelPair, tree: TreeConfig | None = None) -> None:
+        self.pair = pair
+        self.tree = tree or TreeConfig()
+
+    def start(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+              top_p: float = 1.0, seed: int | None = None) -> DecodingSession:
+        return DecodingSession(self, self.pair.encode(prompt), max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+
+    def generate(self, prompt, *, controller=None, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
+        """Generate up to `max_new_tokens` new tokens. `controller` defaults to FixedController() for the device."""
+        from specpilot.policies.base import FixedController
+
+        if controller is None:
+            controller = FixedController(device=str(self.pair.device))
+        session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed)
+        clock = session.clock
+        controller.reset()
+        max_depth = self.tree.max_depth
+        while not session.done:
+            while True:
+                state = session.draft_level()
+                if state.depth >= max_depth:
+                    break
+                t0 = clock.now()
+                stop = controller.should_stop(state)
+                session.add_policy_time(clock.now() - t0)
+                if stop:
+                    break
+            t0 = clock.now()
+            size = controller.choose_size(state)
+            session.add_policy_time(clock.now() - t0)
+            if isinstance(size, bool) or not hasattr(size, "__index__") or int(size) < 1:
+                raise ValueError(f"{type(controller).__name__}.choose_size returned {size!r}; "
+                                 "it must return an integer >= 1 (the number of candidates to verify)")
+            record = session.verify(int(size))
+            t0 = clock.now()
+            controller.observe(record)
+            session.add_policy_time(clock.now() - t0)
+        return session.output()
+
+
+def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                            top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
+    """Target-only decoding on the same caches and timing as the speculative decoder (the speedup baseline).
+
+    Like the speculative session, the prefill covers prompt[:-1] (not timed) and the timed loop starts by feeding
+    the last prompt token, one target forward per new token.
+    """
+    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    ids = pair.encode(prompt)
+    _check_context(pair, len(ids), max_new_tokens, 0)
+    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
+    generator = _generator(seed, device) if temperature > 0 else None
+    cache = new_cache(pair.target)
+    tokens: list[int] = []
+    times: list[float] = []
+    finished_by = "length"
+    with torch.inference_mode():
+        t0 = clock.now()
+        if len(ids) > 1:
+            pair.target(input_ids=torch.tensor([ids[:-1]], device=device), cache=cache, use_cache=True,
+                        logits_to_keep=1)
+        start = clock.now()
+        current = torch.tensor([[ids[-1]]], device=device)
+        for _ in range(max_new_tokens):
+            logits = pair.target(input_ids=current, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            if temperature > 0:
+                token = sample(sampling_probs(logits, temperature, top_k, top_p), generator)
+            else:
+                token = int(logits.argmax())
+            tokens.append(token)
+            times.append(clock.now() - start)
+            if token == eos:
+                finished_by = "eos"
+                break
+            current = torch.tensor([[token]], device=device)
+    return GenerationOutput(tokens=tokens, prompt_len=len(ids), prefill_s=start - t0,
+                            total_s=times[-1] if times else 0.0, token_times=times, finished_by=finished_by,
+                            text=pair.decode(tokens))

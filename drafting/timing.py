@@ -1,0 +1,18 @@
+"""Honest wall-clock timing: perf_counter, with device synchronisation before every read on CUDA."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Clock:
+    """`now()` returns perf_counter() after the device finished all queued work (a no-op sync on CPU)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()

@@ -1,0 +1,99 @@
+"""Verification: pick the top-V candidates, run ONE target forward over them with tree attention, accept.
+
+The verified block is [root] + the V selected candidates in id order (parents before children). Each token sees
+the committed prefix in the target cache, its ancestors and itself; its position is root position + depth.
+Acceptance returns the accepted candidates (a root-to-node path) and the emitted token after it (the target's
+argmax in greedy mode, a draw from the target's law otherwise), so a cycle emits accepted + 1 tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specpilot.drafting.sampling import accept_or_correct, sample, sampling_probs
+from specpilot.drafting.tree import DraftTree
+
+
+@dataclass
+class Block:
+    """The verified block. Index 0 is the root; index i >= 1 is candidate node_ids[i-1]."""
+
+    node_ids: torch.Tensor      # [V] tree node ids, ascending
+    tokens: list[int]           # [1+V] root token then candidates
+    parents: list[int]          # [1+V] block index of each entry's parent (-1 for the root)
+
+
+def select_block(tree: DraftTree, size: int, root_token: int) -> Block:
+    """Top-`size` candidates by (score desc, id asc), returned in id order with block-local parent indices."""
+    chosen = tree.ranked()[:size]
+    node_ids = torch.sort(chosen).values
+    tokens = tree.tokens[node_ids].tolist()
+    parent_nodes = tree.parents[node_ids].tolist()
+    local = {node: i + 1 for i, node in enumerate(node_ids.tolist())}
+    parents = [-1] + [local.get(p, 0) if p >= 0 else 0 for p in parent_nodes]
+    return Block(node_ids=node_ids, tokens=[root_token] + tokens, parents=parents)
+
+
+def block_inputs(tree: DraftTree, block: Block, cache_len: int, root_position: int, device) -> dict:
+    """input_ids, 4-D boolean tree mask and position ids for the target forward over the block."""
+    v = int(block.node_ids.numel())
+    ids = torch.tensor([block.tokens], dtype=torch.long, device=device)
+    tree_mask = torch.zeros(1 + v, 1 + v, dtype=torch.bool, device=device)
+    tree_mask[:, 0] = True                                        # everyone sees the root
+    tree_mask[1:, 1:] = tree.ancestors[block.node_ids][:, block.node_ids]
+    mask = torch.cat([torch.ones(1 + v, cache_len, dtype=torch.bool, device=device), tree_mask], dim=1)
+    depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths[block.node_ids]])
+    positions = (root_position + depths)[None]
+    return {"input_ids": ids, "attention_mask": mask[None, None], "position_ids": positions}
+
+
+def _children(block: Block) -> dict[int, dict[int, int]]:
+    """parent block index -> {token: child block index}; first (best-ranked) child wins on duplicate tokens."""
+    children: dict[int, dict[int, int]] = {}
+    for i in range(1, len(block.tokens)):
+        children.setdefault(block.parents[i], {}).setdefault(block.tokens[i], i)
+    return children
+
+
+def accept_greedy(block: Block, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Longest path whose every token is the target's argmax at its parent; plus the target's next token.
+
+    Returns (accepted block indices along the path, emitted token)."""
+    argmax = logits.argmax(dim=-1).tolist()                       # [1+V]
+    children = _children(block)
+    path, node = [], 0
+    while True:
+        nxt = children.get(node, {}).get(argmax[node])
+        if nxt is None:
+            return path, argmax[node]
+        path.append(nxt)
+        node = nxt
+
+
+def accept_tree_sampled(block: Block, logits: torch.Tensor, sampling: tuple, generator) -> tuple[list[int], int]:
+    """Deterministic (top-W) children: draw y ~ p at the node, descend iff y is a child, else emit y. Exact."""
+    children = _children(block)
+    path, node = [], 0
+    while True:
+        p = sampling_probs(logits[node], *sampling)
+        y = sample(p, generator)
+        nxt = children.get(node, {}).get(y)
+        if nxt is None:
+            return path, y
+        path.append(nxt)
+        node = nxt
+
+
+def accept_chain_sampled(block: Block, logits: torch.Tensor, draft_probs: list[torch.Tensor], sampling: tuple,
+                         generator) -> tuple[list[int], int]:
+    """Sampled chain (W = 1): Leviathan's min(1, p/q) test per token, residual correction on rejection."""
+    path = []
+    for i in range(1, len(block.tokens)):
+        p = sampling_probs(logits[i - 1], *sampling)
+        ok, correction = accept_or_correct(p, draft_probs[i - 1], block.tokens[i], generator)
+        if not ok:
+            return path, correction
+        path.append(i)
+    last = path[-1] if path else 0
+    return path, sample(sampling_probs(logits[last], *sampling), generator)
