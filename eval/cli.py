@@ -1,0 +1,85 @@
+"""`specpilot eval`: evaluate decoding methods on a task suite and write report.json, report.md and plots.
+
+The command only parses arguments and calls library functions: `load_suite`, `evaluate`, `write_report`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specpilot.eval.runner import METHODS
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", default="heldout",
+                        help="bundled suite (train, validation, heldout) or a path to .jsonl / .txt (default heldout)")
+    parser.add_argument("--split", default=None, help="keep only prompts of this split")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma list (default: all available): {', '.join(METHODS)}; `ar` always runs")
+    parser.add_argument("--temperatures", type=_floats, default=(0.0, 1.0), help="comma list (default 0,1)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k when sampling (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top-p when sampling (1: off)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per method")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="also run N streams at once and report speedup/latency under that load")
+    parser.add_argument("--target", default=None, help="target model (hub id or path); default: embedded pair")
+    parser.add_argument("--draft", default=None, help="draft model (hub id or path); default: embedded pair")
+    parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default per device)")
+    parser.add_argument("--grid", default=None, help="grid-search result JSON (enables method `grid`)")
+    parser.add_argument("--run", dest="run_dir", default=None,
+                        help="trained run dir (enables `ltd`, `depth_only`, `size_only`)")
+    parser.add_argument("--out", default="eval_out", help="output directory (default eval_out)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=int, default=8, help="draft tree beam width W")
+    parser.add_argument("--max-depth", type=int, default=12, help="most draft levels per cycle")
+    parser.add_argument("--max-size", type=int, default=64, help="most candidates verified per cycle")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specpilot.drafting.pair import ModelPair
+    from specpilot.drafting.types import TreeConfig
+    from specpilot.eval.report import write_report
+    from specpilot.eval.runner import evaluate
+    from specpilot.eval.suites import SuiteError, load_suite
+
+    try:
+        prompts = load_suite(args.suite, split=args.split)
+    except SuiteError as err:
+        print(f"specpilot eval: {err}", file=sys.stderr)
+        return 2
+    if args.limit is not None:
+        prompts = prompts[: args.limit]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
+    unknown = [m for m in methods or [] if m not in METHODS]
+    if unknown:
+        print(f"specpilot eval: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=args.max_size)
+        pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"specpilot eval: {err}", file=sys.stderr)
+        return 2
+    print(f"evaluating {len(prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype})", file=sys.stderr)
+    result = evaluate(prompts, pair=pair, methods=methods, temperatures=args.temperatures, top_k=args.top_k,
+                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                      warmup=args.warmup, concurrency=args.concurrency, tree=tree, grid=args.grid,
+                      run_dir=args.run_dir, seed=args.seed, progress=lambda m: print(m, file=sys.stderr))
+    paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)
+    for name, reason in result.meta["skipped"].items():
+        print(f"skipped {name}: {reason}", file=sys.stderr)
+    print(f"wrote {paths['md']} and {paths['json']}")
+    return 0

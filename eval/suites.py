@@ -1,0 +1,148 @@
+"""Task suites: the prompts `specpilot eval` (and policy training) run on.
+
+Bundled suites live in `eval/suites/<split>.jsonl`, one JSON object per line with fields
+`id`, `task`, `language`, `split`, `prompt`:
+
+- `train` and `validation`: Python code-completion prompts in the style of the default pair's training data
+  (function signature + docstring, sometimes first lines). Used for policy training and checkpoint selection.
+- `heldout`: never used for training or selection. Code on topics unlike the standard library, and natural-
+  language tasks (instruction following, question answering, math word problems, conversation) in English,
+  Italian, Spanish and Chinese; the same items translated, so prompt lengths are comparable across languages.
+
+Users add their own suite by path: a `.jsonl` file whose objects have at least a `prompt` field (`id`, `task`,
+`language`, `split` are optional), or a plain-text file with one prompt per line (blank lines skipped; a literal
+`\\n` inside a line stands for a newline, so multi-line prompts fit on one line).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SUITES_DIR = Path(__file__).resolve().parent / "suites"
+BUNDLED_SUITES = ("train", "validation", "heldout")
+REQUIRED_BUNDLED_FIELDS = ("id", "task", "language", "split", "prompt")
+
+
+class SuiteError(ValueError):
+    """A suite could not be loaded; the message names the file (and line) and says what to fix."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt. `task` and `language` group results; `split` says what the prompt may be used for."""
+
+    id: str
+    task: str
+    language: str
+    split: str
+    prompt: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
+    """strict=True (bundled suites) demands every field; user suites need only `prompt`."""
+    prompts: list[Prompt] = []
+    stem = path.stem
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise SuiteError(f"{path}: not UTF-8 text ({err})") from err
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SuiteError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be one "
+                             "JSON object like {\"id\": \"q1\", \"prompt\": \"...\"}") from err
+        if not isinstance(obj, dict):
+            raise SuiteError(f"{where}: expected a JSON object with a \"prompt\" field, got {type(obj).__name__}")
+        required = REQUIRED_BUNDLED_FIELDS if strict else ("prompt",)
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise SuiteError(f"{where}: missing field(s) {', '.join(missing)}; "
+                             f"required: {', '.join(required)}")
+        text = obj["prompt"]
+        if not isinstance(text, str) or not text.strip():
+            raise SuiteError(f"{where}: empty prompt (\"prompt\" must be a non-empty string)")
+        for key in ("id", "task", "language", "split"):
+            if key in obj and not isinstance(obj[key], (str, int)):
+                raise SuiteError(f"{where}: field \"{key}\" must be a string")
+        prompts.append(Prompt(
+            id=str(obj.get("id", f"{stem}-{lineno}")),
+            task=str(obj.get("task", stem)),
+            language=str(obj.get("language", "unknown")),
+            split=str(obj.get("split", "custom")),
+            prompt=text,
+        ))
+    return prompts
+
+
+def _parse_text(path: Path) -> list[Prompt]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise SuiteError(f"{path}: not UTF-8 text ({err})") from err
+    stem = path.stem
+    return [
+        Prompt(id=f"{stem}-{lineno}", task=stem, language="unknown", split="custom",
+               prompt=line.replace("\\n", "\n"))
+        for lineno, line in enumerate(lines, start=1)
+        if line.strip()
+    ]
+
+
+def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Prompt]:
+    """Load a bundled suite by name ("train", "validation", "heldout") or a user suite by path.
+
+    `split` keeps only prompts of that split (for a user suite whose lines carry a `split` field).
+    Raises SuiteError naming the file and line for bad JSON, missing fields, empty prompts, duplicate ids,
+    unknown names, empty suites and unknown splits.
+    """
+    name = str(name_or_path)
+    bundled = name in BUNDLED_SUITES
+    if bundled:
+        path = SUITES_DIR / f"{name}.jsonl"
+        if not path.exists():
+            raise SuiteError(f"bundled suite {name!r} is missing ({path}); reinstall specpilot")
+    else:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise SuiteError(f"unknown suite {name!r}: not a bundled suite ({', '.join(BUNDLED_SUITES)}) and no "
+                             "such file. Pass a bundled name or a path to a .jsonl / .txt file")
+        if path.is_dir():
+            raise SuiteError(f"{path}: is a directory; pass a .jsonl or .txt file")
+    if path.suffix.lower() in (".jsonl", ".json"):
+        prompts = _parse_jsonl(path, strict=bundled)
+    else:
+        prompts = _parse_text(path)
+    if not prompts:
+        raise SuiteError(f"{path}: no prompts found (empty file?)")
+    # Duplicate ids would merge distinct prompts in the per-prompt comparisons (identical_to_ar, speedup).
+    dupes = [i for i, n in Counter(p.id for p in prompts).items() if n > 1]
+    if dupes:
+        raise SuiteError(f"{path}: duplicate id(s) {', '.join(sorted(dupes)[:5])}; ids must be unique")
+    if split is not None:
+        kept = [p for p in prompts if p.split == split]
+        if not kept:
+            have = sorted({p.split for p in prompts})
+            raise SuiteError(f"{path}: no prompts with split {split!r} (splits present: {', '.join(have)})")
+        prompts = kept
+    return prompts
+
+
+def prompt_mix(prompts: list[Prompt]) -> dict:
+    """Counts per task, per language, per split and per (task, language): the report's prompt-mix label."""
+    return {
+        "n_prompts": len(prompts),
+        "by_task": dict(Counter(p.task for p in prompts)),
+        "by_language": dict(Counter(p.language for p in prompts)),
+        "by_split": dict(Counter(p.split for p in prompts)),
+        "by_task_language": {f"{t}/{lang}": n for (t, lang), n in Counter((p.task, p.language)
+                                                                            for p in prompts).items()},
+    }

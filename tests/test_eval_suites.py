@@ -1,0 +1,75 @@
+"""Task suites: bundled splits are well formed, user suites load from a path, bad files fail clearly."""
+import json
+
+import pytest
+
+from specpilot.eval.suites import BUNDLED_SUITES, SuiteError, load_suite, prompt_mix
+
+
+@pytest.mark.parametrize("name", BUNDLED_SUITES)
+def test_bundled_suite_loads_with_its_split(name):
+    prompts = load_suite(name)
+    assert prompts and all(p.split == name for p in prompts)
+    assert all(p.prompt.strip() for p in prompts)
+
+
+def test_heldout_covers_code_and_four_languages_per_nl_task():
+    prompts = load_suite("heldout")
+    mix = prompt_mix(prompts)
+    assert mix["by_task"]["code"] >= 12
+    for task in ("instruction", "qa", "math", "conversation"):
+        for lang in ("en", "it", "es", "zh"):
+            assert mix["by_task_language"].get(f"{task}/{lang}", 0) >= 3, (task, lang)
+
+
+def test_splits_are_disjoint():
+    texts = {name: {p.prompt for p in load_suite(name)} for name in BUNDLED_SUITES}
+    assert not texts["train"] & texts["heldout"]
+    assert not texts["validation"] & texts["heldout"]
+    assert not texts["train"] & texts["validation"]
+
+
+def test_user_jsonl_suite_needs_only_prompt(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"prompt": "def f(x):"}) + "\n\n"
+                    + json.dumps({"id": "b", "task": "sql", "language": "en", "prompt": "SELECT"}) + "\n")
+    prompts = load_suite(path)
+    assert [p.prompt for p in prompts] == ["def f(x):", "SELECT"]
+    assert prompts[0].task == "mine" and prompts[1].task == "sql" and prompts[1].id == "b"
+
+
+def test_user_text_suite_one_prompt_per_line(tmp_path):
+    path = tmp_path / "lines.txt"
+    path.write_text("first prompt\n\n   \nsecond\\nline two\n")
+    prompts = load_suite(str(path))
+    assert [p.prompt for p in prompts] == ["first prompt", "second\nline two"]
+    assert len({p.id for p in prompts}) == 2
+
+
+def test_split_filter(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text("\n".join(json.dumps({"id": str(i), "prompt": "p", "split": s})
+                              for i, s in enumerate(["a", "b", "a"])))
+    assert len(load_suite(path, split="a")) == 2
+    with pytest.raises(SuiteError, match="no prompts with split 'c'"):
+        load_suite(path, split="c")
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "ok"}\n{"prompt": "oops",\n', r"bad\.jsonl:2: invalid JSON"),
+    ('{"id": "x"}\n', r"bad\.jsonl:1: missing field\(s\) prompt"),
+    ('{"prompt": "   "}\n', r"bad\.jsonl:1: empty prompt"),
+    ('["a list"]\n', r"bad\.jsonl:1: expected a JSON object"),
+    ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', r"duplicate id\(s\) a"),
+    ("\n\n", r"no prompts found"),
+])
+def test_bad_jsonl_rejected_with_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(SuiteError, match=message):
+        load_suite(path)
+
+
+def test_unknown_name_rejected():
+    with pytest.raises(SuiteError, match="unknown suite 'nope'.*bundled suite"):
+        load_suite("nope")
