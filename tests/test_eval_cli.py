@@ -25,3 +25,45 @@ def test_defaults_and_lists():
 def test_bad_input_exits_2_with_message(argv, message, capsys):
     assert cli.run(_parse(argv)) == 2
     assert message in capsys.readouterr().err
+
+
+class _ByteTokenizer:
+    """Just enough tokenizer for ModelPair.encode/decode on a tiny model."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + b % 61 for b in text.encode()][-20:]}
+
+    def decode(self, tokens, skip_special_tokens=False):
+        return " ".join(map(str, tokens))
+
+
+def test_run_writes_a_report(tmp_path, monkeypatch):
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specpilot.drafting.pair import ModelPair
+
+    def tiny(seed):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256))
+
+    monkeypatch.setattr(ModelPair, "from_pretrained",
+                        classmethod(lambda cls, *a, **k: cls(tiny(0), tiny(1), _ByteTokenizer(), name="tiny")))
+    suite = tmp_path / "mine.txt"
+    suite.write_text("def f(x):\nhello world\n")
+    out = tmp_path / "out"
+    args = _parse(["--suite", str(suite), "--methods", "fixed", "--temperatures", "0", "--max-new-tokens", "4",
+                   "--warmup", "0", "--width", "2", "--max-depth", "3", "--max-size", "6", "--no-plots",
+                   "--out", str(out)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared test machine: avoid oversubscription stalls
+    try:
+        assert cli.run(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((out / "report.json").read_text())
+    assert {r["method"] for r in report["results"]} == {"ar", "fixed"}
+    assert report["meta"]["models"]["name"] == "tiny" and (out / "report.md").exists()
