@@ -1,0 +1,93 @@
+"""Sampled speculative output follows the target's law: exact math on the seed article's example, Monte Carlo
+on the decoder (total-variation distance against the enumerated target law, with a concentration bound)."""
+import itertools
+import math
+
+import pytest
+import torch
+
+from specpilot.drafting import SpeculativeDecoder, TreeConfig
+from specpilot.drafting.sampling import (accept_or_correct, naive_resample_law, residual_distribution,
+                                         sampling_probs, speculative_law)
+from specpilot.policies import FixedController
+from tiny import noisy_copy, tiny_model
+from specpilot.drafting import ModelPair
+
+P, Q = [0.5, 0.3, 0.2], [0.2, 0.5, 0.3]
+
+
+def test_article_example_correct_rule_reproduces_target():
+    assert speculative_law(P, Q) == pytest.approx(P, abs=1e-12)
+
+
+def test_article_example_naive_rule_is_wrong():
+    assert naive_resample_law(P, Q) == pytest.approx([0.35, 0.39, 0.26], abs=1e-12)
+
+
+def test_accept_or_correct_monte_carlo_matches_target():
+    p, q = torch.tensor(P), torch.tensor(Q)
+    gen = torch.Generator().manual_seed(20260923)
+    counts = [0, 0, 0]
+    n = 60000
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=gen))
+        ok, correction = accept_or_correct(p, q, x, gen)
+        counts[x if ok else correction] += 1
+    freq = [c / n for c in counts]
+    # marginal standard error <= sqrt(.25/n) = 0.002; 5 sigma
+    assert freq == pytest.approx(P, abs=0.011)
+
+
+def test_residual_never_formed_when_p_equals_q():
+    p = torch.tensor(P)
+    assert residual_distribution(p, p) is None
+    gen = torch.Generator().manual_seed(0)
+    assert all(accept_or_correct(p, p, x, gen) == (True, None) for x in range(3))
+
+
+def test_sampling_probs_top_k_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert sampling_probs(logits, 1.0, top_k=2).tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0])
+    assert sampling_probs(logits, 1.0, top_p=0.7).tolist() == pytest.approx([2 / 3, 1 / 3, 0, 0])
+    assert sampling_probs(logits, 1.0, top_p=0.5).tolist() == pytest.approx([1, 0, 0, 0])
+
+
+def _target_law(target, prompt, steps, sampling):
+    """Exact probability of every continuation of `steps` tokens under the target's sampler."""
+    vocab = target.config.vocab_size
+    law = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(vocab), repeat=steps):
+            ids = torch.tensor([prompt + list(seq)])
+            logits = target(input_ids=ids).logits[0]
+            prob = 1.0
+            for i, tok in enumerate(seq):
+                prob *= float(sampling_probs(logits[len(prompt) - 1 + i], *sampling)[tok])
+            law[seq] = prob
+    return law
+
+
+@pytest.mark.parametrize("width,depth,size,sampling", [
+    (1, 3, 3, (1.0, 0, 1.0)),     # sampled chain, Leviathan rule
+    (2, 3, 8, (0.7, 4, 0.9)),     # tree with temperature, top-k and top-p
+    pytest.param(3, 2, 6, (1.0, 0, 1.0), marks=pytest.mark.slow),   # deterministic top-W tree
+    pytest.param(1, 2, 2, (1.3, 0, 0.8), marks=pytest.mark.slow),   # chain with top-p
+])
+def test_decoder_samples_target_law(width, depth, size, sampling):
+    vocab, steps, n = 6, 2, 3000
+    target = tiny_model(vocab=vocab, hidden=16, layers=1, eos=None, sharpness=2.0, seed=3)
+    pair = ModelPair(target, noisy_copy(target, 1.0, seed=4))   # a poor draft: many rejections
+    prompt = [1, 2]
+    law = _target_law(target, prompt, steps, sampling)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size))
+    controller = FixedController(depth, size)
+    counts = dict.fromkeys(law, 0)
+    temperature, top_k, top_p = sampling
+    for seed in range(n):
+        out = decoder.generate(prompt, controller=controller, max_new_tokens=steps, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed)
+        counts[tuple(out.tokens)] += 1
+    tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
+    # E[TV] <= 0.5 * sqrt(K / n) (Jensen), and TV concentrates: P(TV - E[TV] > t) <= exp(-2 n t^2) (McDiarmid).
+    bound = 0.5 * math.sqrt(len(law) / n) + 0.035
+    assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
