@@ -275,17 +275,18 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
         start = clock.now()
         current = torch.tensor([[ids[-1]]], device=device)
         for _ in range(max_new_tokens):
-            logits = pair.target(input_ids=current, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = pair.target(input_ids=current, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             if temperature > 0:
-                token = sample(sampling_probs(logits, temperature, top_k, top_p), generator)
+                current = torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1,
+                                            generator=generator)                     # [1, 1]
             else:
-                token = int(logits.argmax())
+                current = logits.argmax(dim=-1, keepdim=True)                       # [1, 1], stays on device
+            token = int(current)
             tokens.append(token)
             times.append(clock.now() - start)
             if token == eos:
                 finished_by = "eos"
                 break
-            current = torch.tensor([[token]], device=device)
     return GenerationOutput(tokens=tokens, prompt_len=len(ids), prefill_s=start - t0,
                             total_s=times[-1] if times else 0.0, token_times=times, finished_by=finished_by,
                             text=pair.decode(tokens))

@@ -71,6 +71,24 @@ def model_digest(model) -> str:
     return h.hexdigest()[:16]
 
 
+def _load_tokenizer(explicit, model_path):
+    """The explicit tokenizer, else the one beside the model (its folder, or a sibling `tokenizer/` folder), else
+    None: a checkpoint shipped without tokenizer files still works on token ids."""
+    from transformers import AutoTokenizer
+
+    if explicit is not None:
+        return AutoTokenizer.from_pretrained(str(explicit))
+    candidates = [str(model_path)]
+    if Path(str(model_path)).is_dir():
+        candidates.append(str(Path(str(model_path)).parent / "tokenizer"))
+    for candidate in candidates:
+        try:
+            return AutoTokenizer.from_pretrained(candidate)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 @dataclass
 class ModelPair:
     """A target/draft pair on one device. `target` and `draft` are Hugging Face causal LMs; `tokenizer` is
@@ -153,7 +171,7 @@ class ModelPair:
         dtype: torch.dtype | str | None = None,
     ) -> "ModelPair":
         """Load a pair. No arguments: the embedded default pair. Otherwise both `target` and `draft` are needed."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         if target is None and draft is None:
             root = DEFAULT_PAIR_DIR
@@ -173,13 +191,8 @@ class ModelPair:
         dtype = dtype or default_dtype(device)
         target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
         draft_model = AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(str(tokenizer or target))
-        draft_tok = None
-        if tokenizer is None:
-            try:
-                draft_tok = AutoTokenizer.from_pretrained(str(draft))
-            except (OSError, ValueError):
-                draft_tok = None  # a draft shipped without tokenizer files: the logits check below still applies
+        tok = _load_tokenizer(tokenizer, target)
+        draft_tok = _load_tokenizer(None, draft) if tokenizer is None else None
         check_same_vocabulary(target_model, draft_model, tok, draft_tok)
         return cls(target_model.to(device), draft_model.to(device), tok, name=name)
 
