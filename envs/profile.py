@@ -1,0 +1,249 @@
+"""Latency profile: what draft levels and verifications cost on this hardware, for the replay environments.
+
+Measured with the decoder's own steps (`session.draft_level()`, `session.verify(size)`) on live generations whose
+depth and size are drawn at random each cycle, so every level index and a spread of sizes and contexts is seen.
+
+Model of one cycle's time (seconds) with depth d, verified size V, context length L, n tokens caught up:
+
+    draft(d, n)  = first(n) + sum_{l=2..d} level(l)
+        first(n)  time of a cycle's first draft forward when it feeds n new tokens (catch-up + root)
+        level(l)  time of the l-th draft forward (it attends to (l-1)*W fed tree nodes)
+    verify(V, L) = m(V) + o(bucket(L))
+        m(V)      verify time at size V pooled over contexts
+        o(b)      mean residual of the samples in context bucket b (edges `context_edges`); 0 for empty buckets
+
+Each curve (first over n, level over l, m over V) is a weighted least-squares line through the per-key means plus
+each key's residual shrunk by count / (count + `shrink`): keys seen often keep their own mean (GPU kernels have
+steps), rarely seen keys lean on the line (a few noisy samples do not make a bump). Between measured keys the
+values are interpolated, outside they follow the line. Means, not medians: replay predicts sums of times, i.e.
+throughput. Standard deviations are kept for optional noise. Saved as JSON (`LatencyProfile.save/load`).
+
+On a shared machine time drifts with load: measure the profile close in time to what it should predict
+(`collect_samples` can accumulate several passes interleaved with other work).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROFILE_VERSION = 1
+
+
+def _stats(samples: dict) -> dict:
+    keys = sorted(samples)
+    return {"keys": keys,
+            "mean": [float(np.mean(samples[k])) for k in keys],
+            "std": [float(np.std(samples[k])) for k in keys],
+            "count": [len(samples[k]) for k in keys]}
+
+
+def _curve(stats: dict, x: np.ndarray, shrink: float) -> np.ndarray:
+    """Line fit through the per-key means + count-shrunk residuals (see the module docstring), evaluated at x."""
+    keys = np.asarray(stats["keys"], dtype=float)
+    mean = np.asarray(stats["mean"], dtype=float)
+    count = np.asarray(stats["count"], dtype=float)
+    x = np.asarray(x, dtype=float)
+    if keys.size == 0:
+        raise ValueError("the latency profile has no samples for this step; measure it again with more prompts")
+    if keys.size == 1:
+        return np.full(x.shape, mean[0])
+    slope, intercept = np.polyfit(keys, mean, 1, w=np.sqrt(count))
+    line_at_keys = intercept + slope * keys
+    values = line_at_keys + (mean - line_at_keys) * count / (count + shrink)
+    inside = (x >= keys[0]) & (x <= keys[-1])
+    return np.where(inside, np.interp(x, keys, values), intercept + slope * x)
+
+
+@dataclass
+class LatencyProfile:
+    """Per-step latencies (see the module docstring). Dict fields hold {"keys", "mean", "std", "count"} lists."""
+
+    max_depth: int
+    width: int
+    first_level: dict            # keys: tokens fed by the first draft forward
+    levels: dict                 # keys: level index 2..max_depth
+    verify_size: dict            # keys: verified size V (pooled over contexts)
+    context_edges: list[int]     # bucket b covers [edges[b], edges[b+1]); the last bucket is open
+    context_offset: list[float]  # o(b) per bucket
+    meta: dict = field(default_factory=dict)
+    shrink: float = 10.0         # pseudo-count of the line in each key's estimate
+    version: int = PROFILE_VERSION
+
+    # -- lookups ------------------------------------------------------------------------------------------------------
+    def first_time(self, n_new: np.ndarray | int) -> np.ndarray:
+        return np.maximum(_curve(self.first_level, n_new, self.shrink), 1e-9)
+
+    def level_time(self, level: int) -> float:
+        return float(max(_curve(self.levels, np.array([level]), self.shrink)[0], 1e-9))
+
+    def draft_table(self) -> np.ndarray:
+        """[max_depth + 2, max_depth + 1] cumulative draft time: table[n, d] = draft(d, n) (row/col 0 unused)."""
+        d_max = self.max_depth
+        n = np.arange(d_max + 2)
+        first = self.first_time(np.maximum(n, 1))
+        levels = np.array([0.0, 0.0] + [self.level_time(l) for l in range(2, d_max + 1)])
+        cumulative = np.cumsum(levels)  # cumulative[d] = sum_{l=2..d} level(l)
+        table = first[:, None] + cumulative[None, :]
+        table[:, 0] = 0.0
+        return table
+
+    def bucket(self, context_len: np.ndarray | int) -> np.ndarray:
+        edges = np.asarray(self.context_edges)
+        return np.clip(np.searchsorted(edges, context_len, side="right") - 1, 0, len(edges) - 1)
+
+    def verify_table(self, max_size: int, context_lens: np.ndarray) -> np.ndarray:
+        """[len(context_lens), max_size + 1] verify time by (context, V); column 0 unused."""
+        m = _curve(self.verify_size, np.arange(max_size + 1), self.shrink)
+        offset = np.asarray(self.context_offset)[self.bucket(np.asarray(context_lens))]
+        table = np.maximum(m[None, :] + offset[:, None], 1e-9)
+        table[:, 0] = 0.0
+        return table
+
+    def verify_time(self, size: int, context_len: int) -> float:
+        return float(self.verify_table(size, np.array([context_len]))[0, size])
+
+    def cycle_time(self, depth: int, size: int, context_len: int, n_new: int = 1) -> float:
+        return float(self.draft_table()[min(n_new, self.max_depth + 1), depth]) + self.verify_time(size, context_len)
+
+    # -- noise ---------------------------------------------------------------------------------------------------------
+    def draft_std(self) -> float:
+        """Typical std of one draft forward (pooled over levels), for optional replay noise."""
+        stds = self.levels["std"] + self.first_level["std"]
+        return float(np.mean(stds)) if stds else 0.0
+
+    def verify_std(self) -> float:
+        return float(np.mean(self.verify_size["std"])) if self.verify_size["std"] else 0.0
+
+    # -- io ------------------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LatencyProfile":
+        data = json.loads(Path(path).read_text())
+        if int(data.get("version", -1)) != PROFILE_VERSION:
+            raise ValueError(f"{path}: latency profile version {data.get('version')} is not {PROFILE_VERSION}; "
+                             "re-run `specpilot record`")
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    @classmethod
+    def from_samples(cls, first: dict, levels: dict, verify: list[tuple[int, int, float]], *, max_depth: int,
+                     width: int, context_edges: list[int] | None = None, meta: dict | None = None,
+                     shrink: float = 10.0) -> "LatencyProfile":
+        """Aggregate raw samples: first {n_new: [s]}, levels {level: [s]}, verify [(size, context_len, s)]."""
+        if context_edges is None:
+            top = max([c for _, c, _ in verify] + [1])
+            context_edges = [0] + [2 ** k for k in range(6, max(7, int(np.ceil(np.log2(top + 1))) + 1))]
+        sizes = defaultdict(list)
+        for v, _, s in verify:
+            sizes[v].append(s)
+        by_size = _stats(sizes)
+        profile = cls(max_depth=max_depth, width=width, first_level=_stats(first), levels=_stats(levels),
+                      verify_size=by_size, context_edges=[int(e) for e in context_edges],
+                      context_offset=[0.0] * len(context_edges), meta=dict(meta or {}), shrink=float(shrink))
+        if verify:
+            v = np.array([x[0] for x in verify])
+            c = np.array([x[1] for x in verify])
+            s = np.array([x[2] for x in verify])
+            residual = s - _curve(by_size, v, shrink)
+            b = profile.bucket(c)
+            # shrunk towards 0 like the curves: a bucket with few samples barely moves the prediction
+            profile.context_offset = [float(residual[b == i].sum() / (np.count_nonzero(b == i) + shrink))
+                                      for i in range(len(context_edges))]
+        return profile
+
+
+@dataclass
+class ProfileSamples:
+    """Raw timings, accumulated over one or more `collect_samples` passes; `.profile()` aggregates them."""
+
+    max_depth: int
+    width: int
+    first: dict = field(default_factory=lambda: defaultdict(list))      # tokens fed -> [s]
+    levels: dict = field(default_factory=lambda: defaultdict(list))     # level index -> [s]
+    verify: list = field(default_factory=list)                          # [(size, context_len, s)]
+    meta: dict = field(default_factory=dict)
+
+    def profile(self, context_edges: list[int] | None = None, shrink: float = 10.0) -> LatencyProfile:
+        meta = {**self.meta, "cycles": len(self.verify)}
+        return LatencyProfile.from_samples(self.first, self.levels, self.verify, max_depth=self.max_depth,
+                                           width=self.width, context_edges=context_edges, meta=meta, shrink=shrink)
+
+
+def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
+                    rng: np.random.Generator | int | None = 0, warmup_cycles: int = 16,
+                    samples: ProfileSamples | None = None, progress: bool = False) -> ProfileSamples:
+    """Run live greedy generations with a random (depth, size) per cycle and time every step (appending to
+    `samples` when given).
+
+    depth ~ U{1..tree.max_depth}; size ~ uniform over `sizes` (default: 1, W, the device's size actions, max_size;
+    clipped to tree.max_size). A warm-up pass of `warmup_cycles` cycles on the first prompt is run but not kept
+    (allocator/kernel warm-up). Draft levels are timed around `session.draft_level()` with the session's clock
+    (device-synchronised), verification is `record.verify_s`: the numbers the decoder itself reports.
+    """
+    from specpilot.drafting.decoder import SpeculativeDecoder
+    from specpilot.envs.observation import default_size_actions
+
+    decoder = SpeculativeDecoder(pair, tree)
+    rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    if sizes is None:
+        sizes = sorted({1, tree.width, tree.max_size, *default_size_actions(str(pair.device))})
+    sizes = sorted({min(int(s), tree.max_size) for s in sizes})
+    if samples is None:
+        samples = ProfileSamples(max_depth=tree.max_depth, width=tree.width,
+                                 meta={"device": str(pair.device), "dtype": str(pair.dtype), "sizes": sizes,
+                                       "max_new_tokens": max_new_tokens, "measured_s": 0.0})
+    seen = 0
+    started = time.perf_counter()
+    prompt_ids = [pair.encode(p) for p in prompts]
+    order = [prompt_ids[0]] + prompt_ids  # a warm-up pass on the first prompt, then every prompt
+    for i, prompt in enumerate(order):
+        if i == 0 and warmup_cycles <= 0:
+            continue
+        session = decoder.start(prompt, max_new_tokens=max_new_tokens)
+        clock = session.clock
+        while not session.done:
+            depth = int(rng.integers(1, tree.max_depth + 1))
+            size = int(rng.choice(sizes))
+            times = []
+            n_new = len(session.committed) - session.drafter.committed
+            for _ in range(depth):
+                t0 = clock.now()
+                session.draft_level()
+                times.append(clock.now() - t0)
+            record = session.verify(size)
+            seen += 1
+            if i == 0:  # the warm-up pass keeps nothing
+                if seen >= warmup_cycles:
+                    break
+                continue
+            samples.first[n_new].append(times[0])
+            for level, s in enumerate(times[1:], start=2):
+                samples.levels[level].append(s)
+            samples.verify.append((record.size, record.context_len, record.verify_s))
+        if progress:
+            print(f"  profile: prompt {i}/{len(prompt_ids)}, {len(samples.verify)} cycles, "
+                  f"{time.perf_counter() - started:.1f}s", flush=True)
+    samples.meta["measured_s"] = samples.meta.get("measured_s", 0.0) + time.perf_counter() - started
+    return samples
+
+
+def measure_profile(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
+                    seed: int = 0, warmup_cycles: int = 16, context_edges: list[int] | None = None,
+                    progress: bool = False) -> LatencyProfile:
+    """`collect_samples` once over `prompts` (seeded random configs) and aggregate into a LatencyProfile."""
+    samples = collect_samples(pair, tree, prompts, max_new_tokens=max_new_tokens, sizes=sizes, rng=seed,
+                              warmup_cycles=warmup_cycles, progress=progress)
+    samples.meta["seed"] = seed
+    return samples.profile(context_edges)

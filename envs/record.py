@@ -1,0 +1,343 @@
+"""Recording replay traces (and a latency profile) for a task: `specpilot record`.
+
+Under greedy decoding the emitted text does not depend on (depth, size), so one recording per prompt gives the exact
+accepted length of ANY depth/size choice at ANY position. Recording uses the decoder's own components:
+
+1. the target's greedy continuation from `autoregressive_generate` (max_new_tokens, plus max_depth tokens of
+   look-ahead past the budget or past EOS, so the last cycle's accepted length is exact too);
+2. for every position t of the emitted continuation, the draft tree rooted at the last committed token grown to
+   max_depth with `TreeDrafter` (one token committed per position: causal attention makes this the tree the live
+   decoder drafts after any multi-token catch-up, up to float rounding);
+3. per position: every candidate's score (node ids are level by level, so a node's depth follows from its id),
+   the drafter's last_top_prob / last_entropy after every level, and for the on-path nodes (tokens from the root
+   equal continuation[t:t+k]) their rank among the candidates of depth <= d in verification order (tree.ranked()).
+
+accepted(t, d, V) = #{k <= d : rank_d(on-path node at depth k) < V} (verification sets are ancestor-closed and the
+on-path nodes form a chain). emitted = min(accepted + 1, tokens left up to and including EOS / max_new_tokens).
+
+Files: trace.npz (arrays below) + trace.json (header) + profile.json (`specpilot.envs.profile.LatencyProfile`).
+
+    trace.npz
+      prompt_tokens [sum P_i] int32, prompt_offsets [P+1]      the prompts' token ids
+      continuation [sum C_i] int32, continuation_offsets [P+1] greedy continuation incl. look-ahead
+      eos_at [P] int32            index of the first EOS in the continuation, -1 if none within the budget
+      position_offsets [P+1]      rows of prompt i: position_offsets[i] .. position_offsets[i+1] (t = 0..n_i-1)
+      scores [N, C] float32       candidate scores by node id (C = W + (D-1) W^2)
+      top_prob, entropy [N, D]    drafter features after level d (what DraftState carries)
+      onpath_rank [N, D, D] int16 [n, d-1, k-1]: rank of the on-path node at depth k among nodes of depth <= d;
+                                  NO_RANK when k > d or no on-path node at depth k
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TRACE_VERSION = 1
+NO_RANK = np.iinfo(np.int16).max
+
+
+def level_bounds(width: int, depth: int) -> tuple[int, int]:
+    """Node-id range [start, end) of level `depth` (1-based)."""
+    if depth == 1:
+        return 0, width
+    start = width + (depth - 2) * width * width
+    return start, start + width * width
+
+
+@dataclass
+class Trace:
+    """A recorded task (see the module docstring for the arrays). Load with `Trace.load(dir_or_npz)`."""
+
+    header: dict
+    arrays: dict[str, np.ndarray]
+    path: Path | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    # -- shape ----------------------------------------------------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        return int(self.header["tree"]["width"])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.header["tree"]["max_depth"])
+
+    @property
+    def max_size(self) -> int:
+        return int(self.header["tree"]["max_size"])
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.header["max_new_tokens"])
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.arrays["prompt_offsets"]) - 1
+
+    def num_candidates(self, depth: int) -> int:
+        w = self.width
+        return w + (depth - 1) * w * w if depth > 0 else 0
+
+    def prompt(self, i: int) -> list[int]:
+        off = self.arrays["prompt_offsets"]
+        return self.arrays["prompt_tokens"][off[i]: off[i + 1]].tolist()
+
+    def continuation(self, i: int) -> np.ndarray:
+        off = self.arrays["continuation_offsets"]
+        return self.arrays["continuation"][off[i]: off[i + 1]]
+
+    def positions(self, i: int) -> slice:
+        off = self.arrays["position_offsets"]
+        return slice(int(off[i]), int(off[i + 1]))
+
+    def budget(self, i: int, max_new_tokens: int | None = None) -> tuple[int, bool]:
+        """(tokens the generation of prompt i emits, ended by EOS?) under `max_new_tokens` (<= the trace's)."""
+        max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens={max_new} exceeds the trace's {self.max_new_tokens}: record again "
+                             "with a larger --max-new-tokens")
+        eos_at = int(self.arrays["eos_at"][i])
+        if 0 <= eos_at < max_new:
+            return eos_at + 1, True
+        return max_new, False
+
+    def accepted(self, i: int, t: int, depth: int, size: int) -> int:
+        """Accepted draft tokens when the cycle at position t of prompt i drafts `depth` levels and verifies the
+        top `size` candidates (size is clipped like the decoder clips it)."""
+        size = min(size, self.num_candidates(depth), self.max_size)
+        ranks = self.arrays["onpath_rank"][self.positions(i).start + t, depth - 1]
+        return int(np.count_nonzero(ranks < size))
+
+    # -- io ---------------------------------------------------------------------------------------------------------------
+    def save(self, out_dir: str | Path) -> Path:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(out_dir / "trace.npz", **self.arrays)
+        (out_dir / "trace.json").write_text(json.dumps(self.header, indent=1))
+        self.path = out_dir
+        return out_dir
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        path = Path(path)
+        out_dir = path if path.is_dir() else path.parent
+        npz, header = out_dir / "trace.npz", out_dir / "trace.json"
+        if not npz.is_file() or not header.is_file():
+            raise FileNotFoundError(f"no trace at {path}: expected trace.npz and trace.json (write them with "
+                                    "`specpilot record --out DIR`)")
+        head = json.loads(header.read_text())
+        if int(head.get("version", -1)) != TRACE_VERSION:
+            raise ValueError(f"{header}: trace version {head.get('version')} is not {TRACE_VERSION}; record again")
+        with np.load(npz) as data:
+            arrays = {k: data[k] for k in data.files}
+        return cls(head, arrays, out_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# recording
+
+
+def greedy_continuation(pair, prompt: list[int], max_new_tokens: int, lookahead: int) -> tuple[list[int], int]:
+    """(target's greedy tokens, index of the first EOS or -1): up to max_new_tokens, then `lookahead` more tokens
+    past the budget or past the first EOS (autoregressive_generate stops at EOS; it is called again to go on)."""
+    from specpilot.drafting.decoder import autoregressive_generate
+
+    eos = pair.eos_token_id
+    tokens: list[int] = []
+    want = max_new_tokens + lookahead
+    eos_at = -1
+    while len(tokens) < want:
+        out = autoregressive_generate(pair, prompt + tokens, max_new_tokens=want - len(tokens))
+        tokens.extend(out.tokens)
+        if eos_at < 0 and eos is not None and eos in tokens[:max_new_tokens]:
+            eos_at = tokens.index(eos)
+            want = min(want, eos_at + 1 + lookahead)
+        if out.finished_by != "eos" or not out.tokens:
+            break
+    return tokens[:want], eos_at
+
+
+def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int) -> dict:
+    from specpilot.drafting.tree import TreeDrafter
+
+    w, d_max = tree_config.width, tree_config.max_depth
+    cont, eos_at = greedy_continuation(pair, prompt, max_new_tokens, d_max)
+    n = eos_at + 1 if eos_at >= 0 else min(max_new_tokens, len(cont))
+    cap = w + (d_max - 1) * w * w
+    depth_of = np.concatenate([np.ones(w, dtype=np.int64)] +
+                              [np.full(w * w, d, dtype=np.int64) for d in range(2, d_max + 1)])
+    scores = np.zeros((n, cap), dtype=np.float32)
+    top_prob = np.zeros((n, d_max), dtype=np.float32)
+    entropy = np.zeros((n, d_max), dtype=np.float32)
+    ranks = np.full((n, d_max, d_max), NO_RANK, dtype=np.int16)
+    drafter = TreeDrafter(pair.draft, w, d_max)
+    cont_arr = np.asarray(cont, dtype=np.int64)
+    with torch.inference_mode():
+        drafter.prefill(prompt[:-1])
+        feed = [prompt[-1]]
+        for t in range(n):
+            tree = drafter.start_cycle(feed)
+            top_prob[t, 0], entropy[t, 0] = drafter.last_top_prob, drafter.last_entropy
+            for d in range(2, d_max + 1):
+                drafter.extend()
+                top_prob[t, d - 1], entropy[t, d - 1] = drafter.last_top_prob, drafter.last_entropy
+            assert tree.size == cap, f"tree of {tree.size} candidates, expected {cap} (vocabulary smaller than W?)"
+            scores[t] = tree.scores[:cap].cpu().numpy()
+            tokens = tree.tokens[:cap].cpu().numpy()
+            parents = tree.parents[:cap].cpu().numpy()
+            ranked = tree.ranked().cpu().numpy()
+            drafter.end_cycle()
+            feed = [int(cont_arr[t])]
+            # the on-path chain: node at depth k whose tokens from the root are cont[t : t+k]
+            chain: list[int] = []
+            parent = -1
+            for k in range(1, d_max + 1):
+                if t + k - 1 >= len(cont_arr):
+                    break
+                lo, hi = level_bounds(w, k)
+                hit = np.nonzero((parents[lo:hi] == parent) & (tokens[lo:hi] == cont_arr[t + k - 1]))[0]
+                if hit.size == 0:
+                    break
+                parent = lo + int(hit[0])
+                chain.append(parent)
+            if not chain:
+                continue
+            position = np.empty(cap, dtype=np.int64)
+            position[ranked] = np.arange(cap)
+            ranked_depth = depth_of[ranked]
+            chain_pos = position[np.asarray(chain)]
+            for d in range(1, d_max + 1):
+                rank_d = np.cumsum(ranked_depth <= d) - 1  # rank among depth <= d at each ranked position
+                k = min(d, len(chain))
+                ranks[t, d - 1, :k] = rank_d[chain_pos[:k]]
+    return {"continuation": cont, "eos_at": eos_at, "scores": scores, "top_prob": top_prob, "entropy": entropy,
+            "onpath_rank": ranks}
+
+
+def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progress: bool = False,
+                 prompt_texts: list | None = None) -> Trace:
+    """Record a greedy trace of `prompts` (strings or token lists) on `pair` with `tree_config`."""
+    ids = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
+    if not ids:
+        raise ValueError("no prompts to record")
+    parts = []
+    started = time.perf_counter()
+    for i, prompt in enumerate(ids):
+        parts.append(_record_prompt(pair, tree_config, prompt, max_new_tokens))
+        if progress:
+            print(f"  trace: prompt {i + 1}/{len(ids)} ({len(parts[-1]['scores'])} positions, "
+                  f"{time.perf_counter() - started:.1f}s)", flush=True)
+
+    def offsets(lengths):
+        return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    arrays = {
+        "prompt_tokens": np.concatenate([np.asarray(p, dtype=np.int32) for p in ids]),
+        "prompt_offsets": offsets([len(p) for p in ids]),
+        "continuation": np.concatenate([np.asarray(x["continuation"], dtype=np.int32) for x in parts]),
+        "continuation_offsets": offsets([len(x["continuation"]) for x in parts]),
+        "eos_at": np.asarray([x["eos_at"] for x in parts], dtype=np.int32),
+        "position_offsets": offsets([len(x["scores"]) for x in parts]),
+        "scores": np.concatenate([x["scores"] for x in parts]),
+        "top_prob": np.concatenate([x["top_prob"] for x in parts]),
+        "entropy": np.concatenate([x["entropy"] for x in parts]),
+        "onpath_rank": np.concatenate([x["onpath_rank"] for x in parts]),
+    }
+    texts = prompt_texts if prompt_texts is not None else [p if isinstance(p, str) else None for p in prompts]
+    header = {
+        "version": TRACE_VERSION,
+        "pair": pair.identity(),
+        "device": str(pair.device),
+        "dtype": str(pair.dtype),
+        "eos_token_id": pair.eos_token_id,
+        "tree": {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size},
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": 0.0,
+        "prompts": [{"text": t, "num_tokens": len(p)} for t, p in zip(texts, ids)],
+        "positions": int(arrays["scores"].shape[0]),
+        "recorded_s": time.perf_counter() - started,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    return Trace(header, arrays)
+
+
+def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_tokens: int = 128,
+                profile_prompts: int | None = None, seed: int = 0, progress: bool = False) -> tuple[Path, Path]:
+    """Write out_dir/trace.npz + trace.json and out_dir/profile.json; return (trace dir, profile path).
+
+    The latency profile is measured on the first `profile_prompts` prompts (default: all) with random
+    (depth, size) per cycle (see `specpilot.envs.profile.measure_profile`)."""
+    from specpilot.envs.profile import measure_profile
+
+    out_dir = Path(out_dir)
+    trace = record_trace(pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    trace.save(out_dir)
+    chosen = list(prompts)[: profile_prompts] if profile_prompts else list(prompts)
+    profile = measure_profile(pair, tree_config, [getattr(p, "prompt", p) for p in chosen],
+                              max_new_tokens=max_new_tokens, seed=seed, progress=progress)
+    profile.meta["pair"] = trace.header["pair"]
+    profile_path = profile.save(out_dir / "profile.json")
+    return out_dir, profile_path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI: specpilot record
+
+
+def load_prompts(suite: str, split: str | None = None, limit: int | None = None) -> list[str]:
+    """Prompts of a bundled suite name or a .jsonl/.txt path (via specpilot.eval.suites), first `limit`."""
+    from specpilot.eval.suites import load_suite
+
+    prompts = [p.prompt for p in load_suite(suite, split=split)]
+    return prompts[:limit] if limit else prompts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", default="train", help="bundled suite name or path to a .jsonl/.txt file")
+    parser.add_argument("--split", default=None, help="keep only prompts of this split")
+    parser.add_argument("--out", required=True, help="output directory (trace.npz, trace.json, profile.json)")
+    parser.add_argument("--target", default=None, help="target model (hub id or path); default: embedded pair")
+    parser.add_argument("--draft", default=None, help="draft model (with --target)")
+    parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: per device)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per prompt")
+    parser.add_argument("--width", type=int, default=8, help="tree beam width W")
+    parser.add_argument("--max-depth", type=int, default=12, help="deepest tree recorded")
+    parser.add_argument("--max-size", type=int, default=None,
+                        help="largest verification size (default: the largest default size action for the device)")
+    parser.add_argument("--limit", type=int, default=None, help="record only the first N prompts")
+    parser.add_argument("--profile-prompts", type=int, default=None,
+                        help="measure the latency profile on the first N prompts (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the profile's random (depth, size) draws")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specpilot.drafting.pair import ModelPair
+    from specpilot.drafting.types import TreeConfig
+    from specpilot.envs.observation import default_size_actions
+
+    try:
+        prompts = load_prompts(args.suite, args.split, args.limit)
+    except ValueError as err:
+        print(f"specpilot record: {err}", file=sys.stderr)
+        return 2
+    try:
+        pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"specpilot record: {err}", file=sys.stderr)
+        return 2
+    max_size = args.max_size or max(max(default_size_actions(str(pair.device))), TreeConfig().max_size)
+    tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
+    print(f"recording {len(prompts)} prompts from {args.suite!r} on {pair.name} ({pair.device}), tree {tree}, "
+          f"max_new_tokens={args.max_new_tokens}")
+    trace_dir, profile_path = record_task(pair, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                          profile_prompts=args.profile_prompts, seed=args.seed, progress=True)
+    print(f"wrote {trace_dir / 'trace.npz'}, {trace_dir / 'trace.json'}, {profile_path}")
+    return 0

@@ -1,0 +1,255 @@
+"""Live and replay environments: env checkers, live == replay on a recorded trace, episode ends, seeding, oracle."""
+from __future__ import annotations
+
+import copy
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import specpilot.envs  # noqa: F401  (registers the ids)
+from specpilot.drafting.decoder import autoregressive_generate
+from specpilot.drafting.pair import ModelPair
+from specpilot.drafting.types import TreeConfig
+from specpilot.envs.live import CYCLE_INFO_KEYS, DepthEnv, SizeEnv
+from specpilot.envs.profile import LatencyProfile
+from specpilot.envs.record import Trace, record_task, record_trace
+from specpilot.envs.replay import (ReplayDepthEnv, ReplaySizeEnv, replay_controller, replay_oracle,
+                                   replay_static)
+from specpilot.policies.base import FixedController
+from specpilot.policies.heuristics import DDDController
+
+TREE = TreeConfig(width=3, max_depth=4, max_size=16)
+SIZES = [1, 2, 4, 8, 16]
+MAX_NEW = 20
+EOS_AFTER = 6  # the first prompt's continuation emits EOS as its (EOS_AFTER+1)-th token
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny models on a shared CPU: several intra-op threads only spin against each other
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny_pair(seed: int = 0) -> ModelPair:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=512, eos_token_id=95)
+    target = LlamaForCausalLM(cfg)
+    draft = copy.deepcopy(target)  # a noisy copy: partial, position-dependent acceptance
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.3 * p.std() * torch.randn_like(p))
+    return ModelPair(target, draft)
+
+
+@pytest.fixture(scope="module")
+def pair_prompts():
+    """A tiny pair whose EOS id is chosen so the first prompt ends with EOS after EOS_AFTER+1 tokens."""
+    pair = _tiny_pair()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 95, size=int(rng.integers(3, 8))).tolist() for _ in range(3)]
+    for _ in range(50):
+        cont = autoregressive_generate(pair, prompts[0], max_new_tokens=MAX_NEW).tokens
+        if cont[EOS_AFTER] not in cont[:EOS_AFTER]:
+            break
+        prompts[0] = rng.integers(0, 95, size=5).tolist()
+    eos = cont[EOS_AFTER]
+    pair.target.generation_config.eos_token_id = eos
+    pair.target.config.eos_token_id = eos
+    assert pair.eos_token_id == eos
+    return pair, prompts
+
+
+def _synthetic_profile(tree: TreeConfig) -> LatencyProfile:
+    first = {n: [1e-3 + 1e-4 * n] for n in range(1, tree.max_depth + 2)}
+    levels = {level: [1.2e-3] for level in range(2, tree.max_depth + 1)}
+    verify = [(v, c, 4e-3 + 1e-4 * v + 1e-6 * c) for v in range(1, tree.max_size + 1) for c in (10, 40)]
+    return LatencyProfile.from_samples(first, levels, verify, max_depth=tree.max_depth, width=tree.width)
+
+
+@pytest.fixture(scope="module")
+def recorded(pair_prompts, tmp_path_factory):
+    pair, prompts = pair_prompts
+    trace = record_trace(pair, TREE, prompts, max_new_tokens=MAX_NEW)
+    out = trace.save(tmp_path_factory.mktemp("trace"))
+    profile = _synthetic_profile(TREE)
+    profile.save(out / "profile.json")
+    return out, Trace.load(out), profile
+
+
+def _live(kind: str, pair, prompts, **kw):
+    if kind == "depth":
+        return DepthEnv(pair, prompts, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), tree=TREE,
+                        size_controller=kw.pop("partner", 4), **kw)
+    return SizeEnv(pair, prompts, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), tree=TREE, size_actions=SIZES,
+                   depth_controller=kw.pop("partner", (1, TREE.max_depth)), **kw)
+
+
+def _replay(kind: str, trace, profile, **kw):
+    if kind == "depth":
+        return ReplayDepthEnv(trace, profile, size_controller=kw.pop("partner", 4), **kw)
+    return ReplaySizeEnv(trace, profile, size_actions=SIZES, depth_controller=kw.pop("partner", (1, TREE.max_depth)),
+                         **kw)
+
+
+def _rollout(env, seed: int, action_seed: int, options=None, max_steps: int = 500):
+    """(reset info, [(obs, reward, terminated, truncated, info)]) with actions drawn from action_seed."""
+    obs, info = env.reset(seed=seed, options=options)
+    rng = np.random.default_rng(action_seed)
+    steps = [(np.array(obs), 0.0, False, False, info)]
+    for _ in range(max_steps):
+        if env.action_space.n == 2:
+            action = int(rng.random() < 0.4)  # STOP with probability 0.4
+        else:
+            action = int(rng.integers(env.action_space.n))
+        obs, reward, terminated, truncated, info = env.step(action)
+        steps.append((np.array(obs), reward, terminated, truncated, info))
+        if terminated or truncated:
+            break
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("env_id", ["specpilot/Depth-v0", "specpilot/Size-v0", "specpilot/ReplayDepth-v0",
+                                    "specpilot/ReplaySize-v0"])
+def test_env_checkers_pass(env_id, pair_prompts, recorded):
+    from gymnasium.utils.env_checker import check_env as gym_check
+    from stable_baselines3.common.env_checker import check_env as sb3_check
+
+    pair, prompts = pair_prompts
+    trace_dir, _, _ = recorded
+    if env_id == "specpilot/Depth-v0":
+        kwargs = dict(pair=pair, prompts=prompts, max_new_tokens=MAX_NEW, tree=TREE, size_controller=4)
+    elif env_id == "specpilot/Size-v0":
+        kwargs = dict(pair=pair, prompts=prompts, max_new_tokens=MAX_NEW, tree=TREE, size_actions=SIZES,
+                      depth_controller=(1, 4))
+    elif env_id == "specpilot/ReplayDepth-v0":
+        kwargs = dict(trace=str(trace_dir), size_controller=4)
+    else:
+        kwargs = dict(trace=str(trace_dir), size_actions=SIZES, depth_controller=(1, 4))
+    env = gym.make(env_id, **kwargs)
+    gym_check(env.unwrapped)
+    sb3_check(env.unwrapped, warn=True)
+    # the wrapped env (passive checker, order enforcing) steps too
+    env.reset(seed=0)
+    env.step(env.action_space.sample())
+    env.close()
+
+
+@pytest.mark.parametrize("kind", ["depth", "size"])
+def test_live_and_replay_accept_the_same_tokens(kind, pair_prompts, recorded):
+    pair, prompts = pair_prompts
+    _, trace, profile = recorded
+    live, replay = _live(kind, pair, prompts), _replay(kind, trace, profile)
+    cycles = 0
+    for index in range(len(prompts)):
+        for action_seed in (0, 1):
+            a = _rollout(live, seed=index, action_seed=action_seed, options={"prompt_index": index})
+            b = _rollout(replay, seed=index, action_seed=action_seed, options={"prompt_index": index})
+            assert len(a) == len(b)
+            for (oa, _, ta, ua, ia), (ob, _, tb, ub, ib) in zip(a, b):
+                np.testing.assert_allclose(oa, ob, atol=1e-5)  # same DraftState numbers -> same observation
+                assert (ta, ua) == (tb, ub)
+                if "accepted" in ia:
+                    cycles += 1
+                    for key in ("accepted", "emitted", "depth", "size", "context_len", "new_tokens"):
+                        assert ia[key] == ib[key], (key, ia, ib)
+                    assert set(CYCLE_INFO_KEYS) <= set(ia) and set(CYCLE_INFO_KEYS) <= set(ib)
+            # the emitted text is the target's greedy text in both
+            assert live.session.new_tokens == trace.continuation(index)[: len(live.session.new_tokens)].tolist()
+    assert cycles > 10
+
+
+@pytest.mark.parametrize("kind", ["depth", "size"])
+@pytest.mark.parametrize("source", ["live", "replay"])
+def test_episode_ends_eos_terminated_length_truncated(kind, source, pair_prompts, recorded):
+    pair, prompts = pair_prompts
+    _, trace, profile = recorded
+    for max_new, want in ((MAX_NEW, "eos"), (EOS_AFTER - 1, "length")):
+        if source == "live":
+            env = _live(kind, pair, prompts, max_new_tokens=max_new)
+        else:
+            env = _replay(kind, trace, profile, max_new_tokens=max_new)
+        steps = _rollout(env, seed=0, action_seed=3, options={"prompt_index": 0})
+        *_, (obs, _, terminated, truncated, info) = steps
+        assert env.observation_space.contains(obs)
+        assert info["finished_by"] == want
+        assert (terminated, truncated) == ((True, False) if want == "eos" else (False, True))
+        assert info["new_tokens"] == (EOS_AFTER + 1 if want == "eos" else max_new)
+        assert not any(t or u for _, _, t, u, _ in steps[:-1])
+        with pytest.raises(RuntimeError):
+            env.step(0)
+
+
+@pytest.mark.parametrize("kind", ["depth", "size"])
+def test_replay_seed_reproduces_episode(kind, recorded):
+    _, trace, profile = recorded
+    env = _replay(kind, trace, profile, time_noise=1.0)
+    a = _rollout(env, seed=7, action_seed=0)
+    b = _rollout(env, seed=7, action_seed=0)
+    assert a[0][4]["prompt_index"] == b[0][4]["prompt_index"]
+    assert len(a) == len(b)
+    for (oa, ra, *_), (ob, rb, *_) in zip(a, b):
+        np.testing.assert_array_equal(oa, ob)
+        assert ra == rb
+    chosen = {_rollout(env, seed=s, action_seed=0)[0][4]["prompt_index"] for s in range(12)}
+    assert len(chosen) > 1  # the seed picks the prompt
+
+
+def test_live_seed_reproduces_prompt_and_tokens(pair_prompts):
+    pair, prompts = pair_prompts
+    env = _live("size", pair, prompts)
+    a = _rollout(env, seed=5, action_seed=1)
+    b = _rollout(env, seed=5, action_seed=1)
+    assert a[0][4]["prompt_index"] == b[0][4]["prompt_index"]
+    assert [s[4].get("accepted") for s in a] == [s[4].get("accepted") for s in b]
+    assert [s[4].get("depth") for s in a] == [s[4].get("depth") for s in b]  # random partner depths reseeded
+
+
+def test_depth_env_forces_stop_at_max_depth(recorded):
+    _, trace, profile = recorded
+    env = _replay("depth", trace, profile)
+    env.reset(seed=0)
+    for _ in range(TREE.max_depth - 2):
+        *_, info = env.step(0)
+        assert "accepted" not in info
+    *_, info = env.step(0)  # reaches max_depth: verified in the same step
+    assert info["depth"] == TREE.max_depth and "accepted" in info
+
+
+def test_replay_static_and_controller_agree_and_oracle_bounds(recorded):
+    _, trace, profile = recorded
+    static = replay_static(trace, profile, depth=3, size=8)
+    via_controller = replay_controller(trace, profile, FixedController(3, 8))
+    assert static["tokens"] == via_controller["tokens"] == sum(trace.budget(i)[0] for i in range(trace.num_prompts))
+    assert static["cycles"] == via_controller["cycles"]
+    assert static["time_s"] == pytest.approx(via_controller["time_s"])
+    assert replay_controller(trace, profile, DDDController(check_depths=(2, 3), size=8))["tokens"] == static["tokens"]
+    result = replay_oracle(trace, profile, sizes=SIZES)
+    best = result["best_static"]
+    assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in result["static"])
+    cell = next(r for r in result["static"] if (r["depth"], r["size"]) == (3, 8))
+    assert cell["tokens"] == static["tokens"] and cell["time_s"] == pytest.approx(static["time_s"])
+    assert result["oracle"]["tokens_per_s"] >= best["tokens_per_s"] * (1 - 1e-9)
+    assert result["oracle"]["tokens_per_s"] >= result["greedy_oracle"]["tokens_per_s"] * (1 - 1e-9)
+
+
+def test_record_task_writes_trace_and_measured_profile(pair_prompts, tmp_path):
+    pair, prompts = pair_prompts
+    trace_dir, profile_path = record_task(pair, TREE, prompts[:1], tmp_path, max_new_tokens=8)
+    assert {p.name for p in tmp_path.iterdir()} >= {"trace.npz", "trace.json", "profile.json"}
+    profile = LatencyProfile.load(profile_path)
+    assert profile.draft_table().shape == (TREE.max_depth + 2, TREE.max_depth + 1)
+    assert np.all(profile.verify_table(TREE.max_size, np.array([5, 50]))[:, 1:] > 0)
+    env = gym.make("specpilot/ReplaySize-v0", trace=trace_dir, size_actions=SIZES)
+    obs, _ = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
