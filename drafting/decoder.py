@@ -22,7 +22,7 @@ from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sample, sampling_probs
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
-from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
+from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, LazyDraftState, TreeConfig
 from specpilot.drafting.verify import (accept_chain_sampled, accept_greedy, accept_tree_sampled, block_inputs,
                                        select_block)
 
@@ -110,14 +110,11 @@ class DecodingSession:
 
     def _state(self) -> DraftState:
         tree = self.drafter.tree
-        depth = tree.depth
-        level_start = 0 if depth == 1 else self.tree_config.width + (depth - 2) * self.tree_config.width ** 2
-        level_scores = tree.scores[level_start: tree.size]
-        return DraftState(
-            depth=depth, max_depth=self.tree_config.max_depth, width=self.tree_config.width,
-            context_len=len(self.committed),
-            frontier_scores=torch.sort(level_scores, descending=True).values.cpu(),
-            candidate_scores=torch.sort(tree.scores[: tree.size], descending=True).values.cpu(),
+        depth, width = tree.depth, self.tree_config.width
+        level_start = 0 if depth == 1 else width + (depth - 2) * width * width
+        return LazyDraftState(
+            scores=tree.scores[: tree.size], level_start=level_start,
+            depth=depth, max_depth=self.tree_config.max_depth, width=width, context_len=len(self.committed),
             last_top_prob=self.drafter.last_top_prob, last_entropy=self.drafter.last_entropy,
             new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,
         )

@@ -132,3 +132,39 @@ class GenerationOutput:
     @property
     def verify_s(self) -> float:
         return sum(c.verify_s for c in self.cycles)
+
+
+class LazyDraftState(DraftState):
+    """A DraftState whose score vectors are sorted (and moved to the CPU) only when a controller reads them, so
+    controllers that ignore scores (fixed configs, schedules) add no sorting or device syncs to the hot loop."""
+
+    def __init__(self, *, scores: torch.Tensor, level_start: int, **fields) -> None:
+        self._scores, self._level_start = scores, level_start  # scores: [num_candidates] on the model's device
+        self._frontier = self._candidates = None
+        super().__init__(frontier_scores=None, candidate_scores=None, **fields)
+
+    @property
+    def frontier_scores(self) -> torch.Tensor:
+        if self._frontier is None:
+            self._frontier = torch.sort(self._scores[self._level_start:], descending=True).values.cpu()
+        return self._frontier
+
+    @frontier_scores.setter
+    def frontier_scores(self, value) -> None:
+        if value is not None:
+            self._frontier = value
+
+    @property
+    def candidate_scores(self) -> torch.Tensor:
+        if self._candidates is None:
+            self._candidates = torch.sort(self._scores, descending=True).values.cpu()
+        return self._candidates
+
+    @candidate_scores.setter
+    def candidate_scores(self, value) -> None:
+        if value is not None:
+            self._candidates = value
+
+    @property
+    def num_candidates(self) -> int:
+        return int(self._scores.numel())
