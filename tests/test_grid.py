@@ -1,0 +1,77 @@
+"""Grid search: the exact replay sweep picks the replay-best cell, the live phase re-ranks the top cells, and the
+result (JSON + heat map) is what `specpilot eval --grid` reads."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specpilot.drafting.types import TreeConfig
+from specpilot.envs.profile import LatencyProfile
+from specpilot.envs.record import record_trace
+from specpilot.envs.replay import replay_static
+from specpilot.train.grid import grid_search, resolve_train_trace
+
+from tiny import tiny_pair
+
+TREE = TreeConfig(width=3, max_depth=4, max_size=12)
+
+
+def synthetic_profile(tree: TreeConfig) -> LatencyProfile:
+    first = {n: [1e-3 + 1e-4 * n] for n in range(1, tree.max_depth + 2)}
+    levels = {level: [1.2e-3] for level in range(2, tree.max_depth + 1)}
+    verify = [(v, c, 4e-3 + 2e-4 * v + 1e-6 * c) for v in range(1, tree.max_size + 1) for c in (10, 40)]
+    return LatencyProfile.from_samples(first, levels, verify, max_depth=tree.max_depth, width=tree.width)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    pair = tiny_pair(noise=0.2, eos=None)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 95, size=5).tolist() for _ in range(3)]
+    root = tmp_path_factory.mktemp("traces")
+    trace = record_trace(pair, TREE, prompts, max_new_tokens=16)
+    trace.save(root / "train")
+    synthetic_profile(TREE).save(root / "train" / "profile.json")
+    return pair, prompts, root
+
+
+def test_replay_sweep_picks_the_replay_best_and_writes_json_and_png(recorded, tmp_path):
+    _, _, root = recorded
+    out = tmp_path / "grid.json"
+    result = grid_search(resolve_train_trace(root), sizes=[1, 2, 4, 8, 12], out=out)
+    cells = {(r["depth"], r["size"]): r["tokens_per_s"] for r in result["table"]}
+    assert len(cells) == TREE.max_depth * 5
+    # every cell equals an independent replay of that static config
+    for (d, v), tps in list(cells.items())[:6]:
+        assert tps == pytest.approx(replay_static(root / "train", depth=d, size=v)["tokens_per_s"])
+    best = result["best"]
+    assert best["source"] == "replay" and best["width"] == TREE.width
+    assert cells[(best["depth"], best["size"])] == max(cells.values())
+    data = json.loads(out.read_text())
+    assert data["best"]["depth"] == best["depth"] and data["best"]["size"] == best["size"]
+    assert (tmp_path / "grid.png").stat().st_size > 1000
+    assert data["oracle"][str(TREE.width)]["oracle"]["tokens_per_s"] >= max(cells.values()) * (1 - 1e-9)
+    assert all(r["speedup"] > 0 for r in data["table"])
+
+
+def test_live_phase_remeasures_the_top_cells_and_picks_the_best_live(recorded, tmp_path):
+    pair, prompts, root = recorded
+    result = grid_search(root / "train", sizes=[1, 4, 12], depths=[1, 2, 4], pair=pair, val_prompts=prompts[:2],
+                         live_top=2, live_max_new_tokens=8, live_warmup=1, out=tmp_path / "g.json", heatmap=False)
+    live = result["live"]
+    assert len(live) == 2
+    top2 = [(r["depth"], r["size"]) for r in result["table"][:2]]
+    assert [(r["depth"], r["size"]) for r in live] == top2
+    chosen = max(live, key=lambda r: r["tokens_per_s"])
+    assert result["best"]["source"] == "live"
+    assert (result["best"]["depth"], result["best"]["size"]) == (chosen["depth"], chosen["size"])
+    assert all(r["tokens"] == 2 * 8 for r in live) and result["live_ar"]["tokens"] == 16
+    assert not (tmp_path / "g.png").exists()
+
+
+def test_grid_rejects_two_traces_of_one_width(recorded):
+    _, _, root = recorded
+    with pytest.raises(ValueError, match="one trace per width"):
+        grid_search([root / "train", root / "train"])

@@ -1,0 +1,126 @@
+"""Training pipeline on a tiny recorded task: stage 1 + one co-adaptation round write loadable policies, validation
+scores are the inference controllers' replay throughput, resume skips finished stages, the ablation reports."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specpilot.drafting.types import TreeConfig
+from specpilot.envs.record import record_trace
+from specpilot.envs.replay import replay_controller
+from specpilot.policies.ppo import load_run_controllers
+from specpilot.train import pipeline as P
+
+from test_grid import synthetic_profile
+from tiny import tiny_pair
+
+TREE = TreeConfig(width=3, max_depth=4, max_size=8)
+SMALL = dict(pi_arch=[16], vf_arch=[16], n_steps=64, batch_size=32, n_epochs=2, wandb="disabled")
+STATIC = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    pair = tiny_pair(noise=0.2, eos=None)
+    rng = np.random.default_rng(1)
+    root = tmp_path_factory.mktemp("traces")
+    for split, n in (("train", 3), ("validation", 2)):
+        prompts = [rng.integers(0, 95, size=5).tolist() for _ in range(n)]
+        record_trace(pair, TREE, prompts, max_new_tokens=16).save(root / split)
+        synthetic_profile(TREE).save(root / split / "profile.json")
+    return P.TaskTraces.resolve(root)
+
+
+def _kw(**extra):
+    return {**SMALL, **extra}
+
+
+def test_stage1_and_coadapt_write_loadable_policies(traces, tmp_path):
+    run = tmp_path / "run"
+    out = P.run_pipeline(run, traces, size_steps=192, depth_steps=192, coadapt_steps=128, rounds=1, static=STATIC,
+                         **_kw())
+    index = json.loads((run / "policies.json").read_text())
+    assert index["fallback"] == {"depth": STATIC[0], "size": STATIC[1]}
+    controllers = load_run_controllers(run)
+    assert set(controllers) == {"ltd", "depth_only", "size_only"}
+    stage1 = load_run_controllers(run / "stage1")
+    assert set(stage1) == {"ltd", "depth_only", "size_only"}
+    # the round trained the size policy against the frozen stage-1 depth policy
+    assert out["coadapt"]["rounds"][0]["stage"] == "co1_size"
+    assert (run / "co1_size" / "best.zip").is_file() and (run / "manifest.json").is_file()
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stage_setup"]["co1_size"]["partner"]["name"] == "frozen_depth"
+    assert manifest["stages"]["size_s1"]["settings"]["n_steps"] == 64 and "torch" in manifest["versions"]
+    # validation = the inference controller under replay on the validation trace
+    s1_size = json.loads((run / "size_s1" / "best.json").read_text())["score"]
+    replayed = replay_controller(traces.validation, controller=stage1["size_only"])["tokens_per_s"]
+    assert s1_size == pytest.approx(replayed)
+    s1_depth = json.loads((run / "depth_s1" / "best.json").read_text())["score"]
+    assert s1_depth == pytest.approx(replay_controller(traces.validation, controller=stage1["depth_only"])["tokens_per_s"])
+    # co-adaptation never hands on a policy worse on validation than the one it started from
+    rnd = out["coadapt"]["rounds"][0]
+    assert rnd["score"] >= rnd["validation"]["init_score"] - 1e-9
+
+    ev = P.evaluate_run(run, traces, static=STATIC)
+    assert {"static", "ltd", "depth_only", "size_only", "s1_ltd", "oracle", "ar"} <= set(ev)
+    assert ev["oracle"]["tokens_per_s"] >= ev["ltd"]["tokens_per_s"] * (1 - 1e-9)
+
+
+def test_resume_skips_finished_stages(traces, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    P.train_size(run, traces, steps=128, static=STATIC, **_kw())
+    P.train_depth(run, traces, steps=128, static=STATIC, **_kw())
+    first = P.coadapt(run, traces, rounds=2, steps=64, static=STATIC, **_kw())
+
+    import specpilot.train.ppo as ppo
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a finished stage was trained again")
+
+    monkeypatch.setattr(ppo, "train_policy", boom)
+    again = P.coadapt(run, traces, rounds=2, steps=64, static=STATIC, resume=True, **_kw())
+    assert [r["skipped"] for r in again["rounds"]] == [True, True]
+    assert str(again["depth"]) == str(first["depth"]) and str(again["size"]) == str(first["size"])
+    res = P.train_size(run, traces, steps=128, static=STATIC, resume=True, **_kw())
+    assert res.skipped
+    with pytest.raises(FileExistsError):  # without --resume an existing stage is never overwritten
+        monkeypatch.undo()
+        P.train_size(run, traces, steps=128, static=STATIC, **_kw())
+
+
+def test_coadapt_needs_stage1(traces, tmp_path):
+    with pytest.raises(FileNotFoundError, match="train stage"):
+        P.coadapt(tmp_path / "empty", traces, rounds=1, steps=64, static=STATIC, **_kw())
+
+
+def test_reward_ablation_reports_every_mode(traces, tmp_path):
+    res = P.reward_ablation(tmp_path / "run", traces, kind="size", rewards=("throughput", "acceptance"), steps=128,
+                            static=STATIC, **_kw())
+    assert [r["reward"] for r in res["rows"]] == ["throughput", "acceptance"]
+    data = json.loads((tmp_path / "run" / "ablation" / "ablation.json").read_text())
+    for row in data["rows"]:
+        for part in ("final", "best"):
+            assert row[part]["tokens_per_s"] > 0 and row[part]["size_mean"] >= 1
+
+
+def test_budget_settings_scale_and_keep_paper_defaults():
+    big = P.budget_settings("size", 100_000)
+    assert (big.n_steps, big.batch_size, big.n_epochs, big.pi_arch, big.gamma) == (2048, 256, 20, [1024, 256], 0.9)
+    depth = P.budget_settings("depth", 1_000_000)
+    assert (depth.pi_arch, depth.vf_arch, depth.gamma, depth.ent_coef) == ([1024], [1024, 256], 0.999, 0.01)
+    small = P.budget_settings("size", 2000)
+    assert small.n_steps == 128 and small.total_timesteps // small.n_steps >= 8 and small.n_epochs == 10
+    assert P.budget_settings("size", 2000, n_epochs=3, n_steps=512).n_epochs == 3
+
+
+def test_evaluate_live_reports_speedup_and_policy_overhead(traces):
+    from specpilot.policies.base import FixedController
+
+    pair = tiny_pair(noise=0.2, eos=None)
+    res = P.evaluate_live(pair, {"fixed": FixedController(2, 4)}, [[1, 2, 3], [4, 5, 6]], tree=TREE,
+                          max_new_tokens=8)
+    assert res["ar"]["tokens"] == res["fixed"]["tokens"] == 16
+    assert res["ar"]["speedup"] == pytest.approx(1.0)
+    assert 0 <= res["fixed"]["policy_overhead"] < 1 and res["fixed"]["depth_mean"] <= 2

@@ -1,0 +1,368 @@
+"""Grid search: the best static (width, depth, size) configuration, the baseline a learned policy must beat.
+
+Two phases:
+1. **Exact replay sweep.** Every (depth, size) cell of every recorded trace (one trace per beam width W) is
+   replayed on the training task (`specpilot.envs.replay.replay_oracle`, all cells at once): exact accepted lengths
+   under greedy decoding, times from the latency profile. This ranks all cells in seconds.
+2. **Live re-measurement.** The top `live_top` cells are run with the real decoder
+   (`SpeculativeDecoder.generate` + `FixedController`) on *validation* prompts, interleaved per prompt in a rotated
+   order after a warm-up, with our autoregressive baseline alongside; the best live cell wins (replay predicts,
+   the clock decides). Without a pair (or with live_top=0) the replay best wins.
+
+Output (`out`, default grid.json) and a heat map of replay tokens/s over depth x size per width (grid.png):
+
+    {"best": {"width", "depth", "size", "source": "live"|"replay", ...},
+     "table": [{"width", "depth", "size", "tokens_per_s", "mean_accepted_length", "speedup", ...}, ...],
+     "live": [{"width", "depth", "size", "tokens_per_s", "mean_accepted_length", "speedup", ...}, ...],
+     "oracle": {"<W>": {"oracle": ..., "greedy_oracle": ...}}, "meta": {...}}
+
+`table[*].speedup` is replay tokens/s over replay autoregressive tokens/s (`replay_ar`); `live[*].speedup` is live
+tokens/s over live autoregressive tokens/s on the same prompts. `specpilot eval --grid grid.json` reads `best`.
+
+    specpilot grid --traces RUN/traces --out RUN/grid.json --live-top 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from specpilot.envs.observation import default_size_actions
+from specpilot.envs.record import Trace
+from specpilot.envs.replay import ReplayModel, load_profile, load_trace, replay_oracle
+
+AR_FILE = "ar.json"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# autoregressive reference under replay
+
+
+def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
+    """Autoregressive tokens/s predicted for the trace's generations: one target forward per token.
+
+    Seconds per token: the live autoregressive measurement `ar.json` next to the trace when present
+    (`specpilot.train.pipeline.record_traces` writes it: `autoregressive_generate` on the same prompts, after a
+    warm-up), else the profile's verification time at size 1 at each position's context length (a 2-token target
+    forward with acceptance and cache compaction: at most a little dearer than an AR step, so a speedup computed
+    with it errs slightly high). `source` says which was used.
+    """
+    trace = model.trace
+    indices = range(trace.num_prompts) if prompts is None else prompts
+    tokens = sum(model.tables(i).n for i in indices)
+    ar_path = trace.path / AR_FILE if trace.path is not None else None
+    if ar_path is not None and ar_path.is_file():
+        data = json.loads(ar_path.read_text())
+        s_per_token = float(data["seconds_per_token"])
+        return {"tokens": tokens, "time_s": tokens * s_per_token, "tokens_per_s": 1.0 / s_per_token,
+                "source": "live"}
+    time_s = float(sum(model.tables(i).verify[:, 1].sum() for i in indices))
+    return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan"),
+            "source": "profile_v1"}
+
+
+def default_sizes(trace: Trace) -> list[int]:
+    """The sizes a grid sweeps by default: 1 and the size policy's actions for the trace's device, <= max_size."""
+    sizes = {1, *default_size_actions(trace.header.get("device"))}
+    return sorted(s for s in sizes if s <= trace.max_size) or [trace.max_size]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# live measurement
+
+
+def measure_live(pair, configs: Sequence[dict], prompts: Sequence, *, max_new_tokens: int = 64, repeats: int = 1,
+                 warmup: int = 1, include_ar: bool = True, progress: bool = False) -> tuple[list[dict], dict | None]:
+    """Run each static config ({"width", "depth", "size"}) live on `prompts`, interleaved.
+
+    Per (prompt, repeat) every config (and AR) runs once, in an order rotated by one each time, so load drift hits
+    all alike; `warmup` untimed generations of each config on the first prompt come first. Time is the decoder's
+    own generation time (`GenerationOutput.total_s`: after the untimed prefill; draft, verify and policy time),
+    summed; tokens/s = sum(tokens) / sum(time). Returns (rows in `configs` order, AR row or None).
+    """
+    from specpilot.drafting.decoder import SpeculativeDecoder, autoregressive_generate
+    from specpilot.drafting.types import TreeConfig
+    from specpilot.policies.base import FixedController
+
+    ids = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
+    if not ids:
+        raise ValueError("measure_live needs at least one prompt")
+    runners = []
+    for cfg in configs:
+        tree = TreeConfig(width=int(cfg["width"]), max_depth=int(cfg.get("max_depth", cfg["depth"])),
+                          max_size=int(cfg.get("max_size", cfg["size"])))
+        decoder, ctrl = SpeculativeDecoder(pair, tree), FixedController(int(cfg["depth"]), int(cfg["size"]))
+        runners.append(lambda p, d=decoder, c=ctrl: d.generate(p, controller=c, max_new_tokens=max_new_tokens))
+    if include_ar:
+        runners.append(lambda p: autoregressive_generate(pair, p, max_new_tokens=max_new_tokens))
+    for _ in range(max(0, warmup)):
+        for run in runners:
+            run(ids[0])
+    tokens = np.zeros(len(runners), dtype=np.int64)
+    seconds = np.zeros(len(runners))
+    cycles = np.zeros(len(runners), dtype=np.int64)
+    turn = 0
+    started = time.perf_counter()
+    for r in range(repeats):
+        for i, prompt in enumerate(ids):
+            order = [(turn + k) % len(runners) for k in range(len(runners))]
+            turn += 1
+            for k in order:
+                out = runners[k](prompt)
+                tokens[k] += out.num_tokens
+                seconds[k] += out.total_s
+                cycles[k] += len(out.cycles) if out.cycles else out.num_tokens
+            if progress:
+                print(f"  live: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(ids)} "
+                      f"({time.perf_counter() - started:.1f}s)", flush=True)
+    rows = [{"tokens": int(tokens[k]), "time_s": float(seconds[k]), "cycles": int(cycles[k]),
+             "tokens_per_s": float(tokens[k] / seconds[k]) if seconds[k] > 0 else float("nan"),
+             "mean_accepted_length": float(tokens[k] / cycles[k]) if cycles[k] else float("nan")}
+            for k in range(len(runners))]
+    ar = rows.pop() if include_ar else None
+    out_rows = []
+    for cfg, row in zip(configs, rows):
+        row = {"width": int(cfg["width"]), "depth": int(cfg["depth"]), "size": int(cfg["size"]), **row}
+        if ar is not None:
+            row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
+        out_rows.append(row)
+    return out_rows, ar
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the search
+
+
+def _as_list(traces) -> list:
+    if isinstance(traces, (str, Path, Trace)):
+        return [traces]
+    return list(traces)
+
+
+def grid_search(
+    traces: str | Path | Trace | Sequence[str | Path | Trace],
+    *,
+    profile: str | Path | None = None,
+    depths: Sequence[int] | None = None,
+    sizes: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
+    pair=None,
+    val_prompts: Sequence | None = None,
+    live_top: int = 3,
+    live_repeats: int = 1,
+    live_max_new_tokens: int | None = None,
+    live_warmup: int = 1,
+    out: str | Path | None = None,
+    heatmap: bool = True,
+    progress: bool = False,
+) -> dict:
+    """Sweep (width, depth, size) exactly on replay, re-measure the top `live_top` live, return (and write) the result.
+
+    traces: one trace (dir / trace.npz / Trace) per beam width, recorded on the *training* task; each carries its
+        profile.json unless `profile` is given (only sensible with one trace).
+    depths: default 1..max_depth of each trace; sizes: default `default_sizes(trace)` (clipped to max_size).
+    pair, val_prompts: the live phase (skipped when either is missing or live_top == 0). val_prompts must be
+        validation prompts (never held-out ones: the result selects a baseline).
+    live_max_new_tokens: default the trace's max_new_tokens.
+    out: path of grid.json; the heat map goes next to it as <stem>.png (heatmap=False skips it).
+    """
+    started = time.perf_counter()
+    table: list[dict] = []
+    oracle: dict[str, dict] = {}
+    sources: list[dict] = []
+    for item in _as_list(traces):
+        trace = load_trace(item)
+        model = ReplayModel(trace, load_profile(profile, trace), max_new_tokens=max_new_tokens)
+        width = trace.width
+        if str(width) in oracle:
+            raise ValueError(f"two traces with width {width}: give one trace per width")
+        cell_depths = sorted({int(d) for d in (depths or range(1, trace.max_depth + 1)) if 1 <= int(d) <= trace.max_depth})
+        cell_sizes = sorted({min(int(s), trace.max_size) for s in (sizes or default_sizes(trace)) if int(s) >= 1})
+        if not cell_depths or not cell_sizes:
+            raise ValueError(f"empty grid for the width-{width} trace: depths {depths} / sizes {sizes} fall outside "
+                             f"1..{trace.max_depth} / 1..{trace.max_size}")
+        result = replay_oracle(model, depths=cell_depths, sizes=cell_sizes)
+        ar = replay_ar(model)
+        for row in result["static"]:
+            table.append({"width": width, **row, "speedup": row["tokens_per_s"] / ar["tokens_per_s"]})
+        oracle[str(width)] = {"oracle": result["oracle"], "greedy_oracle": result["greedy_oracle"], "ar": ar,
+                              "max_depth": trace.max_depth, "max_size": trace.max_size}
+        sources.append({"trace": str(trace.path) if trace.path else None, "width": width,
+                        "max_depth": trace.max_depth, "max_size": trace.max_size, "pair": trace.header.get("pair"),
+                        "device": trace.header.get("device"), "positions": trace.header.get("positions"),
+                        "max_new_tokens": model.max_new_tokens, "depths": cell_depths, "sizes": cell_sizes})
+        if progress:
+            best = result["best_static"]
+            print(f"  replay grid W={width}: {len(result['static'])} cells, best d={best['depth']} "
+                  f"V={best['size']} {best['tokens_per_s']:.1f} tok/s (oracle {result['oracle']['tokens_per_s']:.1f})",
+                  flush=True)
+    table.sort(key=lambda r: -r["tokens_per_s"])
+    replay_best = table[0]
+
+    live_rows: list[dict] = []
+    live_ar = None
+    if pair is not None and val_prompts and live_top > 0:
+        top = table[: live_top]
+        max_dims = {s["width"]: (s["max_depth"], s["max_size"]) for s in sources}
+        configs = [{**{k: r[k] for k in ("width", "depth", "size")}, "max_depth": max_dims[r["width"]][0],
+                    "max_size": max_dims[r["width"]][1]} for r in top]
+        live_rows, live_ar = measure_live(
+            pair, configs, val_prompts, max_new_tokens=live_max_new_tokens or sources[0]["max_new_tokens"],
+            repeats=live_repeats, warmup=live_warmup, progress=progress)
+        for row, rep in zip(live_rows, top):
+            row["replay_tokens_per_s"] = rep["tokens_per_s"]
+            row["replay_rank"] = table.index(rep) + 1
+        chosen = max(live_rows, key=lambda r: r["tokens_per_s"])
+        best = {k: chosen[k] for k in ("width", "depth", "size")}
+        best.update(source="live", live_tokens_per_s=chosen["tokens_per_s"], live_speedup=chosen.get("speedup"))
+    else:
+        best = {k: replay_best[k] for k in ("width", "depth", "size")}
+        best["source"] = "replay"
+    rb = next(r for r in table if (r["width"], r["depth"], r["size"]) == (best["width"], best["depth"], best["size"]))
+    best.update(replay_tokens_per_s=rb["tokens_per_s"], replay_speedup=rb["speedup"],
+                mean_accepted_length=rb["mean_accepted_length"])
+
+    result = {
+        "best": best,
+        "table": table,
+        "live": live_rows,
+        "live_ar": live_ar,
+        "oracle": oracle,
+        "meta": {"traces": sources, "live_top": live_top if live_rows else 0, "live_repeats": live_repeats,
+                 "live_prompts": len(val_prompts or []) if live_rows else 0,
+                 "pair": pair.identity() if pair is not None and live_rows else None,
+                 "elapsed_s": time.perf_counter() - started, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "notes": "table: exact replay on the training trace(s); live: top cells re-measured on validation "
+                          "prompts, interleaved; best = best live cell (replay best when no live phase)"},
+    }
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if heatmap:
+            result["meta"]["heatmap"] = str(plot_heatmap(result, out.with_suffix(".png")).name)
+        out.write_text(json.dumps(result, indent=1, default=float))
+    return result
+
+
+def plot_heatmap(result: dict, path: str | Path) -> Path:
+    """Replay tokens/s over depth x size, one panel per width; the chosen best cell is outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    widths = sorted({r["width"] for r in result["table"]})
+    fig, axes = plt.subplots(1, len(widths), figsize=(5.5 * len(widths), 4.2), squeeze=False)
+    best = result["best"]
+    for ax, w in zip(axes[0], widths):
+        rows = [r for r in result["table"] if r["width"] == w]
+        ds = sorted({r["depth"] for r in rows})
+        vs = sorted({r["size"] for r in rows})
+        grid = np.full((len(ds), len(vs)), np.nan)
+        for r in rows:
+            grid[ds.index(r["depth"]), vs.index(r["size"])] = r["tokens_per_s"]
+        im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
+        ax.set_xticks(range(len(vs)), [str(v) for v in vs])
+        ax.set_yticks(range(len(ds)), [str(d) for d in ds])
+        ax.set_xlabel("verification size V")
+        ax.set_ylabel("draft depth D")
+        ax.set_title(f"replay tokens/s, W={w}")
+        if len(ds) * len(vs) <= 160:
+            top = np.nanmax(grid)
+            for a in range(len(ds)):
+                for b in range(len(vs)):
+                    if np.isfinite(grid[a, b]):
+                        ax.text(b, a, f"{grid[a, b]:.0f}", ha="center", va="center", fontsize=6,
+                                color="black" if grid[a, b] > 0.6 * top else "white")
+        if best["width"] == w and best["depth"] in ds and best["size"] in vs:
+            ax.add_patch(plt.Rectangle((vs.index(best["size"]) - 0.5, ds.index(best["depth"]) - 0.5), 1, 1,
+                                       fill=False, edgecolor="red", linewidth=2))
+        fig.colorbar(im, ax=ax, label="tokens/s")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CLI: specpilot grid
+
+
+def resolve_train_trace(path: str | Path) -> Path:
+    """A trace directory, or a traces directory holding `train/` (as `specpilot train` lays out RUN/traces)."""
+    path = Path(path)
+    if (path / "trace.npz").is_file() or path.suffix == ".npz":
+        return path
+    if (path / "train" / "trace.npz").is_file():
+        return path / "train"
+    raise FileNotFoundError(f"no trace under {path}: expected trace.npz there or in {path / 'train'} "
+                            "(record one with `specpilot record --suite train --out DIR`)")
+
+
+def _int_list(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    out: list[int] = []
+    for part in text.split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", nargs="+", required=True,
+                        help="trace dir(s) of the training task, one per beam width (or RUN/traces with train/)")
+    parser.add_argument("--out", required=True, help="grid.json path (the heat map is written next to it)")
+    parser.add_argument("--depths", default=None, help="depths to sweep, e.g. 1-12 or 2,4,6 (default: 1..max_depth)")
+    parser.add_argument("--sizes", default=None, help="sizes to sweep, e.g. 1,2,4,8 (default: 1 + size actions)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="replay budget (default: the trace's)")
+    parser.add_argument("--live-top", type=int, default=3, help="re-measure the top K cells live (0: replay only)")
+    parser.add_argument("--live-repeats", type=int, default=1, help="passes over the validation prompts")
+    parser.add_argument("--val-suite", default="validation", help="prompts for the live phase (never held-out)")
+    parser.add_argument("--val-limit", type=int, default=None, help="use only the first N validation prompts")
+    parser.add_argument("--target", default=None, help="target model (default: the embedded pair)")
+    parser.add_argument("--draft", default=None, help="draft model (with --target)")
+    parser.add_argument("--device", default=None, help="cpu / cuda")
+    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for tiny models)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        traces = [resolve_train_trace(t) for t in args.traces]
+    except FileNotFoundError as err:
+        print(f"specpilot grid: {err}", file=sys.stderr)
+        return 2
+    pair = prompts = None
+    if args.live_top > 0:
+        from specpilot.drafting.pair import ModelPair
+        from specpilot.envs.record import load_prompts
+
+        try:
+            prompts = load_prompts(args.val_suite, limit=args.val_limit)
+            pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"specpilot grid: {err}", file=sys.stderr)
+            return 2
+    result = grid_search(traces, depths=_int_list(args.depths), sizes=_int_list(args.sizes),
+                         max_new_tokens=args.max_new_tokens, pair=pair, val_prompts=prompts, live_top=args.live_top,
+                         live_repeats=args.live_repeats, out=args.out, progress=True)
+    best = result["best"]
+    print(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
+          f"replay {best['replay_tokens_per_s']:.1f} tok/s ({best['replay_speedup']:.2f}x AR)"
+          + (f", live {best['live_tokens_per_s']:.1f} tok/s" if best["source"] == "live" else ""))
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+    return 0
