@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -8,3 +9,27 @@ os.environ.setdefault("WANDB_MODE", "offline")
 sys.path.insert(0, os.path.dirname(__file__))
 # Tests use tiny models: intra-op threads only add synchronisation cost, and stall when cores are shared.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def saved_pair(tmp_path_factory):
+    """A tiny target/draft pair with a real byte-level BPE tokenizer, saved to disk (target/, draft/)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny import noisy_copy, tiny_model
+
+    root = tmp_path_factory.mktemp("pair")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    target = tiny_model(vocab=len(fast), eos=fast.eos_token_id)
+    draft = noisy_copy(target, 0.2)
+    for name, model in [("target", target), ("draft", draft)]:
+        model.save_pretrained(root / name)
+        fast.save_pretrained(root / name)
+    return root

@@ -1,0 +1,37 @@
+"""The main job end to end: every demo stage on a tiny saved pair (fast), and `specpilot demo --quick` (slow)."""
+import json
+
+import pytest
+
+from specpilot.cli import main
+from specpilot.demo import DemoBudget, run_demo
+
+TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tokens=16, width=2, max_depth=4,
+                  max_size=8, size_steps=256, depth_steps=256, coadapt_steps=128, rounds=1, n_steps=128,
+                  batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0,))
+
+
+def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
+    run = tmp_path / "run"
+    summary = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
+                       wandb="disabled")
+    for path in ["traces/train/trace.npz", "grid.json", "policies.json", "eval/report.json", "eval/report.md",
+                 "export/decoder.json", "summary.json", "manifest.json"]:
+        assert (run / path).exists(), path
+    methods = summary["methods"]
+    assert {"ar", "grid", "ltd", "depth_only", "size_only", "fixed"} <= set(methods)
+    assert all(m["identical_to_ar"] for m in methods.values())
+    assert "speedup" in capsys.readouterr().out
+    # a re-run reuses every finished stage
+    again = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
+                     wandb="disabled")
+    state = json.loads((run / "demo_state.json").read_text())
+    assert set(state) == {"record", "grid", "train", "eval", "export"}
+    assert again["methods"].keys() == summary["methods"].keys()
+
+
+@pytest.mark.slow
+def test_demo_quick_cli_on_default_pair(tmp_path):
+    assert main(["demo", "--quick", "--out", str(tmp_path / "demo"), "--wandb", "disabled"]) == 0
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert all(m["identical_to_ar"] for m in summary["methods"].values())
