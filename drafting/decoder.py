@@ -247,6 +247,18 @@ class SpeculativeDecoder:
             session.add_policy_time(clock.now() - t0)
         return session.output()
 
+    @classmethod
+    def from_config(cls, config_dir, pair: ModelPair | None = None, **kwargs) -> "SpeculativeDecoder":
+        """A decoder from an exported directory (`specpilot export`), its policies as `decoder.default_controller`
+        (pass it to generate(controller=...)). pair=None loads the pair decoder.json names; keyword arguments
+        (allow_pair_mismatch, device, dtype) go to `specpilot.policies.exported.load_exported`."""
+        from specpilot.policies.exported import load_exported
+
+        controller, tree, meta = load_exported(config_dir, pair=pair, **kwargs)
+        decoder = cls(meta["model_pair"], tree)
+        decoder.default_controller = controller
+        return decoder
+
 
 def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0,
                             top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:

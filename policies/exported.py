@@ -1,0 +1,414 @@
+"""Loading an exported decoder (`specpilot export`): decoder.json + safetensors actors -> ExportedController.
+
+This module is the inference side of an export and deliberately depends on nothing from training: it imports
+neither stable_baselines3 nor pickle, reads weights only through `safetensors` (no code execution, no unpickling)
+and rebuilds each actor as plain torch ops. Observations come from `specpilot.envs.observation`, the same feature
+functions the policies were trained on.
+
+    controller, tree, meta = load_exported("exports/ltd")                 # policies only (no models loaded)
+    controller, tree, meta = load_exported("exports/ltd", pair=my_pair)   # + check the pair's content hashes
+    decoder = SpeculativeDecoder.from_config("exports/ltd")               # decoder + decoder.default_controller
+
+decoder.json (format "specpilot-decoder", FORMAT_VERSION below), the fields this loader relies on:
+
+    tree        {"width", "max_depth", "max_size", "size_actions"}
+    pair        ModelPair.identity() of the pair the policies were trained for (names + content hashes)
+    policies    {"depth": POLICY | null, "size": POLICY | null, "fallback": {"depth": int|null, "size": int|null}}
+    POLICY      {"file": "depth.safetensors", "sha256": <hex of the file>, "spec": ObservationSpec.to_dict(),
+                 "layers": [{"kind": "linear", "in": int, "out": int, "weight": key, "bias": key} |
+                            {"kind": "activation", "name": "tanh" | "relu" | ..., ...}],
+                 "obs_norm": null | {"mean": key, "var": key, "epsilon": float, "clip": float},
+                 "actions": ["continue", "stop"] (depth) | [verification sizes] (size),
+                 "probe": {"observation": [...], "logits": [...], "action": int}}
+
+Decisions are deterministic: the action is the argmax of the actor's logits (the first index on exact ties, as
+torch.argmax and SB3's deterministic predict both do), computed in float32 on the CPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specpilot.drafting.types import DraftState, TreeConfig
+from specpilot.envs.observation import NUM_SCALARS, ObservationSpec, depth_observation, size_observation
+from specpilot.policies.base import Controller, FixedController
+
+FORMAT_NAME = "specpilot-decoder"
+FORMAT_VERSION = 1
+CONFIG_FILE = "decoder.json"
+DEPTH_ACTIONS = ["continue", "stop"]  # index 0 = CONTINUE, 1 = STOP (as in specpilot.policies.ppo)
+
+# activation name -> function of a tensor (SB3's activation_fn classes, by their lower-cased class name)
+_ACTIVATIONS = {
+    "tanh": lambda x, p: torch.tanh(x),
+    "relu": lambda x, p: torch.relu(x),
+    "leakyrelu": lambda x, p: F.leaky_relu(x, float(p.get("negative_slope", 0.01))),
+    "elu": lambda x, p: F.elu(x, float(p.get("alpha", 1.0))),
+    "gelu": lambda x, p: F.gelu(x, approximate=str(p.get("approximate", "none"))),
+    "silu": lambda x, p: F.silu(x),
+    "sigmoid": lambda x, p: torch.sigmoid(x),
+    "identity": lambda x, p: x,
+}
+
+
+class ExportedConfigError(RuntimeError):
+    """An exported decoder directory cannot be used: the message names the file and says what to do."""
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes (decoder.json records one per policy file)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the actor
+
+
+class ExportedActor:
+    """A policy's actor rebuilt from its layer list: Linear and activation steps applied with torch functionals
+    (the same kernels nn.Linear / nn.Tanh use, so logits match SB3's actor bit for bit on the same machine)."""
+
+    def __init__(self, layers: list[dict], tensors: dict[str, torch.Tensor], *, obs_norm: dict | None = None,
+                 source: str = "policy") -> None:
+        self.steps: list[tuple] = []
+        self.source = source
+        width = None
+        for i, layer in enumerate(layers):
+            kind = layer.get("kind")
+            if kind == "linear":
+                weight = _tensor(tensors, layer.get("weight"), source)
+                bias = _tensor(tensors, layer.get("bias"), source) if layer.get("bias") else None
+                n_in, n_out = int(layer["in"]), int(layer["out"])
+                if tuple(weight.shape) != (n_out, n_in) or (bias is not None and tuple(bias.shape) != (n_out,)):
+                    raise ExportedConfigError(
+                        f"{source}: layer {i} is recorded as Linear({n_in}, {n_out}) but its tensors have shapes "
+                        f"{tuple(weight.shape)} / {None if bias is None else tuple(bias.shape)}; the weights file "
+                        "does not belong to this decoder.json: re-export the run")
+                if width is not None and n_in != width:
+                    raise ExportedConfigError(f"{source}: layer {i} takes {n_in} inputs but the previous layer "
+                                              f"gives {width}; decoder.json is corrupted: re-export the run")
+                width = n_out
+                self.steps.append(("linear", weight.detach().float().contiguous(),
+                                   None if bias is None else bias.detach().float().contiguous()))
+            elif kind == "activation":
+                name = str(layer.get("name", "")).lower()
+                if name not in _ACTIVATIONS:
+                    raise ExportedConfigError(f"{source}: unknown activation {layer.get('name')!r} in layer {i} "
+                                              f"(known: {sorted(_ACTIVATIONS)}); upgrade specpilot or re-export")
+                params = {k: v for k, v in layer.items() if k not in ("kind", "name")}
+                self.steps.append(("activation", _ACTIVATIONS[name], params))
+            else:
+                raise ExportedConfigError(f"{source}: layer {i} has unknown kind {kind!r}; re-export the run")
+        linears = [s for s in self.steps if s[0] == "linear"]
+        if not linears:
+            raise ExportedConfigError(f"{source}: the actor has no Linear layer; re-export the run")
+        self.in_features = int(linears[0][1].shape[1])
+        self.n_actions = int(linears[-1][1].shape[0])
+        self.obs_norm = None
+        if obs_norm:
+            # float64 like SB3's VecNormalize.normalize_obs (numpy), then float32 for the network
+            mean = _tensor(tensors, obs_norm.get("mean"), source).detach().double()
+            var = _tensor(tensors, obs_norm.get("var"), source).detach().double()
+            if mean.shape != (self.in_features,) or var.shape != (self.in_features,):
+                raise ExportedConfigError(f"{source}: observation-normalisation statistics have shapes "
+                                          f"{tuple(mean.shape)}/{tuple(var.shape)}, expected ({self.in_features},)")
+            eps, clip = float(obs_norm.get("epsilon", 1e-8)), float(obs_norm.get("clip", 10.0))
+            self.obs_norm = (mean, torch.sqrt(var + eps), clip)
+
+    def logits(self, obs: torch.Tensor) -> torch.Tensor:
+        """(batch, in_features) float32 -> (batch, n_actions) logits."""
+        x = obs
+        if self.obs_norm is not None:
+            mean, std, clip = self.obs_norm
+            x = torch.clamp((x.double() - mean) / std, -clip, clip).float()
+        for step in self.steps:
+            if step[0] == "linear":
+                x = F.linear(x, step[1], step[2])
+            else:
+                x = step[1](x, step[2])
+        return x
+
+    def act(self, obs: np.ndarray) -> int:
+        """Deterministic action for one observation vector: argmax of the logits. No inference_mode context: no
+        tensor here requires grad, so autograd records nothing, and entering the context costs more than the MLP
+        of a small policy."""
+        return int(self.logits(torch.from_numpy(obs).unsqueeze(0)).argmax(dim=1))
+
+    def act_batch(self, obs: np.ndarray | torch.Tensor) -> np.ndarray:
+        with torch.inference_mode():
+            x = torch.as_tensor(obs, dtype=torch.float32)
+            return self.logits(x).argmax(dim=1).numpy()
+
+
+def _tensor(tensors: dict, key, source: str) -> torch.Tensor:
+    if key not in tensors:
+        raise ExportedConfigError(f"{source}: tensor {key!r} named in decoder.json is missing from the weights file; "
+                                  "the file does not belong to this export: re-export the run")
+    return tensors[key]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the controller
+
+
+class ExportedController(Controller):
+    """Exported depth/size actors as a Controller (same decisions as PPOController on the SB3 policies).
+
+    depth: CONTINUE (0) / STOP (1) after each draft level, from `depth_observation(state, depth_spec)`;
+    size: index into `size_actions`, from `size_observation(state, size_spec)`. A missing actor is replaced by the
+    static `fallback` (the depth_only / size_only exports).
+    """
+
+    name = "exported"
+
+    def __init__(self, depth_actor: ExportedActor | None = None, size_actor: ExportedActor | None = None,
+                 depth_spec: ObservationSpec | None = None, size_spec: ObservationSpec | None = None,
+                 size_actions: list[int] | None = None, fallback: Controller | None = None, *,
+                 name: str | None = None) -> None:
+        if depth_actor is None and size_actor is None:
+            raise ValueError("ExportedController needs a depth actor, a size actor or both")
+        self.depth_actor, self.size_actor = depth_actor, size_actor
+        self.depth_spec, self.size_spec = depth_spec, size_spec
+        self.size_actions = [int(v) for v in size_actions] if size_actions is not None else None
+        self.fallback = fallback if fallback is not None else FixedController()
+        if name is not None:
+            self.name = name
+        if depth_actor is not None:
+            _check_actor(depth_actor, depth_spec, "depth", len(DEPTH_ACTIONS))
+        if size_actor is not None:
+            if not self.size_actions:
+                raise ValueError("a size actor needs size_actions")
+            _check_actor(size_actor, size_spec, "size", len(self.size_actions))
+
+    def reset(self) -> None:
+        self.fallback.reset()
+
+    def should_stop(self, state: DraftState) -> bool:
+        if self.depth_actor is None:
+            return self.fallback.should_stop(state)
+        return self.depth_actor.act(depth_observation(state, self.depth_spec)) == 1
+
+    def choose_size(self, state: DraftState) -> int:
+        if self.size_actor is None:
+            return self.fallback.choose_size(state)
+        return self.size_actions[self.size_actor.act(size_observation(state, self.size_spec))]
+
+    def observe(self, record) -> None:
+        self.fallback.observe(record)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "depth": "exported" if self.depth_actor is not None else self.fallback.describe(),
+            "size": "exported" if self.size_actor is not None else self.fallback.describe(),
+            "depth_spec": self.depth_spec.to_dict() if self.depth_spec else None,
+            "size_spec": self.size_spec.to_dict() if self.size_spec else None,
+            "size_actions": self.size_actions,
+        }
+
+
+def _check_actor(actor: ExportedActor, spec: ObservationSpec | None, kind: str, n_actions: int) -> None:
+    if spec is None or spec.kind != kind:
+        raise ExportedConfigError(f"{actor.source}: a {kind} policy needs a {kind} observation spec")
+    if actor.in_features != spec.dim:
+        raise ExportedConfigError(
+            f"{actor.source}: the actor takes {actor.in_features} inputs but its {kind} observation spec produces "
+            f"{spec.dim} (2 x {spec.num_scores} scores/mask + {NUM_SCALARS} scalars): observation-spec mismatch; "
+            "re-export the run")
+    if actor.n_actions != n_actions:
+        raise ExportedConfigError(f"{actor.source}: the actor has {actor.n_actions} actions but decoder.json lists "
+                                  f"{n_actions}; re-export the run")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading and validation
+
+
+def probe_state(spec: ObservationSpec) -> DraftState:
+    """A fixed, deterministic DraftState exercising every feature (scores, padding, scalars) of `spec`; export
+    records the observation and logits it produces, load recomputes them: if the feature code changed since the
+    export, loading fails instead of silently feeding the policy different inputs."""
+    n = spec.num_scores
+    k = max(1, n // 2 + 1) if n > 1 else 1  # fewer real scores than slots: padding is exercised
+    scores = -torch.linspace(0.05, -1.5 * spec.score_floor, k)  # reaches past the floor: clipping is exercised
+    depth = max(1, spec.max_depth // 2)
+    return DraftState(depth=depth, max_depth=spec.max_depth, width=spec.width, context_len=spec.max_context // 3,
+                      frontier_scores=scores, candidate_scores=scores, last_top_prob=0.5, last_entropy=1.0,
+                      new_tokens=7, max_new_tokens=64)
+
+
+def probe_observation(spec: ObservationSpec) -> np.ndarray:
+    state = probe_state(spec)
+    return depth_observation(state, spec) if spec.kind == "depth" else size_observation(state, spec)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ExportedConfigError(f"{path} not found: export a trained run with `specpilot export --run RUN_DIR "
+                                  f"--out {path.parent}` (or point at the directory that holds decoder.json)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ExportedConfigError(f"{path} is not valid JSON ({err}); it is corrupted: re-export the run") from err
+    if not isinstance(data, dict):
+        raise ExportedConfigError(f"{path} does not hold a JSON object; re-export the run")
+    return data
+
+
+def read_config(config_dir: str | Path) -> dict:
+    """decoder.json of an export directory (or the file itself), with its format checked."""
+    path = Path(config_dir)
+    if path.is_dir() or path.suffix != ".json":
+        path = path / CONFIG_FILE
+    meta = _read_json(path)
+    if meta.get("format") != FORMAT_NAME:
+        raise ExportedConfigError(f"{path} is not a specpilot decoder config (format {meta.get('format')!r}, "
+                                  f"expected {FORMAT_NAME!r}); export a run with `specpilot export`")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ExportedConfigError(
+            f"{path} has format_version {version!r} but this specpilot reads version {FORMAT_VERSION}: re-export the "
+            "run with this specpilot version, or load it with the specpilot version that exported it")
+    meta["_path"] = str(path)
+    return meta
+
+
+def _load_tensors(path: Path, expected_sha256: str | None) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ExportedConfigError(f"policy file {path} named in decoder.json is missing: restore it or re-export "
+                                  "the run into this directory")
+    if expected_sha256 and file_sha256(path) != expected_sha256:
+        raise ExportedConfigError(f"policy file {path} does not match the sha256 recorded in decoder.json (the file "
+                                  "is corrupted or was replaced): restore it or re-export the run")
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ExportedConfigError(f"policy file {path} is not a readable safetensors file ({err}); it is corrupted: "
+                                  "re-export the run") from err
+
+
+def _load_policy(root: Path, entry: dict, kind: str) -> tuple[ExportedActor, ObservationSpec]:
+    where = f"{root / CONFIG_FILE} ({kind} policy)"
+    try:
+        spec = ObservationSpec.from_dict(entry["spec"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ExportedConfigError(f"{where}: observation spec mismatch or unreadable spec ({err})") from err
+    if spec.kind != kind:
+        raise ExportedConfigError(f"{where}: the spec is for a {spec.kind!r} policy; decoder.json is corrupted")
+    if "file" not in entry or "layers" not in entry:
+        raise ExportedConfigError(f"{where}: entry lacks 'file' or 'layers'; decoder.json is corrupted: re-export")
+    path = root / entry["file"]
+    tensors = _load_tensors(path, entry.get("sha256"))
+    actor = ExportedActor(entry["layers"], tensors, obs_norm=entry.get("obs_norm"), source=str(path))
+    probe = entry.get("probe")
+    if probe:
+        obs = probe_observation(spec)
+        recorded = np.asarray(probe.get("observation", []), dtype=np.float32)
+        if recorded.shape != obs.shape or not np.allclose(recorded, obs, atol=1e-6):
+            raise ExportedConfigError(
+                f"{where}: observation-spec mismatch: this specpilot computes different {kind} features for the "
+                "recorded probe state than the exporting version did (the feature layout changed). Re-export the "
+                "run with this version, or use the specpilot version that exported it")
+        logits = actor.logits(torch.from_numpy(obs).unsqueeze(0))[0]
+        ref = torch.tensor(probe.get("logits", []), dtype=torch.float32)
+        if ref.shape != logits.shape or not torch.allclose(logits, ref, atol=1e-4, rtol=1e-4):
+            raise ExportedConfigError(f"{path}: the actor's logits on the probe observation differ from those "
+                                      "recorded at export; the weights are corrupted or mismatched: re-export")
+    return actor, spec
+
+
+def _pair_mismatch(recorded: dict, actual: dict) -> list[str]:
+    return [f"{key}: exported for {recorded.get(key)!r}, got {actual.get(key)!r}"
+            for key in ("target_hash", "draft_hash") if recorded.get(key) != actual.get(key)]
+
+
+def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, device: str | None = None,
+                 dtype=None):
+    """The ModelPair to decode with: `pair` when given, else the pair decoder.json names (the embedded default
+    pair, or local target/draft paths that exist). Its content hashes must equal the recorded ones unless
+    `allow_pair_mismatch=True` (policies then steer a pair they were not trained for: still lossless, maybe slow)."""
+    from specpilot.drafting.pair import ModelPair
+
+    recorded = meta.get("pair") or {}
+    config = meta.get("_path", CONFIG_FILE)
+    if pair is None:
+        target, draft = recorded.get("target"), recorded.get("draft")
+        if recorded.get("name") == "specpilot-default":
+            pair = ModelPair.from_pretrained(device=device, dtype=dtype)
+        elif target and draft and Path(str(target)).exists() and Path(str(draft)).exists():
+            pair = ModelPair.from_pretrained(target, draft, device=device, dtype=dtype)
+        else:
+            raise ExportedConfigError(
+                f"{config} names the pair {recorded.get('name')!r} (target {target!r}, draft {draft!r}), which cannot "
+                "be loaded from here: pass pair=ModelPair.from_pretrained(target=..., draft=...) (CLI: --target/"
+                "--draft)")
+    if recorded and not allow_pair_mismatch:
+        diffs = _pair_mismatch(recorded, pair.identity())
+        if diffs:
+            raise ExportedConfigError(
+                f"{config}: the model pair does not match the one the policies were exported for ({'; '.join(diffs)}). "
+                "Load the recorded pair (same weights and dtype), or pass allow_pair_mismatch=True to use the "
+                "policies anyway (decoding stays lossless; speed may suffer)")
+    return pair
+
+
+def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, allow_pair_mismatch: bool = False,
+                  device: str | None = None, dtype=None) -> tuple[ExportedController, TreeConfig, dict]:
+    """(controller, tree_config, meta) from an export directory, every file validated.
+
+    pair: the ModelPair to check against the recorded identity (hash mismatch -> ExportedConfigError, unless
+    allow_pair_mismatch=True). With pair=None and load_pair=True the recorded pair is loaded when possible (see
+    `resolve_pair`); load_pair=False loads the policies only. meta is decoder.json's content plus
+    meta["model_pair"]: the ModelPair (or None when none was loaded).
+    """
+    meta = read_config(config_dir)
+    root = Path(meta["_path"]).parent
+    config = meta["_path"]
+    try:
+        t = meta["tree"]
+        tree = TreeConfig(width=int(t["width"]), max_depth=int(t["max_depth"]), max_size=int(t["max_size"]))
+        policies = meta["policies"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ExportedConfigError(f"{config}: missing or invalid 'tree'/'policies' section ({err}); re-export") from err
+
+    depth_actor = size_actor = depth_spec = size_spec = size_actions = None
+    if policies.get("depth"):
+        depth_actor, depth_spec = _load_policy(root, policies["depth"], "depth")
+    if policies.get("size"):
+        size_actor, size_spec = _load_policy(root, policies["size"], "size")
+        size_actions = [int(v) for v in policies["size"].get("actions", [])]
+    if depth_actor is None and size_actor is None:
+        raise ExportedConfigError(f"{config} names neither a depth nor a size policy; re-export a trained run")
+    for spec in (depth_spec, size_spec):
+        if spec is not None and (spec.width != tree.width or spec.max_depth != tree.max_depth):
+            raise ExportedConfigError(
+                f"{config}: observation-spec mismatch: the {spec.kind} policy was trained for width {spec.width}, "
+                f"max_depth {spec.max_depth} but the tree section says width {tree.width}, max_depth "
+                f"{tree.max_depth}; re-export the run")
+
+    model_pair = None
+    if pair is not None or load_pair:
+        model_pair = resolve_pair(meta, pair, allow_pair_mismatch=allow_pair_mismatch, device=device, dtype=dtype)
+    fb = policies.get("fallback") or {}
+    fb_device = str(model_pair.device) if model_pair is not None else None
+    fallback = FixedController(fb.get("depth"), fb.get("size"), device=fb_device)
+    name = meta.get("name") or "exported"
+    try:
+        controller = ExportedController(depth_actor, size_actor, depth_spec, size_spec, size_actions, fallback,
+                                        name=name)
+    except ValueError as err:
+        raise ExportedConfigError(f"{config}: {err}; re-export the run") from err
+    meta["model_pair"] = model_pair
+    return controller, tree, meta
