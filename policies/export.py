@@ -383,8 +383,12 @@ def _export_onnx(actor: ExportedActor, path: Path) -> str | None:
         def forward(self, x):
             return actor.logits(x)
 
-    torch.onnx.export(_Module(), (torch.zeros(1, actor.in_features),), str(path), input_names=["observation"],
-                      output_names=["logits"], dynamic_axes={"observation": {0: "batch"}, "logits": {0: "batch"}})
+    try:
+        torch.onnx.export(_Module(), (torch.zeros(1, actor.in_features),), str(path), input_names=["observation"],
+                          output_names=["logits"], dynamic_axes={"observation": {0: "batch"}, "logits": {0: "batch"}})
+    except Exception as err:  # the exporter's own dependencies (e.g. onnxscript) vary across torch versions
+        raise ExportError(f"ONNX export of {path.name} failed ({type(err).__name__}: {err}); install "
+                          "'specpilot[onnx]' (and onnxscript for torch >= 2.9), or export without --onnx") from err
     return path.name
 
 
