@@ -27,6 +27,9 @@ class DemoBudget:
     width / max_depth / max_size: the draft tree recorded and searched;
     size_steps / depth_steps / coadapt_steps / rounds: PPO budgets in env steps (replay backend);
     n_steps / batch_size / n_epochs: PPO rollout settings (the paper's 2048/256/20 are kept for the full run);
+    pi_arch / vf_arch: actor and critic layers. The paper's [1024, 256] actor costs ~0.1-0.5 ms per decision on
+        a CPU, several percent of a ~10 ms CPU cycle (the depth policy runs every level), so the CPU demo uses a
+        small actor; the critic is not used at inference and keeps the paper's size;
     live_top: grid configs re-measured live; repeats / temperatures: evaluation settings.
     """
 
@@ -44,6 +47,8 @@ class DemoBudget:
     n_steps: int = 2048
     batch_size: int = 256
     n_epochs: int = 20
+    pi_arch: tuple[int, ...] = (64, 64)
+    vf_arch: tuple[int, ...] = (1024, 256)
     live_top: int = 3
     repeats: int = 1
     temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -52,7 +57,7 @@ class DemoBudget:
     def quick(cls) -> "DemoBudget":
         return cls(train_prompts=10, val_prompts=4, heldout_prompts=12, max_new_tokens=48, size_steps=3_000,
                    depth_steps=4_000, coadapt_steps=2_000, rounds=3, n_steps=512, batch_size=128, n_epochs=5,
-                   live_top=2, temperatures=(0.0,))
+                   vf_arch=(256, 256), live_top=2, temperatures=(0.0,))
 
 
 STAGES = ("record", "grid", "train", "eval", "export")
@@ -157,7 +162,7 @@ def _train(*, run_dir, budget, seed, wandb, **_) -> dict:
     out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
                        coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, static=run_dir / "grid.json",
                        resume=True, seed=seed, wandb=wandb, n_steps=budget.n_steps, batch_size=budget.batch_size,
-                       n_epochs=budget.n_epochs)
+                       n_epochs=budget.n_epochs, pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
     return json.loads(json.dumps(out, default=str))
 
 
