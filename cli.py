@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specpilot",
         description="Learn how much to speculate: exact tree speculative decoding steered by PPO policies.",
     )
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice). Batch-1 decoding of small models often "
+                             "runs as fast on 1 thread, and extra threads stall when other work shares the cores")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     return int(args._handler(args) or 0)
 
 
