@@ -124,3 +124,15 @@ def test_evaluate_live_reports_speedup_and_policy_overhead(traces):
     assert res["ar"]["tokens"] == res["fixed"]["tokens"] == 16
     assert res["ar"]["speedup"] == pytest.approx(1.0)
     assert 0 <= res["fixed"]["policy_overhead"] < 1 and res["fixed"]["depth_mean"] <= 2
+
+
+def test_live_backend_fine_tunes_a_replay_policy(traces, tmp_path):
+    run = tmp_path / "run"
+    replayed = P.train_size(run, traces, steps=64, static=STATIC, **_kw())
+    pair = tiny_pair(noise=0.2, eos=None)
+    live = P.train_size(run, traces, steps=64, static=STATIC, backend="live", pair=pair,
+                        train_prompts=[[1, 2, 3, 4]], stage="size_live", init_from=replayed.best, **_kw())
+    assert live.best.is_file() and live.score > 0
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stage_setup"]["size_live"]["backend"] == "live"
+    assert manifest["stage_setup"]["size_live"]["init_from"] == str(replayed.best)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -250,6 +251,8 @@ def static_config(run_dir: str | Path, static: tuple[int, int] | str | Path | No
         return int(best["depth"]), int(best["size"])
     if static is not None:
         raise FileNotFoundError(f"grid result {path} not found: run `specpilot grid` or pass static=(depth, size)")
+    warnings.warn(f"no grid result at {path} and no static=(depth, size): using {STATIC_FALLBACK}; run "
+                  "`specpilot grid` first for the real baseline", stacklevel=3)
     return STATIC_FALLBACK
 
 
@@ -765,6 +768,8 @@ def run_pipeline(
     coadapt_steps: int | Sequence[int] = 10_000,
     rounds: int = 3,
     static: tuple[int, int] | str | Path | None = None,
+    size_actions: Sequence[int] | None = None,
+    depth_range: tuple[int, int] | None = None,
     reward: str = "throughput",
     resume: bool = False,
     seed: int = 0,
@@ -778,8 +783,9 @@ def run_pipeline(
                                                  "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
                                                  "rounds": rounds, "reward": reward, "seed": seed})
     try:
-        size1 = train_size(run_dir, traces, steps=size_steps, static=static, reward=reward, resume=resume, seed=seed,
-                           logger=log, **settings_overrides)
+        size1 = train_size(run_dir, traces, steps=size_steps, static=static, size_actions=size_actions,
+                           depth_range=depth_range, reward=reward, resume=resume, seed=seed, logger=log,
+                           **settings_overrides)
         depth1 = train_depth(run_dir, traces, steps=depth_steps, static=static, reward=reward, resume=resume,
                              seed=seed, logger=log, **settings_overrides)
         stage1 = write_stage1_index(run_dir, depth1, size1, static)
