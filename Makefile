@@ -1,4 +1,5 @@
 # The README's two commands. Both create .venv when missing and install specpilot into it.
+# make demo ARGS="--quick" passes options to `specpilot demo`; SPECPILOT_FLAGS="--threads 1" to `specpilot`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/specpilot demo $(ARGS)
+	$(VENV)/bin/specpilot $(SPECPILOT_FLAGS) demo $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

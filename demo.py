@@ -35,7 +35,7 @@ class DemoBudget:
 
     train_prompts: int = 0
     val_prompts: int = 0
-    heldout_prompts: int = 0
+    heldout_prompts: int = 24
     max_new_tokens: int = 96
     width: int = 4
     max_depth: int = 8
@@ -88,7 +88,19 @@ def _key(*parts) -> str:
 
 
 def _limit(items: list, n: int) -> list:
-    return items[:n] if n else items
+    """The first n prompts, taken round-robin over (task, language) groups so a small budget still covers every
+    task and language of the suite (n = 0: all)."""
+    if not n or n >= len(items):
+        return list(items)
+    groups: dict[tuple, list] = {}
+    for item in items:
+        groups.setdefault((getattr(item, "task", ""), getattr(item, "language", "")), []).append(item)
+    picked, queues = [], list(groups.values())
+    while len(picked) < n:
+        for queue in queues:
+            if queue and len(picked) < n:
+                picked.append(queue.pop(0))
+    return picked
 
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
