@@ -37,6 +37,34 @@ def _actor(policy):
     return policy
 
 
+_ACTIVATIONS = {torch.nn.Tanh: torch.tanh, torch.nn.ReLU: torch.relu, torch.nn.Sigmoid: torch.sigmoid,
+                torch.nn.Identity: None}
+
+
+def _fast_actor(policy) -> list | None:
+    """(weight, bias, activation) steps of the actor (policy_net then action_net), cached on the policy; None when
+    the actor is not a plain Flatten -> [Linear, activation]* -> Linear stack. Decision latency counts: going
+    through nn.Module calls costs several microseconds per layer on a CPU."""
+    cached = getattr(policy, "_specpilot_fast_actor", False)
+    if cached is not False:
+        return cached
+    steps: list | None = []
+    if type(policy.pi_features_extractor.flatten if hasattr(policy.pi_features_extractor, "flatten")
+            else None) is not torch.nn.Flatten:
+        steps = None
+    else:
+        for module in list(policy.mlp_extractor.policy_net) + [policy.action_net]:
+            if isinstance(module, torch.nn.Linear):
+                steps.append([module.weight, module.bias, None])
+            elif type(module) in _ACTIVATIONS and steps:
+                steps[-1][2] = _ACTIVATIONS[type(module)]
+            else:
+                steps = None
+                break
+    policy._specpilot_fast_actor = steps
+    return steps
+
+
 def _check_dim(policy, spec: ObservationSpec, label: str) -> None:
     shape = getattr(policy.observation_space, "shape", None)
     if shape != (spec.dim,):
@@ -86,9 +114,16 @@ class PPOController(Controller):
     def _decide(policy, obs: np.ndarray) -> int:
         with torch.inference_mode():
             x = torch.from_numpy(obs).unsqueeze(0)  # (1, dim), shares memory with obs
-            features = policy.pi_features_extractor(x)
-            logits = policy.action_net(policy.mlp_extractor.forward_actor(features))  # (1, n_actions)
-            return int(logits.argmax(dim=1))
+            steps = _fast_actor(policy)
+            if steps is None:  # not a plain Linear/activation stack: go through the modules
+                features = policy.pi_features_extractor(x)
+                logits = policy.action_net(policy.mlp_extractor.forward_actor(features))  # (1, n_actions)
+                return int(logits.argmax(dim=1))
+            for weight, bias, activation in steps:  # the same kernels as the modules, without module dispatch
+                x = torch.nn.functional.linear(x, weight, bias)
+                if activation is not None:
+                    x = activation(x)
+            return int(x.argmax(dim=1))
 
     def reset(self) -> None:
         self.fallback.reset()
