@@ -35,7 +35,7 @@ class DemoBudget:
 
     train_prompts: int = 0
     val_prompts: int = 0
-    heldout_prompts: int = 24
+    heldout_prompts: int = 17  # one per (task, language) group of the bundled held-out suite
     max_new_tokens: int = 96
     width: int = 4
     max_depth: int = 8
