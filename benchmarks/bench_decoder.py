@@ -62,7 +62,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default=None)
     ap.add_argument("--quick", action="store_true", help="a tiny sweep (smoke run)")
+    ap.add_argument("--widths", default="1,2,4,8")
+    ap.add_argument("--depths", default="1,2,3,4,5,6,8")
+    ap.add_argument("--sizes", default="2,4,6,8,12,16,24,32")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
     encode = pair.encode
@@ -79,7 +85,8 @@ def main() -> None:
         SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=4)).generate(ids, max_new_tokens=16)
     t0 = time.perf_counter()
     grid = (dict(widths=[1, 4], depths=[2, 4], sizes=[4, 8]) if args.quick else
-            dict(widths=[1, 2, 4, 8], depths=[2, 3, 4, 5, 6, 8], sizes=[4, 6, 8, 12, 16, 24, 32]))
+            dict(widths=[int(x) for x in args.widths.split(",")], depths=[int(x) for x in args.depths.split(",")],
+                 sizes=[int(x) for x in args.sizes.split(",")]))
     table = sweep(pair, tune, n_new, **grid)
     print(f"\nstatic sweep on validation prompts ({time.perf_counter() - t0:.0f}s), top 8:")
     for r in table[:8]:
