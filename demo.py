@@ -30,6 +30,9 @@ class DemoBudget:
     pi_arch / vf_arch: actor and critic layers. The paper's [1024, 256] actor costs ~0.1-0.5 ms per decision on
         a CPU, several percent of a ~10 ms CPU cycle (the depth policy runs every level), so the CPU demo uses a
         small actor; the critic is not used at inference and keeps the paper's size;
+    reward: PPO reward. "dinkelbach" (tokens - lambda * time) by default: summed over an episode it is total tokens
+        minus lambda * total time, so it optimises long-run tokens/s. The paper's per-cycle "throughput" reward
+        sums tokens/time ratios, which favours many short cycles and collapses the depth policy to depth 1;
     live_top: grid configs re-measured live; repeats / temperatures: evaluation settings.
     """
 
@@ -49,6 +52,7 @@ class DemoBudget:
     n_epochs: int = 20
     pi_arch: tuple[int, ...] = (64, 64)
     vf_arch: tuple[int, ...] = (1024, 256)
+    reward: str = "dinkelbach"
     live_top: int = 3
     repeats: int = 1
     temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -173,7 +177,7 @@ def _train(*, run_dir, budget, seed, wandb, **_) -> dict:
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
                        coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, static=run_dir / "grid.json",
-                       resume=True, seed=seed, wandb=wandb, n_steps=budget.n_steps, batch_size=budget.batch_size,
+                       reward=budget.reward, resume=True, seed=seed, wandb=wandb, n_steps=budget.n_steps, batch_size=budget.batch_size,
                        n_epochs=budget.n_epochs, pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
     return json.loads(json.dumps(out, default=str))
 
