@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from specpilot.drafting.types import DraftState, TreeConfig
 from specpilot.envs.observation import NUM_SCALARS, ObservationSpec, depth_observation, size_observation
 from specpilot.policies.base import Controller, FixedController
+from specpilot.policies.learned import LearnedController
 
 FORMAT_NAME = "specpilot-decoder"
 FORMAT_VERSION = 1
@@ -160,7 +161,7 @@ def _tensor(tensors: dict, key, source: str) -> torch.Tensor:
 # the controller
 
 
-class ExportedController(Controller):
+class ExportedController(LearnedController):
     """Exported depth/size actors as a Controller (same decisions as PPOController on the SB3 policies).
 
     depth: CONTINUE (0) / STOP (1) after each draft level, from `depth_observation(state, depth_spec)`;
@@ -169,6 +170,7 @@ class ExportedController(Controller):
     """
 
     name = "exported"
+    label = "exported"
 
     def __init__(self, depth_actor: ExportedActor | None = None, size_actor: ExportedActor | None = None,
                  depth_spec: ObservationSpec | None = None, size_spec: ObservationSpec | None = None,
@@ -189,31 +191,14 @@ class ExportedController(Controller):
                 raise ValueError("a size actor needs size_actions")
             _check_actor(size_actor, size_spec, "size", len(self.size_actions))
 
-    def reset(self) -> None:
-        self.fallback.reset()
+    has_depth = property(lambda self: self.depth_actor is not None)
+    has_size = property(lambda self: self.size_actor is not None)
 
-    def should_stop(self, state: DraftState) -> bool:
-        if self.depth_actor is None:
-            return self.fallback.should_stop(state)
-        return self.depth_actor.act(depth_observation(state, self.depth_spec)) == 1
+    def _depth_action(self, obs: np.ndarray) -> int:
+        return self.depth_actor.act(obs)
 
-    def choose_size(self, state: DraftState) -> int:
-        if self.size_actor is None:
-            return self.fallback.choose_size(state)
-        return self.size_actions[self.size_actor.act(size_observation(state, self.size_spec))]
-
-    def observe(self, record) -> None:
-        self.fallback.observe(record)
-
-    def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "depth": "exported" if self.depth_actor is not None else self.fallback.describe(),
-            "size": "exported" if self.size_actor is not None else self.fallback.describe(),
-            "depth_spec": self.depth_spec.to_dict() if self.depth_spec else None,
-            "size_spec": self.size_spec.to_dict() if self.size_spec else None,
-            "size_actions": self.size_actions,
-        }
+    def _size_action(self, obs: np.ndarray) -> int:
+        return self.size_actor.act(obs)
 
 
 def _check_actor(actor: ExportedActor, spec: ObservationSpec | None, kind: str, n_actions: int) -> None:

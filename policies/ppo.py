@@ -19,11 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpilot.drafting.types import DraftState
-from specpilot.envs.observation import ObservationSpec, default_size_actions, depth_observation, size_observation
+from specpilot.envs.observation import ObservationSpec, default_size_actions
 from specpilot.policies.base import Controller, FixedController
+from specpilot.policies.learned import CONTINUE, STOP, LearnedController  # noqa: F401 (re-exported)
 
-CONTINUE, STOP = 0, 1
 
 
 class PolicyLoadError(RuntimeError):
@@ -72,11 +71,12 @@ def _check_dim(policy, spec: ObservationSpec, label: str) -> None:
                          f"produces ({spec.dim},): the spec does not belong to this policy")
 
 
-class PPOController(Controller):
+class PPOController(LearnedController):
     """Depth from `depth_policy` (CONTINUE=0 / STOP=1), size from `size_policy` (index into `size_actions`);
     whichever is None is decided by `fallback` (this gives the depth_only / size_only ablations)."""
 
     name = "ppo"
+    label = "ppo"
 
     def __init__(
         self,
@@ -125,31 +125,14 @@ class PPOController(Controller):
                     x = activation(x)
             return int(x.argmax(dim=1))
 
-    def reset(self) -> None:
-        self.fallback.reset()
+    has_depth = property(lambda self: self.depth_policy is not None)
+    has_size = property(lambda self: self.size_policy is not None)
 
-    def should_stop(self, state: DraftState) -> bool:
-        if self.depth_policy is None:
-            return self.fallback.should_stop(state)
-        return self._decide(self.depth_policy, depth_observation(state, self.depth_spec)) == STOP
+    def _depth_action(self, obs: np.ndarray) -> int:
+        return self._decide(self.depth_policy, obs)
 
-    def choose_size(self, state: DraftState) -> int:
-        if self.size_policy is None:
-            return self.fallback.choose_size(state)
-        return self.size_actions[self._decide(self.size_policy, size_observation(state, self.size_spec))]
-
-    def observe(self, record) -> None:
-        self.fallback.observe(record)
-
-    def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "depth": "ppo" if self.depth_policy is not None else self.fallback.describe(),
-            "size": "ppo" if self.size_policy is not None else self.fallback.describe(),
-            "depth_spec": self.depth_spec.to_dict() if self.depth_spec else None,
-            "size_spec": self.size_spec.to_dict() if self.size_spec else None,
-            "size_actions": self.size_actions,
-        }
+    def _size_action(self, obs: np.ndarray) -> int:
+        return self._decide(self.size_policy, obs)
 
 
 def load_sb3_policy(path: str | Path, device: str = "cpu"):
