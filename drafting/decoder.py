@@ -112,11 +112,13 @@ class DecodingSession:
         tree = self.drafter.tree
         depth, width = tree.depth, self.tree_config.width
         level_start = 0 if depth == 1 else width + (depth - 2) * width * width
+        prev = self.cycles[-1] if self.cycles else None
         return LazyDraftState(
             scores=tree.scores[: tree.size], level_start=level_start,
             depth=depth, max_depth=self.tree_config.max_depth, width=width, context_len=len(self.committed),
             last_top_prob=self.drafter.last_top_prob, last_entropy=self.drafter.last_entropy,
             new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,
+            prev_accepted=prev.accepted if prev else 0, prev_depth=prev.depth if prev else 0,
         )
 
     # -- steps ---------------------------------------------------------------------------------------------------

@@ -50,6 +50,9 @@ class DraftState:
     last_entropy: entropy (nats) of the draft distribution at the best frontier node of the previous level, i.e. the
         distribution the last level's best child was taken from.
     new_tokens: tokens emitted so far in this generation; max_new_tokens: its budget.
+    prev_accepted / prev_depth: drafted tokens accepted by / levels drafted in the previous cycle of this generation
+        (0 / 0 before the first verification). Acceptance is persistent (repetitive spans stay easy), so the last
+        outcome is the cheapest predictor of the next one.
     """
 
     depth: int
@@ -62,6 +65,8 @@ class DraftState:
     last_entropy: float
     new_tokens: int
     max_new_tokens: int
+    prev_accepted: int = 0
+    prev_depth: int = 0
 
     @property
     def num_candidates(self) -> int:

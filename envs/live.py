@@ -206,7 +206,7 @@ class DepthEnv(_LiveEnv):
     `tree.max_depth` the cycle is verified in the same step (the decoder never asks at the maximum depth).
 
     ## Observation Space
-    `Box(2*W*W + 3)` float32, `specpilot.envs.observation.depth_observation`: the frontier's W*W cumulative
+    `Box(2*W*W + 5)` float32, `specpilot.envs.observation.depth_observation`: the frontier's W*W cumulative
     log-probabilities (W at depth 1) sorted, scaled into [-1, 0], padded with -1 and an explicit validity mask;
     then depth/max_depth, context length/max_context, new tokens/max_new_tokens.
 
@@ -287,7 +287,7 @@ class SizeEnv(_LiveEnv):
     the candidates drafted are clipped by the decoder (`info["size"]` is the size actually verified).
 
     ## Observation Space
-    `Box(2*max(size_actions) + 3)` float32, `specpilot.envs.observation.size_observation`: the best
+    `Box(2*max(size_actions) + 5)` float32, `specpilot.envs.observation.size_observation`: the best
     max(size_actions) candidate scores of the whole tree sorted, scaled, padded with -1 and masked; then
     depth/max_depth, context length/max_context, new tokens/max_new_tokens.
 

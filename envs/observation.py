@@ -1,7 +1,7 @@
 """Observation features for the depth and size policies: the ONE definition shared by the environments, the
 PPOController at inference and the exporter (so training and inference can never drift apart).
 
-Layout of an observation vector (float32, length 2*num_scores + 3):
+Layout of an observation vector (float32, length 2*num_scores + 5):
 
     [0, n)        scores: cumulative draft log-probs sorted descending, clipped at score_floor, divided by
                   -score_floor, so in [-1, 0]; padding slots hold -1.0 (the floor, i.e. "improbable")
@@ -9,6 +9,8 @@ Layout of an observation vector (float32, length 2*num_scores + 3):
     2n            depth / max_depth                       (0, 1]
     2n + 1        min(context_len / max_context, 1)       [0, 1]
     2n + 2        min(new_tokens / max_new_tokens, 1)     [0, 1]
+    2n + 3        min(prev_accepted / max_depth, 1)       [0, 1]   the previous cycle's outcome (history: the
+    2n + 4        min(prev_depth / max_depth, 1)          [0, 1]   draft scores alone predict acceptance poorly)
 
 The depth policy sees the frontier (W*W children, W at depth 1); the size policy the top `num_scores` candidates
 of the whole tree (default num_scores = the largest verification size it can choose).
@@ -23,8 +25,8 @@ import torch
 
 from specpilot.drafting.types import DraftState
 
-SPEC_VERSION = 1
-NUM_SCALARS = 3  # depth, context length, generation progress
+SPEC_VERSION = 2  # 2: + previous cycle's accepted length and depth
+NUM_SCALARS = 5  # depth, context length, generation progress, previous accepted, previous depth
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,15 @@ def _build(scores: torch.Tensor | np.ndarray, state: DraftState, spec: Observati
     out[2 * n] = min(state.depth / spec.max_depth, 1.0)
     out[2 * n + 1] = min(state.context_len / spec.max_context, 1.0)
     out[2 * n + 2] = min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0
+    set_history(out, spec, state.prev_accepted, state.prev_depth)
     return out
+
+
+def set_history(obs: np.ndarray, spec: ObservationSpec, prev_accepted: int, prev_depth: int) -> np.ndarray:
+    """Write the previous cycle's (accepted, depth) into an observation's history slots, in place."""
+    obs[-2] = min(prev_accepted / spec.max_depth, 1.0)
+    obs[-1] = min(prev_depth / spec.max_depth, 1.0)
+    return obs
 
 
 def depth_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:

@@ -25,7 +25,7 @@ from specpilot.drafting.types import CycleRecord, DraftState
 from specpilot.envs.live import (CONTINUE, STOP, RandomDepthController, as_depth_controller, as_size_controller,
                                  seed_partner)
 from specpilot.envs.observation import (ObservationSpec, default_size_actions, depth_observation, observation_space,
-                                        size_observation)
+                                        set_history, size_observation)
 from specpilot.envs.profile import LatencyProfile
 from specpilot.envs.record import Trace, level_bounds
 from specpilot.envs.rewards import Reward, make_reward
@@ -81,8 +81,9 @@ class PromptTables:
     def scores(self, t: int) -> np.ndarray:
         return self.model.trace.arrays["scores"][self.rows.start + t]
 
-    def state(self, t: int, depth: int) -> DraftState:
-        """The DraftState the live decoder's session returns at position t after `depth` levels."""
+    def state(self, t: int, depth: int, prev_accepted: int = 0, prev_depth: int = 0) -> DraftState:
+        """The DraftState the live decoder's session returns at position t after `depth` levels, the previous
+        cycle having accepted `prev_accepted` of `prev_depth` levels."""
         trace, row = self.model.trace, self.rows.start + t
         scores = trace.arrays["scores"][row]
         lo, hi = level_bounds(trace.width, depth)
@@ -92,10 +93,12 @@ class PromptTables:
                           frontier_scores=torch.from_numpy(frontier), candidate_scores=torch.from_numpy(candidates),
                           last_top_prob=float(trace.arrays["top_prob"][row, depth - 1]),
                           last_entropy=float(trace.arrays["entropy"][row, depth - 1]),
-                          new_tokens=t, max_new_tokens=self.model.max_new_tokens)
+                          new_tokens=t, max_new_tokens=self.model.max_new_tokens,
+                          prev_accepted=prev_accepted, prev_depth=prev_depth)
 
     def observations(self, spec: ObservationSpec) -> np.ndarray:
-        """[n, max_depth, dim] read-only observations (environments return copies of rows) for `spec` (depth: frontier; size: candidates)."""
+        """[n, max_depth, dim] read-only observations for `spec` (depth: frontier; size: candidates) with empty
+        history slots: environments return copies of rows with the history (which depends on the policy) set."""
         obs = self.obs.get(spec)
         if obs is None:
             trace = self.model.trace
@@ -197,6 +200,7 @@ class _ReplayEnv(gym.Env):
         self.reward_fn.reset()
         self._tab = self.model.tables(index)
         self._t, self._n_new, self._done = 0, 1, False
+        self._prev = (0, 0)  # previous cycle's (accepted, depth), as DraftState.prev_accepted / prev_depth
         return {"prompt_index": index, "prompt_len": self._tab.prompt_len}
 
     def _verify(self, depth: int, size: int) -> tuple[float, bool, bool, dict]:
@@ -216,6 +220,7 @@ class _ReplayEnv(gym.Env):
         self._partner().observe(record)
         self._t = t = t + emitted
         self._n_new = emitted
+        self._ended_prev, self._prev = self._prev, (accepted, depth)  # the final observation keeps the old one
         info = {"accepted": accepted, "emitted": emitted, "depth": depth, "size": size, "draft_s": draft_s,
                 "verify_s": verify_s, "context_len": tab.prompt_len + t - emitted, "new_tokens": t,
                 "prompt_index": self.prompt_index}
@@ -224,6 +229,10 @@ class _ReplayEnv(gym.Env):
             info["finished_by"] = "eos" if tab.eos else "length"
             return reward, tab.eos, not tab.eos, info
         return reward, False, False, info
+
+    def _observation(self, t: int, depth: int, prev: tuple[int, int] | None = None) -> np.ndarray:
+        """A fresh copy of the cached observation at (t, depth) with the history `prev` (default: current)."""
+        return set_history(self._obs[t, depth - 1].copy(), self.spec_obs, *(prev or self._prev))
 
     def _check_running(self) -> None:
         if self._tab is None:
@@ -244,7 +253,7 @@ class ReplayDepthEnv(_ReplayEnv):
     `Discrete(2)`: 0 = CONTINUE, 1 = STOP; a CONTINUE that reaches max_depth verifies in the same step.
 
     ## Observation Space
-    As specpilot/Depth-v0: `depth_observation` of the recorded frontier scores, `Box(2*W*W + 3)`.
+    As specpilot/Depth-v0: `depth_observation` of the recorded frontier scores, `Box(2*W*W + 5)`.
 
     ## Rewards
     0 on CONTINUE; `reward(record)` of the replayed cycle on the step that ends it.
@@ -285,25 +294,26 @@ class ReplayDepthEnv(_ReplayEnv):
         info = self._start(seed, options)
         self._obs = self._tab.observations(self.spec_obs)
         self._d = 1
-        return self._obs[0, 0].copy(), info
+        return self._observation(0, 1), info
 
     def step(self, action):
         self._check_running()
         if action == CONTINUE:
             self._d += 1
             if self._d < self.max_depth:
-                return self._obs[self._t, self._d - 1].copy(), 0.0, False, False, {"depth": self._d}
+                return self._observation(self._t, self._d), 0.0, False, False, {"depth": self._d}
         elif action != STOP:
             raise ValueError(f"action must be 0 (CONTINUE) or 1 (STOP), got {action}")
         depth = self._d
         size = self._fixed_size
         if size is None:
-            size = int(self.size_controller.choose_size(self._tab.state(self._t, depth)))
+            size = int(self.size_controller.choose_size(self._tab.state(self._t, depth, *self._prev)))
         reward, terminated, truncated, info = self._verify(depth, size)
         if not (terminated or truncated):
             self._d = 1
-            return self._obs[self._t, 0].copy(), reward, terminated, truncated, info
-        return self._obs[self._t - info["emitted"], depth - 1].copy(), reward, terminated, truncated, info
+            return self._observation(self._t, 1), reward, terminated, truncated, info
+        final = self._observation(self._t - info["emitted"], depth, self._ended_prev)  # the state verified last
+        return final, reward, terminated, truncated, info
 
 
 class ReplaySizeEnv(_ReplayEnv):
@@ -318,7 +328,7 @@ class ReplaySizeEnv(_ReplayEnv):
     `Discrete(len(size_actions))`, an index into `size_actions` (default: the trace device's size actions).
 
     ## Observation Space
-    As specpilot/Size-v0: `size_observation` of the recorded candidate scores, `Box(2*max(size_actions) + 3)`.
+    As specpilot/Size-v0: `size_observation` of the recorded candidate scores, `Box(2*max(size_actions) + 5)`.
 
     ## Rewards
     `reward(record)` of the replayed cycle.
@@ -370,7 +380,7 @@ class ReplaySizeEnv(_ReplayEnv):
         if kind is RandomDepthController:
             return 1 if d_max == 1 else min(partner.draw(), d_max)
         depth = 1
-        while depth < d_max and not partner.should_stop(self._tab.state(self._t, depth)):
+        while depth < d_max and not partner.should_stop(self._tab.state(self._t, depth, *self._prev)):
             depth += 1
         return depth
 
@@ -378,7 +388,7 @@ class ReplaySizeEnv(_ReplayEnv):
         info = self._start(seed, options)
         self._obs = self._tab.observations(self.spec_obs)
         self._d = self._next_depth()
-        return self._obs[0, self._d - 1].copy(), info
+        return self._observation(0, self._d), info
 
     def step(self, action):
         self._check_running()
@@ -386,8 +396,9 @@ class ReplaySizeEnv(_ReplayEnv):
         reward, terminated, truncated, info = self._verify(depth, self.size_actions[action])
         if not (terminated or truncated):
             self._d = self._next_depth()
-            return self._obs[self._t, self._d - 1].copy(), reward, terminated, truncated, info
-        return self._obs[self._t - info["emitted"], depth - 1].copy(), reward, terminated, truncated, info
+            return self._observation(self._t, self._d), reward, terminated, truncated, info
+        final = self._observation(self._t - info["emitted"], depth, self._ended_prev)  # the state verified last
+        return final, reward, terminated, truncated, info
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -436,22 +447,29 @@ def replay_controller(trace, profile=None, controller: Controller | None = None,
     model = trace if isinstance(trace, ReplayModel) else ReplayModel(trace, profile, max_new_tokens=max_new_tokens)
     controller = controller or FixedController()
     d_max = model.trace.max_depth
+    prev = [0, 0]  # previous cycle's (accepted, depth) of the current prompt
+
+    def reset():
+        prev[:] = [0, 0]
+        controller.reset()
 
     def choose(tab, t, n_new):
         depth = 1
-        state = tab.state(t, 1)
+        state = tab.state(t, 1, *prev)
         while depth < d_max and not controller.should_stop(state):
             depth += 1
-            state = tab.state(t, depth)
+            state = tab.state(t, depth, *prev)
         size = int(controller.choose_size(state))
         clipped = model.clip_size(depth, size)
         emitted = min(int(tab.acc[t, depth - 1, clipped]) + 1, tab.n - t)
-        controller.observe(CycleRecord(depth, clipped, int(tab.acc[t, depth - 1, clipped]), emitted,
+        accepted = int(tab.acc[t, depth - 1, clipped])
+        controller.observe(CycleRecord(depth, clipped, accepted, emitted,
                                        float(model.draft[min(n_new, d_max + 1), depth]),
                                        float(tab.verify[t, clipped]), 0.0, tab.prompt_len + t))
+        prev[:] = [accepted, depth]
         return depth, size
 
-    return _simulate(model, choose, prompts, reset=controller.reset)
+    return _simulate(model, choose, prompts, reset=reset)
 
 
 def replay_oracle(trace, profile=None, depths: list[int] | None = None, sizes: list[int] | None = None, *,

@@ -33,7 +33,7 @@ SIZE_SPEC = ObservationSpec.for_size(W, MAX_DEPTH, size_actions=[2, 4, 6, 8], ma
 
 
 def test_spec_sizes():
-    assert DEPTH_SPEC.num_scores == W * W and DEPTH_SPEC.dim == 2 * W * W + 3
+    assert DEPTH_SPEC.num_scores == W * W and DEPTH_SPEC.dim == 2 * W * W + 5
     assert SIZE_SPEC.num_scores == 8
 
 
@@ -46,7 +46,18 @@ def test_depth_observation_layout_padding_and_mask():
     np.testing.assert_array_equal(obs[3:n], -1.0)  # padding is "improbable", never log p = 0
     np.testing.assert_array_equal(obs[n:n + 3], 1.0)
     np.testing.assert_array_equal(obs[n + 3:2 * n], 0.0)
-    np.testing.assert_allclose(obs[2 * n:], [1 / MAX_DEPTH, 0.25, 0.25])
+    np.testing.assert_allclose(obs[2 * n:], [1 / MAX_DEPTH, 0.25, 0.25, 0.0, 0.0])  # no previous cycle yet
+
+
+@pytest.mark.parametrize("prev_accepted, prev_depth, expected", [(0, 1, [0.0, 1 / 6]), (3, 4, [0.5, 4 / 6]),
+                                                                  (9, 9, [1.0, 1.0])])
+def test_history_slots_hold_the_previous_cycle(prev_accepted, prev_depth, expected):
+    state = make_state([-0.5])
+    state.prev_accepted, state.prev_depth = prev_accepted, prev_depth
+    for spec, build in ((DEPTH_SPEC, depth_observation), (SIZE_SPEC, size_observation)):
+        obs = build(state, spec)
+        np.testing.assert_allclose(obs[-2:], expected)
+        assert observation_space(spec).contains(obs)
 
 
 def test_no_fake_zero_logprob_in_padding():
