@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from specpilot.drafting.types import DraftState, TreeConfig
 from specpilot.envs.observation import NUM_SCALARS, ObservationSpec, depth_observation, size_observation
 from specpilot.policies.base import Controller, FixedController
-from specpilot.policies.learned import LearnedController
+from specpilot.policies.learned import LearnedController, numpy_actor
 
 FORMAT_NAME = "specpilot-decoder"
 FORMAT_VERSION = 1
@@ -76,11 +76,13 @@ def file_sha256(path: str | Path) -> str:
 
 class ExportedActor:
     """A policy's actor rebuilt from its layer list: Linear and activation steps applied with torch functionals
-    (the same kernels nn.Linear / nn.Tanh use, so logits match SB3's actor bit for bit on the same machine)."""
+    (the same kernels nn.Linear / nn.Tanh use, so logits match SB3's actor bit for bit on the same machine).
+    Single decisions (`act`) run the same stack with numpy when it can (`numpy_actor`, as PPOController does)."""
 
     def __init__(self, layers: list[dict], tensors: dict[str, torch.Tensor], *, obs_norm: dict | None = None,
                  source: str = "policy") -> None:
         self.steps: list[tuple] = []
+        named: list[tuple] = []  # the steps with activation names, for numpy_actor
         self.source = source
         width = None
         for i, layer in enumerate(layers):
@@ -100,6 +102,7 @@ class ExportedActor:
                 width = n_out
                 self.steps.append(("linear", weight.detach().float().contiguous(),
                                    None if bias is None else bias.detach().float().contiguous()))
+                named.append(self.steps[-1])
             elif kind == "activation":
                 name = str(layer.get("name", "")).lower()
                 if name not in _ACTIVATIONS:
@@ -107,6 +110,7 @@ class ExportedActor:
                                               f"(known: {sorted(_ACTIVATIONS)}); upgrade specpilot or re-export")
                 params = {k: v for k, v in layer.items() if k not in ("kind", "name")}
                 self.steps.append(("activation", _ACTIVATIONS[name], params))
+                named.append(("activation", name, params))
             else:
                 raise ExportedConfigError(f"{source}: layer {i} has unknown kind {kind!r}; re-export the run")
         linears = [s for s in self.steps if s[0] == "linear"]
@@ -124,6 +128,7 @@ class ExportedActor:
                                           f"{tuple(mean.shape)}/{tuple(var.shape)}, expected ({self.in_features},)")
             eps, clip = float(obs_norm.get("epsilon", 1e-8)), float(obs_norm.get("clip", 10.0))
             self.obs_norm = (mean, torch.sqrt(var + eps), clip)
+        self._numpy_act = numpy_actor(named) if self.obs_norm is None else None
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """(batch, in_features) float32 -> (batch, n_actions) logits."""
@@ -142,6 +147,8 @@ class ExportedActor:
         """Deterministic action for one observation vector: argmax of the logits. No inference_mode context: no
         tensor here requires grad, so autograd records nothing, and entering the context costs more than the MLP
         of a small policy."""
+        if self._numpy_act is not None:
+            return self._numpy_act(obs)
         return int(self.logits(torch.from_numpy(obs).unsqueeze(0)).argmax(dim=1))
 
     def act_batch(self, obs: np.ndarray | torch.Tensor) -> np.ndarray:

@@ -6,13 +6,63 @@ an index into `size_actions`) and the static fallback for a missing actor (depth
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+import torch
 
 from specpilot.drafting.types import CycleRecord, DraftState
 from specpilot.envs.observation import ObservationSpec, depth_observation, size_observation
 from specpilot.policies.base import Controller
 
 CONTINUE, STOP = 0, 1  # depth actions
+
+# numpy versions of the activations small actors use (name -> f(x, params)); others keep the torch path
+_NUMPY_ACTIVATIONS = {
+    "tanh": lambda x, p: np.tanh(x, out=x),
+    "relu": lambda x, p: np.maximum(x, 0.0, out=x),
+    "leakyrelu": lambda x, p: np.where(x >= 0, x, x * np.float32(p.get("negative_slope", 0.01))),
+    "sigmoid": lambda x, p: 1.0 / (1.0 + np.exp(-x)),
+    "silu": lambda x, p: x / (1.0 + np.exp(-x)),
+    "identity": lambda x, p: x,
+}
+
+
+def numpy_actor(layers: list[tuple]) -> Callable[[np.ndarray], int] | None:
+    """argmax-of-logits function for a Linear/activation stack, run with numpy on views of the weights.
+
+    layers: ("linear", weight [out, in] tensor, bias tensor | None) and ("activation", name, params) in order.
+    A decision is a few 64-wide matrix-vector products: numpy does one in ~1-2 us where a torch op costs ~5-10 us
+    of dispatch, and the depth policy decides after every draft level, so this is most of a decision's latency.
+    The weights are zero-copy views of the CPU tensors (training updates them in place; the views follow). None
+    when a tensor is not on the CPU or an activation has no numpy version (callers keep their torch path)."""
+    steps = []
+    for layer in layers:
+        if layer[0] == "linear":
+            weight, bias = layer[1], layer[2]
+            if weight.device.type != "cpu" or weight.dtype != torch.float32:
+                return None
+            w_t = weight.detach().numpy().T  # a view: x @ W.T
+            b = None if bias is None else bias.detach().numpy()
+            steps.append((w_t, b, None, None))
+        else:
+            fn = _NUMPY_ACTIVATIONS.get(str(layer[1]).lower())
+            if fn is None or not steps:
+                return None
+            w_t, b, _, _ = steps[-1]
+            steps[-1] = (w_t, b, fn, layer[2] if len(layer) > 2 else {})
+
+    def act(obs: np.ndarray) -> int:
+        x = obs
+        for w_t, b, fn, params in steps:
+            x = x @ w_t
+            if b is not None:
+                x += b
+            if fn is not None:
+                x = fn(x, params)
+        return int(x.argmax())
+
+    return act
 
 
 class LearnedController(Controller):

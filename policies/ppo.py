@@ -21,7 +21,7 @@ import torch
 
 from specpilot.envs.observation import ObservationSpec, default_size_actions
 from specpilot.policies.base import Controller, FixedController
-from specpilot.policies.learned import CONTINUE, STOP, LearnedController  # noqa: F401 (re-exported)
+from specpilot.policies.learned import CONTINUE, STOP, LearnedController, numpy_actor  # noqa: F401 (re-exported)
 
 
 
@@ -36,32 +36,40 @@ def _actor(policy):
     return policy
 
 
-_ACTIVATIONS = {torch.nn.Tanh: torch.tanh, torch.nn.ReLU: torch.relu, torch.nn.Sigmoid: torch.sigmoid,
-                torch.nn.Identity: None}
-
-
-def _fast_actor(policy) -> list | None:
-    """(weight, bias, activation) steps of the actor (policy_net then action_net), cached on the policy; None when
-    the actor is not a plain Flatten -> [Linear, activation]* -> Linear stack. Decision latency counts: going
-    through nn.Module calls costs several microseconds per layer on a CPU."""
-    cached = getattr(policy, "_specpilot_fast_actor", False)
-    if cached is not False:
+def _fast_actor(policy):
+    """(numpy act function | None, torch steps | None) for the actor (policy_net then action_net), cached on the
+    policy. Decision latency counts: nn.Module calls cost several microseconds per layer on a CPU, numpy (see
+    `numpy_actor`) less still. Torch steps are (weight, bias, activation) when the actor is a plain Flatten ->
+    [Linear, activation]* -> Linear stack; None otherwise (the modules are then called)."""
+    cached = getattr(policy, "_specpilot_fast_actor", None)
+    if cached is not None:
         return cached
-    steps: list | None = []
-    if type(policy.pi_features_extractor.flatten if hasattr(policy.pi_features_extractor, "flatten")
-            else None) is not torch.nn.Flatten:
-        steps = None
+    layers: list[tuple] | None = []
+    if type(getattr(policy.pi_features_extractor, "flatten", None)) is not torch.nn.Flatten:
+        layers = None
     else:
         for module in list(policy.mlp_extractor.policy_net) + [policy.action_net]:
             if isinstance(module, torch.nn.Linear):
-                steps.append([module.weight, module.bias, None])
-            elif type(module) in _ACTIVATIONS and steps:
-                steps[-1][2] = _ACTIVATIONS[type(module)]
+                layers.append(("linear", module.weight, module.bias))
+            elif layers and type(module).__name__.lower() in _TORCH_ACTIVATIONS:
+                layers.append(("activation", type(module).__name__.lower(), {}))
             else:
-                steps = None
+                layers = None
                 break
-    policy._specpilot_fast_actor = steps
-    return steps
+    torch_steps = None
+    if layers is not None:
+        torch_steps = []
+        for layer in layers:
+            if layer[0] == "linear":
+                torch_steps.append([layer[1], layer[2], None])
+            else:
+                torch_steps[-1][2] = _TORCH_ACTIVATIONS[layer[1]]
+    cached = (numpy_actor(layers) if layers is not None else None, torch_steps)
+    policy._specpilot_fast_actor = cached
+    return cached
+
+
+_TORCH_ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "sigmoid": torch.sigmoid, "identity": None}
 
 
 def _check_dim(policy, spec: ObservationSpec, label: str) -> None:
@@ -112,9 +120,11 @@ class PPOController(LearnedController):
 
     @staticmethod
     def _decide(policy, obs: np.ndarray) -> int:
+        act, steps = _fast_actor(policy)
+        if act is not None:
+            return act(obs)
         with torch.inference_mode():
             x = torch.from_numpy(obs).unsqueeze(0)  # (1, dim), shares memory with obs
-            steps = _fast_actor(policy)
             if steps is None:  # not a plain Linear/activation stack: go through the modules
                 features = policy.pi_features_extractor(x)
                 logits = policy.action_net(policy.mlp_extractor.forward_actor(features))  # (1, n_actions)

@@ -184,3 +184,41 @@ def test_ppo_controller_rejects_mismatched_spec():
     depth_model = PPO("MlpPolicy", SpaceOnlyEnv(DEPTH_SPEC, 2), policy_kwargs={"net_arch": [8]}, seed=0)
     with pytest.raises(ValueError, match="spec"):
         PPOController(depth_policy=depth_model, depth_spec=ObservationSpec.for_depth(3, DMAX))
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu", "leakyrelu", "sigmoid", "silu", "identity"])
+def test_numpy_actor_matches_torch_functionals(activation):
+    from specpilot.policies.learned import numpy_actor
+
+    torch_fn = {"tanh": torch.tanh, "relu": torch.relu, "leakyrelu": torch.nn.functional.leaky_relu,
+                "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu, "identity": lambda x: x}[activation]
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 21), (64, 64), (5, 64)]
+    weights = [torch.randn(*s, generator=gen) * 0.3 for s in shapes]
+    biases = [torch.randn(s[0], generator=gen) * 0.1 for s in shapes]
+    layers = []
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        layers.append(("linear", w, b))
+        if i < len(shapes) - 1:
+            layers.append(("activation", activation, {}))
+    act = numpy_actor(layers)
+    assert act is not None
+    obs = torch.rand(200, 21, generator=gen) * 2 - 1
+    x = obs
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        x = torch.nn.functional.linear(x, w, b)
+        if i < len(shapes) - 1:
+            x = torch_fn(x)
+    top2 = x.topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # float round-off may only flip near-ties
+    expected = x.argmax(dim=1)
+    got = torch.tensor([act(o.numpy()) for o in obs])
+    assert bool((got[clear] == expected[clear]).all())
+
+
+def test_numpy_actor_declines_unsupported_layers():
+    from specpilot.policies.learned import numpy_actor
+
+    w, b = torch.zeros(2, 3), torch.zeros(2)
+    assert numpy_actor([("linear", w, b), ("activation", "gelu", {}), ("linear", w.T.contiguous()[:2, :2], None)]) is None
+    assert numpy_actor([("linear", w.double(), b.double())]) is None
