@@ -114,7 +114,8 @@ class DecodingSession:
         level_start = 0 if depth == 1 else width + (depth - 2) * width * width
         prev = self.cycles[-1] if self.cycles else None
         return LazyDraftState(
-            scores=tree.scores[: tree.size], level_start=level_start,
+            scores=tree.scores[: tree.size], level_start=level_start, ranking=tree.ranking,
+            scores_view=tree.scores_view,
             depth=depth, max_depth=self.tree_config.max_depth, width=width, context_len=len(self.committed),
             last_top_prob=self.drafter.last_top_prob, last_entropy=self.drafter.last_entropy,
             new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,
@@ -138,6 +139,15 @@ class DecodingSession:
             state = self._state()
             self._draft_s += self.clock.now() - t0
         return state
+
+    def rank_candidates(self) -> None:
+        """Sort the drafted candidates for verification now (timed as drafting, which ends here), so a size policy
+        reading `candidate_scores` and the verification share this one sort instead of each paying for one."""
+        if self.drafter.tree is not None:
+            with torch.inference_mode():
+                t0 = self.clock.now()
+                self.drafter.tree.ranking()
+                self._draft_s += self.clock.now() - t0
 
     def verify(self, size: int) -> CycleRecord:
         """Verify the top-`size` candidates (clipped to those drafted) in one target forward; emit 1..accepted+1
@@ -237,6 +247,7 @@ class SpeculativeDecoder:
                 session.add_policy_time(clock.now() - t0)
                 if stop:
                     break
+            session.rank_candidates()
             t0 = clock.now()
             size = controller.choose_size(state)
             session.add_policy_time(clock.now() - t0)

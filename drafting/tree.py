@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specpilot.drafting.cache import crop_to, new_cache
@@ -35,16 +36,22 @@ class DraftTree:
     depth: int = 0
     frontier: torch.Tensor | None = None        # node ids of the current frontier
     draft_probs: list[torch.Tensor] | None = None  # sampled chain only: q at each level [vocab]
+    _ranking: tuple | None = None                   # (sorted scores, node ids) for the tree of size _ranked_size
+    _ranked_size: int = -1
+    scores_view: np.ndarray | None = None           # CPU trees: a numpy view of `scores` (reading it costs no torch op)
 
     @classmethod
     def empty(cls, capacity: int, device: torch.device) -> "DraftTree":
-        return cls(
+        tree = cls(
             tokens=torch.zeros(capacity, dtype=torch.long, device=device),
             parents=torch.full((capacity,), -1, dtype=torch.long, device=device),
             depths=torch.zeros(capacity, dtype=torch.long, device=device),
             scores=torch.zeros(capacity, dtype=torch.float32, device=device),
             ancestors=torch.zeros(capacity, capacity, dtype=torch.bool, device=device),
         )
+        if tree.scores.device.type == "cpu":
+            tree.scores_view = tree.scores.numpy()  # shares memory: add_level's writes show through
+        return tree
 
     def add_level(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Append one level of nodes; returns their ids."""
@@ -61,10 +68,18 @@ class DraftTree:
         self.size += n
         return ids
 
+    def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores sorted descending, node ids) of all candidates, ties by id asc: the order in which candidates are
+        chosen for verification. One sort per tree size, shared by a size policy's observation and verification."""
+        if self._ranked_size != self.size:
+            # stable descending sort keeps smaller ids first among equal scores (ancestor closure under ties)
+            values, ids = torch.sort(self.scores[: self.size], descending=True, stable=True)
+            self._ranking, self._ranked_size = (values, ids), self.size
+        return self._ranking
+
     def ranked(self) -> torch.Tensor:
-        """All node ids by (score desc, id asc): the order in which candidates are chosen for verification."""
-        # stable descending sort keeps smaller ids first among equal scores (ancestor closure under ties)
-        return torch.sort(self.scores[: self.size], descending=True, stable=True).indices
+        """All node ids by (score desc, id asc)."""
+        return self.ranking()[1]
 
 
 class TreeDrafter:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -53,6 +54,9 @@ class DraftState:
     prev_accepted / prev_depth: drafted tokens accepted by / levels drafted in the previous cycle of this generation
         (0 / 0 before the first verification). Acceptance is persistent (repetitive spans stay easy), so the last
         outcome is the cheapest predictor of the next one.
+    level_scores: the last level's scores in drafting order (the parents best-first, each parent's children
+        best-first: the order the drafter produces them in, so reading them costs no sort). None (hand-built
+        states): the sorted frontier_scores stand in.
     """
 
     depth: int
@@ -67,6 +71,7 @@ class DraftState:
     max_new_tokens: int
     prev_accepted: int = 0
     prev_depth: int = 0
+    level_scores: torch.Tensor | None = None
 
     @property
     def num_candidates(self) -> int:
@@ -143,10 +148,22 @@ class LazyDraftState(DraftState):
     """A DraftState whose score vectors are sorted (and moved to the CPU) only when a controller reads them, so
     controllers that ignore scores (fixed configs, schedules) add no sorting or device syncs to the hot loop."""
 
-    def __init__(self, *, scores: torch.Tensor, level_start: int, **fields) -> None:
+    def __init__(self, *, scores: torch.Tensor, level_start: int, ranking=None, scores_view=None, **fields) -> None:
         self._scores, self._level_start = scores, level_start  # scores: [num_candidates] on the model's device
+        self._scores_view = scores_view  # numpy view of the same scores on a CPU tree (None elsewhere)
+        self._ranking = ranking  # DraftTree.ranking: the sort verification uses (so the two share it)
         self._frontier = self._candidates = None
-        super().__init__(frontier_scores=None, candidate_scores=None, **fields)
+        super().__init__(frontier_scores=None, candidate_scores=None, level_scores=None, **fields)
+
+    @property
+    def level_scores(self) -> torch.Tensor | np.ndarray:
+        if self._scores_view is not None:  # a numpy slice: no torch op on the depth policy's path
+            return self._scores_view[self._level_start: self._scores.shape[0]]
+        return self._scores[self._level_start:].cpu()
+
+    @level_scores.setter
+    def level_scores(self, value) -> None:
+        pass  # always read from the tree
 
     @property
     def frontier_scores(self) -> torch.Tensor:
@@ -162,7 +179,10 @@ class LazyDraftState(DraftState):
     @property
     def candidate_scores(self) -> torch.Tensor:
         if self._candidates is None:
-            self._candidates = torch.sort(self._scores, descending=True).values.cpu()
+            values = self._ranking()[0] if self._ranking is not None else None
+            if values is None or values.numel() != self._scores.numel():  # the tree grew since this state
+                values = torch.sort(self._scores, descending=True).values
+            self._candidates = values.cpu()
         return self._candidates
 
     @candidate_scores.setter

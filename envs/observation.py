@@ -3,8 +3,8 @@ PPOController at inference and the exporter (so training and inference can never
 
 Layout of an observation vector (float32, length 2*num_scores + 5):
 
-    [0, n)        scores: cumulative draft log-probs sorted descending, clipped at score_floor, divided by
-                  -score_floor, so in [-1, 0]; padding slots hold -1.0 (the floor, i.e. "improbable")
+    [0, n)        scores: cumulative draft log-probs (depth: drafting order; size: sorted descending), clipped at
+                  score_floor, divided by -score_floor, so in [-1, 0]; padding slots hold -1.0 ("improbable")
     [n, 2n)       mask: 1.0 for a real score, 0.0 for padding (padding is explicit: log p = 0 would mean p = 1)
     2n            depth / max_depth                       (0, 1]
     2n + 1        min(context_len / max_context, 1)       [0, 1]
@@ -12,8 +12,10 @@ Layout of an observation vector (float32, length 2*num_scores + 5):
     2n + 3        min(prev_accepted / max_depth, 1)       [0, 1]   the previous cycle's outcome (history: the
     2n + 4        min(prev_depth / max_depth, 1)          [0, 1]   draft scores alone predict acceptance poorly)
 
-The depth policy sees the frontier (W*W children, W at depth 1); the size policy the top `num_scores` candidates
-of the whole tree (default num_scores = the largest verification size it can choose).
+The depth policy sees the last level's W*W children (W at depth 1) in drafting order (`DraftState.level_scores`:
+parents best-first, each parent's children best-first; no sort, which matters because the depth policy decides after
+every level); the size policy the top `num_scores` candidates of the whole tree, sorted (default num_scores = the
+largest verification size it can choose).
 """
 from __future__ import annotations
 
@@ -99,24 +101,39 @@ def _as_numpy(scores: torch.Tensor | np.ndarray) -> np.ndarray:
         return scores.detach().cpu().numpy()
 
 
+_TEMPLATES: dict[ObservationSpec, tuple[np.ndarray, np.float32]] = {}
+
+
+def _template(spec: ObservationSpec) -> tuple[np.ndarray, np.float32]:
+    """An all-padding observation (scores -1, mask 0, scalars 0) and the score scale, made once per spec."""
+    entry = _TEMPLATES.get(spec)
+    if entry is None:
+        n = spec.num_scores
+        blank = np.zeros(2 * n + NUM_SCALARS, dtype=np.float32)
+        blank[:n] = -1.0
+        entry = _TEMPLATES[spec] = (blank, np.float32(-1.0 / spec.score_floor))
+    return entry
+
+
 def _build(scores: torch.Tensor | np.ndarray, state: DraftState, spec: ObservationSpec) -> np.ndarray:
+    # Few numpy calls on purpose: a decision runs right after a model forward has evicted the CPU caches, where
+    # every distinct library call costs tens of microseconds (measured), not the ~1 us it costs in a warm loop.
     n = spec.num_scores
-    values = _as_numpy(scores)[:n]  # sorted descending already: the first n are the top n
+    values = _as_numpy(scores)[:n]  # size: sorted descending, so the first n are the top n; depth: all W*W
     k = values.shape[0]
-    out = np.empty(2 * n + NUM_SCALARS, dtype=np.float32)
+    blank, scale = _template(spec)
+    out = blank.copy()
     head = out[:k]
-    # clip at the floor, then scale into [-1, 0], in place (np.clip's dispatch alone costs ~10 us). Scores are
-    # log-probs (<= 0) by contract; the final minimum guards round-off above 0 cheaply.
-    np.maximum(values, spec.score_floor, out=head, casting="unsafe")
-    head *= np.float32(-1.0 / spec.score_floor)
+    # scale into [-1, 0] and clip there (the floor maps to -1). Scores are log-probs (<= 0) by contract; the
+    # minimum only guards round-off above 0.
+    np.multiply(values, scale, out=head, casting="unsafe")
+    np.maximum(head, -1.0, out=head)  # two ufuncs: np.clip adds a Python-level wrapper
     np.minimum(head, 0.0, out=head)
-    out[k:n] = -1.0
     out[n:n + k] = 1.0
-    out[n + k:2 * n] = 0.0
-    out[2 * n] = min(state.depth / spec.max_depth, 1.0)
-    out[2 * n + 1] = min(state.context_len / spec.max_context, 1.0)
-    out[2 * n + 2] = min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0
-    set_history(out, spec, state.prev_accepted, state.prev_depth)
+    depth = spec.max_depth
+    out[2 * n:] = (min(state.depth / depth, 1.0), min(state.context_len / spec.max_context, 1.0),
+                   min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0,
+                   min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0))
     return out
 
 
@@ -128,8 +145,9 @@ def set_history(obs: np.ndarray, spec: ObservationSpec, prev_accepted: int, prev
 
 
 def depth_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:
-    """Depth policy input: the last level's frontier scores (W*W children; W at depth 1) + scalars."""
-    return _build(state.frontier_scores, state, spec)
+    """Depth policy input: the last level's scores in drafting order (W*W children; W at depth 1) + scalars."""
+    scores = state.level_scores
+    return _build(state.frontier_scores if scores is None else scores, state, spec)
 
 
 def size_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:

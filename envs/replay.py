@@ -87,14 +87,15 @@ class PromptTables:
         trace, row = self.model.trace, self.rows.start + t
         scores = trace.arrays["scores"][row]
         lo, hi = level_bounds(trace.width, depth)
-        frontier = -np.sort(-scores[lo:hi])
+        level = scores[lo:hi]  # node order = drafting order
+        frontier = -np.sort(-level)
         candidates = -np.sort(-scores[: trace.num_candidates(depth)])
         return DraftState(depth=depth, max_depth=trace.max_depth, width=trace.width, context_len=self.prompt_len + t,
                           frontier_scores=torch.from_numpy(frontier), candidate_scores=torch.from_numpy(candidates),
                           last_top_prob=float(trace.arrays["top_prob"][row, depth - 1]),
                           last_entropy=float(trace.arrays["entropy"][row, depth - 1]),
                           new_tokens=t, max_new_tokens=self.model.max_new_tokens,
-                          prev_accepted=prev_accepted, prev_depth=prev_depth)
+                          prev_accepted=prev_accepted, prev_depth=prev_depth, level_scores=torch.from_numpy(level))
 
     def observations(self, spec: ObservationSpec) -> np.ndarray:
         """[n, max_depth, dim] read-only observations for `spec` (depth: frontier; size: candidates) with empty
@@ -111,11 +112,14 @@ class PromptTables:
                     lo, hi = level_bounds(w, d)
                 else:
                     lo, hi = 0, trace.num_candidates(d)
-                block = -np.sort(-scores[:, lo:hi], axis=1)           # sorted descending, as the session sorts
+                block = scores[:, lo:hi]                              # depth: drafting order (node order)
+                if spec.kind == "size":
+                    block = -np.sort(-block, axis=1)                  # size: sorted descending, as the session sorts
                 for t in range(self.n):
                     state = DraftState(depth=d, max_depth=d_max, width=w, context_len=self.prompt_len + t,
                                        frontier_scores=block[t], candidate_scores=block[t], last_top_prob=0.0,
-                                       last_entropy=0.0, new_tokens=t, max_new_tokens=self.model.max_new_tokens)
+                                       last_entropy=0.0, new_tokens=t, max_new_tokens=self.model.max_new_tokens,
+                                       level_scores=block[t])
                     obs[t, d - 1] = build(state, spec)
             obs.flags.writeable = False
             self.obs[spec] = obs

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import gymnasium as gym
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList
+from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
@@ -422,6 +423,8 @@ def train_policy(
         done = 0
     if logger is not None:
         model.set_logger(logger.sb3_logger(stage_name))
+    else:  # SB3's default logger would create an SB3-<date> directory in the system temp dir on every learn()
+        model.set_logger(Logger(folder=None, output_formats=[]))
 
     update_manifest(run_dir, stages={stage_name: {"settings": asdict(settings), "status": "running",
                                                   "timesteps_done": done, "init_from": str(init_from or "")}})
