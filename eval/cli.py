@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default=None,
                         help=f"comma list (default: all available): {', '.join(METHODS)}; `ar` always runs")
     parser.add_argument("--temperatures", type=_floats, default=(0.0, 1.0), help="comma list (default 0,1)")
+    parser.add_argument("--sampled-methods", default=None,
+                        help="comma list of the methods run at temperatures > 0 (default: all of --methods)")
     parser.add_argument("--top-k", type=int, default=0, help="top-k when sampling (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="top-p when sampling (1: off)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None:
         prompts = prompts[: args.limit]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    unknown = [m for m in methods or [] if m not in METHODS]
+    sampled = [m.strip() for m in args.sampled_methods.split(",") if m.strip()] if args.sampled_methods else None
+    unknown = [m for m in (methods or []) + (sampled or []) if m not in METHODS]
     if unknown:
         print(f"specpilot eval: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}",
               file=sys.stderr)
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate(prompts, pair=pair, methods=methods, temperatures=args.temperatures, top_k=args.top_k,
                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       warmup=args.warmup, concurrency=args.concurrency, tree=tree, grid=args.grid,
-                      run_dir=args.run_dir, seed=args.seed, progress=lambda m: print(m, file=sys.stderr))
+                      run_dir=args.run_dir, seed=args.seed, progress=lambda m: print(m, file=sys.stderr),
+                      sampled_methods=sampled)
     paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)
     for name, reason in result.meta["skipped"].items():
         print(f"skipped {name}: {reason}", file=sys.stderr)

@@ -297,10 +297,12 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
              max_new_tokens: int = 128, repeats: int = 1, warmup: int = 1, concurrency: int = 1,
              tree: TreeConfig | None = None, grid: str | Path | None = None, run_dir: str | Path | None = None,
              seed: int = 0, encode: Callable[[str], list[int]] | None = None,
-             progress: Callable[[str], None] | None = None) -> EvalResult:
+             progress: Callable[[str], None] | None = None,
+             sampled_methods: list[str] | None = None) -> EvalResult:
     """Evaluate `methods` (default: every registered one that is available) on `prompts`; see the module
     docstring for the protocol. Returns result rows (one per task x language x method x temperature x
-    concurrency), a meta block and the raw per-run records."""
+    concurrency), a meta block and the raw per-run records. `sampled_methods`: the methods run at temperatures
+    > 0 (default: all; `ar` always runs, it is the reference)."""
     if not prompts:
         raise ValueError("no prompts to evaluate")
     if repeats < 1 or warmup < 0 or concurrency < 1:
@@ -326,7 +328,9 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
     with MemoryMonitor(device) as memory:
         for temperature in temperatures:
             sampling = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k, top_p=top_p)
-            for name in names:  # warm-up: kernels, allocator, caches; not timed or recorded
+            running = names if temperature == 0 or sampled_methods is None else \
+                [n for n in names if n == "ar" or n in sampled_methods]
+            for name in running:  # warm-up: kernels, allocator, caches; not timed or recorded
                 for w in range(warmup if name not in failed else 0):
                     try:
                         built[name](all_ids[w % len(all_ids)], **sampling, seed=seed)
@@ -338,7 +342,7 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
             for i, ids in enumerate(all_ids):
                 for r in range(repeats):
                     k = i * repeats + r
-                    order = names[k % len(names):] + names[: k % len(names)]
+                    order = running[k % len(running):] + running[: k % len(running)]
                     for name in order:
                         if name in failed:
                             continue
@@ -354,7 +358,7 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
                         records.append(rec)
                 say(f"T={temperature:g} prompt {i + 1}/{len(all_ids)} done")
             if concurrency > 1:
-                records.extend(_run_concurrent(ctx, names, failed, prompts, all_ids, sampling, seed, concurrency,
+                records.extend(_run_concurrent(ctx, running, failed, prompts, all_ids, sampling, seed, concurrency,
                                                device, memory))
                 say(f"T={temperature:g} concurrency {concurrency} done")
 
@@ -365,6 +369,8 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
                       max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, concurrency=concurrency,
                       seed=seed, methods=method_info, skipped={**skipped, **failed}, n_truncated=n_truncated,
                       prompt_token_limit=limit)
+    if sampled_methods is not None:
+        meta["sampled_methods"] = [n for n in names if n == "ar" or n in sampled_methods]
     return EvalResult(results=results, meta=meta, records=records)
 
 

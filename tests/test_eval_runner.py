@@ -109,6 +109,14 @@ def test_sampling_and_concurrency_rows(pair):
     assert all(r["identical_to_ar"] is None for r in res.results)
 
 
+def test_sampled_methods_limit_the_sampled_runs(pair):
+    res = evaluate(PROMPTS[:2], pair=pair, methods=["fixed", "svip"], temperatures=(0.0, 1.0), max_new_tokens=6,
+                   sampled_methods=["fixed"], encode=_encode)
+    ran = {(r["method"], r["temperature"]) for r in res.results}
+    assert ran == {("ar", 0.0), ("fixed", 0.0), ("svip", 0.0), ("ar", 1.0), ("fixed", 1.0)}
+    assert res.meta["sampled_methods"] == ["ar", "fixed"]
+
+
 def test_unknown_method_rejected(pair):
     with pytest.raises(ValueError, match="unknown method"):
         evaluate(PROMPTS, pair=pair, methods=["warp_drive"], encode=_encode)

@@ -1,6 +1,6 @@
 """`specpilot train size|depth|coadapt|ablation|all`: the CLI over `specpilot.train.pipeline`.
 
-    specpilot train size --run RUN [--traces RUN/traces] [--steps 20000] [--reward throughput] [--resume]
+    specpilot train size --run RUN [--traces RUN/traces] [--steps 20000] [--reward dinkelbach] [--resume]
     specpilot train depth --run RUN [--steps 40000] [--static 4,12 | --grid RUN/grid.json]
     specpilot train coadapt --run RUN --rounds 3 [--steps 10000]
     specpilot train ablation --run RUN [--kind size] [--rewards throughput,acceptance,time,dinkelbach]
@@ -28,8 +28,9 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     p.add_argument("--run", required=True, help="run directory (checkpoints, manifest, logs, policies.json)")
     p.add_argument("--traces", default=None, help="directory with train/ and validation/ traces (default RUN/traces)")
     p.add_argument("--steps", type=int, default=steps, help=f"budget in env steps (default {steps})")
-    p.add_argument("--reward", default="throughput", choices=["throughput", "acceptance", "time", "dinkelbach"],
-                   help="reward mode of the environments")
+    p.add_argument("--reward", default="dinkelbach", choices=["throughput", "acceptance", "time", "dinkelbach"],
+                   help="reward mode of the environments (default dinkelbach: tokens - lambda*time sums to the "
+                        "episode's true objective; the paper's per-cycle throughput reward favours short cycles)")
     p.add_argument("--backend", default="replay", choices=["replay", "live"],
                    help="replay (trace + profile, fast) or live (real decoder, wall-clock rewards)")
     p.add_argument("--static", default=None, help="static (depth,size), e.g. 4,12 (default: from --grid)")
