@@ -115,7 +115,7 @@ class DecodingSession:
         prev = self.cycles[-1] if self.cycles else None
         return LazyDraftState(
             scores=tree.scores[: tree.size], level_start=level_start, ranking=tree.ranking,
-            scores_view=tree.scores_view,
+            scores_view=None if tree.scores_view is None else tree.scores_view[: tree.size],
             depth=depth, max_depth=self.tree_config.max_depth, width=width, context_len=len(self.committed),
             last_top_prob=self.drafter.last_top_prob, last_entropy=self.drafter.last_entropy,
             new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,

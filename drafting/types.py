@@ -148,9 +148,10 @@ class LazyDraftState(DraftState):
     """A DraftState whose score vectors are sorted (and moved to the CPU) only when a controller reads them, so
     controllers that ignore scores (fixed configs, schedules) add no sorting or device syncs to the hot loop."""
 
-    def __init__(self, *, scores: torch.Tensor, level_start: int, ranking=None, scores_view=None, **fields) -> None:
+    def __init__(self, *, scores: torch.Tensor, level_start: int, ranking=None, scores_view=None,
+                 **fields) -> None:
         self._scores, self._level_start = scores, level_start  # scores: [num_candidates] on the model's device
-        self._scores_view = scores_view  # numpy view of the same scores on a CPU tree (None elsewhere)
+        self._scores_view = scores_view  # the same scores as a numpy view on a CPU tree (None elsewhere)
         self._ranking = ranking  # DraftTree.ranking: the sort verification uses (so the two share it)
         self._frontier = self._candidates = None
         super().__init__(frontier_scores=None, candidate_scores=None, level_scores=None, **fields)
@@ -158,7 +159,7 @@ class LazyDraftState(DraftState):
     @property
     def level_scores(self) -> torch.Tensor | np.ndarray:
         if self._scores_view is not None:  # a numpy slice: no torch op on the depth policy's path
-            return self._scores_view[self._level_start: self._scores.shape[0]]
+            return self._scores_view[self._level_start:]
         return self._scores[self._level_start:].cpu()
 
     @level_scores.setter

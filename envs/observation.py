@@ -101,17 +101,16 @@ def _as_numpy(scores: torch.Tensor | np.ndarray) -> np.ndarray:
         return scores.detach().cpu().numpy()
 
 
-_TEMPLATES: dict[ObservationSpec, tuple[np.ndarray, np.float32]] = {}
-
-
 def _template(spec: ObservationSpec) -> tuple[np.ndarray, np.float32]:
-    """An all-padding observation (scores -1, mask 0, scalars 0) and the score scale, made once per spec."""
-    entry = _TEMPLATES.get(spec)
+    """An all-padding observation (scores -1, mask 0, scalars 0) and the score scale, made once per spec and kept
+    on it (not a field: equality, hashing and to_dict ignore it; a dict keyed by spec would hash 7 fields a call)."""
+    entry = spec.__dict__.get("_template")
     if entry is None:
         n = spec.num_scores
         blank = np.zeros(2 * n + NUM_SCALARS, dtype=np.float32)
         blank[:n] = -1.0
-        entry = _TEMPLATES[spec] = (blank, np.float32(-1.0 / spec.score_floor))
+        entry = (blank, np.float32(-1.0 / spec.score_floor))
+        object.__setattr__(spec, "_template", entry)  # frozen dataclass: set past the frozen __setattr__
     return entry
 
 
