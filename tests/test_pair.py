@@ -135,3 +135,23 @@ def test_draft_init_from_target():
     e_t, e_d = target.get_input_embeddings().weight, narrow.get_input_embeddings().weight
     assert e_d.shape == (64, 16)
     assert torch.allclose(e_d.norm(dim=1).mean(), e_t.norm(dim=1).mean(), rtol=1e-4)
+
+
+def test_model_digest_ignores_thread_count_and_sees_weight_changes():
+    from tiny import tiny_model
+
+    from specpilot.drafting.pair import model_digest
+
+    model = tiny_model(vocab=64, eos=0)
+    threads = torch.get_num_threads()
+    try:
+        digests = set()
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            digests.add(model_digest(model))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(digests) == 1
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1.0
+    assert model_digest(model) not in digests
