@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.drafting.cache import cache_length, crop_to, keep_positions, new_cache
+from specpilot.drafting.cache import cache_length, keep_positions, new_cache
 from specpilot.drafting.pair import ModelPair
-from specpilot.drafting.sampling import sample, sampling_probs
+from specpilot.drafting.sampling import sampling_probs
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, LazyDraftState, TreeConfig
@@ -115,7 +115,7 @@ class DecodingSession:
         prev = self.cycles[-1] if self.cycles else None
         return LazyDraftState(
             scores=tree.scores[: tree.size], level_start=level_start, ranking=tree.ranking,
-            scores_view=None if tree.scores_view is None else tree.scores_view[: tree.size],
+            scores_view=tree.scores_view, size=tree.size,
             depth=depth, max_depth=self.tree_config.max_depth, width=width, context_len=len(self.committed),
             last_top_prob=self.drafter.last_top_prob, last_entropy=self.drafter.last_entropy,
             new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,

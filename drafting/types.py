@@ -148,10 +148,11 @@ class LazyDraftState(DraftState):
     """A DraftState whose score vectors are sorted (and moved to the CPU) only when a controller reads them, so
     controllers that ignore scores (fixed configs, schedules) add no sorting or device syncs to the hot loop."""
 
-    def __init__(self, *, scores: torch.Tensor, level_start: int, ranking=None, scores_view=None,
+    def __init__(self, *, scores: torch.Tensor, level_start: int, ranking=None, scores_view=None, size: int = 0,
                  **fields) -> None:
         self._scores, self._level_start = scores, level_start  # scores: [num_candidates] on the model's device
-        self._scores_view = scores_view  # the same scores as a numpy view on a CPU tree (None elsewhere)
+        # a CPU tree's whole score buffer as a numpy view (None elsewhere) and the candidates drafted so far
+        self._scores_view, self._size = scores_view, size
         self._ranking = ranking  # DraftTree.ranking: the sort verification uses (so the two share it)
         self._frontier = self._candidates = None
         super().__init__(frontier_scores=None, candidate_scores=None, level_scores=None, **fields)
@@ -159,7 +160,7 @@ class LazyDraftState(DraftState):
     @property
     def level_scores(self) -> torch.Tensor | np.ndarray:
         if self._scores_view is not None:  # a numpy slice: no torch op on the depth policy's path
-            return self._scores_view[self._level_start:]
+            return self._scores_view[self._level_start: self._size]
         return self._scores[self._level_start:].cpu()
 
     @level_scores.setter

@@ -206,9 +206,10 @@ class DepthEnv(_LiveEnv):
     `tree.max_depth` the cycle is verified in the same step (the decoder never asks at the maximum depth).
 
     ## Observation Space
-    `Box(2*W*W + 5)` float32, `specpilot.envs.observation.depth_observation`: the frontier's W*W cumulative
-    log-probabilities (W at depth 1) sorted, scaled into [-1, 0], padded with -1 and an explicit validity mask;
-    then depth/max_depth, context length/max_context, new tokens/max_new_tokens.
+    `Box(2*W*W + 5)` float32, `specpilot.envs.observation.depth_observation`: the last level's W*W cumulative
+    log-probabilities (W at depth 1) in drafting order, scaled into [-1, 0], padded with -1 and an explicit validity
+    mask; then depth/max_depth, context length/max_context, new tokens/max_new_tokens, and the previous cycle's
+    accepted length and depth / max_depth.
 
     ## Rewards
     0 on CONTINUE; on the step that ends a cycle, `reward(record)` (default "throughput": emitted tokens per second
@@ -289,7 +290,8 @@ class SizeEnv(_LiveEnv):
     ## Observation Space
     `Box(2*max(size_actions) + 5)` float32, `specpilot.envs.observation.size_observation`: the best
     max(size_actions) candidate scores of the whole tree sorted, scaled, padded with -1 and masked; then
-    depth/max_depth, context length/max_context, new tokens/max_new_tokens.
+    depth/max_depth, context length/max_context, new tokens/max_new_tokens, and the previous cycle's accepted
+    length and depth / max_depth.
 
     ## Rewards
     `reward(record)` of the cycle (default "throughput").

@@ -257,7 +257,8 @@ class ReplayDepthEnv(_ReplayEnv):
     `Discrete(2)`: 0 = CONTINUE, 1 = STOP; a CONTINUE that reaches max_depth verifies in the same step.
 
     ## Observation Space
-    As specpilot/Depth-v0: `depth_observation` of the recorded frontier scores, `Box(2*W*W + 5)`.
+    As specpilot/Depth-v0: `depth_observation` of the recorded level scores and the replayed history,
+    `Box(2*W*W + 5)`.
 
     ## Rewards
     0 on CONTINUE; `reward(record)` of the replayed cycle on the step that ends it.
@@ -332,7 +333,8 @@ class ReplaySizeEnv(_ReplayEnv):
     `Discrete(len(size_actions))`, an index into `size_actions` (default: the trace device's size actions).
 
     ## Observation Space
-    As specpilot/Size-v0: `size_observation` of the recorded candidate scores, `Box(2*max(size_actions) + 5)`.
+    As specpilot/Size-v0: `size_observation` of the recorded candidate scores and the replayed history,
+    `Box(2*max(size_actions) + 5)`.
 
     ## Rewards
     `reward(record)` of the replayed cycle.
@@ -465,8 +467,8 @@ def replay_controller(trace, profile=None, controller: Controller | None = None,
             state = tab.state(t, depth, *prev)
         size = int(controller.choose_size(state))
         clipped = model.clip_size(depth, size)
-        emitted = min(int(tab.acc[t, depth - 1, clipped]) + 1, tab.n - t)
         accepted = int(tab.acc[t, depth - 1, clipped])
+        emitted = min(accepted + 1, tab.n - t)
         controller.observe(CycleRecord(depth, clipped, accepted, emitted,
                                        float(model.draft[min(n_new, d_max + 1), depth]),
                                        float(tab.verify[t, clipped]), 0.0, tab.prompt_len + t))

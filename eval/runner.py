@@ -325,11 +325,11 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
 
     failed: dict[str, str] = {}
     records: list[RunRecord] = []
+    sampled_names = names if sampled_methods is None else [n for n in names if n == "ar" or n in sampled_methods]
     with MemoryMonitor(device) as memory:
         for temperature in temperatures:
             sampling = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k, top_p=top_p)
-            running = names if temperature == 0 or sampled_methods is None else \
-                [n for n in names if n == "ar" or n in sampled_methods]
+            running = names if temperature == 0 else sampled_names
             for name in running:  # warm-up: kernels, allocator, caches; not timed or recorded
                 for w in range(warmup if name not in failed else 0):
                     try:
@@ -370,7 +370,7 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
                       seed=seed, methods=method_info, skipped={**skipped, **failed}, n_truncated=n_truncated,
                       prompt_token_limit=limit)
     if sampled_methods is not None:
-        meta["sampled_methods"] = [n for n in names if n == "ar" or n in sampled_methods]
+        meta["sampled_methods"] = sampled_names
     return EvalResult(results=results, meta=meta, records=records)
 
 

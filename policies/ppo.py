@@ -37,12 +37,11 @@ def _actor(policy):
 
 
 def _fast_actor(policy):
-    """(numpy act function | None, torch steps | None) for the actor (policy_net then action_net), cached on the
-    policy. Decision latency counts: nn.Module calls cost several microseconds per layer on a CPU, numpy (see
-    `numpy_actor`) less still. Torch steps are (weight, bias, activation) when the actor is a plain Flatten ->
-    [Linear, activation]* -> Linear stack; None otherwise (the modules are then called)."""
-    cached = getattr(policy, "_specpilot_fast_actor", None)
-    if cached is not None:
+    """The actor (policy_net then action_net) as a `numpy_actor`, cached on the policy; None when it is not a plain
+    Flatten -> [Linear, activation]* -> Linear stack numpy can run (the modules are then called). Decision latency
+    counts: nn.Module calls cost several microseconds per layer on a CPU, more right after a model forward."""
+    cached = getattr(policy, "_specpilot_numpy_actor", False)
+    if cached is not False:
         return cached
     layers: list[tuple] | None = []
     if type(getattr(policy.pi_features_extractor, "flatten", None)) is not torch.nn.Flatten:
@@ -51,25 +50,15 @@ def _fast_actor(policy):
         for module in list(policy.mlp_extractor.policy_net) + [policy.action_net]:
             if isinstance(module, torch.nn.Linear):
                 layers.append(("linear", module.weight, module.bias))
-            elif layers and type(module).__name__.lower() in _TORCH_ACTIVATIONS:
-                layers.append(("activation", type(module).__name__.lower(), {}))
+            elif layers:  # an activation; numpy_actor declines the ones it cannot run
+                params = {"negative_slope": module.negative_slope} if hasattr(module, "negative_slope") else {}
+                layers.append(("activation", type(module).__name__.lower(), params))
             else:
                 layers = None
                 break
-    torch_steps = None
-    if layers is not None:
-        torch_steps = []
-        for layer in layers:
-            if layer[0] == "linear":
-                torch_steps.append([layer[1], layer[2], None])
-            else:
-                torch_steps[-1][2] = _TORCH_ACTIVATIONS[layer[1]]
-    cached = (numpy_actor(layers) if layers is not None else None, torch_steps)
-    policy._specpilot_fast_actor = cached
+    cached = numpy_actor(layers) if layers else None
+    policy._specpilot_numpy_actor = cached
     return cached
-
-
-_TORCH_ACTIVATIONS = {"tanh": torch.tanh, "relu": torch.relu, "sigmoid": torch.sigmoid, "identity": None}
 
 
 def _check_dim(policy, spec: ObservationSpec, label: str) -> None:
@@ -120,20 +109,13 @@ class PPOController(LearnedController):
 
     @staticmethod
     def _decide(policy, obs: np.ndarray) -> int:
-        act, steps = _fast_actor(policy)
+        act = _fast_actor(policy)
         if act is not None:
             return act(obs)
-        with torch.inference_mode():
-            x = torch.from_numpy(obs).unsqueeze(0)  # (1, dim), shares memory with obs
-            if steps is None:  # not a plain Linear/activation stack: go through the modules
-                features = policy.pi_features_extractor(x)
-                logits = policy.action_net(policy.mlp_extractor.forward_actor(features))  # (1, n_actions)
-                return int(logits.argmax(dim=1))
-            for weight, bias, activation in steps:  # the same kernels as the modules, without module dispatch
-                x = torch.nn.functional.linear(x, weight, bias)
-                if activation is not None:
-                    x = activation(x)
-            return int(x.argmax(dim=1))
+        with torch.inference_mode():  # an accelerator policy or an unusual actor: go through the modules
+            features = policy.pi_features_extractor(torch.from_numpy(obs).unsqueeze(0))
+            logits = policy.action_net(policy.mlp_extractor.forward_actor(features))  # (1, n_actions)
+            return int(logits.argmax(dim=1))
 
     has_depth = property(lambda self: self.depth_policy is not None)
     has_size = property(lambda self: self.size_policy is not None)
