@@ -1,21 +1,22 @@
-"""The `specpilot` command line. Every sub-command lives in a library module that exposes
-`add_arguments(parser)` and `run(args) -> int`; this file only wires them together."""
+"""The `specpilot` command line. Every sub-command lives in a module that exposes `add_arguments(parser)` and
+`run(args) -> int` and calls library functions; this file only wires them together. A command's module is imported
+when the parser is built (argparse needs each command's options for --help)."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-# (command, module, one-line help). Modules are imported lazily, when their command (or --help) needs them.
+# (command, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "specpilot.demo", "run the whole mission end to end on the embedded pair (or your own)"),
     ("generate", "specpilot.drafting.cli", "generate text with the speculative decoder"),
     ("models", "specpilot.train.build_pair", "build the embedded default model pair (`specpilot models build`)"),
-    ("record", "specpilot.envs.record", "record replay traces and a latency profile for a task"),
+    ("record", "specpilot.envs.cli", "record replay traces and a latency profile for a task"),
     ("grid", "specpilot.train.grid", "grid-search the best static (depth, size) configuration"),
     ("train", "specpilot.train.cli", "train PPO depth/size policies (stage 1) or co-adapt them (stage 2)"),
     ("eval", "specpilot.eval.cli", "evaluate methods on held-out task suites and write a report"),
-    ("export", "specpilot.policies.export", "export a trained run to decoder.json + safetensors + engine configs"),
+    ("export", "specpilot.train.export", "export a trained run to decoder.json + safetensors + engine configs"),
 ]
 
 
@@ -24,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specpilot",
         description="Learn how much to speculate: exact tree speculative decoding steered by PPO policies.",
     )
-    parser.add_argument("--threads", type=int, default=None,
+    # dest differs from any sub-command option, so a sub-command's defaults can never overwrite it
+    parser.add_argument("--threads", dest="global_threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice). Batch-1 decoding of small models often "
                              "runs as fast on 1 thread, and extra threads stall when other work shares the cores")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -56,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    if args.threads:
+    if args.global_threads is not None:
+        if args.global_threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.global_threads}")
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.global_threads)
     return int(args._handler(args) or 0)
 
 

@@ -176,13 +176,15 @@ def _grid(*, run_dir, pair, budget, val, **_) -> dict:
 
 
 def _train(*, run_dir, budget, seed, wandb, **_) -> dict:
-    from specpilot.train.pipeline import TaskTraces, run_pipeline
+    from specpilot.train.pipeline import TaskTraces, TrainOptions, run_pipeline
+    from specpilot.train.ppo import PPOOverrides
 
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
+    ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
+                       pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
+    options = TrainOptions(reward=budget.reward, static=run_dir / "grid.json", resume=True, seed=seed, ppo=ppo)
     out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
-                       coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, static=run_dir / "grid.json",
-                       reward=budget.reward, resume=True, seed=seed, wandb=wandb, n_steps=budget.n_steps, batch_size=budget.batch_size,
-                       n_epochs=budget.n_epochs, pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
+                       coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, options=options, wandb=wandb)
     return json.loads(json.dumps(out, default=str))
 
 
@@ -198,7 +200,7 @@ def _eval(*, run_dir, pair, tree, budget, seed, heldout, **_) -> dict:
 
 
 def _export(*, run_dir, pair, **_) -> dict:
-    from specpilot.policies.export import export_run
+    from specpilot.train.export import export_run
 
     meta = export_run(run_dir, run_dir / "export", pair=pair)
     return {"dir": str(run_dir / "export"), "measured": (meta or {}).get("measured")}

@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 
 from specpilot.drafting.cache import cache_length, keep_positions, new_cache
+from specpilot.drafting.control import FixedController
+from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sampling_probs
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
-from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, LazyDraftState, TreeConfig
+from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
 from specpilot.drafting.verify import (accept_chain_sampled, accept_greedy, accept_tree_sampled, block_inputs,
                                        select_block)
 
@@ -56,8 +58,12 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     return gen
 
 
+ACCEPTANCE_RATE = 0.25  # EMA rate of DraftState.acceptance
+
+
 class DecodingSession:
-    """One prompt's generation, advanced cycle by cycle (see the module docstring)."""
+    """One prompt's generation on the live models, advanced step by step: the step protocol of
+    `specpilot.drafting.cycle` (see the module docstring for the cache invariant)."""
 
     def __init__(self, decoder: "SpeculativeDecoder", prompt: list[int], *, max_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
@@ -65,6 +71,7 @@ class DecodingSession:
         pair, tree = decoder.pair, decoder.tree
         _check_context(pair, len(prompt), max_new_tokens, tree.max_depth + 1)
         self.pair, self.tree_config = pair, tree
+        self.max_depth = tree.max_depth
         self.max_new_tokens = max_new_tokens
         self.sampling = (temperature, top_k, top_p) if temperature > 0 else None
         self.device = pair.device
@@ -77,24 +84,34 @@ class DecodingSession:
         self.cycles: list[CycleRecord] = []
         self.token_times: list[float] = []
         self.finished_by: str | None = None
+        self.acceptance = 1.0
         self.drafter = TreeDrafter(pair.draft, tree.width, tree.max_depth,
                                    sample_chain=tree.width == 1 and self.sampling is not None)
         self.target_cache = new_cache(pair.target)
-        self._draft_s = 0.0
-        self._policy_s = 0.0
+        self._draft_s = self._policy_s = 0.0
+        self._level_s: list[float] = []
+        self._fed = 0
+        self.prefill_s = self._prefill(prompt)
+        self.start_time = self.clock.now()
+
+    def _prefill(self, prompt: list[int]) -> float:
+        """Both caches take prompt[:-1] (not timed as generation; returns its duration)."""
         with torch.inference_mode():
             t0 = self.clock.now()
             if len(prompt) > 1:
                 ids = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)
-                pair.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1)
+                self.pair.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1)
                 self.drafter.prefill(prompt[:-1])
-            self.start_time = self.clock.now()
-        self.prefill_s = self.start_time - t0
+            return self.clock.now() - t0
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self.finished_by is not None
+
+    @property
+    def tokens_emitted(self) -> int:
+        return len(self.new_tokens)
 
     @property
     def depth(self) -> int:
@@ -105,22 +122,33 @@ class DecodingSession:
         return len(self.committed)
 
     def add_policy_time(self, seconds: float) -> None:
-        """Charge controller decision time to the current cycle (generate() does this for its controller)."""
+        """Charge controller decision time to the current cycle (run_cycle does this for its controllers)."""
         self._policy_s += seconds
 
-    def _state(self) -> DraftState:
-        tree = self.drafter.tree
-        depth, width = tree.depth, self.tree_config.width
-        level_start = 0 if depth == 1 else width + (depth - 2) * width * width
+    def _state(self, tree, depth: int) -> DraftState:
         prev = self.cycles[-1] if self.cycles else None
-        return LazyDraftState(
-            scores=tree.scores[: tree.size], level_start=level_start, ranking=tree.ranking,
-            scores_view=tree.scores_view, size=tree.size,
-            depth=depth, max_depth=self.tree_config.max_depth, width=width, context_len=len(self.committed),
-            last_top_prob=self.drafter.last_top_prob, last_entropy=self.drafter.last_entropy,
+        scores = None
+        level_start = 0
+        if tree is not None:
+            width = self.tree_config.width
+            level_start = 0 if depth == 1 else width + (depth - 2) * width * width
+            view = tree.scores_view if tree.scores_view is not None else tree.scores
+            scores = view[: tree.size]
+        return DraftState(
+            depth=depth, max_depth=self.max_depth, width=self.tree_config.width, context_len=len(self.committed),
+            scores=scores, level_start=level_start,
+            sorted_scores=(lambda: tree.ranking()[0]) if tree is not None else None,
+            last_top_prob=self.drafter.last_top_prob if tree is not None else 1.0,
+            last_entropy=self.drafter.last_entropy if tree is not None else 0.0,
             new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,
             prev_accepted=prev.accepted if prev else 0, prev_depth=prev.depth if prev else 0,
-        )
+            acceptance=self.acceptance)
+
+    def cycle_state(self) -> DraftState:
+        """The state before this cycle's first draft forward (depth 0)."""
+        if self.done:
+            raise RuntimeError("the generation is finished; start a new session")
+        return self._state(self.drafter.tree, self.depth)
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def draft_level(self) -> DraftState:
@@ -131,13 +159,17 @@ class DecodingSession:
             t0 = self.clock.now()
             if self.drafter.tree is None:
                 unseen = self.committed[self.drafter.committed:]
+                self._fed = len(unseen)
                 self.drafter.start_cycle(unseen, self.sampling, self.generator)
             else:
-                if self.drafter.tree.depth >= self.tree_config.max_depth:
-                    raise RuntimeError(f"cannot draft past max_depth={self.tree_config.max_depth}; call verify()")
+                if self.drafter.tree.depth >= self.max_depth:
+                    raise RuntimeError(f"cannot draft past max_depth={self.max_depth}; call verify()")
                 self.drafter.extend(self.sampling, self.generator)
-            state = self._state()
-            self._draft_s += self.clock.now() - t0
+            tree = self.drafter.tree
+            state = self._state(tree, tree.depth)
+            elapsed = self.clock.now() - t0
+        self._level_s.append(elapsed)
+        self._draft_s += elapsed
         return state
 
     def rank_candidates(self) -> None:
@@ -149,30 +181,35 @@ class DecodingSession:
                 self.drafter.tree.ranking()
                 self._draft_s += self.clock.now() - t0
 
-    def verify(self, size: int) -> CycleRecord:
-        """Verify the top-`size` candidates (clipped to those drafted) in one target forward; emit 1..accepted+1
-        tokens; leave both caches holding exactly the committed prefix."""
-        tree = self.drafter.tree
-        if tree is None:
-            raise RuntimeError("verify() needs a drafted tree: call draft_level() first")
-        if isinstance(size, bool) or not isinstance(size, (int,)) and not hasattr(size, "__index__"):
+    def _check_verify_size(self, size) -> int:
+        if isinstance(size, bool) or not hasattr(size, "__index__"):
             raise TypeError(f"verification size must be an integer, got {size!r}")
         size = int(size)
+        tree = self.drafter.tree
+        if tree is None:
+            if size != 0:
+                raise RuntimeError("verify() needs a drafted tree: call draft_level() first (or verify(0) for a "
+                                   "plain target step)")
+            return 0
         if size < 1:
             raise ValueError(f"verification size must be >= 1, got {size}")
-        size = min(size, tree.size, self.tree_config.max_size)
+        return min(size, tree.size, self.tree_config.max_size)
+
+    def verify(self, size: int) -> CycleRecord:
+        """Verify the top-`size` candidates (clipped to those drafted) in one target forward; emit 1..accepted+1
+        tokens; leave both caches holding exactly the committed prefix. With nothing drafted, verify(0) is a plain
+        target step: the root alone is verified and one token emitted."""
+        if self.done:
+            raise RuntimeError("the generation is finished; start a new session")
+        size = self._check_verify_size(size)
+        tree = self.drafter.tree
         with torch.inference_mode():
             t0 = self.clock.now()
             cache_len = cache_length(self.target_cache)
             block = select_block(tree, size, self.committed[-1])
             inputs = block_inputs(tree, block, cache_len, len(self.committed) - 1, self.device)
             logits = self.pair.target(**inputs, cache=self.target_cache, use_cache=True).logits[0]
-            if self.sampling is None:
-                path, bonus = accept_greedy(block, logits)
-            elif tree.draft_probs is not None:
-                path, bonus = accept_chain_sampled(block, logits, tree.draft_probs, self.sampling, self.generator)
-            else:
-                path, bonus = accept_tree_sampled(block, logits, self.sampling, self.generator)
+            path, bonus = self._accept(tree, block, logits)
             emitted = [block.tokens[i] for i in path] + [bonus]
             # keep the root and the accepted path's entries, compacted; the bonus becomes the next root
             kept = torch.tensor([cache_len + i for i in [0] + path], dtype=torch.long, device=self.device)
@@ -182,13 +219,28 @@ class DecodingSession:
             self.committed.extend(emitted)
             self.new_tokens.extend(emitted)
             now = self.clock.now()
-        verify_s = now - t0
+        return self._finish_cycle(tree, size, len(path), emitted, now - t0, now)
+
+    def _accept(self, tree, block, logits) -> tuple[list[int], int]:
+        if self.sampling is None:
+            return accept_greedy(block, logits)
+        if tree is not None and tree.draft_probs is not None:
+            return accept_chain_sampled(block, logits, tree.draft_probs, self.sampling, self.generator)
+        return accept_tree_sampled(block, logits, self.sampling, self.generator)
+
+    def _finish_cycle(self, tree, size: int, accepted: int, emitted: list[int], verify_s: float,
+                      now: float) -> CycleRecord:
+        depth = tree.depth if tree is not None else 0
         self.token_times.extend([now - self.start_time] * len(emitted))
-        record = CycleRecord(depth=tree.depth, size=size, accepted=len(path), emitted=len(emitted),
+        record = CycleRecord(depth=depth, size=size, accepted=accepted, emitted=len(emitted),
                              draft_s=self._draft_s, verify_s=verify_s, policy_s=self._policy_s,
-                             context_len=len(self.committed) - len(emitted))
+                             context_len=len(self.committed) - len(emitted), level_s=tuple(self._level_s),
+                             fed=self._fed if depth else 0)
+        if depth:
+            self.acceptance += ACCEPTANCE_RATE * (accepted / depth - self.acceptance)
         self.cycles.append(record)
         self._draft_s = self._policy_s = 0.0
+        self._level_s, self._fed = [], 0
         return record
 
     def _truncate(self, emitted: list[int]) -> list[int]:
@@ -227,37 +279,13 @@ class SpeculativeDecoder:
 
     def generate(self, prompt, *, controller=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
-        """Generate up to `max_new_tokens` new tokens. `controller` defaults to FixedController() for the device."""
-        from specpilot.policies.base import FixedController
-
+        """Generate up to `max_new_tokens` new tokens, one `run_cycle` after another. `controller` (anything with
+        should_stop / choose_size / observe / reset) defaults to FixedController() for the device."""
         if controller is None:
             controller = FixedController(device=str(self.pair.device))
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed)
-        clock = session.clock
-        controller.reset()
-        max_depth = self.tree.max_depth
-        while not session.done:
-            while True:
-                state = session.draft_level()
-                if state.depth >= max_depth:
-                    break
-                t0 = clock.now()
-                stop = controller.should_stop(state)
-                session.add_policy_time(clock.now() - t0)
-                if stop:
-                    break
-            session.rank_candidates()
-            t0 = clock.now()
-            size = controller.choose_size(state)
-            session.add_policy_time(clock.now() - t0)
-            if isinstance(size, bool) or not hasattr(size, "__index__") or int(size) < 1:
-                raise ValueError(f"{type(controller).__name__}.choose_size returned {size!r}; "
-                                 "it must return an integer >= 1 (the number of candidates to verify)")
-            record = session.verify(int(size))
-            t0 = clock.now()
-            controller.observe(record)
-            session.add_policy_time(clock.now() - t0)
+        run_generation(session, controller)
         return session.output()
 
     @classmethod

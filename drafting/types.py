@@ -39,55 +39,130 @@ class TreeConfig:
         return self.width + (depth - 1) * self.width * self.width if depth > 0 else 0
 
 
-@dataclass
-class DraftState:
-    """What a controller sees after a draft forward (all scores are cumulative draft log-probabilities, <= 0).
+def _to_numpy(scores) -> np.ndarray:
+    """A float32 numpy view (CPU tensors, arrays) or copy (accelerator tensors) of a score vector."""
+    if isinstance(scores, np.ndarray):
+        return scores
+    if isinstance(scores, torch.Tensor):
+        if scores.device.type == "cpu" and not scores.requires_grad:
+            return scores.numpy()
+        return scores.detach().cpu().numpy()
+    return np.asarray(scores, dtype=np.float32)
 
-    depth: draft forwards done in this cycle (1..max_depth).
+
+_EMPTY = np.zeros(0, dtype=np.float32)
+
+
+class DraftState:
+    """What a controller sees: before drafting (depth 0) and after every draft forward of a cycle.
+
+    All scores are cumulative draft log-probabilities (<= 0), float32 numpy arrays, built lazily: a controller that
+    never reads a score vector costs no sort and no device transfer.
+
+    depth: draft forwards done in this cycle (0 = nothing drafted yet: the controller may skip drafting and let the
+        target take one plain step; 1..max_depth after each forward).
     context_len: committed tokens (prompt + emitted so far) at the start of the cycle.
-    frontier_scores: scores of the W*W (W at depth 1) children produced by the last forward, sorted descending.
-    candidate_scores: scores of every candidate drafted this cycle, sorted descending (the pool V is taken from).
-    last_top_prob: draft probability of the best child at the last level, conditional on its parent.
-    last_entropy: entropy (nats) of the draft distribution at the best frontier node of the previous level, i.e. the
-        distribution the last level's best child was taken from.
+    scores: every candidate drafted so far, in node order (level by level; within a level the parents best-first,
+        each parent's children best-first: the order the drafter produces them in). Empty at depth 0.
+    level_scores: the last level's scores in drafting order (a view of `scores`: no sort).
+    frontier_scores: the last level's scores sorted descending.
+    candidate_scores: all candidates' scores sorted descending (the pool the verification size is taken from).
+    last_top_prob: draft probability of the best child at the last level, conditional on its parent (1.0 at depth 0).
+    last_entropy: entropy (nats) of the draft distribution the last level's best child was taken from (0 at depth 0).
     new_tokens: tokens emitted so far in this generation; max_new_tokens: its budget.
     prev_accepted / prev_depth: drafted tokens accepted by / levels drafted in the previous cycle of this generation
-        (0 / 0 before the first verification). Acceptance is persistent (repetitive spans stay easy), so the last
-        outcome is the cheapest predictor of the next one.
-    level_scores: the last level's scores in drafting order (the parents best-first, each parent's children
-        best-first: the order the drafter produces them in, so reading them costs no sort). None (hand-built
-        states): the sorted frontier_scores stand in.
+        (0 / 0 before the first verification and after a plain step). Acceptance is persistent (repetitive spans
+        stay easy), so the last outcome is the cheapest predictor of the next one.
+    acceptance: running acceptance rate of this generation's speculative cycles (EMA of accepted / depth, starting
+        at 1; plain steps leave it unchanged), so a policy that stopped speculating still sees when to come back.
     """
 
-    depth: int
-    max_depth: int
-    width: int
-    context_len: int
-    frontier_scores: torch.Tensor
-    candidate_scores: torch.Tensor
-    last_top_prob: float
-    last_entropy: float
-    new_tokens: int
-    max_new_tokens: int
-    prev_accepted: int = 0
-    prev_depth: int = 0
-    level_scores: torch.Tensor | None = None
+    __slots__ = ("depth", "max_depth", "width", "context_len", "new_tokens", "max_new_tokens", "prev_accepted",
+                 "prev_depth", "acceptance", "last_top_prob", "last_entropy", "_scores", "_level_start",
+                 "_sorted_source", "_np", "_frontier", "_candidates")
+
+    def __init__(self, *, depth: int, max_depth: int, width: int, context_len: int, scores=None,
+                 level_start: int = 0, last_top_prob: float = 1.0, last_entropy: float = 0.0, new_tokens: int = 0,
+                 max_new_tokens: int = 1, prev_accepted: int = 0, prev_depth: int = 0, acceptance: float = 1.0,
+                 sorted_scores=None) -> None:
+        self.depth, self.max_depth, self.width, self.context_len = depth, max_depth, width, context_len
+        self.new_tokens, self.max_new_tokens = new_tokens, max_new_tokens
+        self.prev_accepted, self.prev_depth, self.acceptance = prev_accepted, prev_depth, acceptance
+        self.last_top_prob, self.last_entropy = last_top_prob, last_entropy
+        self._scores = _EMPTY if scores is None else scores   # numpy array or torch tensor, node order
+        self._level_start = level_start
+        # optional provider of the candidates sorted descending (the decoder passes the sort verification uses)
+        self._sorted_source = sorted_scores
+        self._np = self._frontier = self._candidates = None
+
+    @classmethod
+    def from_levels(cls, levels: list, **fields) -> "DraftState":
+        """A state from per-level score lists (tests, synthetic states): depth = len(levels)."""
+        arrays = [np.asarray(level, dtype=np.float32) for level in levels]
+        scores = np.concatenate(arrays) if arrays else _EMPTY
+        start = int(scores.size - (arrays[-1].size if arrays else 0))
+        return cls(depth=len(arrays), scores=scores, level_start=start, **fields)
+
+    def detached(self) -> "DraftState":
+        """A copy that owns its scores (numpy) and references no tree: safe to keep after the cycle."""
+        return DraftState(depth=self.depth, max_depth=self.max_depth, width=self.width, context_len=self.context_len,
+                          scores=self._all().copy(), level_start=self._level_start, last_top_prob=self.last_top_prob,
+                          last_entropy=self.last_entropy, new_tokens=self.new_tokens,
+                          max_new_tokens=self.max_new_tokens, prev_accepted=self.prev_accepted,
+                          prev_depth=self.prev_depth, acceptance=self.acceptance)
+
+    def _all(self) -> np.ndarray:
+        if self._np is None:
+            self._np = _to_numpy(self._scores)
+        return self._np
 
     @property
     def num_candidates(self) -> int:
-        return int(self.candidate_scores.numel())
+        return int(self._scores.shape[0])
+
+    @property
+    def scores(self) -> np.ndarray:
+        return self._all()
+
+    @property
+    def level_scores(self) -> np.ndarray:
+        return self._all()[self._level_start:]
+
+    @property
+    def frontier_scores(self) -> np.ndarray:
+        if self._frontier is None:
+            self._frontier = -np.sort(-self.level_scores)
+        return self._frontier
+
+    @property
+    def candidate_scores(self) -> np.ndarray:
+        if self._candidates is None:
+            values = self._sorted_source() if callable(self._sorted_source) else self._sorted_source
+            if values is None or values.shape[0] != self.num_candidates:  # e.g. the tree grew since this state
+                self._candidates = -np.sort(-self._all())
+            else:
+                self._candidates = _to_numpy(values)
+        return self._candidates
+
+    def __repr__(self) -> str:
+        return (f"DraftState(depth={self.depth}/{self.max_depth}, width={self.width}, "
+                f"candidates={self.num_candidates}, context_len={self.context_len}, "
+                f"new_tokens={self.new_tokens}/{self.max_new_tokens}, prev=({self.prev_accepted}, {self.prev_depth}))")
 
 
 @dataclass
 class CycleRecord:
     """One draft-and-verify cycle.
 
-    depth: draft forwards; size: drafted candidates verified (the root is verified in addition);
-    accepted: drafted tokens accepted; emitted: tokens appended to the output (accepted + 1 bonus/correction token,
-    fewer only when EOS or max_new_tokens cut the cycle short). Acceptance length tau counts the bonus: emitted.
+    depth: draft forwards (0: a plain target step, nothing drafted); size: drafted candidates verified (the root is
+    verified in addition; 0 for a plain step); accepted: drafted tokens accepted; emitted: tokens appended to the
+    output (accepted + 1 bonus/correction token, fewer only when EOS or max_new_tokens cut the cycle short).
+    Acceptance length tau counts the bonus: emitted.
     Times in seconds, measured with perf_counter after device synchronisation:
-    draft_s: draft forwards and tree bookkeeping; verify_s: target forward, acceptance and cache compaction;
-    policy_s: time spent inside the controller's decisions.
+    draft_s: draft forwards and tree bookkeeping (ranking included); verify_s: target forward, acceptance and cache
+    compaction; policy_s: time spent inside the controller's decisions.
+    level_s: draft time of each level (the first includes catching the drafter up on `fed` committed tokens);
+    fed: committed tokens the cycle's first draft forward fed (0 for a plain step).
     """
 
     depth: int
@@ -98,6 +173,8 @@ class CycleRecord:
     verify_s: float
     policy_s: float
     context_len: int
+    level_s: tuple[float, ...] = ()
+    fed: int = 0
 
     @property
     def total_s(self) -> float:
@@ -142,56 +219,3 @@ class GenerationOutput:
     @property
     def verify_s(self) -> float:
         return sum(c.verify_s for c in self.cycles)
-
-
-class LazyDraftState(DraftState):
-    """A DraftState whose score vectors are sorted (and moved to the CPU) only when a controller reads them, so
-    controllers that ignore scores (fixed configs, schedules) add no sorting or device syncs to the hot loop."""
-
-    def __init__(self, *, scores: torch.Tensor, level_start: int, ranking=None, scores_view=None, size: int = 0,
-                 **fields) -> None:
-        self._scores, self._level_start = scores, level_start  # scores: [num_candidates] on the model's device
-        # a CPU tree's whole score buffer as a numpy view (None elsewhere) and the candidates drafted so far
-        self._scores_view, self._size = scores_view, size
-        self._ranking = ranking  # DraftTree.ranking: the sort verification uses (so the two share it)
-        self._frontier = self._candidates = None
-        super().__init__(frontier_scores=None, candidate_scores=None, level_scores=None, **fields)
-
-    @property
-    def level_scores(self) -> torch.Tensor | np.ndarray:
-        if self._scores_view is not None:  # a numpy slice: no torch op on the depth policy's path
-            return self._scores_view[self._level_start: self._size]
-        return self._scores[self._level_start:].cpu()
-
-    @level_scores.setter
-    def level_scores(self, value) -> None:
-        pass  # always read from the tree
-
-    @property
-    def frontier_scores(self) -> torch.Tensor:
-        if self._frontier is None:
-            self._frontier = torch.sort(self._scores[self._level_start:], descending=True).values.cpu()
-        return self._frontier
-
-    @frontier_scores.setter
-    def frontier_scores(self, value) -> None:
-        if value is not None:
-            self._frontier = value
-
-    @property
-    def candidate_scores(self) -> torch.Tensor:
-        if self._candidates is None:
-            values = self._ranking()[0] if self._ranking is not None else None
-            if values is None or values.numel() != self._scores.numel():  # the tree grew since this state
-                values = torch.sort(self._scores, descending=True).values
-            self._candidates = values.cpu()
-        return self._candidates
-
-    @candidate_scores.setter
-    def candidate_scores(self, value) -> None:
-        if value is not None:
-            self._candidates = value
-
-    @property
-    def num_candidates(self) -> int:
-        return int(self._scores.numel())

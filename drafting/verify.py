@@ -24,8 +24,11 @@ class Block:
     parents: list[int]          # [1+V] block index of each entry's parent (-1 for the root)
 
 
-def select_block(tree: DraftTree, size: int, root_token: int) -> Block:
-    """Top-`size` candidates by (score desc, id asc), returned in id order with block-local parent indices."""
+def select_block(tree: DraftTree | None, size: int, root_token: int) -> Block:
+    """Top-`size` candidates by (score desc, id asc), returned in id order with block-local parent indices.
+    No tree (or size 0): the root alone, a plain target step."""
+    if tree is None or size == 0:
+        return Block(node_ids=torch.zeros(0, dtype=torch.long), tokens=[root_token], parents=[-1])
     chosen = tree.ranked()[:size]
     node_ids = torch.sort(chosen).values
     tokens = tree.tokens[node_ids].tolist()
@@ -35,10 +38,13 @@ def select_block(tree: DraftTree, size: int, root_token: int) -> Block:
     return Block(node_ids=node_ids, tokens=[root_token] + tokens, parents=parents)
 
 
-def block_inputs(tree: DraftTree, block: Block, cache_len: int, root_position: int, device) -> dict:
-    """input_ids, 4-D boolean tree mask and position ids for the target forward over the block."""
+def block_inputs(tree: DraftTree | None, block: Block, cache_len: int, root_position: int, device) -> dict:
+    """input_ids, 4-D boolean tree mask and position ids for the target forward over the block (a lone root needs
+    no mask: it sees the whole cache, as in plain decoding)."""
     v = int(block.node_ids.numel())
     ids = torch.tensor([block.tokens], dtype=torch.long, device=device)
+    if v == 0:
+        return {"input_ids": ids, "position_ids": torch.tensor([[root_position]], dtype=torch.long, device=device)}
     tree_mask = torch.zeros(1 + v, 1 + v, dtype=torch.bool, device=device)
     tree_mask[:, 0] = True                                        # everyone sees the root
     tree_mask[1:, 1:] = tree.ancestors[block.node_ids][:, block.node_ids]

@@ -1,24 +1,25 @@
 """Gymnasium environments over the live decoder and over recorded traces (counterfactual replay).
 
-Importing this package registers (the environment modules themselves load only when an env is made):
+Importing this package registers (the environment module itself loads only when an env is made):
 
-    specpilot/Depth-v0        live: CONTINUE/STOP after every draft forward          specpilot.envs.live:DepthEnv
-    specpilot/Size-v0         live: verification size per cycle                      specpilot.envs.live:SizeEnv
-    specpilot/ReplayDepth-v0  replay of a trace (`specpilot record`), same spaces    specpilot.envs.replay:ReplayDepthEnv
-    specpilot/ReplaySize-v0   replay of a trace, same spaces                         specpilot.envs.replay:ReplaySizeEnv
+    specpilot/Depth-v0        live: skip/continue/stop decisions of every cycle     live_depth_env
+    specpilot/Size-v0         live: verification size per cycle                     live_size_env
+    specpilot/ReplayDepth-v0  replay of a trace (`specpilot record`), same spaces    replay_depth_env
+    specpilot/ReplaySize-v0   replay of a trace, same spaces                        replay_size_env
 
     import gymnasium as gym, specpilot.envs
-    env = gym.make("specpilot/ReplaySize-v0", trace="runs/record/train", depth_controller=(1, 12))
+    env = gym.make("specpilot/ReplaySize-v0", trace="runs/demo/traces/train", depth_controller=(1, 8))
 
-The live environments are registered `nondeterministic=True`: their rewards are wall-clock measurements.
+All four are `DepthEnv` / `SizeEnv` (specpilot.envs.environments) over a live or a replay session source. The live
+environments are registered `nondeterministic=True`: their rewards are wall-clock measurements.
 """
 from gymnasium.envs.registration import register, registry
 
 ENV_IDS = {
-    "specpilot/Depth-v0": ("specpilot.envs.live:DepthEnv", True),
-    "specpilot/Size-v0": ("specpilot.envs.live:SizeEnv", True),
-    "specpilot/ReplayDepth-v0": ("specpilot.envs.replay:ReplayDepthEnv", False),
-    "specpilot/ReplaySize-v0": ("specpilot.envs.replay:ReplaySizeEnv", False),
+    "specpilot/Depth-v0": ("specpilot.envs.environments:live_depth_env", True),
+    "specpilot/Size-v0": ("specpilot.envs.environments:live_size_env", True),
+    "specpilot/ReplayDepth-v0": ("specpilot.envs.environments:replay_depth_env", False),
+    "specpilot/ReplaySize-v0": ("specpilot.envs.environments:replay_size_env", False),
 }
 
 for _id, (_entry, _nondeterministic) in ENV_IDS.items():

@@ -97,12 +97,11 @@ class LatencyProfile:
         return np.clip(np.searchsorted(edges, context_len, side="right") - 1, 0, len(edges) - 1)
 
     def verify_table(self, max_size: int, context_lens: np.ndarray) -> np.ndarray:
-        """[len(context_lens), max_size + 1] verify time by (context, V); column 0 unused."""
+        """[len(context_lens), max_size + 1] verify time by (context, V); V = 0 is a plain target step (the root
+        alone: one token, no draft)."""
         m = _curve(self.verify_size, np.arange(max_size + 1), self.shrink)
         offset = np.asarray(self.context_offset)[self.bucket(np.asarray(context_lens))]
-        table = np.maximum(m[None, :] + offset[:, None], 1e-9)
-        table[:, 0] = 0.0
-        return table
+        return np.maximum(m[None, :] + offset[:, None], 1e-9)
 
     def verify_time(self, size: int, context_len: int) -> float:
         return float(self.verify_table(size, np.array([context_len]))[0, size])
@@ -181,19 +180,46 @@ class ProfileSamples:
                                            width=self.width, context_edges=context_edges, meta=meta, shrink=shrink)
 
 
+class _RandomConfigs:
+    """Profiling controller: each cycle a depth ~ U{0..max_depth} (0: a plain target step) and a size drawn from
+    `sizes`, so every level index, plain steps and a spread of sizes and contexts are timed."""
+
+    def __init__(self, rng: np.random.Generator, max_depth: int, sizes: list[int]) -> None:
+        self.rng, self.max_depth, self.sizes = rng, max_depth, sizes
+        self.depth = self.size = 1
+
+    def reset(self) -> None:
+        pass
+
+    def skip_drafting(self, state) -> bool:
+        self.depth = int(self.rng.integers(0, self.max_depth + 1))
+        self.size = int(self.rng.choice(self.sizes))
+        return self.depth == 0
+
+    def should_stop(self, state) -> bool:
+        return state.depth >= self.depth
+
+    def choose_size(self, state) -> int:
+        return self.size
+
+    def observe(self, record) -> None:
+        pass
+
+
 def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
                     rng: np.random.Generator | int | None = 0, warmup_cycles: int = 16,
                     samples: ProfileSamples | None = None, progress: bool = False) -> ProfileSamples:
-    """Run live greedy generations with a random (depth, size) per cycle and time every step (appending to
-    `samples` when given).
+    """Run live greedy generations with a random (depth, size) per cycle through `run_cycle` and keep every step's
+    time (appending to `samples` when given): the draft levels' times and the verification time the decoder itself
+    records in each CycleRecord (`level_s`, `fed`, `verify_s`; device-synchronised clock).
 
-    depth ~ U{1..tree.max_depth}; size ~ uniform over `sizes` (default: 1, W, the device's size actions, max_size;
+    depth ~ U{0..tree.max_depth}; size ~ uniform over `sizes` (default: 1, W, the device's size actions, max_size;
     clipped to tree.max_size). A warm-up pass of `warmup_cycles` cycles on the first prompt is run but not kept
-    (allocator/kernel warm-up). Draft levels are timed around `session.draft_level()` with the session's clock
-    (device-synchronised), verification is `record.verify_s`: the numbers the decoder itself reports.
+    (allocator/kernel warm-up).
     """
+    from specpilot.drafting.cycle import run_cycle
     from specpilot.drafting.decoder import SpeculativeDecoder
-    from specpilot.envs.observation import default_size_actions
+    from specpilot.policies.observation import default_size_actions
 
     decoder = SpeculativeDecoder(pair, tree)
     rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
@@ -203,8 +229,9 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
     if samples is None:
         samples = ProfileSamples(max_depth=tree.max_depth, width=tree.width,
                                  meta={"device": str(pair.device), "dtype": str(pair.dtype), "sizes": sizes,
-                                       "max_new_tokens": max_new_tokens, "measured_s": 0.0})
-    seen = 0
+                                       "max_new_tokens": max_new_tokens, "measured_s": 0.0,
+                                       "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    configs = _RandomConfigs(rng, tree.max_depth, sizes)
     started = time.perf_counter()
     prompt_ids = [pair.encode(p) for p in prompts]
     order = [prompt_ids[0]] + prompt_ids  # a warm-up pass on the first prompt, then every prompt
@@ -212,31 +239,25 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
         if i == 0 and warmup_cycles <= 0:
             continue
         session = decoder.start(prompt, max_new_tokens=max_new_tokens)
-        clock = session.clock
-        while not session.done:
-            depth = int(rng.integers(1, tree.max_depth + 1))
-            size = int(rng.choice(sizes))
-            times = []
-            n_new = len(session.committed) - session.drafter.committed
-            for _ in range(depth):
-                t0 = clock.now()
-                session.draft_level()
-                times.append(clock.now() - t0)
-            record = session.verify(size)
+        seen = 0
+        while not session.done and (i > 0 or seen < warmup_cycles):
+            record = run_cycle(session, configs)
             seen += 1
-            if i == 0:  # the warm-up pass keeps nothing
-                if seen >= warmup_cycles:
-                    break
-                continue
-            samples.first[n_new].append(times[0])
-            for level, s in enumerate(times[1:], start=2):
-                samples.levels[level].append(s)
-            samples.verify.append((record.size, record.context_len, record.verify_s))
+            if i > 0:  # the warm-up pass keeps nothing
+                _add(samples, record)
         if progress:
             print(f"  profile: prompt {i}/{len(prompt_ids)}, {len(samples.verify)} cycles, "
                   f"{time.perf_counter() - started:.1f}s", flush=True)
     samples.meta["measured_s"] = samples.meta.get("measured_s", 0.0) + time.perf_counter() - started
     return samples
+
+
+def _add(samples: ProfileSamples, record) -> None:
+    if record.depth:
+        samples.first[record.fed].append(record.level_s[0])
+        for level, seconds in enumerate(record.level_s[1:], start=2):
+            samples.levels[level].append(seconds)
+    samples.verify.append((record.size, record.context_len, record.verify_s))
 
 
 def measure_profile(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,

@@ -34,7 +34,7 @@ from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.metrics import RunRecord, aggregate
 from specpilot.eval.suites import Prompt, prompt_mix
-from specpilot.policies.base import Controller, FixedController, default_static_config
+from specpilot.drafting.control import Controller, FixedController, default_static_config
 
 
 class MethodUnavailable(RuntimeError):
@@ -269,6 +269,53 @@ def _timed(method: Method, ids: list[int], sampling: dict, device: torch.device,
     if memory is not None:
         rec.peak_mem_mb = memory.end()
     return rec
+
+
+# ---- controllers measured with the same loop and clock (grid re-measure, training-time live evaluation) --------
+def measure_controllers(pair: ModelPair, controllers: dict[str, Controller], prompts, *, tree: TreeConfig,
+                        trees: dict[str, TreeConfig] | None = None, max_new_tokens: int = 64, repeats: int = 1,
+                        warmup: int = 1, seed: int = 0, progress: bool = False) -> dict[str, dict]:
+    """Live throughput of each controller and of `ar` on `prompts` (strings or token ids), greedy, with the
+    evaluation protocol: warm-up first, then per (prompt, repeat) every method once in a rotated order, each call
+    timed around the call (perf_counter after device synchronisation, prefill included) as `evaluate()` times it.
+    trees: per-controller TreeConfig (default `tree`). Returns {name: {tokens, time_s, tokens_per_s, speedup,
+    mean_accepted_length, policy_s, policy_overhead, depth_mean, size_mean}}."""
+    methods: dict[str, Method] = {"ar": ARMethod(pair)}
+    for name, controller in controllers.items():
+        methods[name] = ControllerMethod(name, pair, (trees or {}).get(name, tree), controller)
+    ids = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
+    if not ids:
+        raise ValueError("measure_controllers needs at least one prompt")
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    for name in methods:
+        for w in range(warmup):
+            methods[name](ids[w % len(ids)], **sampling, seed=seed)
+    names, records = list(methods), {name: [] for name in methods}
+    turn, started = 0, time.perf_counter()
+    for r in range(repeats):
+        for i, prompt in enumerate(ids):
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                records[name].append(_timed(methods[name], prompt, {**sampling, "seed": seed + turn}, pair.device,
+                                            None))
+            turn += 1
+            if progress:
+                print(f"  live: repeat {r + 1}/{repeats} prompt {i + 1}/{len(ids)} "
+                      f"({time.perf_counter() - started:.0f}s)", flush=True)
+    out = {name: _throughput(recs) for name, recs in records.items()}
+    for row in out.values():
+        row["speedup"] = row["tokens_per_s"] / out["ar"]["tokens_per_s"]
+    return out
+
+
+def _throughput(recs: list[RunRecord]) -> dict:
+    tokens, time_s = sum(r.n_tokens for r in recs), sum(r.wall_s for r in recs)
+    cycles = [c for r in recs for c in r.cycles]
+    policy_s = sum(r.policy_s for r in recs)
+    return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan"),
+            "mean_accepted_length": tokens / len(cycles) if cycles else 1.0, "policy_s": policy_s,
+            "policy_overhead": policy_s / time_s if time_s > 0 else float("nan"),
+            "depth_mean": sum(c[0] for c in cycles) / len(cycles) if cycles else None,
+            "size_mean": sum(c[1] for c in cycles) / len(cycles) if cycles else None}
 
 
 # ---- the evaluation ------------------------------------------------------------------------------------------

@@ -1,28 +1,21 @@
 """Controllers: everything that decides draft depth and verification size (one interface for all)."""
-from specpilot.policies.base import Controller, FixedController, default_static_config
+from specpilot.drafting.control import Controller, FixedController, default_static_config
 from specpilot.policies.heuristics import (
     HEURISTICS,
     ConfidenceController,
     DDDController,
     GammaTuneController,
     HFHeuristicController,
+    RandomDepthController,
     SVIPController,
     make_heuristic,
 )
+from specpilot.policies.learned import LearnedController
+from specpilot.policies.ppo import PPOController, load_run_controllers
 
 __all__ = [
     "Controller", "FixedController", "default_static_config",
     "HEURISTICS", "make_heuristic", "DDDController", "SVIPController", "ConfidenceController",
-    "HFHeuristicController", "GammaTuneController",
-    "PPOController", "load_run_controllers",
+    "HFHeuristicController", "GammaTuneController", "RandomDepthController",
+    "LearnedController", "PPOController", "load_run_controllers",
 ]
-
-
-def __getattr__(name: str):
-    # PPO pieces load lazily: they pull in gymnasium/SB3 and specpilot.envs, which the decoder alone never needs
-    # (and importing envs from here eagerly would risk an import cycle with envs that import policies).
-    if name in ("PPOController", "load_run_controllers"):
-        from specpilot.policies import ppo
-
-        return getattr(ppo, name)
-    raise AttributeError(f"module 'specpilot.policies' has no attribute {name!r}")

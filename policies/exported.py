@@ -1,9 +1,9 @@
 """Loading an exported decoder (`specpilot export`): decoder.json + safetensors actors -> ExportedController.
 
 This module is the inference side of an export and deliberately depends on nothing from training: it imports
-neither stable_baselines3 nor pickle, reads weights only through `safetensors` (no code execution, no unpickling)
-and rebuilds each actor as plain torch ops. Observations come from `specpilot.envs.observation`, the same feature
-functions the policies were trained on.
+neither stable_baselines3, gymnasium nor pickle, reads weights only through `safetensors` (no code execution, no
+unpickling) and rebuilds each actor as `specpilot.policies.actor.Actor`, the class PPO inference uses too.
+Observations come from `specpilot.policies.observation`, the same feature functions the policies were trained on.
 
     controller, tree, meta = load_exported("exports/ltd")                 # policies only (no models loaded)
     controller, tree, meta = load_exported("exports/ltd", pair=my_pair)   # + check the pair's content hashes
@@ -32,29 +32,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import DraftState, TreeConfig
-from specpilot.envs.observation import NUM_SCALARS, ObservationSpec, depth_observation, size_observation
-from specpilot.policies.base import Controller, FixedController
-from specpilot.policies.learned import LearnedController, numpy_actor
+from specpilot.policies.actor import Actor, ActorError
+from specpilot.policies.learned import DEPTH_ACTIONS, LearnedController  # noqa: F401 (DEPTH_ACTIONS re-exported)
+from specpilot.policies.observation import ObservationSpec, depth_observation, size_observation
 
 FORMAT_NAME = "specpilot-decoder"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: observation spec v3 (skip decisions before drafting); 1 refused: re-export
 CONFIG_FILE = "decoder.json"
-DEPTH_ACTIONS = ["continue", "stop"]  # index 0 = CONTINUE, 1 = STOP (as in specpilot.policies.ppo)
-
-# activation name -> function of a tensor (SB3's activation_fn classes, by their lower-cased class name)
-_ACTIVATIONS = {
-    "tanh": lambda x, p: torch.tanh(x),
-    "relu": lambda x, p: torch.relu(x),
-    "leakyrelu": lambda x, p: F.leaky_relu(x, float(p.get("negative_slope", 0.01))),
-    "elu": lambda x, p: F.elu(x, float(p.get("alpha", 1.0))),
-    "gelu": lambda x, p: F.gelu(x, approximate=str(p.get("approximate", "none"))),
-    "silu": lambda x, p: F.silu(x),
-    "sigmoid": lambda x, p: torch.sigmoid(x),
-    "identity": lambda x, p: x,
-}
 
 
 class ExportedConfigError(RuntimeError):
@@ -70,155 +57,11 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the actor
-
-
-class ExportedActor:
-    """A policy's actor rebuilt from its layer list: Linear and activation steps applied with torch functionals
-    (the same kernels nn.Linear / nn.Tanh use, so logits match SB3's actor bit for bit on the same machine).
-    Single decisions (`act`) run the same stack with numpy when it can (`numpy_actor`, as PPOController does)."""
-
-    def __init__(self, layers: list[dict], tensors: dict[str, torch.Tensor], *, obs_norm: dict | None = None,
-                 source: str = "policy") -> None:
-        self.steps: list[tuple] = []
-        named: list[tuple] = []  # the steps with activation names, for numpy_actor
-        self.source = source
-        width = None
-        for i, layer in enumerate(layers):
-            kind = layer.get("kind")
-            if kind == "linear":
-                weight = _tensor(tensors, layer.get("weight"), source)
-                bias = _tensor(tensors, layer.get("bias"), source) if layer.get("bias") else None
-                n_in, n_out = int(layer["in"]), int(layer["out"])
-                if tuple(weight.shape) != (n_out, n_in) or (bias is not None and tuple(bias.shape) != (n_out,)):
-                    raise ExportedConfigError(
-                        f"{source}: layer {i} is recorded as Linear({n_in}, {n_out}) but its tensors have shapes "
-                        f"{tuple(weight.shape)} / {None if bias is None else tuple(bias.shape)}; the weights file "
-                        "does not belong to this decoder.json: re-export the run")
-                if width is not None and n_in != width:
-                    raise ExportedConfigError(f"{source}: layer {i} takes {n_in} inputs but the previous layer "
-                                              f"gives {width}; decoder.json is corrupted: re-export the run")
-                width = n_out
-                self.steps.append(("linear", weight.detach().float().contiguous(),
-                                   None if bias is None else bias.detach().float().contiguous()))
-                named.append(self.steps[-1])
-            elif kind == "activation":
-                name = str(layer.get("name", "")).lower()
-                if name not in _ACTIVATIONS:
-                    raise ExportedConfigError(f"{source}: unknown activation {layer.get('name')!r} in layer {i} "
-                                              f"(known: {sorted(_ACTIVATIONS)}); upgrade specpilot or re-export")
-                params = {k: v for k, v in layer.items() if k not in ("kind", "name")}
-                self.steps.append(("activation", _ACTIVATIONS[name], params))
-                named.append(("activation", name, params))
-            else:
-                raise ExportedConfigError(f"{source}: layer {i} has unknown kind {kind!r}; re-export the run")
-        linears = [s for s in self.steps if s[0] == "linear"]
-        if not linears:
-            raise ExportedConfigError(f"{source}: the actor has no Linear layer; re-export the run")
-        self.in_features = int(linears[0][1].shape[1])
-        self.n_actions = int(linears[-1][1].shape[0])
-        self.obs_norm = None
-        if obs_norm:
-            # float64 like SB3's VecNormalize.normalize_obs (numpy), then float32 for the network
-            mean = _tensor(tensors, obs_norm.get("mean"), source).detach().double()
-            var = _tensor(tensors, obs_norm.get("var"), source).detach().double()
-            if mean.shape != (self.in_features,) or var.shape != (self.in_features,):
-                raise ExportedConfigError(f"{source}: observation-normalisation statistics have shapes "
-                                          f"{tuple(mean.shape)}/{tuple(var.shape)}, expected ({self.in_features},)")
-            eps, clip = float(obs_norm.get("epsilon", 1e-8)), float(obs_norm.get("clip", 10.0))
-            self.obs_norm = (mean, torch.sqrt(var + eps), clip)
-        self._numpy_act = numpy_actor(named) if self.obs_norm is None else None
-
-    def logits(self, obs: torch.Tensor) -> torch.Tensor:
-        """(batch, in_features) float32 -> (batch, n_actions) logits."""
-        x = obs
-        if self.obs_norm is not None:
-            mean, std, clip = self.obs_norm
-            x = torch.clamp((x.double() - mean) / std, -clip, clip).float()
-        for step in self.steps:
-            if step[0] == "linear":
-                x = F.linear(x, step[1], step[2])
-            else:
-                x = step[1](x, step[2])
-        return x
-
-    def act(self, obs: np.ndarray) -> int:
-        """Deterministic action for one observation vector: argmax of the logits. No inference_mode context: no
-        tensor here requires grad, so autograd records nothing, and entering the context costs more than the MLP
-        of a small policy."""
-        if self._numpy_act is not None:
-            return self._numpy_act(obs)
-        return int(self.logits(torch.from_numpy(obs).unsqueeze(0)).argmax(dim=1))
-
-    def act_batch(self, obs: np.ndarray | torch.Tensor) -> np.ndarray:
-        with torch.inference_mode():
-            x = torch.as_tensor(obs, dtype=torch.float32)
-            return self.logits(x).argmax(dim=1).numpy()
-
-
-def _tensor(tensors: dict, key, source: str) -> torch.Tensor:
-    if key not in tensors:
-        raise ExportedConfigError(f"{source}: tensor {key!r} named in decoder.json is missing from the weights file; "
-                                  "the file does not belong to this export: re-export the run")
-    return tensors[key]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the controller
-
-
 class ExportedController(LearnedController):
-    """Exported depth/size actors as a Controller (same decisions as PPOController on the SB3 policies).
-
-    depth: CONTINUE (0) / STOP (1) after each draft level, from `depth_observation(state, depth_spec)`;
-    size: index into `size_actions`, from `size_observation(state, size_spec)`. A missing actor is replaced by the
-    static `fallback` (the depth_only / size_only exports).
-    """
+    """Exported depth/size actors as a Controller (the same decisions as PPOController on the SB3 policies)."""
 
     name = "exported"
     label = "exported"
-
-    def __init__(self, depth_actor: ExportedActor | None = None, size_actor: ExportedActor | None = None,
-                 depth_spec: ObservationSpec | None = None, size_spec: ObservationSpec | None = None,
-                 size_actions: list[int] | None = None, fallback: Controller | None = None, *,
-                 name: str | None = None) -> None:
-        if depth_actor is None and size_actor is None:
-            raise ValueError("ExportedController needs a depth actor, a size actor or both")
-        self.depth_actor, self.size_actor = depth_actor, size_actor
-        self.depth_spec, self.size_spec = depth_spec, size_spec
-        self.size_actions = [int(v) for v in size_actions] if size_actions is not None else None
-        self.fallback = fallback if fallback is not None else FixedController()
-        if name is not None:
-            self.name = name
-        if depth_actor is not None:
-            _check_actor(depth_actor, depth_spec, "depth", len(DEPTH_ACTIONS))
-        if size_actor is not None:
-            if not self.size_actions:
-                raise ValueError("a size actor needs size_actions")
-            _check_actor(size_actor, size_spec, "size", len(self.size_actions))
-
-    has_depth = property(lambda self: self.depth_actor is not None)
-    has_size = property(lambda self: self.size_actor is not None)
-
-    def _depth_action(self, obs: np.ndarray) -> int:
-        return self.depth_actor.act(obs)
-
-    def _size_action(self, obs: np.ndarray) -> int:
-        return self.size_actor.act(obs)
-
-
-def _check_actor(actor: ExportedActor, spec: ObservationSpec | None, kind: str, n_actions: int) -> None:
-    if spec is None or spec.kind != kind:
-        raise ExportedConfigError(f"{actor.source}: a {kind} policy needs a {kind} observation spec")
-    if actor.in_features != spec.dim:
-        raise ExportedConfigError(
-            f"{actor.source}: the actor takes {actor.in_features} inputs but its {kind} observation spec produces "
-            f"{spec.dim} (2 x {spec.num_scores} scores/mask + {NUM_SCALARS} scalars): observation-spec mismatch; "
-            "re-export the run")
-    if actor.n_actions != n_actions:
-        raise ExportedConfigError(f"{actor.source}: the actor has {actor.n_actions} actions but decoder.json lists "
-                                  f"{n_actions}; re-export the run")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,11 +74,11 @@ def probe_state(spec: ObservationSpec) -> DraftState:
     export, loading fails instead of silently feeding the policy different inputs."""
     n = spec.num_scores
     k = max(1, n // 2 + 1) if n > 1 else 1  # fewer real scores than slots: padding is exercised
-    scores = -torch.linspace(0.05, -1.5 * spec.score_floor, k)  # reaches past the floor: clipping is exercised
+    scores = -np.linspace(0.05, -1.5 * spec.score_floor, k, dtype=np.float32)  # past the floor: clipping exercised
     depth = max(1, spec.max_depth // 2)
     return DraftState(depth=depth, max_depth=spec.max_depth, width=spec.width, context_len=spec.max_context // 3,
-                      frontier_scores=scores, candidate_scores=scores, last_top_prob=0.5, last_entropy=1.0,
-                      new_tokens=7, max_new_tokens=64)
+                      scores=scores, last_top_prob=0.5, last_entropy=1.0, new_tokens=7, max_new_tokens=64,
+                      prev_accepted=1, prev_depth=2, acceptance=0.6)
 
 
 def probe_observation(spec: ObservationSpec) -> np.ndarray:
@@ -291,7 +134,7 @@ def _load_tensors(path: Path, expected_sha256: str | None) -> dict[str, torch.Te
                                   "re-export the run") from err
 
 
-def _load_policy(root: Path, entry: dict, kind: str) -> tuple[ExportedActor, ObservationSpec]:
+def _load_policy(root: Path, entry: dict, kind: str) -> tuple[Actor, ObservationSpec]:
     where = f"{root / CONFIG_FILE} ({kind} policy)"
     try:
         spec = ObservationSpec.from_dict(entry["spec"])
@@ -303,7 +146,11 @@ def _load_policy(root: Path, entry: dict, kind: str) -> tuple[ExportedActor, Obs
         raise ExportedConfigError(f"{where}: entry lacks 'file' or 'layers'; decoder.json is corrupted: re-export")
     path = root / entry["file"]
     tensors = _load_tensors(path, entry.get("sha256"))
-    actor = ExportedActor(entry["layers"], tensors, obs_norm=entry.get("obs_norm"), source=str(path))
+    try:
+        actor = Actor.from_layers(entry["layers"], tensors, obs_norm=entry.get("obs_norm"), source=str(path))
+    except (ActorError, KeyError, TypeError) as err:
+        raise ExportedConfigError(f"{err}; the weights file does not belong to this decoder.json: re-export the "
+                                  "run") from err
     probe = entry.get("probe")
     if probe:
         obs = probe_observation(spec)

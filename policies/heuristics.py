@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
 from specpilot.drafting.types import CycleRecord, DraftState
-from specpilot.policies.base import Controller, default_static_config
+from specpilot.drafting.control import Controller, default_static_config
 
 
 def _default_size(size: int | None, device: str | None) -> int:
@@ -63,8 +63,11 @@ class DDDController(_SizedController):
 
     @staticmethod
     def confidence(state: DraftState) -> float:
-        beam = state.frontier_scores[: state.width]
-        return float(torch.logsumexp(beam.double(), dim=0)) if beam.numel() else -math.inf
+        beam = state.frontier_scores[: state.width].astype(np.float64)
+        if not beam.size:
+            return -math.inf
+        top = beam.max()
+        return float(top + np.log(np.exp(beam - top).sum()))
 
     def should_stop(self, state: DraftState) -> bool:
         if state.depth < 1 or state.depth not in self.check_depths:
@@ -188,6 +191,43 @@ class GammaTuneController(_SizedController):
     def describe(self) -> dict:
         return {"name": self.name, "gamma_min": self.gamma_min, "gamma_max": self.gamma_max, "rate": self.rate,
                 "switch_at": self.switch_at, "size": self.size}
+
+
+class RandomDepthController(Controller):
+    """A training partner, not a heuristic: draft a depth drawn uniformly from [low, high] each cycle (drawn before
+    drafting; depth 0 is a plain target step, where the env lets the partner skip), verify `size`. The paper trains
+    the size policy against depths drawn from [1, 12].
+
+    `seed(seed)` reseeds its generator; the environments call it at every reset with a seed drawn from their own
+    seeded generator, so an environment seed reproduces the partner's depths too.
+    """
+
+    name = "random_depth"
+
+    def __init__(self, low: int = 1, high: int = 12, size: int | None = None, *, seed: int | None = None,
+                 device: str | None = None) -> None:
+        if not 0 <= int(low) <= int(high):
+            raise ValueError(f"RandomDepthController needs 0 <= low <= high, got low={low}, high={high}")
+        self.low, self.high = int(low), int(high)
+        self.size = _default_size(size, device)
+        self.rng = np.random.default_rng(seed)
+        self._target = self.low
+
+    def seed(self, seed: int | None) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        self._target = int(self.rng.integers(self.low, self.high + 1))
+        return self._target == 0
+
+    def should_stop(self, state: DraftState) -> bool:
+        return state.depth >= max(self._target, 1)
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.size
+
+    def describe(self) -> dict:
+        return {"name": self.name, "low": self.low, "high": self.high, "size": self.size}
 
 
 HEURISTICS: dict[str, type[Controller]] = {

@@ -1,108 +1,86 @@
-"""LearnedController: the decision logic shared by every controller backed by a pair of learned actors.
+"""LearnedController: a depth actor and/or a size actor as a Controller — PPO policies and exported ones alike.
 
-PPOController (SB3 policies) and ExportedController (safetensors actors) differ only in how an actor turns an
-observation into an action index; the observation features, the action meanings (depth: 0 CONTINUE / 1 STOP; size:
-an index into `size_actions`) and the static fallback for a missing actor (depth_only / size_only) live here once.
+The observation features (`specpilot.policies.observation`), the action meanings (depth: 0 CONTINUE / 1 STOP, where
+STOP before drafting skips drafting; size: an index into `size_actions`) and the static fallback for a missing actor
+(the depth_only / size_only ablations) live here once. Actors come from `specpilot.policies.actor.Actor`, built from
+an SB3 policy (`specpilot.policies.ppo.PPOController`) or from exported safetensors
+(`specpilot.policies.exported.load_exported`).
 """
 from __future__ import annotations
 
-from typing import Callable
-
-import numpy as np
-import torch
-
+from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import CycleRecord, DraftState
-from specpilot.envs.observation import ObservationSpec, depth_observation, size_observation
-from specpilot.policies.base import Controller
+from specpilot.policies.actor import Actor
+from specpilot.policies.observation import NUM_SCALARS, ObservationSpec, depth_observation, size_observation
 
 CONTINUE, STOP = 0, 1  # depth actions
-
-# numpy versions of the activations small actors use (name -> f(x, params)); others keep the torch path
-_NUMPY_ACTIVATIONS = {
-    "tanh": lambda x, p: np.tanh(x, out=x),
-    "relu": lambda x, p: np.maximum(x, 0.0, out=x),
-    "leakyrelu": lambda x, p: np.where(x >= 0, x, x * np.float32(p.get("negative_slope", 0.01))),
-    "sigmoid": lambda x, p: 1.0 / (1.0 + np.exp(-x)),
-    "silu": lambda x, p: x / (1.0 + np.exp(-x)),
-    "identity": lambda x, p: x,
-}
+DEPTH_ACTIONS = ["continue", "stop"]
 
 
-def numpy_actor(layers: list[tuple]) -> Callable[[np.ndarray], int] | None:
-    """argmax-of-logits function for a Linear/activation stack, run with numpy on views of the weights.
-
-    layers: ("linear", weight [out, in] tensor, bias tensor | None) and ("activation", name, params) in order.
-    A decision is a few 64-wide matrix-vector products: numpy does one in ~1-2 us where a torch op costs ~5-10 us
-    of dispatch, and the depth policy decides after every draft level, so this is most of a decision's latency.
-    A decision runs right after a model forward has evicted the caches, where each distinct library call costs
-    tens of microseconds (measured cold: one vector-matrix `@` ~60 us, np.einsum ~90 us, a torch linear ~180 us).
-    The weights are zero-copy views of the CPU tensors (training updates them in place; the views follow). None
-    when a tensor is not on the CPU or an activation has no numpy version (callers keep their torch path)."""
-    steps = []
-    for layer in layers:
-        if layer[0] == "linear":
-            weight, bias = layer[1], layer[2]
-            if weight.device.type != "cpu" or weight.dtype != torch.float32:
-                return None
-            w_t = weight.detach().numpy().T  # a view: x @ W.T
-            b = None if bias is None else bias.detach().numpy()
-            steps.append((w_t, b, None, None))
-        else:
-            fn = _NUMPY_ACTIVATIONS.get(str(layer[1]).lower())
-            if fn is None or not steps:
-                return None
-            w_t, b, _, _ = steps[-1]
-            steps[-1] = (w_t, b, fn, layer[2] if len(layer) > 2 else {})
-
-    def act(obs: np.ndarray) -> int:
-        x = obs
-        for w_t, b, fn, params in steps:
-            x = x @ w_t
-            if b is not None:
-                x += b
-            if fn is not None:
-                x = fn(x, params)
-        return int(x.argmax())
-
-    return act
+def check_actor(actor: Actor, spec: ObservationSpec | None, kind: str, n_actions: int) -> None:
+    """An actor fits its observation spec and action list, or a ValueError says which does not."""
+    if spec is None or spec.kind != kind:
+        raise ValueError(f"{actor.source}: a {kind} policy needs a {kind} observation spec")
+    if actor.in_features != spec.dim:
+        raise ValueError(f"{actor.source}: the actor takes {actor.in_features} inputs but its {kind} observation "
+                         f"spec produces {spec.dim} (2 x {spec.num_scores} scores/mask + {NUM_SCALARS} scalars): "
+                         "observation-spec mismatch (was the policy trained with another specpilot version?)")
+    if actor.n_actions != n_actions:
+        raise ValueError(f"{actor.source}: the actor has {actor.n_actions} actions but {n_actions} are expected")
 
 
 class LearnedController(Controller):
-    """Subclasses set depth_spec, size_spec, size_actions and fallback, and implement the two hooks below; a hook
-    is only called when `has_depth` / `has_size` is true."""
+    """Depth from `depth_actor` (CONTINUE / STOP, also asked before drafting: STOP there skips drafting), size from
+    `size_actor` (an index into `size_actions`); whichever actor is None is decided by `fallback`."""
 
-    depth_spec: ObservationSpec | None
-    size_spec: ObservationSpec | None
-    size_actions: list[int] | None
-    fallback: Controller
+    name = "learned"
     label = "learned"  # what describe() reports for a part decided by an actor
+
+    def __init__(self, depth_actor: Actor | None = None, size_actor: Actor | None = None,
+                 depth_spec: ObservationSpec | None = None, size_spec: ObservationSpec | None = None,
+                 size_actions: list[int] | None = None, fallback: Controller | None = None, *,
+                 name: str | None = None) -> None:
+        if depth_actor is None and size_actor is None:
+            raise ValueError(f"{type(self).__name__} needs a depth actor, a size actor or both")
+        self.depth_actor, self.size_actor = depth_actor, size_actor
+        self.depth_spec = depth_spec if depth_actor is not None else None
+        self.size_spec = size_spec if size_actor is not None else None
+        self.size_actions = [int(v) for v in size_actions] if size_actor is not None and size_actions else None
+        self.fallback = fallback if fallback is not None else FixedController()
+        if name is not None:
+            self.name = name
+        if depth_actor is not None:
+            check_actor(depth_actor, depth_spec, "depth", len(DEPTH_ACTIONS))
+        if size_actor is not None:
+            if not self.size_actions:
+                raise ValueError("a size actor needs size_actions")
+            check_actor(size_actor, size_spec, "size", len(self.size_actions))
 
     @property
     def has_depth(self) -> bool:
-        raise NotImplementedError
+        return self.depth_actor is not None
 
     @property
     def has_size(self) -> bool:
-        raise NotImplementedError
-
-    def _depth_action(self, obs: np.ndarray) -> int:
-        raise NotImplementedError
-
-    def _size_action(self, obs: np.ndarray) -> int:
-        raise NotImplementedError
+        return self.size_actor is not None
 
     def reset(self) -> None:
         self.fallback.reset()
 
+    def skip_drafting(self, state: DraftState) -> bool:
+        if self.depth_actor is None:
+            return self.fallback.skip_drafting(state)
+        return self.depth_actor.act(depth_observation(state, self.depth_spec)) == STOP
+
     def should_stop(self, state: DraftState) -> bool:
-        if not self.has_depth:
+        if self.depth_actor is None:
             return self.fallback.should_stop(state)
-        return self._depth_action(depth_observation(state, self.depth_spec)) == STOP
+        return self.depth_actor.act(depth_observation(state, self.depth_spec)) == STOP
 
     def choose_size(self, state: DraftState) -> int:
-        if not self.has_size:
+        if self.size_actor is None:
             return self.fallback.choose_size(state)
-        return self.size_actions[self._size_action(size_observation(state, self.size_spec))]
+        return self.size_actions[self.size_actor.act(size_observation(state, self.size_spec))]
 
     def observe(self, record: CycleRecord) -> None:
         self.fallback.observe(record)

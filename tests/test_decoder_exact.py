@@ -104,7 +104,7 @@ def test_invalid_session_calls_raise():
     with pytest.raises(RuntimeError, match="max_depth"):
         session.draft_level()
     with pytest.raises(ValueError, match=">= 1"):
-        session.verify(0)
+        session.verify(0)  # size 0 is a plain step: only without a drafted tree
     with pytest.raises(TypeError):
         session.verify("3")
 

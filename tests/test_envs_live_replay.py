@@ -12,13 +12,12 @@ import specpilot.envs  # noqa: F401  (registers the ids)
 from specpilot.drafting.decoder import autoregressive_generate
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
-from specpilot.envs.live import CYCLE_INFO_KEYS, DepthEnv, SizeEnv
+from specpilot.envs.environments import (CYCLE_INFO_KEYS, live_depth_env, live_size_env, replay_depth_env,
+                                         replay_size_env)
+from specpilot.envs.oracle import replay_controller, replay_oracle, replay_static
 from specpilot.envs.profile import LatencyProfile
 from specpilot.envs.record import Trace, record_task, record_trace
-from specpilot.envs.replay import (ReplayDepthEnv, ReplaySizeEnv, replay_controller, replay_oracle,
-                                   replay_static)
-from specpilot.policies.base import FixedController
-from specpilot.policies.heuristics import DDDController
+from specpilot.policies import DDDController, FixedController, HFHeuristicController
 
 TREE = TreeConfig(width=3, max_depth=4, max_size=16)
 SIZES = [1, 2, 4, 8, 16]
@@ -70,7 +69,7 @@ def pair_prompts():
 def _synthetic_profile(tree: TreeConfig) -> LatencyProfile:
     first = {n: [1e-3 + 1e-4 * n] for n in range(1, tree.max_depth + 2)}
     levels = {level: [1.2e-3] for level in range(2, tree.max_depth + 1)}
-    verify = [(v, c, 4e-3 + 1e-4 * v + 1e-6 * c) for v in range(1, tree.max_size + 1) for c in (10, 40)]
+    verify = [(v, c, 4e-3 + 1e-4 * v + 1e-6 * c) for v in range(0, tree.max_size + 1) for c in (10, 40)]
     return LatencyProfile.from_samples(first, levels, verify, max_depth=tree.max_depth, width=tree.width)
 
 
@@ -86,17 +85,30 @@ def recorded(pair_prompts, tmp_path_factory):
 
 def _live(kind: str, pair, prompts, **kw):
     if kind == "depth":
-        return DepthEnv(pair, prompts, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), tree=TREE,
-                        size_controller=kw.pop("partner", 4), **kw)
-    return SizeEnv(pair, prompts, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), tree=TREE, size_actions=SIZES,
-                   depth_controller=kw.pop("partner", (1, TREE.max_depth)), **kw)
+        return live_depth_env(pair, prompts, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), tree=TREE,
+                              size_controller=kw.pop("partner", 4), **kw)
+    return live_size_env(pair, prompts, max_new_tokens=kw.pop("max_new_tokens", MAX_NEW), tree=TREE,
+                         size_actions=SIZES, depth_controller=kw.pop("partner", (1, TREE.max_depth)), **kw)
 
 
 def _replay(kind: str, trace, profile, **kw):
     if kind == "depth":
-        return ReplayDepthEnv(trace, profile, size_controller=kw.pop("partner", 4), **kw)
-    return ReplaySizeEnv(trace, profile, size_actions=SIZES, depth_controller=kw.pop("partner", (1, TREE.max_depth)),
-                         **kw)
+        return replay_depth_env(trace, profile, size_controller=kw.pop("partner", 4), **kw)
+    return replay_size_env(trace, profile, size_actions=SIZES,
+                           depth_controller=kw.pop("partner", (1, TREE.max_depth)), **kw)
+
+
+def _learned_size_partner(recorded):
+    """A PPOController choosing sizes with an (untrained, so arbitrary but deterministic) SB3 policy."""
+    from stable_baselines3 import PPO
+
+    from specpilot.policies import PPOController
+
+    _, trace, profile = recorded
+    env = _replay("size", trace, profile)
+    model = PPO("MlpPolicy", env, n_steps=64, batch_size=64, seed=3, policy_kwargs={"net_arch": [16]})
+    return PPOController(None, model.policy, size_spec=env.spec_obs, size_actions=SIZES,
+                         fallback=FixedController(2, 4))
 
 
 def _rollout(env, seed: int, action_seed: int, options=None, max_steps: int = 500):
@@ -145,12 +157,20 @@ def test_env_checkers_pass(env_id, pair_prompts, recorded):
     env.close()
 
 
-@pytest.mark.parametrize("kind", ["depth", "size"])
-def test_live_and_replay_accept_the_same_tokens(kind, pair_prompts, recorded):
+@pytest.mark.parametrize("kind,partner", [("depth", None), ("size", None), ("size", "hf_heuristic"), ("depth", "learned"),
+                                          ("depth", "ddd")])
+def test_live_and_replay_accept_the_same_tokens(kind, partner, pair_prompts, recorded):
     pair, prompts = pair_prompts
     _, trace, profile = recorded
-    live, replay = _live(kind, pair, prompts), _replay(kind, trace, profile)
-    cycles = 0
+    kw = {}
+    if partner == "hf_heuristic":  # depth follows the observed acceptance
+        kw["partner"] = HFHeuristicController(initial_depth=2, max_depth=TREE.max_depth, size=4)
+    elif partner == "ddd":  # a size partner that also decides depth (here only its size is used)
+        kw["partner"] = DDDController(check_depths=(2,), threshold=-1.0, size=6)
+    elif partner == "learned":
+        kw["partner"] = _learned_size_partner(recorded)
+    live, replay = _live(kind, pair, prompts, **kw), _replay(kind, trace, profile, **kw)
+    cycles, depths, sizes = 0, set(), set()
     for index in range(len(prompts)):
         for action_seed in (0, 1):
             a = _rollout(live, seed=index, action_seed=action_seed, options={"prompt_index": index})
@@ -161,12 +181,16 @@ def test_live_and_replay_accept_the_same_tokens(kind, pair_prompts, recorded):
                 assert (ta, ua) == (tb, ub)
                 if "accepted" in ia:
                     cycles += 1
+                    depths.add(ia["depth"])
+                    sizes.add(ia["size"])
                     for key in ("accepted", "emitted", "depth", "size", "context_len", "new_tokens"):
                         assert ia[key] == ib[key], (key, ia, ib)
                     assert set(CYCLE_INFO_KEYS) <= set(ia) and set(CYCLE_INFO_KEYS) <= set(ib)
             # the emitted text is the target's greedy text in both
             assert live.session.new_tokens == trace.continuation(index)[: len(live.session.new_tokens)].tolist()
-    assert cycles > 10
+    assert cycles > 10 and len(depths) > 1  # the decisions varied, so equality is not trivially met
+    if partner == "learned":
+        assert len(sizes) > 1
 
 
 @pytest.mark.parametrize("kind", ["depth", "size"])
@@ -218,22 +242,40 @@ def test_live_seed_reproduces_prompt_and_tokens(pair_prompts):
 def test_depth_env_forces_stop_at_max_depth(recorded):
     _, trace, profile = recorded
     env = _replay("depth", trace, profile)
-    env.reset(seed=0)
-    for _ in range(TREE.max_depth - 2):
+    env.reset(seed=0)  # the first question comes before drafting (depth 0)
+    for _ in range(TREE.max_depth - 1):
         *_, info = env.step(0)
         assert "accepted" not in info
     *_, info = env.step(0)  # reaches max_depth: verified in the same step
     assert info["depth"] == TREE.max_depth and "accepted" in info
 
 
+@pytest.mark.parametrize("source", ["live", "replay"])
+def test_depth_env_stop_before_drafting_is_a_plain_step(source, pair_prompts, recorded):
+    pair, prompts = pair_prompts
+    _, trace, profile = recorded
+    env = _live("depth", pair, prompts) if source == "live" else _replay("depth", trace, profile)
+    env.reset(seed=0, options={"prompt_index": 1})
+    obs, reward, _, _, info = env.step(1)
+    assert (info["depth"], info["size"], info["accepted"], info["emitted"]) == (0, 0, 0, 1)
+    assert info["draft_s"] == 0.0 and info["verify_s"] > 0
+    assert env.unwrapped.state.depth == 0 and env.unwrapped.state.prev_depth == 0
+
+
+@pytest.mark.parametrize("kind,action", [("depth", -1), ("depth", 2), ("depth", 0.5), ("size", -1),
+                                         ("size", len(SIZES)), ("size", True)])
+def test_actions_outside_the_space_raise(kind, action, recorded):
+    _, trace, profile = recorded
+    env = _replay(kind, trace, profile)
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="action space"):
+        env.step(action)
+
+
 def test_replay_static_and_controller_agree_and_oracle_bounds(recorded):
     _, trace, profile = recorded
     static = replay_static(trace, profile, depth=3, size=8)
-    via_controller = replay_controller(trace, profile, FixedController(3, 8))
-    assert static["tokens"] == via_controller["tokens"] == sum(trace.budget(i)[0] for i in range(trace.num_prompts))
-    assert static["cycles"] == via_controller["cycles"]
-    assert static["time_s"] == pytest.approx(via_controller["time_s"])
-    assert replay_controller(trace, profile, DDDController(check_depths=(2, 3), size=8))["tokens"] == static["tokens"]
+    assert static["tokens"] == sum(trace.budget(i)[0] for i in range(trace.num_prompts))
     result = replay_oracle(trace, profile, sizes=SIZES)
     best = result["best_static"]
     assert best["tokens_per_s"] == max(r["tokens_per_s"] for r in result["static"])

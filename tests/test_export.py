@@ -20,9 +20,11 @@ from tiny import tiny_pair
 
 from specpilot.cli import main as cli_main
 from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
-from specpilot.envs.observation import ObservationSpec, observation_space
+from specpilot.envs.spaces import observation_space
+from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.engine_configs import fit_confidence_threshold, sglang_adaptive_config, sglang_args
-from specpilot.policies.export import RecordingController, export_run, sb3_actions, synthetic_states
+from specpilot.train.export import export_run
+from specpilot.train.export_checks import RecordingController, sb3_actions, synthetic_states
 from specpilot.policies.exported import ExportedConfigError, ExportedController, load_exported
 from specpilot.policies.ppo import PPOController, load_sb3_policy
 from specpilot.train.ppo import update_manifest, write_policies_index
@@ -167,7 +169,7 @@ def test_loading_needs_neither_sb3_nor_pickle(export_dir):
 
 def test_decoder_json_and_engine_configs(export_dir, pair):
     meta = json.loads((export_dir / "decoder.json").read_text())
-    assert meta["format"] == "specpilot-decoder" and meta["format_version"] == 1
+    assert meta["format"] == "specpilot-decoder" and meta["format_version"] == 2
     assert meta["tree"] == {"width": WIDTH, "max_depth": MAX_DEPTH, "max_size": 8, "size_actions": SIZE_ACTIONS}
     assert meta["pair"]["target_hash"] == pair.identity()["target_hash"]
     assert meta["policies"]["depth"]["actions"] == ["continue", "stop"]
@@ -326,8 +328,8 @@ def test_observation_normalisation_stats_are_exported_and_applied(tmp_path):
     statistics, and the exported actor must then see what the SB3 policy saw in training."""
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
-    from specpilot.policies.export import _obs_norm, actor_layers
-    from specpilot.policies.exported import ExportedActor
+    from specpilot.policies.actor import Actor
+    from specpilot.train.export import _obs_norm
 
     spec = ObservationSpec.for_depth(WIDTH, MAX_DEPTH)
     model = make_policy(spec, 2, [32], seed=4)
@@ -339,8 +341,8 @@ def test_observation_normalisation_stats_are_exported_and_applied(tmp_path):
     vec.save(str(ckpt / "step_0000000016_vecnormalize.pkl"))
     (ckpt / "progress.json").write_text(json.dumps({"vecnormalize": "step_0000000016_vecnormalize.pkl"}))
     norm, stats = _obs_norm(tmp_path / "stage", "depth")
-    layers, tensors = actor_layers(model.policy, "depth")
-    actor = ExportedActor(layers, {**tensors, **stats}, obs_norm=norm)
+    layers, tensors = Actor.from_sb3(model.policy).to_layers("depth")
+    actor = Actor.from_layers(layers, {**tensors, **stats}, obs_norm=norm)
     space = observation_space(spec)
     space.seed(0)
     obs = np.stack([space.sample() for _ in range(2000)])

@@ -10,7 +10,7 @@ import pytest
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.profile import LatencyProfile
 from specpilot.envs.record import record_trace
-from specpilot.envs.replay import replay_static
+from specpilot.envs.oracle import replay_static
 from specpilot.train.grid import grid_search, resolve_train_trace
 
 from tiny import tiny_pair
@@ -21,7 +21,7 @@ TREE = TreeConfig(width=3, max_depth=4, max_size=12)
 def synthetic_profile(tree: TreeConfig) -> LatencyProfile:
     first = {n: [1e-3 + 1e-4 * n] for n in range(1, tree.max_depth + 2)}
     levels = {level: [1.2e-3] for level in range(2, tree.max_depth + 1)}
-    verify = [(v, c, 4e-3 + 2e-4 * v + 1e-6 * c) for v in range(1, tree.max_size + 1) for c in (10, 40)]
+    verify = [(v, c, 4e-3 + 2e-4 * v + 1e-6 * c) for v in range(0, tree.max_size + 1) for c in (10, 40)]
     return LatencyProfile.from_samples(first, levels, verify, max_depth=tree.max_depth, width=tree.width)
 
 
@@ -42,9 +42,10 @@ def test_replay_sweep_picks_the_replay_best_and_writes_json_and_png(recorded, tm
     out = tmp_path / "grid.json"
     result = grid_search(resolve_train_trace(root), sizes=[1, 2, 4, 8, 12], out=out)
     cells = {(r["depth"], r["size"]): r["tokens_per_s"] for r in result["table"]}
-    assert len(cells) == TREE.max_depth * 5
-    # every cell equals an independent replay of that static config
-    for (d, v), tps in list(cells.items())[:6]:
+    assert len(cells) == TREE.max_depth * 5 + 1  # + depth 0 (plain target steps): one cell
+    assert (0, 0) in cells
+    # every cell equals an independent replay of that static config (through run_cycle)
+    for (d, v), tps in cells.items():
         assert tps == pytest.approx(replay_static(root / "train", depth=d, size=v)["tokens_per_s"])
     best = result["best"]
     assert best["source"] == "replay" and best["width"] == TREE.width

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpilot.drafting.types import CycleRecord, DraftState
-from specpilot.policies.base import Controller, default_static_config
+from specpilot.policies import Controller, default_static_config
 from specpilot.policies.heuristics import (
     HEURISTICS,
     ConfidenceController,
@@ -21,10 +21,10 @@ from specpilot.policies.heuristics import (
 
 def make_state(depth: int = 1, frontier=(-0.1,), width: int = 2, top_prob: float = 0.9, entropy: float = 0.1,
                max_depth: int = 12) -> DraftState:
-    scores = torch.tensor(sorted(frontier, reverse=True), dtype=torch.float32)
-    return DraftState(depth=depth, max_depth=max_depth, width=width, context_len=10, frontier_scores=scores,
-                      candidate_scores=scores.clone(), last_top_prob=top_prob, last_entropy=entropy,
-                      new_tokens=0, max_new_tokens=64)
+    state = DraftState.from_levels([list(frontier)], max_depth=max_depth, width=width, context_len=10,
+                                   last_top_prob=top_prob, last_entropy=entropy, new_tokens=0, max_new_tokens=64)
+    state.depth = depth
+    return state
 
 
 def record(depth: int, accepted: int) -> CycleRecord:

@@ -9,23 +9,28 @@ import pytest
 import torch
 
 from specpilot.drafting.types import DraftState
-from specpilot.envs.observation import (
+from specpilot.envs.spaces import observation_space
+from specpilot.policies.observation import (
+    NUM_SCALARS,
     ObservationSpec,
     default_size_actions,
     depth_observation,
-    observation_space,
     size_observation,
 )
 
 W, MAX_DEPTH = 3, 6
 
 
-def make_state(frontier, candidates=None, depth: int = 2, context_len: int = 100, new_tokens: int = 8) -> DraftState:
-    f = torch.tensor(sorted(frontier, reverse=True), dtype=torch.float32)
-    c = torch.tensor(sorted(candidates if candidates is not None else frontier, reverse=True), dtype=torch.float32)
-    return DraftState(depth=depth, max_depth=MAX_DEPTH, width=W, context_len=context_len, frontier_scores=f,
-                      candidate_scores=c, last_top_prob=0.5, last_entropy=1.0, new_tokens=new_tokens,
-                      max_new_tokens=32)
+def make_state(level, earlier=(), depth: int | None = None, context_len: int = 100, new_tokens: int = 8,
+               **fields) -> DraftState:
+    """A state whose last level drafted `level` (in drafting order) after the `earlier` candidates."""
+    levels = [list(earlier), list(level)] if len(earlier) else [list(level)]
+    state = DraftState.from_levels(levels, max_depth=MAX_DEPTH, width=W, context_len=context_len,
+                                   last_top_prob=0.5, last_entropy=1.0, new_tokens=new_tokens, max_new_tokens=32,
+                                   **fields)
+    if depth is not None:
+        state.depth = depth
+    return state
 
 
 DEPTH_SPEC = ObservationSpec.for_depth(W, MAX_DEPTH, max_context=200)
@@ -33,7 +38,7 @@ SIZE_SPEC = ObservationSpec.for_size(W, MAX_DEPTH, size_actions=[2, 4, 6, 8], ma
 
 
 def test_spec_sizes():
-    assert DEPTH_SPEC.num_scores == W * W and DEPTH_SPEC.dim == 2 * W * W + 5
+    assert DEPTH_SPEC.num_scores == W * W and DEPTH_SPEC.dim == 2 * W * W + NUM_SCALARS == 2 * W * W + 6
     assert SIZE_SPEC.num_scores == 8
 
 
@@ -46,17 +51,33 @@ def test_depth_observation_layout_padding_and_mask():
     np.testing.assert_array_equal(obs[3:n], -1.0)  # padding is "improbable", never log p = 0
     np.testing.assert_array_equal(obs[n:n + 3], 1.0)
     np.testing.assert_array_equal(obs[n + 3:2 * n], 0.0)
-    np.testing.assert_allclose(obs[2 * n:], [1 / MAX_DEPTH, 0.25, 0.25, 0.0, 0.0])  # no previous cycle yet
+    np.testing.assert_allclose(obs[2 * n:], [1 / MAX_DEPTH, 0.25, 0.25, 0.0, 0.0, 1.0])  # no previous cycle yet
+
+
+def test_depth_observation_keeps_drafting_order():
+    obs = depth_observation(make_state([-2.0, -0.5, -1.0]), DEPTH_SPEC)
+    np.testing.assert_allclose(obs[:3], [-0.1, -0.025, -0.05])  # not sorted: the policy reads no sort
+
+
+def test_observation_before_drafting_has_no_scores_and_depth_zero():
+    state = DraftState(depth=0, max_depth=MAX_DEPTH, width=W, context_len=50, new_tokens=8, max_new_tokens=32,
+                       prev_accepted=3, prev_depth=4, acceptance=0.25)
+    for spec, build in ((DEPTH_SPEC, depth_observation), (SIZE_SPEC, size_observation)):
+        obs = build(state, spec)
+        n = spec.num_scores
+        np.testing.assert_array_equal(obs[:n], -1.0)
+        np.testing.assert_array_equal(obs[n:2 * n], 0.0)
+        np.testing.assert_allclose(obs[2 * n:], [0.0, 0.25, 0.25, 0.5, 4 / 6, 0.25])
+        assert observation_space(spec).contains(obs)
 
 
 @pytest.mark.parametrize("prev_accepted, prev_depth, expected", [(0, 1, [0.0, 1 / 6]), (3, 4, [0.5, 4 / 6]),
                                                                   (9, 9, [1.0, 1.0])])
 def test_history_slots_hold_the_previous_cycle(prev_accepted, prev_depth, expected):
-    state = make_state([-0.5])
-    state.prev_accepted, state.prev_depth = prev_accepted, prev_depth
+    state = make_state([-0.5], prev_accepted=prev_accepted, prev_depth=prev_depth, acceptance=0.75)
     for spec, build in ((DEPTH_SPEC, depth_observation), (SIZE_SPEC, size_observation)):
         obs = build(state, spec)
-        np.testing.assert_allclose(obs[-2:], expected)
+        np.testing.assert_allclose(obs[-3:], expected + [0.75])
         assert observation_space(spec).contains(obs)
 
 
@@ -67,7 +88,7 @@ def test_no_fake_zero_logprob_in_padding():
 
 def test_size_observation_truncates_to_top_scores():
     cands = [-0.1 * i for i in range(1, 20)]
-    obs = size_observation(make_state([-0.1], cands), SIZE_SPEC)
+    obs = size_observation(make_state(cands[-9:][::-1], earlier=cands[:-9]), SIZE_SPEC)
     n = SIZE_SPEC.num_scores
     np.testing.assert_allclose(obs[:n], np.array(cands[:n]) / 20.0, rtol=1e-6)
     np.testing.assert_array_equal(obs[n:2 * n], 1.0)

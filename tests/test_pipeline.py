@@ -9,15 +9,16 @@ import pytest
 
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.record import record_trace
-from specpilot.envs.replay import replay_controller
+from specpilot.envs.oracle import replay_controller
 from specpilot.policies.ppo import load_run_controllers
 from specpilot.train import pipeline as P
+from specpilot.train.ppo import PPOOverrides
 
 from test_grid import synthetic_profile
 from tiny import tiny_pair
 
 TREE = TreeConfig(width=3, max_depth=4, max_size=8)
-SMALL = dict(pi_arch=[16], vf_arch=[16], n_steps=64, batch_size=32, n_epochs=2, wandb="disabled")
+SMALL = PPOOverrides(pi_arch=[16], vf_arch=[16], n_steps=64, batch_size=32, n_epochs=2)
 STATIC = (2, 4)
 
 
@@ -33,14 +34,14 @@ def traces(tmp_path_factory):
     return P.TaskTraces.resolve(root)
 
 
-def _kw(**extra):
-    return {**SMALL, **extra}
+def _kw(**options):
+    """The small-budget options of these tests (static config, tiny PPO, no wandb) with `options` changed."""
+    return {"options": P.TrainOptions(**{"static": STATIC, "ppo": SMALL, **options}), "wandb": "disabled"}
 
 
 def test_stage1_and_coadapt_write_loadable_policies(traces, tmp_path):
     run = tmp_path / "run"
-    out = P.run_pipeline(run, traces, size_steps=192, depth_steps=192, coadapt_steps=128, rounds=1, static=STATIC,
-                         **_kw())
+    out = P.run_pipeline(run, traces, size_steps=192, depth_steps=192, coadapt_steps=128, rounds=1, **_kw())
     index = json.loads((run / "policies.json").read_text())
     assert index["fallback"] == {"depth": STATIC[0], "size": STATIC[1]}
     controllers = load_run_controllers(run)
@@ -70,9 +71,9 @@ def test_stage1_and_coadapt_write_loadable_policies(traces, tmp_path):
 
 def test_resume_skips_finished_stages(traces, tmp_path, monkeypatch):
     run = tmp_path / "run"
-    P.train_size(run, traces, steps=128, static=STATIC, **_kw())
-    P.train_depth(run, traces, steps=128, static=STATIC, **_kw())
-    first = P.coadapt(run, traces, rounds=2, steps=64, static=STATIC, **_kw())
+    P.train_size(run, traces, steps=128, **_kw())
+    P.train_depth(run, traces, steps=128, **_kw())
+    first = P.coadapt(run, traces, rounds=2, steps=64, **_kw())
 
     import specpilot.train.ppo as ppo
 
@@ -80,24 +81,24 @@ def test_resume_skips_finished_stages(traces, tmp_path, monkeypatch):
         raise AssertionError("a finished stage was trained again")
 
     monkeypatch.setattr(ppo, "train_policy", boom)
-    again = P.coadapt(run, traces, rounds=2, steps=64, static=STATIC, resume=True, **_kw())
+    again = P.coadapt(run, traces, rounds=2, steps=64, **_kw(resume=True))
     assert [r["skipped"] for r in again["rounds"]] == [True, True]
     assert str(again["depth"]) == str(first["depth"]) and str(again["size"]) == str(first["size"])
-    res = P.train_size(run, traces, steps=128, static=STATIC, resume=True, **_kw())
+    res = P.train_size(run, traces, steps=128, **_kw(resume=True))
     assert res.skipped
     with pytest.raises(FileExistsError):  # without --resume an existing stage is never overwritten
         monkeypatch.undo()
-        P.train_size(run, traces, steps=128, static=STATIC, **_kw())
+        P.train_size(run, traces, steps=128, **_kw())
 
 
 def test_coadapt_needs_stage1(traces, tmp_path):
     with pytest.raises(FileNotFoundError, match="train stage"):
-        P.coadapt(tmp_path / "empty", traces, rounds=1, steps=64, static=STATIC, **_kw())
+        P.coadapt(tmp_path / "empty", traces, rounds=1, steps=64, **_kw())
 
 
 def test_reward_ablation_reports_every_mode(traces, tmp_path):
     res = P.reward_ablation(tmp_path / "run", traces, kind="size", rewards=("throughput", "acceptance"), steps=128,
-                            static=STATIC, **_kw())
+                            **_kw())
     assert [r["reward"] for r in res["rows"]] == ["throughput", "acceptance"]
     data = json.loads((tmp_path / "run" / "ablation" / "ablation.json").read_text())
     for row in data["rows"]:
@@ -112,26 +113,27 @@ def test_budget_settings_scale_and_keep_paper_defaults():
     assert (depth.pi_arch, depth.vf_arch, depth.gamma, depth.ent_coef) == ([1024], [1024, 256], 0.999, 0.01)
     small = P.budget_settings("size", 2000)
     assert small.n_steps == 128 and small.total_timesteps // small.n_steps >= 8 and small.n_epochs == 10
-    assert P.budget_settings("size", 2000, n_epochs=3, n_steps=512).n_epochs == 3
+    assert P.budget_settings("size", 2000, ppo=PPOOverrides(n_epochs=3, n_steps=512)).n_epochs == 3
 
 
 def test_evaluate_live_reports_speedup_and_policy_overhead(traces):
-    from specpilot.policies.base import FixedController
+    from specpilot.policies import FixedController
 
     pair = tiny_pair(noise=0.2, eos=None)
-    res = P.evaluate_live(pair, {"fixed": FixedController(2, 4)}, [[1, 2, 3], [4, 5, 6]], tree=TREE,
-                          max_new_tokens=8)
-    assert res["ar"]["tokens"] == res["fixed"]["tokens"] == 16
+    res = P.evaluate_live(pair, {"fixed": FixedController(2, 4), "plain": FixedController(0, 4)},
+                          [[1, 2, 3], [4, 5, 6]], tree=TREE, max_new_tokens=8)
+    assert res["ar"]["tokens"] == res["fixed"]["tokens"] == res["plain"]["tokens"] == 16
+    assert res["plain"]["mean_accepted_length"] == 1.0 and res["plain"]["depth_mean"] == 0
     assert res["ar"]["speedup"] == pytest.approx(1.0)
     assert 0 <= res["fixed"]["policy_overhead"] < 1 and res["fixed"]["depth_mean"] <= 2
 
 
 def test_live_backend_fine_tunes_a_replay_policy(traces, tmp_path):
     run = tmp_path / "run"
-    replayed = P.train_size(run, traces, steps=64, static=STATIC, **_kw())
+    replayed = P.train_size(run, traces, steps=64, **_kw())
     pair = tiny_pair(noise=0.2, eos=None)
-    live = P.train_size(run, traces, steps=64, static=STATIC, backend="live", pair=pair,
-                        train_prompts=[[1, 2, 3, 4]], stage="size_live", init_from=replayed.best, **_kw())
+    live = P.train_size(run, traces, steps=64, stage="size_live", init_from=replayed.best,
+                        **_kw(backend="live", pair=pair, train_prompts=[[1, 2, 3, 4]]))
     assert live.best.is_file() and live.score > 0
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["stage_setup"]["size_live"]["backend"] == "live"

@@ -11,13 +11,10 @@ import torch
 from stable_baselines3 import PPO
 
 from specpilot.drafting.types import DraftState
-from specpilot.envs.observation import (
-    ObservationSpec,
-    depth_observation,
-    observation_space,
-    size_observation,
-)
-from specpilot.policies.base import FixedController
+from specpilot.envs.spaces import observation_space
+from specpilot.policies import FixedController
+from specpilot.policies.actor import Actor, ActorError
+from specpilot.policies.observation import ObservationSpec, depth_observation, size_observation
 from specpilot.policies.ppo import PPOController
 from specpilot.train.ppo import WarmupLinearSchedule, settings_for, train_policy
 
@@ -136,13 +133,12 @@ class SpaceOnlyEnv(gym.Env):
 
 
 def random_state(rng: np.random.Generator) -> DraftState:
-    depth = int(rng.integers(1, DMAX + 1))
-    frontier = np.sort(-np.abs(rng.normal(0, 4, size=W if depth == 1 else W * W)))[::-1].copy()
-    cands = np.sort(-np.abs(rng.normal(0, 4, size=int(rng.integers(1, 12)))))[::-1].copy()
-    return DraftState(depth=depth, max_depth=DMAX, width=W, context_len=int(rng.integers(1, 100)),
-                      frontier_scores=torch.from_numpy(frontier).float(),
-                      candidate_scores=torch.from_numpy(cands).float(),
-                      last_top_prob=0.5, last_entropy=1.0, new_tokens=3, max_new_tokens=16)
+    depth = int(rng.integers(0, DMAX + 1))
+    levels = [-np.abs(rng.normal(0, 4, size=W if d == 1 else W * W)) for d in range(1, depth + 1)]
+    return DraftState.from_levels(levels, max_depth=DMAX, width=W, context_len=int(rng.integers(1, 100)),
+                                  last_top_prob=0.5, last_entropy=1.0, new_tokens=3, max_new_tokens=16,
+                                  prev_accepted=int(rng.integers(0, 4)), prev_depth=int(rng.integers(0, 5)),
+                                  acceptance=float(rng.uniform()))
 
 
 def perturbed(model: PPO, seed: int) -> PPO:
@@ -154,7 +150,7 @@ def perturbed(model: PPO, seed: int) -> PPO:
 
 
 def test_ppo_controller_matches_sb3_predict():
-    depth_model = perturbed(PPO("MlpPolicy", SpaceOnlyEnv(DEPTH_SPEC, 2), policy_kwargs={"net_arch": [16]}, seed=0), 0)
+    depth_model = perturbed(PPO("MlpPolicy", SpaceOnlyEnv(DEPTH_SPEC, 2), policy_kwargs={"net_arch": [16]}, seed=5), 5)
     size_model = perturbed(PPO("MlpPolicy", SpaceOnlyEnv(SIZE_SPEC, len(SIZE_ACTIONS)),
                                policy_kwargs={"net_arch": [16]}, seed=1), 1)
     ctrl = PPOController(depth_model, size_model, DEPTH_SPEC, SIZE_SPEC, SIZE_ACTIONS)
@@ -164,7 +160,7 @@ def test_ppo_controller_matches_sb3_predict():
         state = random_state(rng)
         want_stop = int(depth_model.predict(depth_observation(state, DEPTH_SPEC), deterministic=True)[0]) == 1
         want_size = SIZE_ACTIONS[int(size_model.predict(size_observation(state, SIZE_SPEC), deterministic=True)[0])]
-        assert ctrl.should_stop(state) == want_stop
+        assert (ctrl.skip_drafting(state) if state.depth == 0 else ctrl.should_stop(state)) == want_stop
         assert ctrl.choose_size(state) == want_size
         stops.add(want_stop)
         sizes.add(want_size)
@@ -176,8 +172,17 @@ def test_ppo_controller_fallback_decides_missing_parts():
     ctrl = PPOController(depth_policy=depth_model, depth_spec=DEPTH_SPEC, fallback=FixedController(3, 5))
     state = random_state(np.random.default_rng(1))
     assert ctrl.choose_size(state) == 5
-    size_only = PPOController(fallback=FixedController(3, 5))
-    assert size_only.should_stop(DraftState(3, DMAX, W, 1, torch.zeros(4), torch.zeros(4), 1.0, 0.0, 0, 8))
+    size_model = PPO("MlpPolicy", SpaceOnlyEnv(SIZE_SPEC, len(SIZE_ACTIONS)), policy_kwargs={"net_arch": [8]}, seed=0)
+    size_only = PPOController(size_policy=size_model, size_spec=SIZE_SPEC, size_actions=SIZE_ACTIONS,
+                              fallback=FixedController(3, 5))
+    state3 = DraftState.from_levels([np.zeros(W), np.zeros(W * W), np.zeros(W * W)], max_depth=DMAX, width=W,
+                                    context_len=1, max_new_tokens=8)
+    assert size_only.should_stop(state3) and not size_only.skip_drafting(state)
+
+
+def test_ppo_controller_needs_a_policy():
+    with pytest.raises(ValueError, match="actor"):
+        PPOController(fallback=FixedController(3, 5))
 
 
 def test_ppo_controller_rejects_mismatched_spec():
@@ -187,38 +192,44 @@ def test_ppo_controller_rejects_mismatched_spec():
 
 
 @pytest.mark.parametrize("activation", ["tanh", "relu", "leakyrelu", "sigmoid", "silu", "identity"])
-def test_numpy_actor_matches_torch_functionals(activation):
-    from specpilot.policies.learned import numpy_actor
-
-    torch_fn = {"tanh": torch.tanh, "relu": torch.relu, "leakyrelu": torch.nn.functional.leaky_relu,
-                "sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu, "identity": lambda x: x}[activation]
+def test_actor_numpy_path_matches_torch_functionals(activation):
     gen = torch.Generator().manual_seed(0)
     shapes = [(64, 21), (64, 64), (5, 64)]
-    weights = [torch.randn(*s, generator=gen) * 0.3 for s in shapes]
-    biases = [torch.randn(s[0], generator=gen) * 0.1 for s in shapes]
     layers = []
-    for i, (w, b) in enumerate(zip(weights, biases)):
-        layers.append(("linear", w, b))
+    for i, shape in enumerate(shapes):
+        layers.append(("linear", torch.randn(*shape, generator=gen) * 0.3, torch.randn(shape[0], generator=gen) * 0.1))
         if i < len(shapes) - 1:
-            layers.append(("activation", activation, {}))
-    act = numpy_actor(layers)
-    assert act is not None
+            layers.append(("activation", activation, {"negative_slope": 0.2} if activation == "leakyrelu" else {}))
+    actor = Actor(layers)
+    assert actor._numpy_steps is not None  # single decisions take the numpy path
     obs = torch.rand(200, 21, generator=gen) * 2 - 1
-    x = obs
-    for i, (w, b) in enumerate(zip(weights, biases)):
-        x = torch.nn.functional.linear(x, w, b)
-        if i < len(shapes) - 1:
-            x = torch_fn(x)
-    top2 = x.topk(2, dim=1).values
+    logits = actor.logits(obs)  # torch functionals
+    top2 = logits.topk(2, dim=1).values
     clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # float round-off may only flip near-ties
-    expected = x.argmax(dim=1)
-    got = torch.tensor([act(o.numpy()) for o in obs])
-    assert bool((got[clear] == expected[clear]).all())
+    got = torch.tensor([actor.act(o.numpy()) for o in obs])
+    assert bool((got[clear] == logits.argmax(dim=1)[clear]).all())
+    np.testing.assert_array_equal(actor.act_batch(obs)[clear.numpy()], logits.argmax(dim=1)[clear].numpy())
 
 
-def test_numpy_actor_declines_unsupported_layers():
-    from specpilot.policies.learned import numpy_actor
+def test_actor_falls_back_to_torch_and_rejects_unknown_layers():
+    w, b = torch.randn(3, 4), torch.zeros(3)
+    gelu = Actor([("linear", torch.randn(4, 4), None), ("activation", "gelu", {}), ("linear", w, b)])
+    assert gelu._numpy_steps is None  # no numpy gelu: the torch path decides
+    obs = np.random.default_rng(0).normal(size=4).astype(np.float32)
+    assert gelu.act(obs) == int(gelu.logits(torch.from_numpy(obs)[None]).argmax())
+    assert Actor([("linear", w.double(), b.double())])._numpy_steps is None
+    with pytest.raises(ActorError, match="supported"):
+        Actor([("linear", w, b), ("activation", "softmax", {})])
+    with pytest.raises(ActorError, match="inputs"):
+        Actor([("linear", w, b), ("linear", torch.zeros(2, 5), None)])
 
-    w, b = torch.zeros(2, 3), torch.zeros(2)
-    assert numpy_actor([("linear", w, b), ("activation", "gelu", {}), ("linear", w.T.contiguous()[:2, :2], None)]) is None
-    assert numpy_actor([("linear", w.double(), b.double())]) is None
+
+def test_actor_round_trips_through_the_exported_layer_list():
+    model = perturbed(PPO("MlpPolicy", SpaceOnlyEnv(SIZE_SPEC, len(SIZE_ACTIONS)),
+                          policy_kwargs={"net_arch": [16, 8], "activation_fn": torch.nn.LeakyReLU}, seed=2), 2)
+    live = Actor.from_sb3(model.policy)
+    entries, tensors = live.to_layers("size")
+    loaded = Actor.from_layers(entries, tensors)
+    obs = np.stack([SpaceOnlyEnv(SIZE_SPEC, 4).observation_space.sample() for _ in range(100)])
+    np.testing.assert_array_equal(loaded.act_batch(obs), live.act_batch(obs))
+    np.testing.assert_array_equal(loaded.act_batch(obs), model.predict(obs, deterministic=True)[0])

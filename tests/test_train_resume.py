@@ -10,7 +10,8 @@ import torch
 from stable_baselines3 import PPO
 
 from specpilot.drafting.types import DraftState
-from specpilot.envs.observation import ObservationSpec, observation_space
+from specpilot.envs.spaces import observation_space
+from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.ppo import PolicyLoadError, PPOController, load_run_controllers
 from specpilot.train.logging import CycleMetricsCallback, RunLogger, resolve_wandb_mode
 from specpilot.train.ppo import (
@@ -210,12 +211,14 @@ def test_load_run_controllers(tmp_path):
     ctrls = load_run_controllers(tmp_path)
     assert set(ctrls) == {"ltd", "depth_only", "size_only"}
     assert all(isinstance(c, PPOController) for c in ctrls.values())
-    state = DraftState(2, DMAX, W, 30, torch.tensor([-0.1, -0.5, -1.0, -2.0]), torch.tensor([-0.1, -0.2, -0.5]),
-                       0.8, 0.5, 4, 32)
+    levels = [[-0.1, -0.2], [-0.5, -1.0, -2.0, -0.7]]
+    fields = dict(max_depth=DMAX, width=W, context_len=30, last_top_prob=0.8, last_entropy=0.5, new_tokens=4,
+                  max_new_tokens=32)
+    state = DraftState.from_levels(levels, **fields)
     assert ctrls["ltd"].choose_size(state) in SIZE_ACTIONS
     assert ctrls["depth_only"].choose_size(state) == 5
-    assert ctrls["size_only"].should_stop(state) is False and ctrls["size_only"].should_stop(
-        DraftState(3, DMAX, W, 30, state.frontier_scores, state.candidate_scores, 0.8, 0.5, 4, 32))
+    assert ctrls["size_only"].should_stop(state) is False  # the fallback's depth 3
+    assert ctrls["size_only"].should_stop(DraftState.from_levels(levels + [[-3.0] * 4], **fields))
 
 
 def test_corrupted_policy_file_names_the_file(tmp_path):

@@ -39,7 +39,6 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
                    help="wandb mode (default: $WANDB_MODE, else offline); TensorBoard is always written")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run; finished stages are skipped")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for these MLPs)")
     g = p.add_argument_group("PPO overrides (default: the paper's, scaled for small budgets)")
     g.add_argument("--n-steps", type=int, default=None, help="rollout length (paper 2048)")
     g.add_argument("--batch-size", type=int, default=None, help="minibatch (paper 256)")
@@ -82,22 +81,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3)
 
 
-def _overrides(args) -> dict:
-    return {"n_steps": args.n_steps, "batch_size": args.batch_size, "n_epochs": args.n_epochs,
-            "pi_arch": _ints(args.pi_arch), "vf_arch": _ints(args.vf_arch), "gamma": args.gamma,
-            "learning_rate": args.lr, "ent_coef": args.ent_coef, "eval_every": args.eval_every}
+def _options(args, static, pair):
+    from specpilot.train.ppo import PPOOverrides
+    from specpilot.train.stages import TrainOptions
+
+    ppo = PPOOverrides(n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.n_epochs,
+                       pi_arch=_ints(args.pi_arch), vf_arch=_ints(args.vf_arch), gamma=args.gamma,
+                       learning_rate=args.lr, ent_coef=args.ent_coef, eval_every=args.eval_every)
+    return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, static=static, resume=args.resume,
+                        seed=args.seed, ppo=ppo)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from specpilot.train import pipeline as P
 
     cmd = getattr(args, "train_command", None)
     if cmd not in COMMANDS:
         print(f"specpilot train: choose a stage: {', '.join(COMMANDS)} (see --help)", file=sys.stderr)
         return 2
-    torch.set_num_threads(max(1, args.threads))
     run_dir = Path(args.run)
     try:
         traces = P.TaskTraces.resolve(args.traces or run_dir / "traces")
@@ -112,27 +113,26 @@ def run(args: argparse.Namespace) -> int:
         from specpilot.drafting.pair import ModelPair
 
         pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
-    over = {k: v for k, v in _overrides(args).items() if v is not None}
-    common = dict(static=static, resume=args.resume, seed=args.seed, wandb=args.wandb, **over)
-    live = dict(reward=args.reward, backend=args.backend, pair=pair)
     try:
+        options = _options(args, static, pair)
+        common = dict(options=options, wandb=args.wandb)
         if cmd == "size":
             res = P.train_size(run_dir, traces, steps=args.steps, depth_range=_ints(args.depth_range),
                                size_actions=_ints(args.size_actions), stage=args.stage, init_from=args.init_from,
-                               **live, **common)
+                               **common)
             out = res.to_dict()
         elif cmd == "depth":
             res = P.train_depth(run_dir, traces, steps=args.steps, stage=args.stage, init_from=args.init_from,
-                                **live, **common)
+                                **common)
             out = res.to_dict()
         elif cmd == "coadapt":
-            out = P.coadapt(run_dir, traces, rounds=args.rounds, steps=args.steps, **live, **common)
+            out = P.coadapt(run_dir, traces, rounds=args.rounds, steps=args.steps, **common)
         elif cmd == "ablation":
             out = P.reward_ablation(run_dir, traces, kind=args.kind, rewards=args.rewards.split(","),
                                     steps=args.steps, **common)
         else:
             out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
-                                 coadapt_steps=args.coadapt_steps, rounds=args.rounds, reward=args.reward, **common)
+                                 coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"specpilot train {cmd}: {err}", file=sys.stderr)
         return 2

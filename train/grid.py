@@ -11,7 +11,7 @@ Two phases:
 
 Output (`out`, default grid.json) and a heat map of replay tokens/s over depth x size per width (grid.png):
 
-    {"best": {"width", "depth", "size", "source": "live"|"replay", ...},
+    {"best": {"width", "depth", "size", "source": "live"|"replay", ...}, "best_drafting": {"width", "depth", "size"},
      "table": [{"width", "depth", "size", "tokens_per_s", "mean_accepted_length", "speedup", ...}, ...],
      "live": [{"width", "depth", "size", "tokens_per_s", "mean_accepted_length", "speedup", ...}, ...],
      "oracle": {"<W>": {"oracle": ..., "greedy_oracle": ...}}, "meta": {...}}
@@ -32,38 +32,13 @@ from typing import Sequence
 
 import numpy as np
 
-from specpilot.envs.observation import default_size_actions
+from specpilot.drafting.control import FixedController
+from specpilot.drafting.types import TreeConfig
+from specpilot.envs.oracle import replay_oracle
 from specpilot.envs.record import Trace
-from specpilot.envs.replay import ReplayModel, load_profile, load_trace, replay_oracle
-
-AR_FILE = "ar.json"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# autoregressive reference under replay
-
-
-def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
-    """Autoregressive tokens/s predicted for the trace's generations: one target forward per token.
-
-    Seconds per token: the live autoregressive measurement `ar.json` next to the trace when present
-    (`specpilot.train.pipeline.record_traces` writes it: `autoregressive_generate` on the same prompts, after a
-    warm-up), else the profile's verification time at size 1 at each position's context length (a 2-token target
-    forward with acceptance and cache compaction: at most a little dearer than an AR step, so a speedup computed
-    with it errs slightly high). `source` says which was used.
-    """
-    trace = model.trace
-    indices = range(trace.num_prompts) if prompts is None else prompts
-    tokens = sum(model.tables(i).n for i in indices)
-    ar_path = trace.path / AR_FILE if trace.path is not None else None
-    if ar_path is not None and ar_path.is_file():
-        data = json.loads(ar_path.read_text())
-        s_per_token = float(data["seconds_per_token"])
-        return {"tokens": tokens, "time_s": tokens * s_per_token, "tokens_per_s": 1.0 / s_per_token,
-                "source": "live"}
-    time_s = float(sum(model.tables(i).verify[:, 1].sum() for i in indices))
-    return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan"),
-            "source": "profile_v1"}
+from specpilot.envs.replay import ReplayModel, load_profile, load_trace
+from specpilot.policies.observation import default_size_actions
+from specpilot.train.validation import replay_ar
 
 
 def default_sizes(trace: Trace) -> list[int]:
@@ -72,66 +47,26 @@ def default_sizes(trace: Trace) -> list[int]:
     return sorted(s for s in sizes if s <= trace.max_size) or [trace.max_size]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# live measurement
-
-
 def measure_live(pair, configs: Sequence[dict], prompts: Sequence, *, max_new_tokens: int = 64, repeats: int = 1,
-                 warmup: int = 1, include_ar: bool = True, progress: bool = False) -> tuple[list[dict], dict | None]:
-    """Run each static config ({"width", "depth", "size"}) live on `prompts`, interleaved.
+                 warmup: int = 1, progress: bool = False) -> tuple[list[dict], dict]:
+    """Run each static config ({"width", "depth", "size"}) and AR live on `prompts`, with the evaluation runner's
+    interleaved loop and clock (`specpilot.eval.runner.measure_controllers`). Returns (rows in `configs` order,
+    the AR row)."""
+    from specpilot.eval.runner import measure_controllers
 
-    Per (prompt, repeat) every config (and AR) runs once, in an order rotated by one each time, so load drift hits
-    all alike; `warmup` untimed generations of each config on the first prompt come first. Time is the decoder's
-    own generation time (`GenerationOutput.total_s`: after the untimed prefill; draft, verify and policy time),
-    summed; tokens/s = sum(tokens) / sum(time). Returns (rows in `configs` order, AR row or None).
-    """
-    from specpilot.drafting.decoder import SpeculativeDecoder, autoregressive_generate
-    from specpilot.drafting.types import TreeConfig
-    from specpilot.policies.base import FixedController
-
-    ids = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
-    if not ids:
+    if not prompts:
         raise ValueError("measure_live needs at least one prompt")
-    runners = []
-    for cfg in configs:
-        tree = TreeConfig(width=int(cfg["width"]), max_depth=int(cfg.get("max_depth", cfg["depth"])),
-                          max_size=int(cfg.get("max_size", cfg["size"])))
-        decoder, ctrl = SpeculativeDecoder(pair, tree), FixedController(int(cfg["depth"]), int(cfg["size"]))
-        runners.append(lambda p, d=decoder, c=ctrl: d.generate(p, controller=c, max_new_tokens=max_new_tokens))
-    if include_ar:
-        runners.append(lambda p: autoregressive_generate(pair, p, max_new_tokens=max_new_tokens))
-    for _ in range(max(0, warmup)):
-        for run in runners:
-            run(ids[0])
-    tokens = np.zeros(len(runners), dtype=np.int64)
-    seconds = np.zeros(len(runners))
-    cycles = np.zeros(len(runners), dtype=np.int64)
-    turn = 0
-    started = time.perf_counter()
-    for r in range(repeats):
-        for i, prompt in enumerate(ids):
-            order = [(turn + k) % len(runners) for k in range(len(runners))]
-            turn += 1
-            for k in order:
-                out = runners[k](prompt)
-                tokens[k] += out.num_tokens
-                seconds[k] += out.total_s
-                cycles[k] += len(out.cycles) if out.cycles else out.num_tokens
-            if progress:
-                print(f"  live: repeat {r + 1}/{repeats}, prompt {i + 1}/{len(ids)} "
-                      f"({time.perf_counter() - started:.1f}s)", flush=True)
-    rows = [{"tokens": int(tokens[k]), "time_s": float(seconds[k]), "cycles": int(cycles[k]),
-             "tokens_per_s": float(tokens[k] / seconds[k]) if seconds[k] > 0 else float("nan"),
-             "mean_accepted_length": float(tokens[k] / cycles[k]) if cycles[k] else float("nan")}
-            for k in range(len(runners))]
-    ar = rows.pop() if include_ar else None
-    out_rows = []
-    for cfg, row in zip(configs, rows):
-        row = {"width": int(cfg["width"]), "depth": int(cfg["depth"]), "size": int(cfg["size"]), **row}
-        if ar is not None:
-            row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"]
-        out_rows.append(row)
-    return out_rows, ar
+    controllers, trees = {}, {}
+    for k, cfg in enumerate(configs):
+        name = f"cfg{k}"
+        controllers[name] = FixedController(int(cfg["depth"]), int(cfg["size"]))
+        trees[name] = TreeConfig(width=int(cfg["width"]), max_depth=max(1, int(cfg.get("max_depth", cfg["depth"]))),
+                                 max_size=max(1, int(cfg.get("max_size", cfg["size"]))))
+    res = measure_controllers(pair, controllers, prompts, tree=next(iter(trees.values())), trees=trees,
+                              max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, progress=progress)
+    rows = [{"width": int(cfg["width"]), "depth": int(cfg["depth"]), "size": int(cfg["size"]), **res[f"cfg{k}"]}
+            for k, cfg in enumerate(configs)]
+    return rows, res["ar"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -165,7 +100,7 @@ def grid_search(
 
     traces: one trace (dir / trace.npz / Trace) per beam width, recorded on the *training* task; each carries its
         profile.json unless `profile` is given (only sensible with one trace).
-    depths: default 1..max_depth of each trace; sizes: default `default_sizes(trace)` (clipped to max_size).
+    depths: default 0..max_depth of each trace (0: plain target steps, never drafting); sizes: default `default_sizes(trace)` (clipped to max_size).
     pair, val_prompts: the live phase (skipped when either is missing or live_top == 0). val_prompts must be
         validation prompts (never held-out ones: the result selects a baseline).
     live_max_new_tokens: default the trace's max_new_tokens.
@@ -181,7 +116,8 @@ def grid_search(
         width = trace.width
         if str(width) in oracle:
             raise ValueError(f"two traces with width {width}: give one trace per width")
-        cell_depths = sorted({int(d) for d in (depths or range(1, trace.max_depth + 1)) if 1 <= int(d) <= trace.max_depth})
+        cell_depths = sorted({int(d) for d in (range(0, trace.max_depth + 1) if depths is None else depths)
+                              if 0 <= int(d) <= trace.max_depth})
         cell_sizes = sorted({min(int(s), trace.max_size) for s in (sizes or default_sizes(trace)) if int(s) >= 1})
         if not cell_depths or not cell_sizes:
             raise ValueError(f"empty grid for the width-{width} trace: depths {depths} / sizes {sizes} fall outside "
@@ -189,6 +125,10 @@ def grid_search(
         result = replay_oracle(model, depths=cell_depths, sizes=cell_sizes)
         ar = replay_ar(model)
         for row in result["static"]:
+            if row["depth"] == 0:  # a plain step verifies nothing: one cell, whatever the size
+                if any(r["width"] == width and r["depth"] == 0 for r in table):
+                    continue
+                row = {**row, "size": 0}
             table.append({"width": width, **row, "speedup": row["tokens_per_s"] / ar["tokens_per_s"]})
         oracle[str(width)] = {"oracle": result["oracle"], "greedy_oracle": result["greedy_oracle"], "ar": ar,
                               "max_depth": trace.max_depth, "max_size": trace.max_size}
@@ -229,6 +169,8 @@ def grid_search(
 
     result = {
         "best": best,
+        # the partner config of training stages: the best cell that drafts (the best may be plain steps, depth 0)
+        "best_drafting": next({k: r[k] for k in ("width", "depth", "size")} for r in table if r["depth"] >= 1),
         "table": table,
         "live": live_rows,
         "live_ar": live_ar,
@@ -323,7 +265,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces", nargs="+", required=True,
                         help="trace dir(s) of the training task, one per beam width (or RUN/traces with train/)")
     parser.add_argument("--out", required=True, help="grid.json path (the heat map is written next to it)")
-    parser.add_argument("--depths", default=None, help="depths to sweep, e.g. 1-12 or 2,4,6 (default: 1..max_depth)")
+    parser.add_argument("--depths", default=None, help="depths to sweep, e.g. 0-12 or 2,4,6 (default: 0..max_depth; 0 = plain target steps)")
     parser.add_argument("--sizes", default=None, help="sizes to sweep, e.g. 1,2,4,8 (default: 1 + size actions)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="replay budget (default: the trace's)")
     parser.add_argument("--live-top", type=int, default=3, help="re-measure the top K cells live (0: replay only)")
@@ -334,13 +276,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, help="draft model (with --target)")
     parser.add_argument("--device", default=None, help="cpu / cuda")
     parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest for tiny models)")
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    torch.set_num_threads(max(1, args.threads))
     try:
         traces = [resolve_train_trace(t) for t in args.traces]
     except FileNotFoundError as err:
@@ -349,10 +287,10 @@ def run(args: argparse.Namespace) -> int:
     pair = prompts = None
     if args.live_top > 0:
         from specpilot.drafting.pair import ModelPair
-        from specpilot.envs.record import load_prompts
+        from specpilot.eval.suites import load_suite
 
         try:
-            prompts = load_prompts(args.val_suite, limit=args.val_limit)
+            prompts = [p.prompt for p in load_suite(args.val_suite)][: args.val_limit or None]
             pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
         except (FileNotFoundError, ValueError) as err:
             print(f"specpilot grid: {err}", file=sys.stderr)

@@ -30,7 +30,7 @@ from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
-from specpilot.envs.observation import ObservationSpec
+from specpilot.policies.observation import ObservationSpec
 from specpilot.train.logging import CycleMetricsCallback, RunLogger
 
 PROGRESS_FILE = "progress.json"
@@ -112,6 +112,26 @@ _PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Settings that must match for a checkpoint to be resumable (the budget may grow; the logging cadence may change).
 _RESUME_KEYS = ("kind", "pi_arch", "vf_arch", "gamma", "n_steps", "batch_size", "n_epochs", "normalize_reward")
+
+
+@dataclass
+class PPOOverrides:
+    """Changes to the paper's PPO settings (None: keep the default of `budget_settings`); see PPOSettings for the
+    meaning of each field."""
+
+    n_steps: int | None = None
+    batch_size: int | None = None
+    n_epochs: int | None = None
+    pi_arch: list[int] | None = None
+    vf_arch: list[int] | None = None
+    gamma: float | None = None
+    learning_rate: float | None = None
+    ent_coef: float | None = None
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+
+    def changes(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def settings_for(kind: str, **overrides) -> PPOSettings:

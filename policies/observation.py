@@ -1,16 +1,19 @@
-"""Observation features for the depth and size policies: the ONE definition shared by the environments, the
-PPOController at inference and the exporter (so training and inference can never drift apart).
+"""Observation features for the depth and size policies: the ONE definition shared by the environments, the learned
+controllers at inference and the exporter (so training and inference can never drift apart). It imports neither
+gymnasium nor SB3: exported decoders load it (`specpilot.envs.spaces.observation_space` gives the matching Box).
 
-Layout of an observation vector (float32, length 2*num_scores + 5):
+Layout of an observation vector (float32, length 2*num_scores + 6):
 
     [0, n)        scores: cumulative draft log-probs (depth: drafting order; size: sorted descending), clipped at
                   score_floor, divided by -score_floor, so in [-1, 0]; padding slots hold -1.0 ("improbable")
     [n, 2n)       mask: 1.0 for a real score, 0.0 for padding (padding is explicit: log p = 0 would mean p = 1)
-    2n            depth / max_depth                       (0, 1]
+    2n            depth / max_depth                       [0, 1]   (0: before drafting, the skip decision)
     2n + 1        min(context_len / max_context, 1)       [0, 1]
     2n + 2        min(new_tokens / max_new_tokens, 1)     [0, 1]
     2n + 3        min(prev_accepted / max_depth, 1)       [0, 1]   the previous cycle's outcome (history: the
     2n + 4        min(prev_depth / max_depth, 1)          [0, 1]   draft scores alone predict acceptance poorly)
+    2n + 5        acceptance                              [0, 1]   running acceptance rate of the speculative
+                                                                   cycles: what a policy that stopped drafting sees
 
 The depth policy sees the last level's W*W children (W at depth 1) in drafting order (`DraftState.level_scores`:
 parents best-first, each parent's children best-first; no sort, which matters because the depth policy decides after
@@ -21,14 +24,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import gymnasium as gym
 import numpy as np
-import torch
-
 from specpilot.drafting.types import DraftState
 
-SPEC_VERSION = 2  # 2: + previous cycle's accepted length and depth
-NUM_SCALARS = 5  # depth, context length, generation progress, previous accepted, previous depth
+SPEC_VERSION = 3  # 2: + previous cycle's accepted length and depth; 3: + depth-0 (skip) states, acceptance rate
+NUM_SCALARS = 6  # depth, context length, generation progress, previous accepted, previous depth, acceptance
 
 
 @dataclass(frozen=True)
@@ -92,15 +92,6 @@ class ObservationSpec:
         return cls(kind="size", width=width, max_depth=max_depth, num_scores=int(num_scores), **kw)
 
 
-def _as_numpy(scores: torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(scores, np.ndarray):
-        return scores
-    try:
-        return scores.numpy()  # zero-copy view; the fast path (CPU tensor without grad)
-    except (RuntimeError, TypeError):  # on an accelerator or requiring grad: tolerate it at a copy's cost
-        return scores.detach().cpu().numpy()
-
-
 def _template(spec: ObservationSpec) -> tuple[np.ndarray, np.float32]:
     """An all-padding observation (scores -1, mask 0, scalars 0) and the score scale, made once per spec and kept
     on it (not a field: equality, hashing and to_dict ignore it; a dict keyed by spec would hash 7 fields a call)."""
@@ -114,11 +105,11 @@ def _template(spec: ObservationSpec) -> tuple[np.ndarray, np.float32]:
     return entry
 
 
-def _build(scores: torch.Tensor | np.ndarray, state: DraftState, spec: ObservationSpec) -> np.ndarray:
+def _build(scores: np.ndarray, state: DraftState, spec: ObservationSpec) -> np.ndarray:
     # Few numpy calls on purpose: a decision runs right after a model forward has evicted the CPU caches, where
     # every distinct library call costs tens of microseconds (measured), not the ~1 us it costs in a warm loop.
     n = spec.num_scores
-    values = _as_numpy(scores)[:n]  # size: sorted descending, so the first n are the top n; depth: all W*W
+    values = scores[:n]  # size: sorted descending, so the first n are the top n; depth: all W*W
     k = values.shape[0]
     blank, scale = _template(spec)
     out = blank.copy()
@@ -132,21 +123,15 @@ def _build(scores: torch.Tensor | np.ndarray, state: DraftState, spec: Observati
     depth = spec.max_depth
     out[2 * n:] = (min(state.depth / depth, 1.0), min(state.context_len / spec.max_context, 1.0),
                    min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0,
-                   min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0))
+                   min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0),
+                   min(max(state.acceptance, 0.0), 1.0))
     return out
 
 
-def set_history(obs: np.ndarray, spec: ObservationSpec, prev_accepted: int, prev_depth: int) -> np.ndarray:
-    """Write the previous cycle's (accepted, depth) into an observation's history slots, in place."""
-    obs[-2] = min(prev_accepted / spec.max_depth, 1.0)
-    obs[-1] = min(prev_depth / spec.max_depth, 1.0)
-    return obs
-
-
 def depth_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:
-    """Depth policy input: the last level's scores in drafting order (W*W children; W at depth 1) + scalars."""
-    scores = state.level_scores
-    return _build(state.frontier_scores if scores is None else scores, state, spec)
+    """Depth policy input: the last level's scores in drafting order (W*W children; W at depth 1; none at depth 0)
+    + scalars."""
+    return _build(state.level_scores, state, spec)
 
 
 def size_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:
@@ -157,14 +142,6 @@ def size_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:
 def observe(state: DraftState, spec: ObservationSpec) -> np.ndarray:
     """Dispatch on spec.kind."""
     return depth_observation(state, spec) if spec.kind == "depth" else size_observation(state, spec)
-
-
-def observation_space(spec: ObservationSpec) -> gym.spaces.Box:
-    """Box matching the layout above (bounds exact, so check_env and SB3 agree with the features)."""
-    n = spec.num_scores
-    low = np.concatenate([np.full(n, -1.0), np.zeros(n), np.zeros(NUM_SCALARS)]).astype(np.float32)
-    high = np.concatenate([np.zeros(n), np.ones(n), np.ones(NUM_SCALARS)]).astype(np.float32)
-    return gym.spaces.Box(low=low, high=high, dtype=np.float32)
 
 
 def default_size_actions(device: str | None = None) -> list[int]:

@@ -1,0 +1,82 @@
+"""The one interface that steers the decoder: fixed configs, heuristics, PPO policies and exported policies.
+
+It lives beside the cycle that calls it (`specpilot.drafting.cycle`); `specpilot.policies` re-exports it with every
+controller built on it. The decoder calls, in each cycle:
+    skip_drafting(state) before drafting (state.depth == 0; default False): True skips drafting and the target
+        takes one plain step (one token): speculation switched off for this cycle,
+    should_stop(state) after every draft forward (never at max_depth: the decoder stops there by itself),
+    choose_size(state) once drafting stopped, returning how many drafted candidates to verify (>= 1),
+    observe(record) after verification (feedback for adaptive heuristics).
+reset() is called at the start of every generation. The decoder times every call; controllers need not.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from specpilot.drafting.types import CycleRecord, DraftState
+
+
+class Controller(ABC):
+    """Decides draft depth (CONTINUE/STOP after each level) and verification size for each cycle."""
+
+    name: str = "controller"
+
+    def reset(self) -> None:
+        """Start of a new generation: forget per-generation state."""
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        """True to skip drafting this cycle (state.depth == 0): the target takes one plain step."""
+        return False
+
+    @abstractmethod
+    def should_stop(self, state: DraftState) -> bool:
+        """True to stop drafting after the level just drafted."""
+
+    @abstractmethod
+    def choose_size(self, state: DraftState) -> int:
+        """Number of drafted candidates to verify (1..state.num_candidates; larger values are clipped)."""
+
+    def observe(self, record: CycleRecord) -> None:
+        """Feedback after verification."""
+
+    def describe(self) -> dict:
+        """JSON-able description for reports and manifests."""
+        return {"name": self.name}
+
+
+def default_static_config(device: str | None = None) -> tuple[int, int]:
+    """(depth, size) used when nothing better is known: small trees on CPU, EAGLE-3's (8, 60) on GPU."""
+    if device is not None and str(device).startswith("cuda"):
+        return 8, 60
+    return 4, 12
+
+
+class FixedController(Controller):
+    """A static (depth, size) configuration: draft exactly `depth` levels, verify the top `size` candidates.
+    depth 0 never drafts: every cycle is a plain target step (autoregressive decoding through the decoder).
+
+    With no arguments it uses `default_static_config()` for the CPU (a GPU default when device="cuda").
+    """
+
+    name = "fixed"
+
+    def __init__(self, depth: int | None = None, size: int | None = None, *, device: str | None = None) -> None:
+        default_depth, default_size = default_static_config(device)
+        self.depth = int(default_depth if depth is None else depth)
+        self.size = int(default_size if size is None else size)
+        if self.depth < 0:
+            raise ValueError(f"FixedController depth must be >= 0 (0 = never draft), got {self.depth}")
+        if self.size < (0 if self.depth == 0 else 1):  # a controller that never drafts verifies nothing
+            raise ValueError(f"FixedController size must be >= 1, got {self.size}")
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        return self.depth == 0
+
+    def should_stop(self, state: DraftState) -> bool:
+        return state.depth >= self.depth
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.size
+
+    def describe(self) -> dict:
+        return {"name": self.name, "depth": self.depth, "size": self.size}

@@ -1,0 +1,420 @@
+"""The Gymnasium environments: one depth env and one size env, over live or replayed decoding.
+
+An environment is a thin adapter over `specpilot.drafting.cycle.cycle_steps`, the cycle `generate()` runs: it answers
+the agent's questions with its actions and the other questions with a partner Controller. What decodes is a session
+source: `LiveSource` starts `DecodingSession`s on real models (wall-clock rewards), `ReplaySource` starts
+`ReplaySession`s over a recorded trace and its latency profile (exact accepted lengths, modelled times). Both give
+the same spaces, observations, rewards and info.
+
+    specpilot/Depth-v0        live_depth_env(pair, prompts, ...)        DepthEnv(LiveSource(...))
+    specpilot/Size-v0         live_size_env(pair, prompts, ...)         SizeEnv(LiveSource(...))
+    specpilot/ReplayDepth-v0  replay_depth_env(trace, profile, ...)     DepthEnv(ReplaySource(...))
+    specpilot/ReplaySize-v0   replay_size_env(trace, profile, ...)      SizeEnv(ReplaySource(...))
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.cycle import SIZE, SKIP, STOP, check_size, cycle_steps
+from specpilot.drafting.types import CycleRecord, DraftState, TreeConfig
+from specpilot.envs.replay import ReplayModel, ReplaySession
+from specpilot.envs.rewards import Reward, make_reward
+from specpilot.envs.spaces import observation_space
+from specpilot.policies.heuristics import RandomDepthController
+from specpilot.policies.learned import STOP as STOP_ACTION
+from specpilot.policies.observation import (ObservationSpec, default_size_actions, depth_observation,
+                                            size_observation)
+
+CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
+
+
+def as_depth_controller(partner: Any, device: str | None = None) -> Controller:
+    """None -> FixedController (default depth for the device); int d -> FixedController(depth=d);
+    (low, high) -> RandomDepthController(low, high); a Controller passes through."""
+    if partner is None:
+        return FixedController(device=device)
+    if isinstance(partner, Controller):
+        return partner
+    if isinstance(partner, (tuple, list)) and len(partner) == 2:
+        return RandomDepthController(int(partner[0]), int(partner[1]), device=device)
+    if isinstance(partner, (int, np.integer)) and not isinstance(partner, bool):
+        return FixedController(depth=int(partner), device=device)
+    raise TypeError(f"depth_controller must be None, an int depth, a (low, high) pair or a Controller; got {partner!r}")
+
+
+def as_size_controller(partner: Any, device: str | None = None) -> Controller:
+    """None -> FixedController (default size for the device); int V -> FixedController(size=V); a Controller
+    passes through."""
+    if partner is None:
+        return FixedController(device=device)
+    if isinstance(partner, Controller):
+        return partner
+    if isinstance(partner, (int, np.integer)) and not isinstance(partner, bool):
+        return FixedController(size=int(partner), device=device)
+    raise TypeError(f"size_controller must be None, an int size or a Controller; got {partner!r}")
+
+
+def cycle_info(record: CycleRecord, **extra) -> dict:
+    """The info of a step that ends a cycle (train/logging.py's CycleMetricsCallback reads CYCLE_INFO_KEYS)."""
+    info = {"accepted": record.accepted, "emitted": record.emitted, "depth": record.depth, "size": record.size,
+            "draft_s": record.draft_s, "verify_s": record.verify_s, "context_len": record.context_len}
+    info.update(extra)
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# session sources
+
+
+class LiveSource:
+    """Generations of `prompts` (token-id lists or strings) on `pair` with the speculative decoder."""
+
+    kind = "live"
+
+    def __init__(self, pair, prompts, *, tree: TreeConfig | None = None, max_new_tokens: int = 128,
+                 temperature: float = 0.0) -> None:
+        from specpilot.drafting.decoder import SpeculativeDecoder
+
+        if isinstance(prompts, (str, bytes)) or not prompts or isinstance(prompts[0], (int, np.integer)):
+            raise TypeError("prompts must be a non-empty list of prompts (strings or token-id lists)")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.pair, self.tree = pair, tree or TreeConfig()
+        self.decoder = SpeculativeDecoder(pair, self.tree)
+        self.prompts = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
+        self.indices = list(range(len(self.prompts)))
+        self.max_new_tokens, self.temperature = int(max_new_tokens), float(temperature)
+        self.device = str(pair.device)
+
+    def start(self, index: int, rng: np.random.Generator):
+        seed = int(rng.integers(2**31 - 1))
+        return self.decoder.start(self.prompts[index], max_new_tokens=self.max_new_tokens,
+                                  temperature=self.temperature, seed=seed)
+
+
+class ReplaySource:
+    """Replays of a recorded trace (dir / trace.npz / Trace) timed by its latency profile; `prompts` selects the
+    trace's prompt indices episodes are drawn from; `time_noise` adds seeded timing noise (see ReplaySession)."""
+
+    kind = "replay"
+
+    def __init__(self, trace, profile=None, *, max_new_tokens: int | None = None, time_noise: float = 0.0,
+                 prompts: list[int] | None = None) -> None:
+        self.model = ReplayModel(trace, profile, max_new_tokens=max_new_tokens)
+        trace = self.model.trace
+        self.tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
+        self.indices = list(range(trace.num_prompts)) if prompts is None else [int(i) for i in prompts]
+        if not self.indices or not all(0 <= i < trace.num_prompts for i in self.indices):
+            raise ValueError(f"prompts must select prompts of the trace (0..{trace.num_prompts - 1}), got {prompts}")
+        self.max_new_tokens, self.time_noise = self.model.max_new_tokens, float(time_noise)
+        self.device = trace.header.get("device")
+        self.prompts = self.indices
+
+    def start(self, index: int, rng: np.random.Generator) -> ReplaySession:
+        return ReplaySession(self.model, index, rng=rng, time_noise=self.time_noise)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# environments
+
+
+class _DecisionEnv(gym.Env):
+    """Episode handling shared by both envs: prompt choice, seeding, driving the cycle protocol."""
+
+    metadata = {"render_modes": []}
+    agent_questions: tuple[str, ...] = ()
+
+    def __init__(self, source, *, reward: str | Reward, max_context: int) -> None:
+        self.source = source
+        self.tree = source.tree
+        self.device = source.device
+        self.max_new_tokens = source.max_new_tokens
+        self.max_context = int(max_context)
+        self.reward_fn = make_reward(reward)
+        self.session = None
+        self.state: DraftState | None = None
+        self.prompt_index = -1
+
+    # the partner answers the questions the agent does not (and observes every cycle)
+    def _partner(self) -> Controller:
+        raise NotImplementedError
+
+    def _observe(self, state: DraftState) -> np.ndarray:
+        raise NotImplementedError
+
+    def _partner_answer(self, question: str, state: DraftState):
+        partner = self._partner()
+        if question == SKIP:
+            return partner.skip_drafting(state)
+        if question == STOP:
+            return partner.should_stop(state)
+        return partner.choose_size(state)
+
+    def _start(self, seed: int | None, options: dict | None) -> dict:
+        super().reset(seed=seed)
+        if seed is not None:
+            torch.manual_seed(seed)
+        options = options or {}
+        if "prompt_index" in options:
+            index = int(options["prompt_index"])
+            if index not in self.source.indices:
+                raise ValueError(f"prompt_index {index} is not one of this env's prompts {self.source.indices}")
+        else:
+            index = self.source.indices[int(self.np_random.integers(len(self.source.indices)))]
+        self.prompt_index = index
+        partner = self._partner()
+        seed_fn = getattr(partner, "seed", None)
+        if callable(seed_fn):  # a partner that draws (RandomDepthController) follows the env's seed
+            seed_fn(int(self.np_random.integers(2**31 - 1)))
+        partner.reset()
+        self.reward_fn.reset()
+        self.session = self.source.start(index, self.np_random)
+        self._steps = cycle_steps(self.session)
+        self._pending = None
+        return {"prompt_index": index, "prompt_len": self.session.prompt_len}
+
+    def _advance(self, answer: Any = None) -> tuple[float, bool, bool, dict]:
+        """Send the agent's answer (None: prime the protocol), let the partner answer its questions, and run until
+        the agent's next question or the episode's end. Returns (reward of the cycles finished, terminated,
+        truncated, info); `self.state` is the state of the agent's pending question (or the last one)."""
+        reward, info = 0.0, {}
+        while True:
+            try:
+                question, state = next(self._steps) if self._pending is None else self._steps.send(answer)
+            except StopIteration as end:
+                record = end.value
+                self._partner().observe(record)
+                reward += float(self.reward_fn(record))
+                info = cycle_info(record, new_tokens=self.session.tokens_emitted, prompt_index=self.prompt_index)
+                if self.session.done:
+                    finished = self.session.finished_by
+                    info["finished_by"] = finished
+                    return reward, finished == "eos", finished != "eos", info
+                self._steps, self._pending = cycle_steps(self.session), None
+                continue
+            self._pending = question
+            self.state = state
+            if question in self.agent_questions:
+                return reward, False, False, info
+            answer = self._partner_answer(question, state)
+
+    def _action_index(self, action) -> int:
+        """The action as an int in the action space, or a clear error (no negative indexing, no floats)."""
+        n = int(self.action_space.n)
+        if isinstance(action, (bool, np.bool_)) or not hasattr(action, "__index__") or not 0 <= int(action) < n:
+            raise ValueError(f"action {action!r} is outside {type(self).__name__}'s action space: give an integer "
+                             f"in 0..{n - 1}")
+        return int(action)
+
+    def _check_running(self) -> None:
+        if self.session is None:
+            raise RuntimeError("call reset() before step()")
+        if self.session.done:
+            raise RuntimeError("the episode has ended (terminated or truncated): call reset()")
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        info = self._start(seed, options)
+        self._advance()
+        return self._observe(self.state), info
+
+
+class DepthEnv(_DecisionEnv):
+    """Learn when to draft and when to stop: one decision before drafting and after every draft forward.
+
+    ## Description
+    Each episode generates one prompt (drawn with the seeded generator from the source's prompts). Before each
+    cycle's first draft forward the agent decides whether to draft at all (STOP there skips drafting: the target
+    takes one plain step); after every draft forward below `max_depth` it decides whether to draft another level
+    or to stop and verify. The verification size comes from `size_controller`.
+
+    ## Action Space
+    `Discrete(2)`: 0 = CONTINUE (draft one more level), 1 = STOP (verify now; before drafting: a plain step). When
+    a CONTINUE reaches max_depth the cycle is verified in the same step (the decoder never asks at max_depth).
+
+    ## Observation Space
+    `Box(2*W*W + 6)` float32, `specpilot.policies.observation.depth_observation`: the last level's W*W cumulative
+    log-probabilities (W at depth 1, none before drafting) in drafting order, scaled into [-1, 0], padded with -1
+    and an explicit validity mask; then depth/max_depth, context length/max_context, new tokens/max_new_tokens,
+    the previous cycle's accepted length and depth / max_depth, and the running acceptance rate.
+
+    ## Rewards
+    0 until a cycle ends; then `reward(record)` of the cycle (see `specpilot.envs.rewards`; "throughput" is
+    emitted tokens per second of draft + verify time).
+
+    ## Starting State
+    The prompt is prefilled (not timed); the first question is the first cycle's skip decision (depth 0).
+
+    ## Episode End
+    terminated: the target emitted EOS. truncated: `max_new_tokens` tokens were emitted.
+
+    ## Info
+    A step that ends a cycle: `accepted, emitted, depth, size, draft_s, verify_s, context_len, new_tokens,
+    prompt_index` (+ `finished_by` at the end); other steps: `depth`. Reset: `prompt_index, prompt_len`.
+
+    ## Arguments
+    source: LiveSource or ReplaySource (or use `gym.make` with the registered ids). reward: a name or reward
+    object. size_controller: Controller, int size, or None (FixedController with the device's default size).
+    max_context: context length mapped to 1.0 in the observation. skip_decisions: False leaves the skip decision to
+    the partner (the agent then only decides after draft forwards). reset(options={"prompt_index": i}) picks a
+    prompt explicitly.
+
+    ## Example
+        >>> import gymnasium as gym, specpilot.envs
+        >>> env = gym.make("specpilot/Depth-v0", pair=pair, prompts=["def f(x):"], max_new_tokens=64)
+        >>> obs, info = env.reset(seed=0)
+        >>> obs, reward, terminated, truncated, info = env.step(0)
+    """
+
+    def __init__(self, source, *, reward: str | Reward = "throughput",
+                 size_controller: Controller | int | None = None, max_context: int = 4096,
+                 skip_decisions: bool = True) -> None:
+        super().__init__(source, reward=reward, max_context=max_context)
+        # without skip decisions the partner answers them (a size-only partner never skips)
+        self.agent_questions = (SKIP, STOP) if skip_decisions else (STOP,)
+        self.size_controller = as_size_controller(size_controller, self.device)
+        self.spec_obs = ObservationSpec.for_depth(self.tree.width, self.tree.max_depth, max_context=self.max_context)
+        self.observation_space = observation_space(self.spec_obs)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def _partner(self) -> Controller:
+        return self.size_controller
+
+    def _observe(self, state: DraftState) -> np.ndarray:
+        return depth_observation(state, self.spec_obs)
+
+    def step(self, action):
+        self._check_running()
+        reward, terminated, truncated, info = self._advance(self._action_index(action) == STOP_ACTION)
+        return self._observe(self.state), reward, terminated, truncated, info or {"depth": self.state.depth}
+
+
+class SizeEnv(_DecisionEnv):
+    """Learn how many drafted candidates to verify: one decision per draft-and-verify cycle.
+
+    ## Description
+    Each episode generates one prompt (drawn with the seeded generator from the source's prompts). Every cycle the
+    tree is drafted as deep as `depth_controller` decides (`should_stop` after each level, never past `max_depth`;
+    every cycle drafts at least one level: the partner's skip decisions are not consulted, since sizes only matter
+    when something is drafted); the agent then picks how many of the best-scored candidates the target verifies.
+
+    ## Action Space
+    `Discrete(len(size_actions))`: index into `size_actions` (default: `default_size_actions(device)`). Sizes above
+    the candidates drafted are clipped by the decoder (`info["size"]` is the size actually verified).
+
+    ## Observation Space
+    `Box(2*max(size_actions) + 6)` float32, `specpilot.policies.observation.size_observation`: the best
+    max(size_actions) candidate scores of the whole tree sorted, scaled, padded with -1 and masked; then the same
+    scalars as the depth env.
+
+    ## Rewards
+    `reward(record)` of the cycle.
+
+    ## Starting State
+    The prompt is prefilled (not timed) and the first tree is drafted.
+
+    ## Episode End
+    terminated: the target emitted EOS. truncated: `max_new_tokens` tokens were emitted.
+
+    ## Info
+    Every step: `accepted, emitted, depth, size, draft_s, verify_s, context_len, new_tokens, prompt_index`
+    (+ `finished_by` at the end). Reset: `prompt_index, prompt_len`.
+
+    ## Arguments
+    source, reward, max_context: as DepthEnv. size_actions: verification sizes (<= the tree's max_size).
+    depth_controller: Controller, int depth, (low, high) for random depths, or None (the device's default depth).
+
+    ## Example
+        >>> env = gym.make("specpilot/ReplaySize-v0", trace="runs/demo/traces/train", depth_controller=(1, 8))
+    """
+
+    agent_questions = (SIZE,)
+
+    def __init__(self, source, *, reward: str | Reward = "throughput", size_actions: list[int] | None = None,
+                 depth_controller: Controller | int | tuple | None = None, max_context: int = 4096) -> None:
+        super().__init__(source, reward=reward, max_context=max_context)
+        sizes = [int(v) for v in (default_size_actions(self.device) if size_actions is None else size_actions)]
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"size_actions must be a non-empty list of sizes >= 1, got {sizes}")
+        if max(sizes) > self.tree.max_size:
+            raise ValueError(f"size_actions go up to {max(sizes)} but the tree's max_size is {self.tree.max_size}: "
+                             "record / build the tree with a larger max_size or drop the larger sizes")
+        self.size_actions = sizes
+        self.depth_controller = as_depth_controller(depth_controller, self.device)
+        self.spec_obs = ObservationSpec.for_size(self.tree.width, self.tree.max_depth, size_actions=sizes,
+                                                 max_context=self.max_context)
+        self.observation_space = observation_space(self.spec_obs)
+        self.action_space = gym.spaces.Discrete(len(sizes))
+
+    def _partner(self) -> Controller:
+        return self.depth_controller
+
+    def _partner_answer(self, question: str, state: DraftState):
+        if question == SKIP:  # asked (a partner may draw its depth here) but every cycle drafts: sizes only matter
+            super()._partner_answer(question, state)  # there, and a partner that always skipped would starve the agent
+            return False
+        return super()._partner_answer(question, state)
+
+    def _observe(self, state: DraftState) -> np.ndarray:
+        return size_observation(state, self.spec_obs)
+
+    def step(self, action):
+        self._check_running()
+        size = check_size(self.size_actions[self._action_index(action)])
+        reward, terminated, truncated, info = self._advance(size)
+        return self._observe(self.state), reward, terminated, truncated, info
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# registered constructors
+
+
+def resolve_live_tree(size_actions, tree: TreeConfig | None, pair) -> TreeConfig:
+    """The tree of a live size env: a default tree is sized to verify the largest size action."""
+    if tree is None:
+        sizes = size_actions or default_size_actions(str(pair.device))
+        tree = TreeConfig(max_size=max(max(int(v) for v in sizes), TreeConfig().max_size))
+    return tree
+
+
+def _pair(pair):
+    if pair is None:
+        from specpilot.drafting.pair import ModelPair
+
+        return ModelPair.from_pretrained()
+    return pair
+
+
+def live_depth_env(pair=None, prompts=None, *, max_new_tokens: int = 128, tree: TreeConfig | None = None,
+                   temperature: float = 0.0, **kwargs) -> DepthEnv:
+    """specpilot/Depth-v0: DepthEnv over live decoding of `prompts` (strings or token-id lists)."""
+    pair = _pair(pair)
+    source = LiveSource(pair, prompts, tree=tree, max_new_tokens=max_new_tokens, temperature=temperature)
+    return DepthEnv(source, **kwargs)
+
+
+def live_size_env(pair=None, prompts=None, *, max_new_tokens: int = 128, tree: TreeConfig | None = None,
+                  temperature: float = 0.0, size_actions: list[int] | None = None, **kwargs) -> SizeEnv:
+    """specpilot/Size-v0: SizeEnv over live decoding of `prompts` (strings or token-id lists)."""
+    pair = _pair(pair)
+    source = LiveSource(pair, prompts, tree=resolve_live_tree(size_actions, tree, pair),
+                        max_new_tokens=max_new_tokens, temperature=temperature)
+    return SizeEnv(source, size_actions=size_actions, **kwargs)
+
+
+def replay_depth_env(trace, profile=None, *, max_new_tokens: int | None = None, time_noise: float = 0.0,
+                     prompts: list[int] | None = None, **kwargs) -> DepthEnv:
+    """specpilot/ReplayDepth-v0: DepthEnv over replays of a recorded trace (`specpilot record`)."""
+    source = ReplaySource(trace, profile, max_new_tokens=max_new_tokens, time_noise=time_noise, prompts=prompts)
+    return DepthEnv(source, **kwargs)
+
+
+def replay_size_env(trace, profile=None, *, max_new_tokens: int | None = None, time_noise: float = 0.0,
+                    prompts: list[int] | None = None, **kwargs) -> SizeEnv:
+    """specpilot/ReplaySize-v0: SizeEnv over replays of a recorded trace (`specpilot record`)."""
+    source = ReplaySource(trace, profile, max_new_tokens=max_new_tokens, time_noise=time_noise, prompts=prompts)
+    return SizeEnv(source, **kwargs)

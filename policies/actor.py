@@ -1,0 +1,190 @@
+"""Actor: a policy's action network (Flatten -> [Linear, activation]* -> Linear), the one way specpilot runs one.
+
+PPO inference (`Actor.from_sb3`, views of a live SB3 policy's weights) and exported decoders (`Actor.from_layers`,
+tensors read from safetensors) build the same class; export writes `to_layers()`. The deterministic action is the
+argmax of the logits (the first index on exact ties, as torch.argmax and SB3's deterministic predict do).
+
+Decision latency counts against the speedup: a decision runs right after a model forward has evicted the CPU caches,
+where every distinct library call costs tens of microseconds (measured cold: one vector-matrix `@` ~60 us, a torch
+linear ~180 us), and the depth policy decides after every draft level. So single decisions run as numpy products on
+zero-copy views of float32 CPU weights (training updates them in place; the views follow); a batch, weights on an
+accelerator, or observation normalisation go through torch functionals (the same kernels nn.Linear uses).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# name -> (numpy version or None, torch version); params carry e.g. a LeakyReLU's negative_slope
+ACTIVATIONS = {
+    "tanh": (lambda x, p: np.tanh(x, out=x), lambda x, p: torch.tanh(x)),
+    "relu": (lambda x, p: np.maximum(x, 0.0, out=x), lambda x, p: torch.relu(x)),
+    "leakyrelu": (lambda x, p: np.where(x >= 0, x, x * np.float32(p.get("negative_slope", 0.01))),
+                  lambda x, p: F.leaky_relu(x, float(p.get("negative_slope", 0.01)))),
+    "elu": (None, lambda x, p: F.elu(x, float(p.get("alpha", 1.0)))),
+    "gelu": (None, lambda x, p: F.gelu(x, approximate=str(p.get("approximate", "none")))),
+    "silu": (lambda x, p: x / (1.0 + np.exp(-x)), lambda x, p: F.silu(x)),
+    "sigmoid": (lambda x, p: 1.0 / (1.0 + np.exp(-x)), lambda x, p: torch.sigmoid(x)),
+    "identity": (lambda x, p: x, lambda x, p: x),
+}
+_PARAM_ATTRS = ("negative_slope", "alpha", "approximate")
+
+
+class ActorError(ValueError):
+    """An actor cannot be built from what it was given; the message names the layer and what to do."""
+
+
+class Actor:
+    """A Linear/activation stack. layers: ("linear", weight [out, in], bias [out] | None) and
+    ("activation", name, params) tuples in order. obs_norm: None or (mean, std, clip) float64 tensors, applied as
+    clamp((obs - mean) / std, -clip, clip) like SB3's VecNormalize."""
+
+    def __init__(self, layers: list[tuple], *, obs_norm: tuple | None = None, source: str = "actor") -> None:
+        self.layers, self.obs_norm, self.source = list(layers), obs_norm, source
+        linears = [layer for layer in self.layers if layer[0] == "linear"]
+        if not linears:
+            raise ActorError(f"{source}: the actor has no Linear layer")
+        width = None
+        for i, layer in enumerate(self.layers):
+            if layer[0] == "linear":
+                weight, bias = layer[1], layer[2]
+                if width is not None and weight.shape[1] != width:
+                    raise ActorError(f"{source}: layer {i} takes {weight.shape[1]} inputs but the previous layer "
+                                     f"gives {width}")
+                if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+                    raise ActorError(f"{source}: layer {i} has a bias of shape {tuple(bias.shape)} for "
+                                     f"{weight.shape[0]} outputs")
+                width = weight.shape[0]
+            elif layer[0] != "activation" or str(layer[1]).lower() not in ACTIVATIONS:
+                raise ActorError(f"{source}: layer {i} is {layer[:2]!r}; supported: Linear and activations "
+                                 f"{sorted(ACTIVATIONS)}")
+        self.in_features = int(linears[0][1].shape[1])
+        self.n_actions = int(linears[-1][1].shape[0])
+        self.device = linears[0][1].device
+        self._numpy_steps = self._numpy_plan()
+
+    # -- construction -------------------------------------------------------------------------------------------
+    @classmethod
+    def from_sb3(cls, policy) -> "Actor":
+        """The actor of an SB3 ActorCriticPolicy (or algorithm) with a Flatten features extractor and an MLP:
+        mlp_extractor.policy_net then action_net, as views of the live modules' weights."""
+        policy = getattr(policy, "policy", policy)
+        extractor = getattr(policy, "pi_features_extractor", None) or getattr(policy, "features_extractor", None)
+        if type(getattr(extractor, "flatten", None)) is not torch.nn.Flatten:
+            raise ActorError(f"cannot run a policy with features extractor {type(extractor).__name__}: only SB3's "
+                             "MlpPolicy (FlattenExtractor) is supported")
+        layers: list[tuple] = []
+        for module in list(policy.mlp_extractor.policy_net) + [policy.action_net]:
+            if isinstance(module, torch.nn.Linear):
+                layers.append(("linear", module.weight.detach(),
+                               None if module.bias is None else module.bias.detach()))
+            else:
+                params = {a: getattr(module, a) for a in _PARAM_ATTRS if hasattr(module, a)}
+                layers.append(("activation", type(module).__name__.lower(), params))
+        return cls(layers, source=f"SB3 {type(policy).__name__}")
+
+    @classmethod
+    def from_layers(cls, entries: list[dict], tensors: dict[str, torch.Tensor], *, obs_norm: dict | None = None,
+                    source: str = "actor") -> "Actor":
+        """From the exported layer list ({"kind": "linear", "in", "out", "weight", "bias"} / {"kind": "activation",
+        "name", ...params}) and its named tensors; shapes are checked against the recorded in/out sizes."""
+        def tensor(key):
+            if key not in tensors:
+                raise ActorError(f"{source}: tensor {key!r} is missing from the weights file")
+            return tensors[key].detach().float().contiguous()
+
+        layers = []
+        for i, entry in enumerate(entries):
+            if entry.get("kind") == "linear":
+                weight = tensor(entry.get("weight"))
+                bias = tensor(entry["bias"]) if entry.get("bias") else None
+                if tuple(weight.shape) != (int(entry["out"]), int(entry["in"])):
+                    raise ActorError(f"{source}: layer {i} is recorded as Linear({entry['in']}, {entry['out']}) but "
+                                     f"its weight has shape {tuple(weight.shape)}")
+                layers.append(("linear", weight, bias))
+            elif entry.get("kind") == "activation":
+                params = {k: v for k, v in entry.items() if k not in ("kind", "name")}
+                layers.append(("activation", str(entry.get("name", "")).lower(), params))
+            else:
+                raise ActorError(f"{source}: layer {i} has unknown kind {entry.get('kind')!r}")
+        norm = None
+        if obs_norm:
+            mean, var = tensor(obs_norm.get("mean")).double(), tensor(obs_norm.get("var")).double()
+            eps, clip = float(obs_norm.get("epsilon", 1e-8)), float(obs_norm.get("clip", 10.0))
+            norm = (mean, torch.sqrt(var + eps), clip)
+        actor = cls(layers, obs_norm=norm, source=source)
+        if norm is not None and tuple(norm[0].shape) != (actor.in_features,):
+            raise ActorError(f"{source}: observation-normalisation statistics have shape {tuple(norm[0].shape)}, "
+                             f"expected ({actor.in_features},)")
+        return actor
+
+    def to_layers(self, prefix: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+        """The exported layer list and named float32 CPU tensors (copies)."""
+        entries: list[dict] = []
+        tensors: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if layer[0] == "linear":
+                weight, bias = layer[1], layer[2]
+                entry = {"kind": "linear", "in": int(weight.shape[1]), "out": int(weight.shape[0]),
+                         "weight": f"{prefix}.{i}.weight", "bias": None}
+                tensors[entry["weight"]] = weight.detach().to("cpu", torch.float32).contiguous().clone()
+                if bias is not None:
+                    entry["bias"] = f"{prefix}.{i}.bias"
+                    tensors[entry["bias"]] = bias.detach().to("cpu", torch.float32).contiguous().clone()
+                entries.append(entry)
+            else:
+                entries.append({"kind": "activation", "name": str(layer[1]).lower(), **layer[2]})
+        return entries, tensors
+
+    # -- decisions ----------------------------------------------------------------------------------------------
+    def _numpy_plan(self) -> list[tuple] | None:
+        """[(W.T view, bias view, activation fn, params)] when numpy can run the stack, else None."""
+        if self.obs_norm is not None:
+            return None
+        steps: list[tuple] = []
+        for layer in self.layers:
+            if layer[0] == "linear":
+                weight, bias = layer[1], layer[2]
+                if weight.device.type != "cpu" or weight.dtype != torch.float32:
+                    return None
+                steps.append((weight.numpy().T, None if bias is None else bias.numpy(), None, None))
+            else:
+                fn = ACTIVATIONS[str(layer[1]).lower()][0]
+                if fn is None or not steps:
+                    return None
+                steps[-1] = steps[-1][:2] + (fn, layer[2])
+        return steps
+
+    def logits(self, obs: torch.Tensor) -> torch.Tensor:
+        """(batch, in_features) float32 -> (batch, n_actions) logits, with torch functionals."""
+        x = obs
+        if self.obs_norm is not None:
+            mean, std, clip = self.obs_norm
+            x = torch.clamp((x.double() - mean) / std, -clip, clip).float()
+        for layer in self.layers:
+            if layer[0] == "linear":
+                x = F.linear(x, layer[1], layer[2])
+            else:
+                x = ACTIVATIONS[str(layer[1]).lower()][1](x, layer[2])
+        return x
+
+    def act(self, obs: np.ndarray) -> int:
+        """Deterministic action for one float32 observation vector."""
+        steps = self._numpy_steps
+        if steps is None:
+            with torch.inference_mode():
+                return int(self.logits(torch.from_numpy(obs).to(self.device).unsqueeze(0)).argmax(dim=1))
+        x = obs
+        for w_t, b, fn, params in steps:
+            x = x @ w_t
+            if b is not None:
+                x += b
+            if fn is not None:
+                x = fn(x, params)
+        return int(x.argmax())
+
+    def act_batch(self, obs: np.ndarray | torch.Tensor) -> np.ndarray:
+        with torch.inference_mode():
+            x = torch.as_tensor(obs, dtype=torch.float32).to(self.device)
+            return self.logits(x).argmax(dim=1).cpu().numpy()

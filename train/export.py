@@ -1,0 +1,385 @@
+"""`specpilot export`: a trained run -> a directory a decoder loads without Stable-Baselines3, pickle or training code.
+
+    specpilot export --run runs/ltd --out exports/ltd [--onnx]
+
+    exports/ltd/decoder.json              format version, tree settings, observation specs, action maps, the model
+                                          pair's identity (names + content hashes), library versions, policy files
+                                          (+ sha256), measured decision latency / agreement / choice statistics
+    exports/ltd/depth.safetensors         the depth policy's actor (Linear weights; layer list in decoder.json)
+    exports/ltd/size.safetensors          the size policy's actor
+    exports/ltd/{depth,size}.onnx         with --onnx, when the optional `onnx` package is installed
+    exports/ltd/engines/...               static configs for transformers / vLLM / SGLang (policies.engine_configs)
+
+Load with `SpeculativeDecoder.from_config("exports/ltd")` or `specpilot.policies.exported.load_exported`.
+The self-checks (choices, latency, agreement) live in train/export_checks.py.
+
+Only the actor is exported (the value network is a training device): SB3's `pi_features_extractor` (Flatten) ->
+`mlp_extractor.policy_net` (Linear + activation layers) -> `action_net` (Linear); the deterministic action is the
+argmax of its logits. The export checks itself: the exported and SB3 actors must choose the same action on every
+recorded / synthetic / random observation (`measured.agreement` in decoder.json).
+
+Where the policies' choices come from (they set the engine configs' numbers): a recorded trace (`--trace`, else the
+run's validation trace: manifest "traces", or RUN/traces/validation) replayed with the exported controller; else a
+few live generations on validation prompts with the run's pair; else none (engine configs then use the grid's best
+or the fallback config; latency and agreement are measured on synthetic draft states).
+
+`--run` may also be a sub-index such as RUN/stage1 (its policies.json); manifest.json, grid.json and traces/ are
+then read from RUN.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specpilot.drafting.control import FixedController, default_static_config
+from specpilot.drafting.types import TreeConfig
+from specpilot.policies.actor import Actor
+from specpilot.policies.engine_configs import write_engine_configs
+from specpilot.policies.exported import (CONFIG_FILE, DEPTH_ACTIONS, FORMAT_NAME, FORMAT_VERSION, ExportedController,
+                                         file_sha256, probe_observation)
+from specpilot.policies.observation import ObservationSpec
+from specpilot.train.export_checks import (agreement, decision_latency_us, record_choices_live, record_choices_replay,
+                                           synthetic_states)
+
+
+class ExportError(RuntimeError):
+    """The run cannot be exported; the message says which file and what to do."""
+
+
+def _obs_norm(stage_dir: Path, prefix: str) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """Observation-normalisation statistics, if the stage trained with VecNormalize(norm_obs=True). train/ppo.py
+    normalises rewards only, so this is normally (None, {}). Reading SB3's VecNormalize file needs pickle: that
+    happens here, at export, never at load."""
+    progress = stage_dir / "checkpoints" / "progress.json"
+    if not progress.is_file():
+        return None, {}
+    name = json.loads(progress.read_text()).get("vecnormalize")
+    if not name or not (stage_dir / "checkpoints" / name).is_file():
+        return None, {}
+    import pickle
+
+    with open(stage_dir / "checkpoints" / name, "rb") as fh:
+        vec = pickle.load(fh)
+    if not getattr(vec, "norm_obs", False):
+        return None, {}
+    rms = vec.obs_rms
+    tensors = {f"{prefix}.obs_mean": torch.as_tensor(rms.mean, dtype=torch.float64),
+               f"{prefix}.obs_var": torch.as_tensor(rms.var, dtype=torch.float64)}
+    return ({"mean": f"{prefix}.obs_mean", "var": f"{prefix}.obs_var", "epsilon": float(vec.epsilon),
+             "clip": float(vec.clip_obs)}, tensors)
+
+
+def run_root(run_dir: Path) -> Path:
+    """The run directory that holds manifest.json / grid.json / traces/: run_dir itself, or its parent for a
+    sub-index such as RUN/stage1/policies.json."""
+    for root in (run_dir, run_dir.parent):
+        if (root / "manifest.json").is_file():
+            return root
+    return run_dir
+
+
+def find_trace(root: Path) -> Path | None:
+    """The run's validation trace (else its training trace): manifest "traces" (train/pipeline.py), a trace path
+    in the manifest's config, or RUN/traces/{validation,train}/trace.npz."""
+    manifest = _read_json_or_none(root / "manifest.json") or {}
+    traces = manifest.get("traces") if isinstance(manifest.get("traces"), dict) else {}
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    named = [(k, v) for k, v in config.items() if "trace" in str(k).lower() and isinstance(v, str)]
+    named.sort(key=lambda kv: 0 if "val" in kv[0].lower() else 1)  # prefer the validation trace
+    # the run's own folder first: a copied run must not read the original run's traces through the manifest's
+    # absolute paths
+    candidates = [root / "traces" / "validation", root / "traces" / "train", traces.get("validation"),
+                  traces.get("train"), *(v for _, v in named)]
+    for value in candidates:
+        if not value:
+            continue
+        for path in (root / str(value), Path(value)):
+            if (path / "trace.npz").is_file() or (path.suffix == ".npz" and path.is_file()):
+                return path
+    return None
+
+
+def _read_json_or_none(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def _grid_best(run_dir: Path, grid: str | Path | None) -> tuple[dict | None, str | None]:
+    paths = [Path(grid)] if grid else [run_dir / "grid.json", run_dir / "grid" / "grid.json",
+                                       run_dir / "grid" / "best.json"]
+    for path in paths:
+        data = _read_json_or_none(path)
+        if data is None:
+            if grid:
+                raise ExportError(f"grid-search result {path} is missing or not valid JSON")
+            continue
+        best = data.get("best", data)
+        if isinstance(best, dict) and "depth" in best and "size" in best:
+            return {k: int(best[k]) for k in ("width", "depth", "size") if k in best}, str(path)
+        if grid:
+            raise ExportError(f"{path} has no best {{depth, size[, width]}} entry")
+    return None, None
+
+
+def _pair_identity(run_dir: Path, pair, trace: Path | None) -> dict:
+    """The pair's identity: from `pair`, else the manifest ("pair"/"models"), else the trace header."""
+    if pair is not None:
+        return pair.identity()
+    manifest = _read_json_or_none(run_dir / "manifest.json") or {}
+    header = None
+    if trace is not None:
+        header = _read_json_or_none((trace.parent if trace.suffix == ".npz" else trace) / "trace.json")
+    for entry in (manifest.get("pair"), manifest.get("models"), (header or {}).get("pair")):
+        if isinstance(entry, dict) and "target_hash" in entry and "draft_hash" in entry:
+            return entry
+    raise ExportError(f"neither {run_dir / 'manifest.json'} nor the run's trace records the model pair's identity "
+                      "(target/draft content hashes): "
+                      "pass the pair the run was trained on (CLI: --target/--draft, or --default-pair)")
+
+
+def _recorded_pair(identity: dict, run_dir: Path, log):
+    """The pair the identity names when it can be loaded here (embedded default, or existing local paths) and its
+    hashes match; else None (the export then goes on without live measurements)."""
+    from specpilot.policies.exported import ExportedConfigError, resolve_pair
+
+    try:
+        return resolve_pair({"pair": identity, "_path": str(run_dir / "manifest.json")})
+    except (ExportedConfigError, OSError, ValueError) as err:
+        log(f"specpilot export: no live measurement of the policies' choices ({err})")
+        return None
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("specpilot", "torch", "safetensors", "numpy", "gymnasium", "transformers", "stable-baselines3"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def _export_onnx(actor: Actor, path: Path) -> str | None:
+    """ONNX graph of the actor's logits (input "observation" [batch, dim] -> "logits"); None without onnx."""
+    try:
+        import onnx  # noqa: F401  (the optional extra: pip install 'specpilot[onnx]')
+    except ImportError:
+        return None
+
+    class _Module(torch.nn.Module):
+        def forward(self, x):
+            return actor.logits(x)
+
+    try:
+        torch.onnx.export(_Module(), (torch.zeros(1, actor.in_features),), str(path), input_names=["observation"],
+                          output_names=["logits"], dynamic_axes={"observation": {0: "batch"}, "logits": {0: "batch"}})
+    except Exception as err:  # the exporter's own dependencies (e.g. onnxscript) vary across torch versions
+        raise ExportError(f"ONNX export of {path.name} failed ({type(err).__name__}: {err}); install "
+                          "'specpilot[onnx]' (and onnxscript for torch >= 2.9), or export without --onnx") from err
+    return path.name
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _export_policy(kind: str, entry: dict, run_dir: Path, out_dir: Path, onnx: bool, log) -> tuple:
+    """One policy of policies.json -> out_dir/<kind>.safetensors; (decoder.json entry, SB3 policy, Actor, spec)."""
+    from safetensors.torch import save_file
+
+    from specpilot.policies.ppo import PolicyLoadError, load_sb3_policy
+
+    spec = ObservationSpec.from_dict(entry["spec"])
+    try:
+        policy = load_sb3_policy(run_dir / entry["path"])
+    except PolicyLoadError as err:
+        raise ExportError(str(err)) from err
+    layers, tensors = Actor.from_sb3(policy).to_layers(kind)
+    norm, norm_tensors = _obs_norm((run_dir / entry["path"]).parent, kind)
+    tensors.update(norm_tensors)
+    actor = Actor.from_layers(layers, tensors, obs_norm=norm, source=f"{kind} policy")
+    actions = DEPTH_ACTIONS if kind == "depth" else [int(v) for v in entry["size_actions"]]
+    if actor.in_features != spec.dim or actor.n_actions != len(actions):
+        raise ExportError(f"{run_dir / entry['path']}: the {kind} policy takes {actor.in_features} inputs and has "
+                          f"{actor.n_actions} actions, but policies.json's spec gives {spec.dim} inputs and "
+                          f"{len(actions)} actions; policies.json does not describe this policy")
+    file = out_dir / f"{kind}.safetensors"
+    save_file(tensors, str(file), metadata={"format": "specpilot-policy", "kind": kind})
+    probe = probe_observation(spec)
+    logits = actor.logits(torch.from_numpy(probe).unsqueeze(0))[0]
+    record = {
+        "file": file.name, "sha256": file_sha256(file), "spec": spec.to_dict(), "observation_dim": spec.dim,
+        "layers": layers, "obs_norm": norm, "actions": actions,
+        "decision": "argmax of the logits (first index on ties), float32 on the CPU",
+        "probe": {"observation": probe.tolist(), "logits": logits.tolist(), "action": int(logits.argmax())},
+        "source": {"zip": entry["path"], "zip_sha256": file_sha256(run_dir / entry["path"])},
+    }
+    if onnx:
+        name = _export_onnx(actor, out_dir / f"{kind}.onnx")
+        if name is None:
+            log("specpilot export: --onnx skipped: the optional `onnx` package is not installed "
+                "(pip install 'specpilot[onnx]'); the safetensors export is complete without it")
+        else:
+            record["onnx"] = name
+    return record, policy, actor, spec
+
+
+def _measure(exported, sb3_controller, sb3: dict, actors: dict, specs: dict, tree: TreeConfig, *, trace, pair,
+             identity: dict, root: Path, measure_live: bool, num_prompts: int, max_new_tokens: int, num_random: int,
+             seed: int, log) -> tuple:
+    """(recorder or None, measured section of decoder.json): the policies' choices (replayed trace > live
+    generations > none), their agreement with SB3 and their decision latency."""
+    recorder, source = None, "none (synthetic states only)"
+    if trace is None and measure_live and pair is None:
+        pair = _recorded_pair(identity, root, log)
+    if trace is not None:
+        recorder, source = record_choices_replay(exported, tree, trace)
+    elif measure_live and pair is not None:
+        recorder, source = record_choices_live(exported, tree, pair, num_prompts=num_prompts,
+                                               max_new_tokens=max_new_tokens, seed=seed)
+    states = list(recorder.states) if recorder else []
+    synth = synthetic_states(tree, max(0, 1000 - len(states)), seed=seed)
+    agree = {kind: agreement(sb3[kind], actors[kind], specs[kind], {"recorded": states, "synthetic": synth},
+                             num_random=num_random, seed=seed) for kind in actors}
+    mismatches = sum(v["n"] - v["same"] for a in agree.values() for v in a.values())
+    if mismatches:
+        log(f"specpilot export: WARNING: the exported and SB3 actors disagree on {mismatches} observation(s) "
+            "(float round-off at near-ties?); see measured.agreement in decoder.json")
+    latency = {**decision_latency_us({"exported": exported, "sb3": sb3_controller}, (states + synth)[:500]),
+               "device": "cpu", "threads": torch.get_num_threads(),
+               "note": "per decision, observation features included; best of 5 alternating passes"}
+    return recorder, {"choices_source": source, "latency_us": latency, "agreement": agree}
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: bool = False,
+               trace: str | Path | None = None, grid: str | Path | None = None, measure_live: bool = True,
+               num_prompts: int = 4, max_new_tokens: int = 48, num_random: int = 10_000, seed: int = 0,
+               log=print) -> dict:
+    """Export run_dir (policies.json + SB3 zips) to out_dir; return decoder.json's content.
+
+    pair: the ModelPair the run was trained on (its identity goes into decoder.json; it also drives the live
+    measurement when there is no trace). Without it the identity comes from the run's manifest ("pair"/"models").
+    """
+    from specpilot.policies.ppo import PPOController
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    index_path = run_dir / "policies.json"
+    index = _read_json_or_none(index_path)
+    if index is None:
+        raise ExportError(f"{index_path} is missing or not valid JSON: train the run first (it is written by "
+                          "specpilot.train.ppo.write_policies_index)")
+    if not index.get("depth") and not index.get("size"):
+        raise ExportError(f"{index_path} names neither a depth nor a size policy: nothing to export")
+    root = run_root(run_dir)
+    trace = Path(trace) if trace else find_trace(root)
+    identity = _pair_identity(root, pair, trace)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONFIG_FILE).unlink(missing_ok=True)  # a half-written export must not look valid
+
+    policies: dict = {"depth": None, "size": None}
+    sb3, actors, specs = {}, {}, {}
+    for kind in ("depth", "size"):
+        if index.get(kind):
+            policies[kind], sb3[kind], actors[kind], specs[kind] = _export_policy(kind, index[kind], run_dir,
+                                                                                  out_dir, onnx, log)
+    size_actions = policies["size"]["actions"] if policies["size"] else None
+    fb = index.get("fallback") or {}
+    policies["fallback"] = {"depth": fb.get("depth"), "size": fb.get("size")}
+    fb_depth, fb_size = (fb.get("depth") if fb.get("depth") is not None else default_static_config(None)[0],
+                         fb.get("size") or default_static_config(None)[1])
+    spec0 = specs.get("depth") or specs["size"]
+    tree = TreeConfig(width=spec0.width, max_depth=spec0.max_depth,
+                      max_size=max(size_actions) if size_actions else max(fb_size, 1))
+    fallback = FixedController(fb.get("depth"), fb.get("size"))
+    exported = ExportedController(actors.get("depth"), actors.get("size"), specs.get("depth"), specs.get("size"),
+                                  size_actions, fallback)
+    sb3_controller = PPOController(sb3.get("depth"), sb3.get("size"), specs.get("depth"), specs.get("size"),
+                                   size_actions, fallback)
+    recorder, measured = _measure(exported, sb3_controller, sb3, actors, specs, tree, trace=trace, pair=pair,
+                                  identity=identity, root=root, measure_live=measure_live, num_prompts=num_prompts,
+                                  max_new_tokens=max_new_tokens, num_random=num_random, seed=seed, log=log)
+    grid_best, grid_path = _grid_best(root, grid)
+    draft_gen = pair.draft.generation_config.to_diff_dict() if pair is not None else None
+    engines = write_engine_configs(out_dir, draft=identity.get("draft", "draft"), width=tree.width,
+                                   grid_best=grid_best, choices=recorder.choices() if recorder else {},
+                                   fallback=(fb_depth, fb_size), draft_generation_config=draft_gen)
+    engines["grid"] = grid_path
+    meta = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "name": "exported",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "source_run": str(run_dir.resolve()),
+        "tree": {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size,
+                 "size_actions": size_actions},
+        "observation": {"module": "specpilot.policies.observation", "depth": "last level's scores, drafting order",
+                        "size": "top candidate scores, sorted", "spec_version": spec0.version},
+        "pair": identity, "policies": policies, "engine_configs": engines, "versions": _versions(),
+        "measured": measured,
+    }
+    _write_json(out_dir / CONFIG_FILE, meta)
+    return meta
+
+
+def _summary_lines(meta: dict, out_dir: Path) -> list[str]:
+    m = meta["measured"]
+    lines = [f"exported to {out_dir / CONFIG_FILE} (choices from: {m['choices_source']})"]
+    for kind in ("depth", "size"):
+        if meta["policies"].get(kind):
+            e, s = m["latency_us"]["exported"][kind], m["latency_us"]["sb3"][kind]
+            a = m["agreement"][kind]
+            same = sum(v["same"] for v in a.values())
+            total = sum(v["n"] for v in a.values())
+            lines.append(f"  {kind} decision latency: exported {e['mean_us']:.1f} us (median {e['median_us']:.1f}) "
+                         f"vs SB3 actor {s['mean_us']:.1f} us (median {s['median_us']:.1f}); same action on "
+                         f"{same}/{total} observations")
+    eng = meta["engine_configs"]
+    lines.append(f"  engine configs: chain depth {eng['chain_depth']['value']} ({eng['chain_depth']['source']}), "
+                 f"tree D/W/V {eng['tree_shape']['depth']}/{eng['tree_shape']['width']}/{eng['tree_shape']['size']} "
+                 f"({eng['tree_shape']['source']}); files under {out_dir / 'engines'}")
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="training run directory (holds policies.json)")
+    parser.add_argument("--out", required=True, help="output directory for decoder.json, weights and engine configs")
+    parser.add_argument("--onnx", action="store_true", help="also write ONNX actors (needs the optional onnx extra)")
+    parser.add_argument("--target", help="target model the run was trained on (default: from the run's manifest)")
+    parser.add_argument("--draft", help="draft model the run was trained on")
+    parser.add_argument("--default-pair", action="store_true", help="the run used the embedded default pair")
+    parser.add_argument("--trace", help="recorded trace to measure the policies' choices on (default: the run's "
+                                        "validation trace, RUN/traces/validation)")
+    parser.add_argument("--grid", help="grid-search result JSON with best {depth, size, width} (default: "
+                                       "RUN/grid.json when present)")
+    parser.add_argument("--prompts", type=int, default=4, help="live generations when no trace is available")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--device", default=None, help="device for the live generations")
+
+
+def run(args: argparse.Namespace) -> int:
+    pair = None
+    if args.target or args.draft or args.default_pair:
+        from specpilot.drafting.pair import ModelPair
+
+        pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
+    try:
+        meta = export_run(args.run, args.out, pair=pair, onnx=args.onnx, trace=args.trace, grid=args.grid,
+                          num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    except ExportError as err:
+        print(f"specpilot export: {err}", file=sys.stderr)
+        return 2
+    for line in _summary_lines(meta, Path(args.out)):
+        print(line)
+    return 0

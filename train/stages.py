@@ -1,0 +1,338 @@
+"""Stage 1 of LTD: train one PPO policy (size or depth) against a partner (`train_size`, `train_depth`).
+
+Everything trains on REPLAY by default (`ReplaySource`: exact accepted lengths from a trace of the training task,
+times from its latency profile); `TrainOptions(backend="live")` trains on the live decoder instead (wall-clock
+rewards; with `init_from=` it fine-tunes a replay-trained policy; with `temperature > 0` on sampled decoding, which
+replay cannot model). Validation is always replay on the trace of the *validation* prompts, deciding through
+`PPOController` (the inference code path): higher tokens/s is better.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.types import TreeConfig
+from specpilot.envs.replay import ReplayModel
+from specpilot.policies.observation import ObservationSpec, default_size_actions
+from specpilot.train.ppo import PPOOverrides
+from specpilot.train.traces import TaskTraces
+from specpilot.train.validation import validation_fn
+
+REWARD_MODES = ("throughput", "acceptance", "time", "dinkelbach")
+STATIC_FALLBACK = (4, 12)
+STATIC_FALLBACK_DICT = {"depth": STATIC_FALLBACK[0], "size": STATIC_FALLBACK[1]}
+
+
+@dataclass
+class TrainOptions:
+    """Settings every stage of a run shares.
+
+    reward: environment reward (`specpilot.envs.rewards`); "dinkelbach" optimises long-run tokens/s.
+    backend: "replay" (trace + profile, fast, greedy) or "live" (the real decoder, wall-clock rewards).
+    pair / train_prompts / temperature: the live backend's models, prompts (default: the trace's prompts) and
+        sampling temperature.
+    static: the static baseline (depth, size), a grid.json path, or None for RUN/grid.json; it fixes the partners.
+    skip_decisions: the depth policy also decides, before drafting, whether to draft at all.
+    resume: continue interrupted stages; finished stages are skipped. seed: base seed of every stage.
+    max_context: context length mapped to 1.0 in the observations. ppo: changes to the paper's PPO settings.
+    """
+
+    reward: str = "dinkelbach"
+    backend: str = "replay"
+    pair: Any = None
+    train_prompts: Sequence | None = None
+    temperature: float = 0.0
+    static: tuple[int, int] | str | Path | None = None
+    skip_decisions: bool = True
+    resume: bool = False
+    seed: int = 0
+    max_context: int = 4096
+    ppo: PPOOverrides = field(default_factory=PPOOverrides)
+
+    def __post_init__(self) -> None:
+        if self.reward not in REWARD_MODES:
+            raise ValueError(f"unknown reward {self.reward!r}; choose one of {REWARD_MODES}")
+        if self.backend not in ("replay", "live"):
+            raise ValueError(f"backend must be 'replay' or 'live', got {self.backend!r}")
+        if self.backend == "live" and self.pair is None:
+            raise ValueError("backend='live' needs pair= (the models to decode with)")
+
+
+def budget_settings(kind: str, steps: int, *, seed: int = 0, ppo: PPOOverrides | None = None):
+    """The paper's PPOSettings for `kind`, scaled to a small budget, then `ppo`'s changes.
+
+    With `steps` below 8 paper rollouts (8 x 2048), n_steps shrinks to the power of two giving >= 8 updates
+    (>= 64), batch_size to min(256, n_steps) and n_epochs to 10 (below 4096 steps); eval/checkpoint cadence
+    defaults to ~10 validations per stage.
+    """
+    from specpilot.train.ppo import settings_for
+
+    changes = (ppo or PPOOverrides()).changes()
+    steps = int(steps)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    n_steps = changes.pop("n_steps", None)
+    if n_steps is None:
+        n_steps = 2048 if steps >= 8 * 2048 else max(64, 2 ** int(np.floor(np.log2(max(steps / 8, 1)))))
+    batch = changes.pop("batch_size", None) or min(256, n_steps)
+    epochs = changes.pop("n_epochs", None) or (20 if steps >= 4096 else 10)
+    every = max(n_steps, (steps // 10) // n_steps * n_steps)
+    base = dict(total_timesteps=steps, n_steps=int(n_steps), batch_size=int(batch), n_epochs=int(epochs), seed=seed,
+                eval_every=every, checkpoint_every=every)
+    base.update(changes)
+    return settings_for(kind, **base)
+
+
+@dataclass
+class StageResult:
+    """What one training stage produced (returned by train_size / train_depth, collected by coadapt)."""
+
+    stage: str
+    kind: str
+    best: Path
+    spec: ObservationSpec
+    size_actions: list[int] | None
+    score: float | None
+    skipped: bool = False
+    validation: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["best"], d["spec"] = str(self.best), self.spec.to_dict()
+        return d
+
+
+def static_config(run_dir: str | Path, static: tuple[int, int] | str | Path | None = None) -> tuple[int, int]:
+    """(depth >= 1, size >= 1) of the static config that partners and backs up the policies: `static` itself, a
+    grid.json path, RUN/grid.json, else (4, 12). From a grid whose best cell never drafts (depth 0: plain steps
+    won), its best drafting cell."""
+    if isinstance(static, (tuple, list)):
+        if int(static[0]) < 1 or int(static[1]) < 1:
+            raise ValueError(f"static={tuple(static)}: the static partner config must draft (depth >= 1, size >= 1)")
+        return int(static[0]), int(static[1])
+    path = Path(static) if static is not None else Path(run_dir) / "grid.json"
+    if path.is_file():
+        grid = json.loads(path.read_text())
+        best = grid["best"] if int(grid["best"]["depth"]) >= 1 else grid.get("best_drafting") or STATIC_FALLBACK_DICT
+        return int(best["depth"]), int(best["size"])
+    if static is not None:
+        raise FileNotFoundError(f"grid result {path} not found: run `specpilot grid` or pass static=(depth, size)")
+    warnings.warn(f"no grid result at {path} and no static=(depth, size): using {STATIC_FALLBACK}; run "
+                  "`specpilot grid` first for the real baseline", stacklevel=3)
+    return STATIC_FALLBACK
+
+
+def stage_result(run_dir: str | Path, stage: str) -> StageResult:
+    """A finished stage's StageResult, rebuilt from the manifest (kind, spec, size actions) and best.json."""
+    run_dir = Path(run_dir)
+    best = run_dir / stage / "best.zip"
+    if not best.is_file():
+        raise FileNotFoundError(f"{best} not found: train stage {stage!r} first (stage 1: `specpilot train size` "
+                                "and `specpilot train depth`)")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    setup = (manifest.get("stage_setup") or {}).get(stage)
+    if setup is None:
+        raise FileNotFoundError(f"{run_dir / 'manifest.json'} has no setup for stage {stage!r}: was it trained by "
+                                "specpilot.train?")
+    best_json = run_dir / stage / "best.json"
+    info = json.loads(best_json.read_text()) if best_json.is_file() else {}
+    return StageResult(stage, setup["kind"], best, ObservationSpec.from_dict(setup["spec"]), setup.get("size_actions"),
+                       info.get("score"))
+
+
+def load_partner(kind: str, path: str | Path, spec: ObservationSpec, *, size_actions: Sequence[int] | None = None,
+                 fallback: Controller | None = None) -> Controller:
+    """A frozen policy zip as a Controller deciding `kind` (the rest by `fallback`)."""
+    from specpilot.policies.ppo import PPOController, load_sb3_policy
+
+    policy = load_sb3_policy(path)
+    if kind == "depth":
+        return PPOController(policy, None, depth_spec=spec, fallback=fallback, name="frozen_depth")
+    return PPOController(None, policy, size_spec=spec, size_actions=list(size_actions), fallback=fallback,
+                         name="frozen_size")
+
+
+@dataclass
+class StageSpec:
+    """One PPO stage: what it trains, against whom, and where it starts from.
+
+    kind: "size" or "depth". stage: sub-folder of the run. steps: budget in environment steps.
+    partner: the Controller deciding the other half during training; val_partner: during validation.
+    size_actions: the size policy's choices (size stages; clipped to the trace's max_size).
+    init_from: a policy zip to start from (co-adaptation); keep_init_if_better: the starting policy competes in
+    validation too, so a round never hands on a policy worse than the one it started from.
+    """
+
+    kind: str
+    stage: str
+    steps: int
+    partner: Controller
+    val_partner: Controller
+    size_actions: Sequence[int] | None = None
+    init_from: str | Path | None = None
+    keep_init_if_better: bool = False
+    seed_offset: int = 0
+
+
+def _size_actions(model: ReplayModel, size_actions: Sequence[int] | None) -> list[int]:
+    acts = [int(v) for v in (size_actions or default_size_actions(model.trace.header.get("device")))]
+    return [v for v in acts if v <= model.trace.max_size] or [model.trace.max_size]
+
+
+def _env_factory(spec: StageSpec, traces: TaskTraces, model: ReplayModel, actions, options: TrainOptions):
+    """A function building one training environment for the stage (replay or live source)."""
+    from specpilot.envs.environments import DepthEnv, LiveSource, ReplaySource, SizeEnv
+
+    trace = model.trace
+    if options.backend == "replay":
+        def source():
+            return ReplaySource(traces.train)
+    else:
+        prompts = list(options.train_prompts) if options.train_prompts is not None else \
+            [trace.prompt(i) for i in range(trace.num_prompts)]
+        tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
+
+        def source():
+            return LiveSource(options.pair, prompts, tree=tree, max_new_tokens=trace.max_new_tokens,
+                              temperature=options.temperature)
+    if spec.kind == "size":
+        return lambda: SizeEnv(source(), reward=options.reward, size_actions=actions,
+                               depth_controller=spec.partner, max_context=options.max_context)
+    return lambda: DepthEnv(source(), reward=options.reward, size_controller=spec.partner,
+                            max_context=options.max_context, skip_decisions=options.skip_decisions)
+
+
+def _finished(run_dir: Path, spec: StageSpec, obs_spec, actions, total: int) -> StageResult | None:
+    """The stage's result when it already finished a budget >= total (a resumed pipeline skips it)."""
+    from specpilot.train.ppo import read_progress
+
+    stage_dir = run_dir / spec.stage
+    progress = read_progress(stage_dir) if (stage_dir / "checkpoints").is_dir() else None
+    best = stage_dir / "best.json"
+    if not (progress and int(progress["timesteps_done"]) >= total and (stage_dir / "best.zip").is_file()
+            and best.is_file()):
+        return None
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    chosen = (manifest.get("stage_selection") or {}).get(spec.stage) or {}
+    if chosen.get("final") and Path(chosen["final"]).is_file():
+        return StageResult(spec.stage, spec.kind, Path(chosen["final"]), obs_spec, actions, chosen.get("score"),
+                           skipped=True, validation=chosen)
+    return StageResult(spec.stage, spec.kind, stage_dir / "best.zip", obs_spec, actions,
+                       json.loads(best.read_text()).get("score"), skipped=True)
+
+
+def _describe(partner: Any) -> Any:
+    return partner.describe() if isinstance(partner, Controller) else str(partner)
+
+
+def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str | Path, options: TrainOptions,
+                logger=None) -> StageResult:
+    """Train (or resume, or skip when finished) one stage; returns its best policy by validation."""
+    from specpilot.train.ppo import train_policy, update_manifest
+
+    run_dir, traces = Path(run_dir), TaskTraces.resolve(traces)
+    model = ReplayModel(traces.train)
+    trace = model.trace
+    actions = _size_actions(model, spec.size_actions) if spec.kind == "size" else None
+    if spec.kind == "size":
+        obs_spec = ObservationSpec.for_size(trace.width, trace.max_depth, size_actions=actions,
+                                            max_context=options.max_context)
+    else:
+        obs_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context)
+    settings = budget_settings(spec.kind, spec.steps, seed=options.seed + spec.seed_offset, ppo=options.ppo)
+    if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
+        return done
+    val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
+                        size_actions=actions, logger=logger, stage=spec.stage)
+    update_manifest(run_dir, traces={"train": str(traces.train), "validation": str(traces.validation),
+                                     "train_pair": trace.header.get("pair")},
+                    seeds={spec.stage: settings.seed},
+                    stage_setup={spec.stage: {"kind": spec.kind, "backend": options.backend, "reward": options.reward,
+                                              "temperature": options.temperature,
+                                              "partner": _describe(spec.partner),
+                                              "val_partner": _describe(spec.val_partner), "size_actions": actions,
+                                              "spec": obs_spec.to_dict(), "init_from": str(spec.init_from or "")}})
+    best = train_policy(_env_factory(spec, traces, model, actions, options), val, settings, run_dir, spec.stage,
+                        resume=options.resume, logger=logger, init_from=spec.init_from)
+    info = json.loads((run_dir / spec.stage / "best.json").read_text())
+    result = StageResult(spec.stage, spec.kind, best, obs_spec, actions, info.get("score"))
+    if spec.init_from is not None and spec.keep_init_if_better:
+        result = _keep_init_if_better(result, spec, val, run_dir)
+    return result
+
+
+def _keep_init_if_better(result: StageResult, spec: StageSpec, val, run_dir: Path) -> StageResult:
+    # validation only runs after training steps: the starting policy itself competes too
+    from stable_baselines3 import PPO
+
+    from specpilot.train.ppo import update_manifest
+
+    init_score = val(PPO.load(spec.init_from, device="cpu"))
+    result.validation = {"init_score": init_score, "stage_best_score": result.score}
+    if result.score is None or init_score > result.score:
+        result = StageResult(spec.stage, spec.kind, Path(spec.init_from), result.spec, result.size_actions,
+                             init_score, validation={**result.validation, "kept_init": True})
+    update_manifest(run_dir, stage_selection={spec.stage: {**result.validation, "final": str(result.best),
+                                                           "score": result.score}})
+    return result
+
+
+def make_logger(run_dir, logger, wandb: str | None, config: dict):
+    """(logger, owned): an explicit logger is used as is; otherwise a RunLogger the caller closes."""
+    if logger is not None:
+        return logger, False
+    from specpilot.train.logging import RunLogger
+
+    return RunLogger(run_dir, config, mode=wandb), True
+
+
+def train_size(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: int = 20_000,
+               depth_partner: Any = None, depth_range: tuple[int, int] | None = None,
+               size_actions: Sequence[int] | None = None, stage: str = "size_s1",
+               init_from: str | Path | None = None, options: TrainOptions | None = None, wandb: str | None = None,
+               logger=None) -> StageResult:
+    """Stage 1 size policy: PPO against random depths in `depth_range` (default 1..max_depth), or `depth_partner`
+    (an int depth, a (low, high) pair, a Controller). Validation: the static depth (options.static) with the
+    policy choosing sizes, on the validation trace."""
+    from specpilot.envs.environments import as_depth_controller
+
+    options = options or TrainOptions()
+    traces = TaskTraces.resolve(traces)
+    depth, _ = static_config(run_dir, options.static)
+    max_depth = ReplayModel(traces.train).trace.max_depth
+    if depth_partner is None:
+        depth_partner = tuple(int(v) for v in (depth_range or (1, max_depth)))
+    spec = StageSpec("size", stage, steps, partner=as_depth_controller(depth_partner),
+                     val_partner=FixedController(depth=min(depth, max_depth), size=1), size_actions=size_actions,
+                     init_from=init_from)
+    log, owned = make_logger(run_dir, logger, wandb, {"stage": stage, "kind": "size", "steps": steps})
+    try:
+        return train_stage(spec, run_dir, traces, options, log)
+    finally:
+        if owned:
+            log.close()
+
+
+def train_depth(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: int = 40_000,
+                size_partner: Any = None, stage: str = "depth_s1", init_from: str | Path | None = None,
+                options: TrainOptions | None = None, wandb: str | None = None, logger=None) -> StageResult:
+    """Stage 1 depth policy: PPO with the verification size fixed at the static config's (the paper uses EAGLE-3's
+    60 on GPU), or `size_partner` (an int size or a Controller). Validated with the same partner."""
+    from specpilot.envs.environments import as_size_controller
+
+    options = options or TrainOptions()
+    _, size = static_config(run_dir, options.static)
+    partner = as_size_controller(size_partner if size_partner is not None else size)
+    spec = StageSpec("depth", stage, steps, partner=partner, val_partner=partner, init_from=init_from)
+    log, owned = make_logger(run_dir, logger, wandb, {"stage": stage, "kind": "depth", "steps": steps})
+    try:
+        return train_stage(spec, run_dir, traces, options, log)
+    finally:
+        if owned:
+            log.close()

@@ -1,0 +1,110 @@
+"""Replay validation of controllers and policies: the score a training stage keeps its best checkpoint by.
+
+Validation deciding through the inference code path: a policy under training becomes half of a `PPOController`,
+replayed with `specpilot.envs.oracle.replay_controller` (the same `run_cycle` as `generate()`) on the trace of the
+*validation* prompts. Speedups are over `replay_ar`: the live autoregressive timing of the same prompts (ar.json)
+when recorded, else the profile's plain-step time.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from specpilot.drafting.control import Controller
+from specpilot.drafting.types import CycleRecord, DraftState
+from specpilot.envs.oracle import replay_controller
+from specpilot.envs.replay import ReplayModel
+from specpilot.policies.observation import ObservationSpec
+from specpilot.train.traces import AR_FILE
+
+
+def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
+    """Autoregressive tokens/s for the trace's generations: the live measurement `ar.json` next to the trace when
+    present (`record_traces` writes it), else the profile's plain-step time (verification of the root alone) at
+    each position's context length. `source` says which was used."""
+    trace = model.trace
+    indices = range(trace.num_prompts) if prompts is None else prompts
+    tokens = sum(model.tables(i).n for i in indices)
+    ar_path = trace.path / AR_FILE if trace.path is not None else None
+    if ar_path is not None and ar_path.is_file():
+        s_per_token = float(json.loads(ar_path.read_text())["seconds_per_token"])
+        return {"tokens": tokens, "time_s": tokens * s_per_token, "tokens_per_s": 1.0 / s_per_token,
+                "source": "live"}
+    time_s = float(sum(model.tables(i).verify[:, 0].sum() for i in indices))
+    return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan"),
+            "source": "profile"}
+
+
+class DecisionTally(Controller):
+    """Delegates to `inner` and tallies the cycles it runs (depth / size histograms, for reports)."""
+
+    def __init__(self, inner: Controller) -> None:
+        self.inner, self.name = inner, inner.name
+        self.depths: list[int] = []
+        self.sizes: list[int] = []
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        return self.inner.skip_drafting(state)
+
+    def should_stop(self, state: DraftState) -> bool:
+        return self.inner.should_stop(state)
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.inner.choose_size(state)
+
+    def observe(self, record: CycleRecord) -> None:
+        self.depths.append(record.depth)
+        self.sizes.append(record.size)
+        self.inner.observe(record)
+
+
+def evaluate_replay(controller: Controller, model: ReplayModel, ar_tokens_per_s: float | None = None) -> dict:
+    """Replay throughput of `controller` on `model`'s trace with depth/size tallies (and speedup vs AR)."""
+    tally = DecisionTally(controller)
+    res = replay_controller(model, controller=tally)
+    res["depth_mean"] = float(np.mean(tally.depths)) if tally.depths else float("nan")
+    res["size_mean"] = float(np.mean(tally.sizes)) if tally.sizes else float("nan")
+    res["depth_hist"] = np.bincount(tally.depths, minlength=model.trace.max_depth + 1).tolist()
+    if ar_tokens_per_s:
+        res["speedup"] = res["tokens_per_s"] / ar_tokens_per_s
+    return res
+
+
+def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, partner: Controller,
+                  size_actions: Sequence[int] | None = None, logger=None, stage: str = "stage"
+                  ) -> Callable[[Any], float]:
+    """val_fn(model) -> replay tokens/s on the validation trace, deciding exactly as inference does.
+
+    The model's policy becomes the `kind` half of a PPOController; `partner` decides the other half (a fixed
+    config, a RandomDepthController, or a frozen PPOController). Metrics go to `logger` under <stage>/val/.
+    """
+    from specpilot.policies.ppo import PPOController
+
+    model_r = ReplayModel(val_trace)
+    ar = replay_ar(model_r)
+    calls = {"n": 0}
+
+    def val(model) -> float:
+        policy = model.policy if hasattr(model, "policy") else model
+        if kind == "size":
+            ctrl = PPOController(None, policy, size_spec=spec, size_actions=list(size_actions), fallback=partner)
+        else:
+            ctrl = PPOController(policy, None, depth_spec=spec, fallback=partner)
+        seed = getattr(partner, "seed", None)
+        if callable(seed):
+            seed(1234)  # the same partner draws at every validation
+        res = evaluate_replay(ctrl, model_r, ar["tokens_per_s"])
+        calls["n"] += 1
+        if logger is not None:
+            step = int(getattr(model, "num_timesteps", calls["n"]))
+            logger.log({f"{stage}/val/{key}": res[key] for key in ("tokens_per_s", "speedup", "mean_accepted_length",
+                                                                  "depth_mean", "size_mean")}, step=step)
+        return float(res["tokens_per_s"])
+
+    return val
