@@ -69,6 +69,16 @@ class DemoBudget:
 
 
 STAGES = ("record", "grid", "train", "eval", "export")
+# the budget fields each stage's result depends on; a stage's key also includes the previous stage's key, so a
+# change re-runs that stage and every later one, and reuses the earlier ones
+STAGE_FIELDS = {
+    "record": ("train_prompts", "val_prompts", "max_new_tokens", "width", "max_depth", "max_size"),
+    "grid": ("live_top",),
+    "train": ("size_steps", "depth_steps", "coadapt_steps", "rounds", "n_steps", "batch_size", "n_epochs", "pi_arch",
+              "vf_arch", "reward"),
+    "eval": ("heldout_prompts", "repeats", "temperatures", "sampled_methods"),
+    "export": (),
+}
 
 
 class DemoState:
@@ -129,14 +139,15 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
     heldout = _limit(load_suite("heldout"), budget.heldout_prompts)
-    base_key = [identity, asdict(budget), seed]
+    budget_fields = asdict(budget)
+    key = _key(identity, seed)
     timings: dict[str, float] = {}
     results: dict[str, dict] = {}
 
     stages = tqdm(STAGES, desc="specpilot demo", unit="stage")
     for stage in stages:
         stages.set_postfix_str(stage)
-        key = _key(base_key, stage)
+        key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]})
         previous = state.done(stage, key)
         if previous is not None:
             results[stage], timings[stage] = previous["result"], previous["seconds"]

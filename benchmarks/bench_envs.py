@@ -4,7 +4,7 @@
 
 1. Records a trace + latency profile (specpilot.envs.record) on a few prompts with the embedded default pair, or,
    when it is missing, a tiny random Llama pair whose draft is a noisy copy of the target (partial acceptance).
-2. Replay speed: env steps per second of ReplaySizeEnv / ReplayDepthEnv with random actions (no PPO), raw and
+2. Replay speed: env steps per second of the replay size / depth envs with random actions (no PPO), raw and
    through gymnasium.make's wrappers.
 3. Fidelity: for a few fixed (depth, size) configs, live throughput (SpeculativeDecoder.generate with a
    FixedController; tokens / (draft + verify time), as the environments count it) vs the replay prediction
@@ -50,9 +50,9 @@ def build_pair(seed: int = 0):
 
 def get_prompts(pair, kind: str, n: int, seed: int = 0) -> list:
     if kind == "default":
-        from specpilot.envs.record import load_prompts
+        from specpilot.eval.suites import load_suite
 
-        return load_prompts("train", limit=n)
+        return [p.prompt for p in load_suite("train")[:n]]
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 95, size=int(rng.integers(4, 16))).tolist() for _ in range(n)]
 
@@ -73,7 +73,7 @@ def replay_speed(env, steps: int, seed: int = 0) -> float:
 def live_run(pair, tree, prompt, depth: int, size: int, max_new_tokens: int) -> tuple[int, float, int]:
     """(tokens, draft + verify seconds, cycles) of one live generation with a fixed config."""
     from specpilot.drafting.decoder import SpeculativeDecoder
-    from specpilot.policies.base import FixedController
+    from specpilot.policies import FixedController
 
     out = SpeculativeDecoder(pair, tree).generate(prompt, controller=FixedController(depth, size),
                                                   max_new_tokens=max_new_tokens)
@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     from specpilot.drafting.types import TreeConfig
     from specpilot.envs.profile import collect_samples
     from specpilot.envs.record import record_task
-    from specpilot.envs.replay import ReplayDepthEnv, ReplayModel, ReplaySizeEnv, replay_oracle, replay_static
+    from specpilot.envs.environments import replay_depth_env, replay_size_env
+    from specpilot.envs.oracle import replay_oracle, replay_static
+    from specpilot.envs.replay import ReplayModel
 
     torch.set_num_threads(args.threads)
     pair, kind = build_pair()
@@ -119,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [s for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64) if s <= tree.max_size]
     print(f"\nreplay env speed ({args.steps} random-action steps, no PPO):")
     for name, make in (
-        ("ReplaySizeEnv  depth~U[1,D]", lambda: ReplaySizeEnv(out, size_actions=sizes,
-                                                              depth_controller=(1, tree.max_depth))),
-        ("ReplaySizeEnv  depth=4     ", lambda: ReplaySizeEnv(out, size_actions=sizes, depth_controller=4)),
-        ("ReplayDepthEnv size=8      ", lambda: ReplayDepthEnv(out, size_controller=8)),
+        ("size env  depth~U[1,D]     ", lambda: replay_size_env(out, size_actions=sizes,
+                                                                depth_controller=(1, tree.max_depth))),
+        ("size env  depth=4          ", lambda: replay_size_env(out, size_actions=sizes, depth_controller=4)),
+        ("depth env size=8           ", lambda: replay_depth_env(out, size_controller=8)),
         ("gym.make ReplaySize-v0     ", lambda: gym.make("specpilot/ReplaySize-v0", trace=out, size_actions=sizes,
                                                          depth_controller=(1, tree.max_depth))),
         ("gym.make ReplayDepth-v0    ", lambda: gym.make("specpilot/ReplayDepth-v0", trace=out,

@@ -51,15 +51,6 @@ def check_same_vocabulary(target, draft, target_tokenizer=None, draft_tokenizer=
             )
 
 
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes (first 16 hex digits), for manifests and export checks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def model_digest(model, sample: int = 65_536) -> str:
     """Content hash of a model's weights (names, shapes, and up to `sample` evenly strided values per tensor),
     independent of where it was loaded from and of the thread count: only bytes are hashed, never a floating-point

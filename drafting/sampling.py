@@ -3,7 +3,7 @@
 Every comparison between target and draft uses the distributions *actually sampled*: logits -> temperature ->
 top-k -> top-p -> softmax, the same transform the autoregressive sampler applies (`sampling_probs`).
 
-Rules implemented (see ../shared/reference/peer-decoders.md):
+Rules implemented:
 - greedy: accept a drafted token iff it equals the target's argmax at its parent;
 - deterministic tree children (drafted by top-W, no randomness): draw y ~ p at the node and descend iff y is a
   child; otherwise y is the emitted correction. Equivalent to sibling-wise acceptance with residual renormalisation

@@ -99,7 +99,6 @@ class TreeDrafter:
         self.capacity = width + (max_depth - 1) * width * width
         self.tree: DraftTree | None = None
         self.root_position = 0
-        self._frontier_positions = 0  # cache slots used by fed frontier nodes of this cycle
         self._fed: torch.Tensor | None = None  # node ids fed to the draft this cycle, in cache order
         self.last_top_prob = 1.0
         self.last_entropy = 0.0

@@ -106,9 +106,6 @@ class LatencyProfile:
     def verify_time(self, size: int, context_len: int) -> float:
         return float(self.verify_table(size, np.array([context_len]))[0, size])
 
-    def cycle_time(self, depth: int, size: int, context_len: int, n_new: int = 1) -> float:
-        return float(self.draft_table()[min(n_new, self.max_depth + 1), depth]) + self.verify_time(size, context_len)
-
     # -- noise ---------------------------------------------------------------------------------------------------------
     def draft_std(self) -> float:
         """Typical std of one draft forward (pooled over levels), for optional replay noise."""

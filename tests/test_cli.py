@@ -33,3 +33,33 @@ def test_console_script_runs():
     result = subprocess.run([sys.executable, "-m", "specpilot.cli", "--help"], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "generate" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["grid", "train", "record", "eval", "demo", "models"])
+def test_global_threads_reaches_every_command(command, monkeypatch):
+    """`specpilot --threads N CMD` runs CMD on N threads: no sub-command default may overwrite the global flag."""
+    import importlib
+
+    import torch
+
+    from specpilot.cli import COMMANDS
+
+    module = importlib.import_module(next(m for name, m, _ in COMMANDS if name == command))
+    seen = {}
+    monkeypatch.setattr(module, "run", lambda args: seen.setdefault("threads", torch.get_num_threads()) and 0)
+    before = torch.get_num_threads()
+    target = 3 if before != 3 else 2
+    try:
+        argv = {"grid": ["grid", "--traces", "x", "--out", "x"], "train": ["train", "size", "--run", "x"],
+                "record": ["record", "--out", "x"], "eval": ["eval", "--out", "x"], "demo": ["demo"],
+                "models": ["models", "build"]}[command]
+        main(["--threads", str(target)] + argv)
+    finally:
+        torch.set_num_threads(before)
+    assert seen["threads"] == target
+
+
+def test_threads_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--threads", "0", "generate", "--prompt", "x"])
+    assert exit_info.value.code == 2 and "--threads" in capsys.readouterr().err

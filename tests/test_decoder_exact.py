@@ -1,9 +1,11 @@
 """Greedy speculative output equals target-only greedy output, token for token, across tree shapes and edges."""
+import numpy as np
 import pytest
 import torch
 
 from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
 from specpilot.drafting.cache import new_cache
+from specpilot.drafting.types import DraftState
 from specpilot.policies import Controller, FixedController
 from tiny import tiny_pair
 
@@ -132,3 +134,73 @@ def test_cycle_records_time_and_default_controller():
     out = SpeculativeDecoder(tiny_pair()).generate([1, 2, 3], max_new_tokens=12)
     assert out.cycles and all(c.draft_s > 0 and c.verify_s > 0 and c.policy_s >= 0 for c in out.cycles)
     assert len(out.token_times) == len(out.tokens) and out.token_times == sorted(out.token_times)
+
+
+class _Probe(Controller):
+    """Checks, at every question, that the lazily built state equals one built eagerly from the tree's arrays."""
+
+    def __init__(self, session, depth: int, size: int) -> None:
+        self.session, self.depth, self.size, self.checked = session, depth, size, 0
+
+    def _check(self, state) -> None:
+        tree = self.session.drafter.tree
+        if state.depth == 0:
+            assert tree is None and state.num_candidates == 0 and state.level_scores.size == 0
+            return
+        scores = tree.scores[: tree.size].numpy().copy()
+        width = self.session.tree_config.width
+        start = 0 if state.depth == 1 else width + (state.depth - 2) * width * width
+        eager = DraftState(depth=state.depth, max_depth=state.max_depth, width=width, context_len=state.context_len,
+                           scores=scores, level_start=start)
+        np.testing.assert_array_equal(state.level_scores, scores[start:])          # drafting order, no sort
+        np.testing.assert_array_equal(state.frontier_scores, eager.frontier_scores)
+        np.testing.assert_array_equal(state.candidate_scores, eager.candidate_scores)  # the ranking's sort
+        np.testing.assert_array_equal(state.detached().candidate_scores, eager.candidate_scores)
+        self.checked += 1
+
+    def skip_drafting(self, state):
+        self._check(state)
+        return False
+
+    def should_stop(self, state):
+        self._check(state)
+        return state.depth >= self.depth
+
+    def choose_size(self, state):
+        self._check(state)
+        return self.size
+
+
+def test_lazy_draft_states_equal_eager_ones():
+    from specpilot.drafting.cycle import run_cycle
+
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.5), TreeConfig(width=3, max_depth=4, max_size=20))
+    session = decoder.start([1, 2, 3], max_new_tokens=24)
+    probe = _Probe(session, depth=3, size=7)
+    while not session.done:
+        run_cycle(session, probe)
+    assert probe.checked > 10
+
+
+def test_plain_steps_interleaved_with_speculation_stay_exact():
+    """A controller that skips drafting every other cycle: the drafter falls behind and catches up exactly."""
+
+    class Alternate(FixedController):
+        def reset(self):
+            self.turn = 0
+
+        def skip_drafting(self, state):
+            self.turn += 1
+            return self.turn % 2 == 0
+
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    for prompt in PROMPTS:
+        ref = autoregressive_generate(pair, prompt, max_new_tokens=30)
+        out = decoder.generate(prompt, controller=Alternate(3, 6), max_new_tokens=30)
+        assert out.tokens == ref.tokens
+        depths = [c.depth for c in out.cycles]
+        assert 0 in depths and max(depths) == 3
+        assert all(c.emitted == 1 and c.size == 0 and c.draft_s == 0 for c in out.cycles if c.depth == 0)
+        fed = [c.fed for c in out.cycles if c.depth]
+        assert max(fed) > 1  # after a plain step the drafter catches up on more than the bonus token

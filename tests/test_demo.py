@@ -1,4 +1,5 @@
 """The main job end to end: every demo stage on a tiny saved pair (fast), and `specpilot demo --quick` (slow)."""
+import dataclasses
 import json
 
 import pytest
@@ -28,6 +29,15 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     state = json.loads((run / "demo_state.json").read_text())
     assert set(state) == {"record", "grid", "train", "eval", "export"}
     assert again["methods"].keys() == summary["methods"].keys()
+    assert capsys.readouterr().out.count("reused") == 5
+    # a training budget change re-runs training and what follows, and reuses the recording and the grid
+    changed = dataclasses.replace(TINY, size_steps=TINY.size_steps + 128)
+    run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=changed,
+             wandb="disabled")
+    out = capsys.readouterr().out
+    assert "[record] reused" in out and "[grid] reused" in out
+    assert all(f"[{stage}] reused" not in out for stage in ("train", "eval", "export"))
+    assert json.loads((run / "demo_state.json").read_text())["record"] == state["record"]
 
 
 @pytest.mark.slow

@@ -46,12 +46,15 @@ def test_dinkelbach_prefers_the_higher_long_run_throughput():
     assert b > a
 
 
-@pytest.mark.parametrize("name", ["throughput", "dinkelbach", "acceptance", "time"])
-def test_make_reward_by_name(name):
-    reward = make_reward(name)
+@pytest.mark.parametrize("name,first,second", [("throughput", 100.0, 50.0), ("acceptance", 2.0, 1.0),
+                                               ("time", -1.0, -1.0), ("dinkelbach", 0.0, -0.5)])
+def test_make_reward_by_name(name, first, second):
+    """Each reward's value on two known cycles: 2 tokens in 20 ms, then 1 token in 20 ms."""
+    reward = make_reward(name, **({} if name in ("throughput", "acceptance") else {"rate": 1.0}))
     assert reward.name == name
     reward.reset()
-    assert isinstance(reward(rec(2, 0.01, 0.01)), float)
+    assert reward(rec(2, 0.01, 0.01)) == pytest.approx(first)
+    assert reward(rec(1, 0.01, 0.01)) == pytest.approx(second)
 
 
 def test_make_reward_rejects_unknown():

@@ -67,20 +67,28 @@ def _target_law(target, prompt, steps, sampling):
     return law
 
 
-@pytest.mark.parametrize("width,depth,size,sampling", [
-    (1, 3, 3, (1.0, 0, 1.0)),     # sampled chain, Leviathan rule
-    (2, 3, 8, (0.7, 4, 0.9)),     # tree with temperature, top-k and top-p
-    pytest.param(3, 2, 6, (1.0, 0, 1.0), marks=pytest.mark.slow),   # deterministic top-W tree
-    pytest.param(1, 2, 2, (1.3, 0, 0.8), marks=pytest.mark.slow),   # chain with top-p
-])
-def test_decoder_samples_target_law(width, depth, size, sampling):
-    vocab, steps, n = 6, 2, 3000
-    target = tiny_model(vocab=vocab, hidden=16, layers=1, eos=None, sharpness=2.0, seed=3)
-    pair = ModelPair(target, noisy_copy(target, 1.0, seed=4))   # a poor draft: many rejections
+class _AlternateSkip(FixedController):
+    """Skips drafting every other cycle: plain target steps interleaved with speculative ones."""
+
+    def reset(self):
+        self.turn = 0
+
+    def skip_drafting(self, state):
+        self.turn += 1
+        return self.turn % 2 == 1
+
+
+def _tv_against_target_law(width, depth, size, sampling, *, controller=None, n=3000, steps=2):
+    """(total-variation distance of n sampled continuations from the exact target law, its concentration bound)."""
+    vocab = 6
+    # a peaked target and a poor draft (first-token TV(p, q) ~ 0.3): many rejections, so the correction matters;
+    # the naive rule's law is ~0.13 away in TV at the first token alone
+    target = tiny_model(vocab=vocab, hidden=16, layers=1, eos=None, sharpness=4.0, seed=3)
+    pair = ModelPair(target, noisy_copy(target, 2.0, seed=4))
     prompt = [1, 2]
     law = _target_law(target, prompt, steps, sampling)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size))
-    controller = FixedController(depth, size)
+    controller = controller or FixedController(depth, size)
     counts = dict.fromkeys(law, 0)
     temperature, top_k, top_p = sampling
     for seed in range(n):
@@ -89,5 +97,33 @@ def test_decoder_samples_target_law(width, depth, size, sampling):
         counts[tuple(out.tokens)] += 1
     tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
     # E[TV] <= 0.5 * sqrt(K / n) (Jensen), and TV concentrates: P(TV - E[TV] > t) <= exp(-2 n t^2) (McDiarmid).
-    bound = 0.5 * math.sqrt(len(law) / n) + 0.035
+    return tv, 0.5 * math.sqrt(len(law) / n) + 0.035
+
+
+@pytest.mark.parametrize("width,depth,size,sampling", [
+    (1, 3, 3, (1.0, 0, 1.0)),     # sampled chain, Leviathan rule
+    (2, 3, 8, (0.7, 4, 0.9)),     # tree with temperature, top-k and top-p
+    pytest.param(3, 2, 6, (1.0, 0, 1.0), marks=pytest.mark.slow),   # deterministic top-W tree
+    pytest.param(1, 2, 2, (1.3, 0, 0.8), marks=pytest.mark.slow),   # chain with top-p
+])
+def test_decoder_samples_target_law(width, depth, size, sampling):
+    tv, bound = _tv_against_target_law(width, depth, size, sampling)
     assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
+
+
+def test_plain_steps_interleaved_keep_the_target_law():
+    tv, bound = _tv_against_target_law(1, 3, 3, (1.0, 0, 1.0), controller=_AlternateSkip(3, 3), steps=3, n=4000)
+    assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
+
+
+def test_negative_control_the_naive_rule_fails_the_same_check(monkeypatch):
+    """The check can fail: with "resample from p on rejection" the same TV test must reject the decoder."""
+    import specpilot.drafting.verify as verify
+
+    def naive(p, q, token, generator):
+        ok, _ = accept_or_correct(p, q, token, generator)
+        return (True, None) if ok else (False, int(torch.multinomial(p, 1, generator=generator)))
+
+    monkeypatch.setattr(verify, "accept_or_correct", naive)
+    tv, bound = _tv_against_target_law(1, 3, 3, (1.0, 0, 1.0))
+    assert tv >= bound, f"the naive rule passed: TV {tv:.4f} < {bound:.4f}"

@@ -13,12 +13,12 @@ from specpilot.drafting.types import DraftState
 from specpilot.envs.spaces import observation_space
 from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.ppo import PolicyLoadError, PPOController, load_run_controllers
+from specpilot.policies.exported import file_sha256
 from specpilot.train.logging import CycleMetricsCallback, RunLogger, resolve_wandb_mode
 from specpilot.train.ppo import (
     CheckpointError,
     read_progress,
     settings_for,
-    sha256_file,
     train_policy,
     update_manifest,
     write_policies_index,
@@ -129,7 +129,7 @@ def test_corrupted_progress_file_gives_clear_error(tmp_path):
 def test_manifest_merges_sections(tmp_path):
     weights = tmp_path / "w.bin"
     weights.write_bytes(b"abc")
-    update_manifest(tmp_path, config={"a": 1}, models={"target": {"sha256": sha256_file(weights)}})
+    update_manifest(tmp_path, config={"a": 1}, models={"target": {"sha256": file_sha256(weights)}})
     manifest = update_manifest(tmp_path, config={"b": 2}, seeds={"train": 0})
     assert manifest["config"] == {"a": 1, "b": 2} and manifest["seeds"] == {"train": 0}
     assert manifest["models"]["target"]["sha256"].startswith("ba7816bf")

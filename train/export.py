@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ from specpilot.policies.engine_configs import write_engine_configs
 from specpilot.policies.exported import (CONFIG_FILE, DEPTH_ACTIONS, FORMAT_NAME, FORMAT_VERSION, ExportedController,
                                          file_sha256, probe_observation)
 from specpilot.policies.observation import ObservationSpec
+from specpilot.train.ppo import library_versions, write_json
 from specpilot.train.export_checks import (agreement, decision_latency_us, record_choices_live, record_choices_replay,
                                            synthetic_states)
 
@@ -160,18 +159,6 @@ def _recorded_pair(identity: dict, run_dir: Path, log):
         return None
 
 
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("specpilot", "torch", "safetensors", "numpy", "gymnasium", "transformers", "stable-baselines3"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
 def _export_onnx(actor: Actor, path: Path) -> str | None:
     """ONNX graph of the actor's logits (input "observation" [batch, dim] -> "logits"); None without onnx."""
     try:
@@ -190,12 +177,6 @@ def _export_onnx(actor: Actor, path: Path) -> str | None:
         raise ExportError(f"ONNX export of {path.name} failed ({type(err).__name__}: {err}); install "
                           "'specpilot[onnx]' (and onnxscript for torch >= 2.9), or export without --onnx") from err
     return path.name
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def _export_policy(kind: str, entry: dict, run_dir: Path, out_dir: Path, onnx: bool, log) -> tuple:
@@ -326,10 +307,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
                  "size_actions": size_actions},
         "observation": {"module": "specpilot.policies.observation", "depth": "last level's scores, drafting order",
                         "size": "top candidate scores, sorted", "spec_version": spec0.version},
-        "pair": identity, "policies": policies, "engine_configs": engines, "versions": _versions(),
+        "pair": identity, "policies": policies, "engine_configs": engines, "versions": library_versions(),
         "measured": measured,
     }
-    _write_json(out_dir / CONFIG_FILE, meta)
+    write_json(out_dir / CONFIG_FILE, meta)
     return meta
 
 

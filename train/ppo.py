@@ -148,11 +148,12 @@ def settings_for(kind: str, **overrides) -> PPOSettings:
 # manifest and policies index
 
 
-def _versions() -> dict[str, str]:
+def library_versions() -> dict[str, str]:
+    """Versions of Python and the libraries a run's numbers depend on (manifests, exports)."""
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for pkg in ("specpilot", "torch", "stable-baselines3", "gymnasium", "numpy", "transformers"):
+    for pkg in ("specpilot", "torch", "transformers", "safetensors", "numpy", "gymnasium", "stable-baselines3"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
@@ -160,23 +161,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     """Atomic write: a crash mid-write never leaves a truncated JSON file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
     os.replace(tmp, path)
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file (for the manifest's models section: which weights a run was trained against)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def update_manifest(run_dir: str | Path, **sections: Any) -> dict:
@@ -189,8 +179,8 @@ def update_manifest(run_dir: str | Path, **sections: Any) -> dict:
             manifest[key].update(value)
         else:
             manifest[key] = value
-    manifest["versions"] = _versions()
-    _write_json(path, manifest)
+    manifest["versions"] = library_versions()
+    write_json(path, manifest)
     return manifest
 
 
@@ -229,7 +219,7 @@ def write_policies_index(
             raise ValueError("write_policies_index: a size policy needs its size ObservationSpec and size_actions")
         index["size"] = {"path": rel(size), "spec": size_spec.to_dict(), "size_actions": [int(v) for v in size_actions]}
     path = run_dir / "policies.json"
-    _write_json(path, index)
+    write_json(path, index)
     return path
 
 
@@ -299,7 +289,7 @@ class _StageCallback(BaseCallback):
 
     def _save_best(self, score: float | None) -> None:
         self.model.save(self.stage_dir / "best.zip")
-        _write_json(self.stage_dir / "best.json", {"score": score, "timesteps": self.num_timesteps,
+        write_json(self.stage_dir / "best.json", {"score": score, "timesteps": self.num_timesteps,
                                                    "stage": self.stage, "time": time.time()})
 
     def save_checkpoint(self) -> Path:
@@ -319,7 +309,7 @@ class _StageCallback(BaseCallback):
         if vec_norm is not None:
             vec_name = f"step_{done:010d}_vecnormalize.pkl"
             vec_norm.save(str(self.ckpt_dir / vec_name))
-        _write_json(self.ckpt_dir / PROGRESS_FILE, {
+        write_json(self.ckpt_dir / PROGRESS_FILE, {
             "timesteps_done": done, "total_timesteps": self.settings.total_timesteps,
             "checkpoint": zip_path.name, "vecnormalize": vec_name, "last_eval": self.last_eval,
             "settings": asdict(self.settings), "time": time.time()})
