@@ -79,6 +79,54 @@ def _as_list(traces) -> list:
     return list(traces)
 
 
+def _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress) -> tuple[list[dict], dict, dict]:
+    """Every (depth, size) cell of one trace under replay: (table rows, ceilings, source description)."""
+    trace = load_trace(item)
+    model = ReplayModel(trace, load_profile(profile, trace), max_new_tokens=max_new_tokens)
+    width = trace.width
+    cell_depths = sorted({int(d) for d in (range(0, trace.max_depth + 1) if depths is None else depths)
+                          if 0 <= int(d) <= trace.max_depth})
+    cell_sizes = sorted({min(int(s), trace.max_size) for s in (sizes or default_sizes(trace)) if int(s) >= 1})
+    if not cell_depths or not cell_sizes:
+        raise ValueError(f"empty grid for the width-{width} trace: depths {depths} / sizes {sizes} fall outside "
+                         f"0..{trace.max_depth} / 1..{trace.max_size}")
+    result = replay_oracle(model, depths=cell_depths, sizes=cell_sizes)
+    ar = replay_ar(model)
+    rows: list[dict] = []
+    for row in result["static"]:
+        if row["depth"] == 0:  # a plain step verifies nothing: one cell, whatever the size
+            if any(r["depth"] == 0 for r in rows):
+                continue
+            row = {**row, "size": 0}
+        rows.append({"width": width, **row, "speedup": row["tokens_per_s"] / ar["tokens_per_s"]})
+    ceilings = {"oracle": result["oracle"], "greedy_oracle": result["greedy_oracle"], "ar": ar,
+                "max_depth": trace.max_depth, "max_size": trace.max_size}
+    source = {"trace": str(trace.path) if trace.path else None, "width": width, "max_depth": trace.max_depth,
+              "max_size": trace.max_size, "pair": trace.header.get("pair"), "device": trace.header.get("device"),
+              "positions": trace.header.get("positions"), "max_new_tokens": model.max_new_tokens,
+              "depths": cell_depths, "sizes": cell_sizes}
+    if progress:
+        best = result["best_static"]
+        print(f"  replay grid W={width}: {len(rows)} cells, best d={best['depth']} V={best['size']} "
+              f"{best['tokens_per_s']:.1f} tok/s (oracle {result['oracle']['tokens_per_s']:.1f})", flush=True)
+    return rows, ceilings, source
+
+
+def _live_phase(table: list[dict], sources: list[dict], pair, val_prompts, *, live_top: int, repeats: int,
+                max_new_tokens: int | None, warmup: int, progress: bool) -> tuple[list[dict], dict]:
+    """The top `live_top` replay cells re-measured live on the validation prompts (with AR alongside)."""
+    top = table[:live_top]
+    max_dims = {s["width"]: (s["max_depth"], s["max_size"]) for s in sources}
+    configs = [{**{k: r[k] for k in ("width", "depth", "size")}, "max_depth": max_dims[r["width"]][0],
+                "max_size": max_dims[r["width"]][1]} for r in top]
+    rows, ar = measure_live(pair, configs, val_prompts, max_new_tokens=max_new_tokens or sources[0]["max_new_tokens"],
+                            repeats=repeats, warmup=warmup, progress=progress)
+    for row, rep in zip(rows, top):
+        row["replay_tokens_per_s"] = rep["tokens_per_s"]
+        row["replay_rank"] = table.index(rep) + 1
+    return rows, ar
+
+
 def grid_search(
     traces: str | Path | Trace | Sequence[str | Path | Trace],
     *,
@@ -100,7 +148,8 @@ def grid_search(
 
     traces: one trace (dir / trace.npz / Trace) per beam width, recorded on the *training* task; each carries its
         profile.json unless `profile` is given (only sensible with one trace).
-    depths: default 0..max_depth of each trace (0: plain target steps, never drafting); sizes: default `default_sizes(trace)` (clipped to max_size).
+    depths: default 0..max_depth of each trace (0: plain target steps, never drafting); sizes: default
+        `default_sizes(trace)` (clipped to max_size).
     pair, val_prompts: the live phase (skipped when either is missing or live_top == 0). val_prompts must be
         validation prompts (never held-out ones: the result selects a baseline).
     live_max_new_tokens: default the trace's max_new_tokens.
@@ -111,58 +160,22 @@ def grid_search(
     oracle: dict[str, dict] = {}
     sources: list[dict] = []
     for item in _as_list(traces):
-        trace = load_trace(item)
-        model = ReplayModel(trace, load_profile(profile, trace), max_new_tokens=max_new_tokens)
-        width = trace.width
-        if str(width) in oracle:
-            raise ValueError(f"two traces with width {width}: give one trace per width")
-        cell_depths = sorted({int(d) for d in (range(0, trace.max_depth + 1) if depths is None else depths)
-                              if 0 <= int(d) <= trace.max_depth})
-        cell_sizes = sorted({min(int(s), trace.max_size) for s in (sizes or default_sizes(trace)) if int(s) >= 1})
-        if not cell_depths or not cell_sizes:
-            raise ValueError(f"empty grid for the width-{width} trace: depths {depths} / sizes {sizes} fall outside "
-                             f"1..{trace.max_depth} / 1..{trace.max_size}")
-        result = replay_oracle(model, depths=cell_depths, sizes=cell_sizes)
-        ar = replay_ar(model)
-        for row in result["static"]:
-            if row["depth"] == 0:  # a plain step verifies nothing: one cell, whatever the size
-                if any(r["width"] == width and r["depth"] == 0 for r in table):
-                    continue
-                row = {**row, "size": 0}
-            table.append({"width": width, **row, "speedup": row["tokens_per_s"] / ar["tokens_per_s"]})
-        oracle[str(width)] = {"oracle": result["oracle"], "greedy_oracle": result["greedy_oracle"], "ar": ar,
-                              "max_depth": trace.max_depth, "max_size": trace.max_size}
-        sources.append({"trace": str(trace.path) if trace.path else None, "width": width,
-                        "max_depth": trace.max_depth, "max_size": trace.max_size, "pair": trace.header.get("pair"),
-                        "device": trace.header.get("device"), "positions": trace.header.get("positions"),
-                        "max_new_tokens": model.max_new_tokens, "depths": cell_depths, "sizes": cell_sizes})
-        if progress:
-            best = result["best_static"]
-            print(f"  replay grid W={width}: {len(result['static'])} cells, best d={best['depth']} "
-                  f"V={best['size']} {best['tokens_per_s']:.1f} tok/s (oracle {result['oracle']['tokens_per_s']:.1f})",
-                  flush=True)
+        rows, oracle_w, source = _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress)
+        if str(source["width"]) in oracle:
+            raise ValueError(f"two traces with width {source['width']}: give one trace per width")
+        table += rows
+        oracle[str(source["width"])], sources = oracle_w, sources + [source]
     table.sort(key=lambda r: -r["tokens_per_s"])
-    replay_best = table[0]
-
-    live_rows: list[dict] = []
-    live_ar = None
+    live_rows, live_ar = [], None
     if pair is not None and val_prompts and live_top > 0:
-        top = table[: live_top]
-        max_dims = {s["width"]: (s["max_depth"], s["max_size"]) for s in sources}
-        configs = [{**{k: r[k] for k in ("width", "depth", "size")}, "max_depth": max_dims[r["width"]][0],
-                    "max_size": max_dims[r["width"]][1]} for r in top]
-        live_rows, live_ar = measure_live(
-            pair, configs, val_prompts, max_new_tokens=live_max_new_tokens or sources[0]["max_new_tokens"],
-            repeats=live_repeats, warmup=live_warmup, progress=progress)
-        for row, rep in zip(live_rows, top):
-            row["replay_tokens_per_s"] = rep["tokens_per_s"]
-            row["replay_rank"] = table.index(rep) + 1
+        live_rows, live_ar = _live_phase(table, sources, pair, val_prompts, live_top=live_top,
+                                         repeats=live_repeats, max_new_tokens=live_max_new_tokens,
+                                         warmup=live_warmup, progress=progress)
         chosen = max(live_rows, key=lambda r: r["tokens_per_s"])
         best = {k: chosen[k] for k in ("width", "depth", "size")}
         best.update(source="live", live_tokens_per_s=chosen["tokens_per_s"], live_speedup=chosen.get("speedup"))
     else:
-        best = {k: replay_best[k] for k in ("width", "depth", "size")}
-        best["source"] = "replay"
+        best = {**{k: table[0][k] for k in ("width", "depth", "size")}, "source": "replay"}
     rb = next(r for r in table if (r["width"], r["depth"], r["size"]) == (best["width"], best["depth"], best["size"]))
     best.update(replay_tokens_per_s=rb["tokens_per_s"], replay_speedup=rb["speedup"],
                 mean_accepted_length=rb["mean_accepted_length"])
