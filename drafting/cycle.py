@@ -4,6 +4,8 @@ A session is one prompt's generation advanced step by step. `DecodingSession` (l
 `ReplaySession` (a recorded trace and a latency profile, envs/replay.py) implement the same protocol:
 
     session.done                  the generation finished (EOS or max_new_tokens)
+    session.can_draft             (optional, default True) False when nothing can be drafted this cycle (an EAGLE
+                                  head before the target has produced any feature): a plain step, no questions
     session.max_depth             most draft levels in one cycle
     session.clock.now()           the clock decisions are timed with
     session.cycle_state()         the DraftState before drafting (depth 0)
@@ -55,7 +57,7 @@ def check_size(size: Any, who: str = "the controller") -> int:
 
 def cycle_steps(session: Session) -> Generator[Question, Any, CycleRecord]:
     """One cycle as questions (see the module docstring); returns the cycle's CycleRecord."""
-    if (yield SKIP, session.cycle_state()):
+    if not getattr(session, "can_draft", True) or (yield SKIP, session.cycle_state()):
         return session.verify(0)
     state = session.draft_level()
     while state.depth < session.max_depth:
@@ -73,8 +75,13 @@ def run_cycle(session: Session, depth_controller, size_controller=None) -> Cycle
     size_controller = depth_controller if size_controller is None else size_controller
     clock = session.clock
     steps = cycle_steps(session)
-    question, state = next(steps)
+    answer = None
     while True:
+        try:
+            question, state = steps.send(answer)  # the first send(None) starts the cycle
+        except StopIteration as end:
+            record = end.value
+            break
         t0 = clock.now()
         if question == STOP:
             answer = bool(depth_controller.should_stop(state))
@@ -85,11 +92,6 @@ def run_cycle(session: Session, depth_controller, size_controller=None) -> Cycle
             if isinstance(answer, bool) or not hasattr(answer, "__index__") or int(answer) < 1:
                 check_size(answer, f"{type(size_controller).__name__}.choose_size")
         session.add_policy_time(clock.now() - t0)
-        try:
-            question, state = steps.send(answer)
-        except StopIteration as end:
-            record = end.value
-            break
     t0 = clock.now()
     depth_controller.observe(record)
     if size_controller is not depth_controller:

@@ -20,6 +20,7 @@ import torch
 from specpilot.drafting.cache import cache_length, keep_positions, new_cache
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
+from specpilot.drafting.drafters import make_drafter, target_features
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sampling_probs
 from specpilot.drafting.timing import Clock
@@ -44,7 +45,7 @@ def _check_context(pair: ModelPair, prompt_len: int, max_new_tokens: int, lookah
     if prompt_len < 1:
         raise ValueError("the prompt is empty: give at least one token")
     need = prompt_len + max_new_tokens + lookahead
-    limit = min(pair.max_context, int(getattr(pair.draft.config, "max_position_embeddings", need)))
+    limit = pair.max_context
     if need > limit:
         raise ValueError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
@@ -85,9 +86,12 @@ class DecodingSession:
         self.token_times: list[float] = []
         self.finished_by: str | None = None
         self.acceptance = 1.0
-        self.drafter = TreeDrafter(pair.draft, tree.width, tree.max_depth,
+        self.drafter = TreeDrafter(make_drafter(pair), tree.width, tree.max_depth,
                                    sample_chain=tree.width == 1 and self.sampling is not None)
+        self.needs_features = self.drafter.drafter.needs_features
         self.target_cache = new_cache(pair.target)
+        self._features: torch.Tensor | None = None  # EAGLE: target features of positions _features_at.. (fused)
+        self._features_at = 0
         self._draft_s = self._policy_s = 0.0
         self._level_s: list[float] = []
         self._fed = 0
@@ -100,9 +104,36 @@ class DecodingSession:
             t0 = self.clock.now()
             if len(prompt) > 1:
                 ids = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)
-                self.pair.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1)
-                self.drafter.prefill(prompt[:-1])
+                out = self.pair.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1,
+                                       output_hidden_states=self.needs_features)
+                self._keep_features(out, None, 0)
+                self.drafter.prefill(prompt[:-1], self._features_for(prompt[:-1]))
             return self.clock.now() - t0
+
+    # -- target features for an EAGLE drafter ---------------------------------------------------------------------
+    def _keep_features(self, out, rows, position: int) -> None:
+        """Append the fused features of the target forward's `rows` (all when None), the first at `position`."""
+        if not self.needs_features:
+            return
+        new = target_features(self.pair, out.hidden_states, rows)
+        if self._features is None:
+            self._features, self._features_at = new, position
+        else:
+            assert position == self._features_at + self._features.shape[0], "features must stay contiguous"
+            self._features = torch.cat([self._features, new])
+
+    def _features_for(self, tokens: list[int]) -> torch.Tensor | None:
+        """Features the drafter needs to feed these next committed tokens (each entry reads the feature of the
+        token before it), then forget the ones no later token needs."""
+        if not self.needs_features:
+            return None
+        # entry for committed token j reads the feature at position j - 1: the last of these tokens (index `end`)
+        # reads end - 1, the first of the n with an entry reads end - n; the next token will read `end`
+        end = self.drafter.committed + len(tokens) - 1
+        at = self._features_at
+        rows = self._features[end - self.drafter.entries(tokens) - at: end - at]
+        self._features, self._features_at = self._features[end - at:], end
+        return rows
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
@@ -144,6 +175,11 @@ class DecodingSession:
             prev_accepted=prev.accepted if prev else 0, prev_depth=prev.depth if prev else 0,
             acceptance=self.acceptance)
 
+    @property
+    def can_draft(self) -> bool:
+        """False only for an EAGLE drafter whose whole context is one token (no target feature yet)."""
+        return self.drafter.can_start(len(self.committed) - self.drafter.committed)
+
     def cycle_state(self) -> DraftState:
         """The state before this cycle's first draft forward (depth 0)."""
         if self.done:
@@ -160,7 +196,7 @@ class DecodingSession:
             if self.drafter.tree is None:
                 unseen = self.committed[self.drafter.committed:]
                 self._fed = len(unseen)
-                self.drafter.start_cycle(unseen, self.sampling, self.generator)
+                self.drafter.start_cycle(unseen, self.sampling, self.generator, self._features_for(unseen))
             else:
                 if self.drafter.tree.depth >= self.max_depth:
                     raise RuntimeError(f"cannot draft past max_depth={self.max_depth}; call verify()")
@@ -208,8 +244,11 @@ class DecodingSession:
             cache_len = cache_length(self.target_cache)
             block = select_block(tree, size, self.committed[-1])
             inputs = block_inputs(tree, block, cache_len, len(self.committed) - 1, self.device)
-            logits = self.pair.target(**inputs, cache=self.target_cache, use_cache=True).logits[0]
+            out = self.pair.target(**inputs, cache=self.target_cache, use_cache=True,
+                                   output_hidden_states=self.needs_features)
+            logits = out.logits[0]
             path, bonus = self._accept(tree, block, logits)
+            self._keep_features(out, [0] + path, len(self.committed) - 1)  # the root's and the accepted nodes
             emitted = [block.tokens[i] for i in path] + [bonus]
             # keep the root and the accepted path's entries, compacted; the bonus becomes the next root
             kept = torch.tensor([cache_len + i for i in [0] + path], dtype=torch.long, device=self.device)
@@ -262,7 +301,8 @@ class DecodingSession:
 
 
 class SpeculativeDecoder:
-    """Exact tree speculative decoding of `pair.target` with `pair.draft`, steered by a Controller.
+    """Exact tree speculative decoding of `pair.target` with the pair's drafter (its EAGLE-3 head, else its draft LM),
+    steered by a Controller.
 
     Greedy output equals the target's greedy output token for token; sampled output follows the target's law
     (temperature, top-k, top-p applied identically to both models).

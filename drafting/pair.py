@@ -1,8 +1,10 @@
-"""ModelPair: a target and a draft causal LM that share one vocabulary, plus their tokenizer.
+"""ModelPair: a target causal LM and its drafter (a separate LM sharing its vocabulary, or an EAGLE-3 head reading
+its hidden states), plus their tokenizer.
 
-`ModelPair.from_pretrained()` with no arguments loads the small code-model pair embedded in the package
-(built by `specpilot models build`); `ModelPair.from_pretrained(target=..., draft=...)` loads any pair of
-`AutoModelForCausalLM` checkpoints (hub ids or local paths) and refuses pairs whose vocabularies differ.
+`ModelPair.from_pretrained()` with no arguments loads the small code-model target embedded in the package with its
+faster embedded drafter (built by `specpilot models build`); `from_pretrained(target=..., draft=...)` loads any pair
+of `AutoModelForCausalLM` checkpoints (hub ids or local paths) and refuses pairs whose vocabularies differ;
+`from_pretrained(target=..., eagle=HEAD_DIR)` loads a released EAGLE-3 head and refuses one that does not fit.
 """
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ from pathlib import Path
 import torch
 
 DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
+# The embedded drafter `ModelPair.from_pretrained()` uses: the EAGLE-3 head when it is shipped (it measured faster
+# than the separate draft on the embedded target: see README, "The embedded pair"), else the separate draft.
+DEFAULT_DRAFTER = "eagle" if (DEFAULT_PAIR_DIR / "eagle" / "config.json").exists() else "draft"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
 
 
 class VocabularyMismatchError(ValueError):
@@ -29,6 +36,16 @@ def default_dtype(device: str) -> torch.dtype:
     if str(device).startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def _dtype(dtype, device: str) -> torch.dtype:
+    if dtype is None:
+        return default_dtype(device)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return dtype
 
 
 def _vocab_size(model) -> int:
@@ -66,40 +83,93 @@ def model_digest(model, sample: int = 65_536) -> str:
     return h.hexdigest()[:16]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    """A folder with tokenizer files (transformers builds an empty tokenizer from a folder without them)."""
+    return folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES)
+
+
 def _load_tokenizer(explicit, model_path):
     """The explicit tokenizer, else the one beside the model (its folder, or a sibling `tokenizer/` folder), else
     None: a checkpoint shipped without tokenizer files still works on token ids."""
     from transformers import AutoTokenizer
 
     if explicit is not None:
-        return AutoTokenizer.from_pretrained(str(explicit))
-    candidates = [str(model_path)]
-    if Path(str(model_path)).is_dir():
-        candidates.append(str(Path(str(model_path)).parent / "tokenizer"))
-    for candidate in candidates:
-        try:
-            return AutoTokenizer.from_pretrained(candidate)
-        except (OSError, ValueError):
-            continue
-    return None
+        return AutoTokenizer.from_pretrained(str(_checked_source(explicit, "tokenizer")))
+    local = Path(str(model_path))
+    if local.exists():
+        for folder in (local, local.parent / "tokenizer"):
+            if _has_tokenizer(folder):
+                return AutoTokenizer.from_pretrained(str(folder))
+        return None
+    try:  # a hub id
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except (OSError, ValueError):
+        return None
+
+
+def _checked_source(source, what: str):
+    """A local path that exists, or something shaped like a hub id ("org/name"); else a clear FileNotFoundError."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    parts = text.split("/")
+    looks_like_hub_id = len(parts) == 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text
+    if not looks_like_hub_id:
+        raise FileNotFoundError(f"{what} path {text!r} does not exist (give a local folder or a hub id like "
+                                "'org/name')")
+    return text
+
+
+def _load_lm(source, what: str, dtype):
+    from transformers import AutoModelForCausalLM
+
+    source = _checked_source(source, what)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    except OSError as err:
+        where = "the local folder" if isinstance(source, Path) else "the hub (offline here?)"
+        raise FileNotFoundError(f"cannot load the {what} model {str(source)!r} from {where}: "
+                                f"{str(err).splitlines()[0]}") from err
 
 
 @dataclass
 class ModelPair:
-    """A target/draft pair on one device. `target` and `draft` are Hugging Face causal LMs; `tokenizer` is
-    the shared transformers tokenizer (optional when callers pass token ids)."""
+    """A target and its drafter on one device. `target` is a Hugging Face causal LM; the drafter is either `draft`,
+    a separate causal LM sharing the target's vocabulary, or `eagle`, an EAGLE-3 head reading the target's hidden
+    states (`specpilot.drafting.eagle.Eagle3Head`); the decoder uses the head when there is one. `tokenizer` is the
+    shared transformers tokenizer (optional when callers pass token ids)."""
 
     target: torch.nn.Module
-    draft: torch.nn.Module
+    draft: torch.nn.Module | None = None
     tokenizer: object | None = None
     name: str = "custom"
+    eagle: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
-        check_same_vocabulary(self.target, self.draft)
+        if self.draft is None and self.eagle is None:
+            raise ValueError("a ModelPair needs a drafter: draft= (a causal LM) or eagle= (an EAGLE-3 head)")
         self.target.eval()
-        self.draft.eval()
-        if self.device != next(self.draft.parameters()).device:
-            raise ValueError("target and draft must live on the same device; move both with pair.to(device)")
+        for name, module in (("draft", self.draft), ("eagle", self.eagle)):
+            if module is None:
+                continue
+            module.eval()
+            if self.device != next(module.parameters()).device:
+                raise ValueError(f"target and {name} must live on the same device; move them with pair.to(device)")
+        if self.draft is not None:
+            check_same_vocabulary(self.target, self.draft)
+        if self.eagle is not None:
+            from specpilot.drafting.eagle import check_fits_target
+
+            check_fits_target(self.eagle.config, self.target)
+
+    @property
+    def drafter_kind(self) -> str:
+        """"eagle3" (an EAGLE-3 head drafts) or "draft_lm" (a separate LM drafts)."""
+        return "eagle3" if self.eagle is not None else "draft_lm"
 
     @property
     def device(self) -> torch.device:
@@ -122,21 +192,29 @@ class ModelPair:
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.target.config, "max_position_embeddings", 1 << 30))
+        """Positions both models can take (an EAGLE head's RoPE extends: only the target and a draft LM limit)."""
+        limits = [getattr(m.config, "max_position_embeddings", None) for m in (self.target, self.draft)
+                  if m is not None]
+        return int(min([v for v in limits if v] or [1 << 30]))
 
     def to(self, device=None, dtype=None) -> "ModelPair":
-        self.target.to(device=device, dtype=dtype)
-        self.draft.to(device=device, dtype=dtype)
+        for module in (self.target, self.draft, self.eagle):
+            if module is not None:
+                module.to(device=device, dtype=dtype)
         return self
 
     def identity(self) -> dict:
-        """Names and content hashes, for manifests, reports and export validation."""
+        """Names and content hashes, for manifests, reports and export validation ("draft"/"draft_hash" name the
+        drafter in use: the EAGLE-3 head when there is one)."""
+        drafter = self.eagle if self.eagle is not None else self.draft
+        source = getattr(drafter, "source", None) or getattr(getattr(drafter, "config", None), "_name_or_path", "")
         return {
             "name": self.name,
             "target": getattr(self.target.config, "_name_or_path", "") or "in-memory",
-            "draft": getattr(self.draft.config, "_name_or_path", "") or "in-memory",
+            "draft": str(source or "in-memory"),
+            "drafter": self.drafter_kind,
             "target_hash": model_digest(self.target),
-            "draft_hash": model_digest(self.draft),
+            "draft_hash": model_digest(drafter),
             "vocab_size": self.vocab_size,
         }
 
@@ -161,35 +239,52 @@ class ModelPair:
         target: str | Path | None = None,
         draft: str | Path | None = None,
         *,
+        eagle: str | Path | None = None,
         tokenizer: str | Path | None = None,
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
     ) -> "ModelPair":
-        """Load a pair. No arguments: the embedded default pair. Otherwise both `target` and `draft` are needed."""
-        from transformers import AutoModelForCausalLM
-
-        if target is None and draft is None:
+        """Load a target and one drafter: `draft` (a causal LM: hub id or path) or `eagle` (an EAGLE-3 head folder
+        in the released layout). With no arguments: the embedded target with its faster embedded drafter
+        (`DEFAULT_DRAFTER`); draft="embedded" / eagle="embedded" pick the embedded one explicitly."""
+        if draft is not None and eagle is not None:
+            raise ValueError("give draft= (a separate LM) or eagle= (an EAGLE-3 head), not both")
+        device = device or default_device()
+        dtype = _dtype(dtype, device)
+        embedded = target is None
+        if embedded:
             root = DEFAULT_PAIR_DIR
             if not (root / "target" / "config.json").exists():
-                raise FileNotFoundError(
-                    f"the embedded default pair is missing under {root}; build it with `specpilot models build`"
-                )
-            target, draft, tokenizer, name = root / "target", root / "draft", root / "tokenizer", "specpilot-default"
-        elif target is None or draft is None:
-            raise ValueError("give both target= and draft= (or neither, for the embedded default pair)")
-        else:
-            name = f"{Path(str(target)).name}+{Path(str(draft)).name}"
-        device = device or default_device()
-        if isinstance(dtype, str):
-            dtype = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
-        dtype = dtype or default_dtype(device)
-        target_model = AutoModelForCausalLM.from_pretrained(str(target), dtype=dtype)
-        draft_model = AutoModelForCausalLM.from_pretrained(str(draft), dtype=dtype)
+                raise FileNotFoundError(f"the embedded default pair is missing under {root}; build it with "
+                                        "`specpilot models build`")
+            target, tokenizer = root / "target", tokenizer or root / "tokenizer"
+            if draft is None and eagle is None:
+                draft, eagle = (None, "embedded") if DEFAULT_DRAFTER == "eagle" else ("embedded", None)
+        elif draft is None and eagle is None:
+            raise ValueError("give a drafter with target=: draft= (a causal LM) or eagle= (an EAGLE-3 head)")
+        for name, value in (("draft", draft), ("eagle", eagle)):
+            if value == "embedded" and not embedded:
+                raise ValueError(f"{name}='embedded' belongs to the embedded target: leave target= unset")
+        target_model = _load_lm(target, "target", dtype)
         tok = _load_tokenizer(tokenizer, target)
-        draft_tok = _load_tokenizer(None, draft) if tokenizer is None else None
-        check_same_vocabulary(target_model, draft_model, tok, draft_tok)
-        return cls(target_model.to(device), draft_model.to(device), tok, name=name)
+        draft_model = head = None
+        if draft is not None:
+            draft_model = _load_lm(DEFAULT_PAIR_DIR / "draft" if draft == "embedded" else draft, "draft", dtype)
+            draft_tok = _load_tokenizer(None, DEFAULT_PAIR_DIR / "draft" if draft == "embedded" else draft) \
+                if tokenizer is None else None
+            check_same_vocabulary(target_model, draft_model, tok, draft_tok)
+        if eagle is not None:
+            from specpilot.drafting.eagle import Eagle3Head
+
+            folder = DEFAULT_PAIR_DIR / "eagle" if eagle == "embedded" else _checked_source(eagle, "eagle head")
+            head = Eagle3Head.from_pretrained(folder, target_model.to(device))
+            head.source = str(folder)
+        drafter_name = "eagle" if head is not None else "draft"
+        name = ("specpilot-default" if embedded else f"{Path(str(target)).name}+{Path(str(draft or eagle)).name}")
+        if embedded and drafter_name != DEFAULT_DRAFTER:
+            name += f"+{drafter_name}"
+        return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tok,
+                   name=name, eagle=head.to(device) if head is not None else None)
 
     @staticmethod
     def default_metrics() -> dict | None:

@@ -162,7 +162,26 @@ def greedy_continuation(pair, prompt: list[int], max_new_tokens: int, lookahead:
     return tokens[:want], eos_at
 
 
+def _features(pair, tokens: list[int]):
+    """The drafter's target features of every position of `tokens` (one target forward), None for a draft LM."""
+    from specpilot.drafting.drafters import target_features
+
+    if getattr(pair, "eagle", None) is None:
+        return None
+    out = pair.target(input_ids=torch.tensor([tokens], device=pair.device), output_hidden_states=True)
+    return target_features(pair, out.hidden_states)
+
+
+def _feed_rows(features, drafter, tokens: list[int]):
+    """Rows of `features` the drafter reads to feed these next committed tokens (see DecodingSession)."""
+    if features is None:
+        return None
+    end = drafter.committed + len(tokens) - 1
+    return features[end - drafter.entries(tokens): end]
+
+
 def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int) -> dict:
+    from specpilot.drafting.drafters import make_drafter
     from specpilot.drafting.tree import TreeDrafter
 
     w, d_max = tree_config.width, tree_config.max_depth
@@ -175,13 +194,18 @@ def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int) ->
     top_prob = np.zeros((n, d_max), dtype=np.float32)
     entropy = np.zeros((n, d_max), dtype=np.float32)
     ranks = np.full((n, d_max, d_max), NO_RANK, dtype=np.int16)
-    drafter = TreeDrafter(pair.draft, w, d_max)
+    drafter = TreeDrafter(make_drafter(pair), w, d_max)
     cont_arr = np.asarray(cont, dtype=np.int64)
     with torch.inference_mode():
-        drafter.prefill(prompt[:-1])
+        features = _features(pair, prompt + cont[: max(n - 1, 0)])
+        drafter.prefill(prompt[:-1], _feed_rows(features, drafter, prompt[:-1]))
         feed = [prompt[-1]]
         for t in range(n):
-            tree = drafter.start_cycle(feed)
+            if not drafter.can_start(len(feed)):  # an EAGLE head with a one-token context: nothing to draft yet
+                drafter.feed(feed, _feed_rows(features, drafter, feed))
+                feed = [int(cont_arr[t])]
+                continue
+            tree = drafter.start_cycle(feed, features=_feed_rows(features, drafter, feed))
             top_prob[t, 0], entropy[t, 0] = drafter.last_top_prob, drafter.last_entropy
             for d in range(2, d_max + 1):
                 drafter.extend()

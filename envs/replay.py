@@ -153,6 +153,11 @@ class ReplaySession:
         return self.t >= self.tables.n
 
     @property
+    def can_draft(self) -> bool:
+        """As DecodingSession.can_draft: an EAGLE head cannot draft while the whole context is one token."""
+        return self.t > 0 or self.prompt_len > 1 or self.model.trace.header.get("pair", {}).get("drafter") != "eagle3"
+
+    @property
     def finished_by(self) -> str | None:
         if not self.done:
             return None

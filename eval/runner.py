@@ -364,7 +364,7 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
     # leave room for the generation and the deepest draft lookahead of any method's tree
     max_depth = max([tree.max_depth] + [getattr(getattr(m, "decoder", None), "tree", tree).max_depth
                                         for m in built.values()])
-    context = min(pair.max_context, int(getattr(pair.draft.config, "max_position_embeddings", pair.max_context)))
+    context = pair.max_context
     limit = context - max_new_tokens - max_depth - 2
     if limit < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in a {context}-token context")

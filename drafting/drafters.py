@@ -1,0 +1,88 @@
+"""The two kinds of drafter behind one small interface: a separate causal LM, or an EAGLE-3 head on the target.
+
+The tree drafter (`drafting/tree.py`) only ever calls:
+
+    drafter.new_cache()                           an empty KV cache
+    drafter.forward(tokens, hidden, position_ids, attention_mask, cache)
+        tokens [1, n] target ids; hidden [1, n, H] (EAGLE: fused target features or the head's own outputs; None
+        for an LM); returns (log-probabilities [n, V_draft] float32, output hidden [n, H] or None)
+    drafter.to_target(ids)                        ids in the drafter's vocabulary -> target ids
+    drafter.offset                                committed token m sits at drafter position m - offset (EAGLE's
+                                                  entry for c_m pairs it with the target feature of c_{m-1}, so c_0
+                                                  has no entry: offset 1)
+    drafter.needs_features                        the session must hand over the target's aux hidden states
+    drafter.vocab_size                            V_draft
+
+`target_features(pair, hidden_states, rows)` turns a target forward's `output_hidden_states` into what an EAGLE
+drafter consumes (None for an LM drafter, which needs nothing from the target).
+"""
+from __future__ import annotations
+
+import torch
+
+from specpilot.drafting.cache import new_cache
+
+
+class LMDrafter:
+    """A separate causal LM sharing the target's vocabulary."""
+
+    offset = 0
+    needs_features = False
+    kind = "draft_lm"
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    def new_cache(self):
+        return new_cache(self.model)
+
+    def forward(self, tokens, hidden, position_ids, attention_mask, cache, *, last_only: bool = False):
+        kwargs = {"logits_to_keep": 1} if last_only else {}
+        if attention_mask is not None:
+            kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
+        logits = self.model(input_ids=tokens, cache=cache, use_cache=True, **kwargs).logits[0]
+        return torch.log_softmax(logits.float(), dim=-1), None
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+
+class EagleDrafter:
+    """An EAGLE-3 head (`specpilot.drafting.eagle.Eagle3Head`) reading the target's features."""
+
+    offset = 1
+    needs_features = True
+    kind = "eagle3"
+
+    def __init__(self, head) -> None:
+        self.head = head
+        self.vocab_size = int(head.config.draft_vocab_size)
+
+    def new_cache(self):
+        return self.head.new_cache()
+
+    def forward(self, tokens, hidden, position_ids, attention_mask, cache, *, last_only: bool = False):
+        logits, out = self.head(tokens, hidden, position_ids=position_ids, attention_mask=attention_mask,
+                                cache=cache)
+        logits, out = logits[0], out[0]
+        if last_only:
+            logits, out = logits[-1:], out[-1:]
+        return torch.log_softmax(logits, dim=-1), out
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target_ids(ids)
+
+
+def make_drafter(pair):
+    """The pair's drafter: its EAGLE-3 head when it has one, else its draft LM."""
+    return EagleDrafter(pair.eagle) if getattr(pair, "eagle", None) is not None else LMDrafter(pair.draft)
+
+
+def target_features(pair, hidden_states, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
+    """Fused EAGLE features [k, H] of the target forward's rows `rows` (all when None), or None without a head."""
+    head = getattr(pair, "eagle", None)
+    if head is None:
+        return None
+    fused = head.fuse(hidden_states)[0]               # [n, H]
+    return fused if rows is None else fused[rows]
