@@ -8,7 +8,7 @@ from specpilot.demo import DemoBudget, run_demo
 
 TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tokens=16, width=2, max_depth=4,
                   max_size=8, size_steps=256, depth_steps=256, coadapt_steps=128, rounds=1, n_steps=128,
-                  batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0,))
+                  batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0,), eval_budget_s=5.0, check_rounds=2)
 
 
 def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
