@@ -182,6 +182,7 @@ def _grid(*, run_dir, pair, budget, val, **_) -> dict:
     check = check_and_refresh(pair, traces / "train", traces / "train" / "profile.json",
                               also=[traces / "validation" / "profile.json"], prompts=2, rounds=budget.check_rounds,
                               log=lambda msg: tqdm.write(f"  {msg}"))
+    (run_dir / "profile_check.json").write_text(json.dumps(check, indent=1, default=str))
     result = grid_search(run_dir / "traces" / "train", pair=pair, val_prompts=[p.prompt for p in val],
                          live_top=budget.live_top, live_max_new_tokens=budget.max_new_tokens,
                          out=run_dir / "grid.json", progress=True)
@@ -205,6 +206,9 @@ def _eval(*, run_dir, pair, tree, budget, seed, heldout, **_) -> dict:
     result, paths = full_evaluation(
         heldout, pair=pair, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
         check_profiles={"grid search and training": run_dir / "traces" / "train" / "profile.json"},
+        prior_checks=({"profile behind grid search and training, checked before the grid search":
+                       json.loads((run_dir / "profile_check.json").read_text())}
+                      if (run_dir / "profile_check.json").is_file() else None),
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / "grid.json",
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
@@ -233,15 +237,6 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     grid_json = json.loads((run_dir / "grid.json").read_text()) if (run_dir / "grid.json").exists() else {}
     summary = summarise_report(report)
-    before_grid = (results.get("grid") or {}).get("cost_check")
-    if before_grid:
-        check = before_grid["after"] or before_grid["before"]
-        summary["cost_check"] = {"before grid": {
-            "stale": before_grid["before"]["stale"], "max_abs_error": before_grid["before"]["max_abs_error"],
-            "age_s": before_grid["before"].get("age_s"), "refreshed": before_grid["refreshed"],
-            "title": "before grid search" + (f", re-measured: now {100 * check['max_abs_error']:.0f}% off"
-                                             if before_grid["refreshed"] else "")},
-            **summary["cost_check"]}
     return {
         "run_dir": str(run_dir), "wall_s": round(wall_s, 1), "stage_s": {k: round(v, 1) for k, v in timings.items()},
         "pair": identity, "budget": asdict(budget), "label": report.get("meta", {}).get("label"), **summary,

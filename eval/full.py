@@ -33,10 +33,12 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_di
                     rounds: int | str = "auto", full_rounds: int | None = 1, temperatures=(0.0,),
                     max_new_tokens: int = 96, grid: str | Path | None = None, run_dir: str | Path | None = None,
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
-                    tolerance: float = 0.25, progress: Callable[[str], None] | None = None) -> tuple[EvalResult, dict]:
+                    tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None,
+                    progress: Callable[[str], None] | None = None) -> tuple[EvalResult, dict]:
     """Run the steps of the module docstring; return (the EvalResult with replay and cost_check set, report
     paths). `trace_dir`: where the trace and the fresh profile are kept (None: not saved); `check_profiles`:
-    {title: profile.json path} of profiles to check against this run's live runs."""
+    {title: profile.json path} of profiles to check against this run's live runs; `prior_checks`: {title:
+    `costcheck.check_and_refresh` result} of earlier checks (e.g. before the grid search), reported first."""
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     prompts = list(prompts)
@@ -56,8 +58,22 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_di
         attach_replay(result, trace, profile, prompts, profile_path=Path(trace_dir) / "profile.json"
                       if trace_dir else None, check_profiles=check_profiles, tolerance=tolerance, seed=seed,
                       progress=say)
+    if prior_checks:
+        result.cost_check = {**prior_entries(prior_checks), **(result.cost_check or {})}
     paths = write_report(result.results, result.meta, out_dir, analysis=result.analysis())
     return result, paths
+
+
+def prior_entries(checks: dict[str, dict]) -> dict[str, dict]:
+    """Report entries of `check_and_refresh` results: the check, and the re-check after a refresh."""
+    out = {}
+    for title, check in checks.items():
+        before = {**check["before"], "title": title}
+        if check.get("refreshed"):
+            before["action"] = "re-measured (run log says so); the grid search and training used the new profile"
+            out[f"{title} (re-measured)"] = {**check["after"], "title": f"{title}, after re-measuring"}
+        out = {title: before, **out}
+    return out
 
 
 def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt], *,

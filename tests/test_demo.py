@@ -21,7 +21,14 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     methods = summary["methods"]
     assert {"ar", "grid", "ltd", "depth_only", "size_only", "fixed"} <= set(methods)
     assert all(m["identical_to_ar"] for m in methods.values())
-    assert "speedup" in capsys.readouterr().out
+    assert summary["ltd_vs_grid"]["verdict"] in ("faster", "slower", "indistinguishable", "same decisions")
+    assert summary["rounds"]["by_temperature"]["0"]["rounds"] >= 2
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["replay"]["methods"] and report["replay"]["oracle"]["speedup"] > 0
+    assert any("before the grid search" in entry["title"] for entry in report["cost_check"].values())
+    assert (run / "traces" / "heldout" / "trace.npz").exists() and (run / "eval" / "forest_speedup_T0.png").exists()
+    out = capsys.readouterr().out
+    assert "speedup over ar [95% CI]" in out and "ltd vs grid (T=0)" in out and "cost model" in out
     # a re-run reuses every finished stage
     again = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
                      wandb="disabled")
