@@ -93,7 +93,7 @@ def comparisons(records: Sequence[RunRecord], temperatures: Iterable[float], *,
         for m, b in comparison_pairs(list(by_method), best, decide):
             c = compare(by_method, m, b, temperature=temperature, seed=seed)
             if c is not None:
-                c["baseline_role"] = "best heuristic" if b == best else ("decide" if (m, b) == decide else b)
+                c["baseline_role"] = "decide" if (m, b) == decide else ("best heuristic" if b == best else b)
                 out.append(c)
     return out
 

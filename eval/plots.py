@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
+
 
 def _plt():
     import matplotlib
@@ -81,25 +83,33 @@ def forest_groups(groups: list[dict], replay_groups: list[dict], temperature: fl
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * len(rows)))
     y = np.arange(len(rows))
     ax.axvline(1.0, color="k", lw=1)
-    for small, color, name in ((False, "tab:blue", "live, 95% interval"), (True, "0.6", "live, too few prompts")):
-        idx = [i for i, g in enumerate(rows) if g["too_small"] == small]
+    kinds = (("conclusive", "tab:blue", "o", "live, 95% interval"),
+             ("small", "0.55", "o", f"live, fewer than {MIN_PROMPTS_TO_CONCLUDE} prompts: too small to conclude"),
+             ("same", "0.55", "x", "live, same decisions (the spread is timing noise)"))
+    for kind, color, marker, name in kinds:
+        idx = [i for i, g in enumerate(rows) if _group_kind(g) == kind]
         if idx:
-            _errbars(ax, y[idx], [rows[i] for i in idx], "ratio", "ci", color=color, label=name)
+            _errbars(ax, y[idx], [rows[i] for i in idx], "ratio", "ci", color=color, fmt=marker, label=name)
     replayed = {(g["task"], g["language"]): g for g in replay_groups} if temperature == 0.0 else {}
     hits = [(i, replayed[(g["task"], g["language"])]["ratio"]) for i, g in enumerate(rows)
             if (g["task"], g["language"]) in replayed]
     if hits:
         ax.plot([h[1] for h in hits], [h[0] + 0.2 for h in hits], "D", mfc="none", color="tab:green",
                 label="replay")
-    names = [f"{g['task']}/{g['language']} ({g['n_prompts']}p, {g['n_units']}u)"
-             + (" same decisions" if g["same_decisions"] else "") for g in rows]
+    names = [f"{g['task']}/{g['language']} ({g['n_prompts']} prompts, {g['n_units']} units)" for g in rows]
     ax.set_yticks(y, names, fontsize=7)
     m, b = rows[0]["method"], rows[0]["baseline"]
     ax.set_xlabel(f"{m} / {b} throughput ratio (> 1: {m} faster)")
     ax.set_title(f"{m} vs {b} by task group, T={temperature:g}\n{label}", fontsize=6)
-    ax.legend(fontsize=6, loc="lower right")
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.1 - 0.6 / len(rows)), ncol=2, frameon=False)
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, path)
+
+
+def _group_kind(group: dict) -> str:
+    if group["same_decisions"]:
+        return "same"
+    return "small" if group["too_small"] else "conclusive"
 
 
 def decision_histograms(decisions: dict, temperature: float, label: str, path: Path) -> str | None:
@@ -199,7 +209,7 @@ def write_plots(results: list[dict], analysis: dict, label: str, out_dir: Path) 
             written.append(forest_speedup(analysis["summary"], analysis.get("replay"), t, wrapped,
                                           out_dir / f"forest_speedup_T{t:g}.png"))
         written.append(forest_groups(analysis.get("groups") or [], (analysis.get("replay") or {}).get("groups", []),
-                                     t, wrapped, out_dir / f"forest_groups_T{t:g}.png"))
+                                     t, "\n".join(textwrap.wrap(label, 100)), out_dir / f"forest_groups_T{t:g}.png"))
         written.append(decision_histograms((analysis.get("decisions") or {}).get(f"{t:g}", {}), t, label,
                                            out_dir / f"decisions_T{t:g}.png"))
         written.append(time_split(rows, t, wrapped, out_dir / f"time_split_T{t:g}.png"))

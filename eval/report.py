@@ -82,7 +82,11 @@ def _ci(low, high, spec: str = ".2f") -> str:
 
 
 def _with_ci(value, ci, spec: str = ".2f") -> str:
-    return f"{_fmt(value, spec)} {_ci(*(ci or [None, None]), spec)}"
+    """"1.19 [1.15, 1.22]"; the value alone when there is no interval (one unit)."""
+    low, high = ci or [None, None]
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return _fmt(value, spec)
+    return f"{_fmt(value, spec)} {_ci(low, high, spec)}"
 
 
 def _rounds_lines(meta: dict) -> list[str]:
