@@ -2,8 +2,9 @@
 
 Steps, in order (each says what it costs in the run's log through `progress`):
 1. record (or reuse) the greedy trace of the evaluated prompts (`replay_eval.heldout_trace`);
-2. re-measure the latency profile on the first `profile_prompts` of them (`measure_profile`): replay in this run
-   uses a cost model of the machine as it is now;
+2. re-measure the latency profile on the first `profile_prompts` of them (`measure_profile`), and right after it
+   the autoregressive decode time (the reference of replay speedups): replay in this run uses a cost model of
+   the machine as it is now;
 3. the live evaluation (`evaluate`, adaptive rounds within what is left of `time_budget_s`);
 4. replay of every evaluated controller over the trace with the fresh profile (`replay_eval.replay_evaluation`);
 5. the cost-model check without extra generations (`costcheck.check_records`): the fresh profile and every
@@ -107,14 +108,27 @@ def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str 
     t0 = time.perf_counter()
     trace = heldout_trace(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens)
     t1 = time.perf_counter()
-    profile = measure_profile(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed)
+    chosen = ids[: max(1, profile_prompts)]
+    profile = measure_profile(pair, tree, chosen, max_new_tokens=max_new_tokens, seed=seed)
     profile.meta["pair"] = pair.identity()
+    # the autoregressive reference of replay speedups, timed right after the profile: the ratio of the two shares
+    # the machine's state, so a load change before the live rounds cancels in replay speedups
+    profile.meta["ar_seconds_per_token"] = _ar_seconds_per_token(pair, chosen, max_new_tokens)
     if trace_dir is not None:
         profile.save(Path(trace_dir) / "profile.json")
     say = progress or (lambda msg: None)
     say(f"greedy trace of {len(ids)} prompts ({t1 - t0:.0f}s), latency profile re-measured on "
         f"{min(len(ids), max(1, profile_prompts))} of them ({time.perf_counter() - t1:.0f}s)")
     return trace, profile
+
+
+def _ar_seconds_per_token(pair, ids: list[list[int]], max_new_tokens: int) -> float:
+    """Greedy autoregressive decode seconds per token (prefill excluded, like the profile), after a warm-up."""
+    from specpilot.drafting.decoder import autoregressive_generate
+
+    autoregressive_generate(pair, ids[0], max_new_tokens=max_new_tokens)
+    outs = [autoregressive_generate(pair, p, max_new_tokens=max_new_tokens) for p in ids]
+    return sum(o.total_s for o in outs) / max(1, sum(o.num_tokens for o in outs))
 
 
 def _profile_info(profile, path: Path | None, source: str) -> dict:

@@ -7,8 +7,9 @@ DraftStates through the same Controller interface the live decoder calls). Repla
 timing noise; their intervals (units: prompts) show only how the ratio varies over prompts.
 
 What is compared with what:
-- replay speedup of a method = its replayed tokens/s over the autoregressive tokens/s of this run's live `ar`
-  runs (decode time: wall time minus prefill), the one number replay does not model;
+- replay speedup of a method = its replayed tokens/s over autoregressive tokens/s: the AR decode time measured
+  right after the profile (profile.meta["ar_seconds_per_token"], same machine state, so a uniform change of load
+  between the profile and the live rounds cancels), else this run's live `ar` decode time (wall minus prefill);
 - gap = replay speedup / live speedup - 1: the cost model's error plus what replay leaves out (prefill, the
   controller's own time, bookkeeping outside cycles);
 - the hindsight oracle (`replay_oracle`) on the same traces: the ceiling any (depth, size) policy can reach, and
@@ -118,7 +119,10 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
     if trace.num_prompts != len(prompts):
         raise ValueError(f"the trace has {trace.num_prompts} prompts but {len(prompts)} were evaluated: record the "
                          "trace on the evaluated prompts, in order")
-    s_per_token = ar_seconds_per_token(result.records)
+    s_per_token = (getattr(profile, "meta", {}) or {}).get("ar_seconds_per_token")
+    ar_source = "measured right after the profile"
+    if not s_per_token:
+        s_per_token, ar_source = ar_seconds_per_token(result.records), "this run's live ar (wall minus prefill)"
     n = trace.num_prompts
     units, skipped = {}, {}
     for name, (controller, tree) in result.controllers.items():
@@ -140,7 +144,7 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
                         "gap": (c["ratio"] / live_speedup - 1.0) if live_speedup else None, "n_prompts": n})
     oracle = replay_oracle(trace, profile)
     ar_tps = 1.0 / s_per_token
-    return {"ar_seconds_per_token": s_per_token, "n_prompts": n, "profile": profile_info or {},
+    return {"ar_seconds_per_token": s_per_token, "ar_source": ar_source, "n_prompts": n, "profile": profile_info or {},
             "methods": methods, "skipped": skipped,
             "comparisons": _replay_comparisons(units, seed=seed, decide=decide),
             "groups": _replay_groups(units, prompts, decide=decide, seed=seed),

@@ -155,8 +155,9 @@ def _replay_lines(replay: dict | None) -> list[str]:
     lines = ["## Replay beside live (T=0)", "",
              f"Replay: every controller over greedy traces of the same {replay['n_prompts']} prompts, exact accepted "
              f"lengths, time from the latency profile ({prof.get('source', '?')}; created {prof.get('created')}). "
-             f"AR reference: this run's live `ar` decode time, {1000 * replay['ar_seconds_per_token']:.2f} ms/token. "
-             "Gap = replay / live - 1 (replay leaves out prefill and the controller's own time).", "",
+             f"AR reference: decode time {replay.get('ar_source', 'of the live ar runs')}, "
+             f"{1000 * replay['ar_seconds_per_token']:.2f} ms/token. Gap = replay / live - 1 (replay leaves out "
+             "prefill, the controller's own time and load changes during the live rounds).", "",
              "| method | live speedup [95% CI] | replay speedup [95% CI over prompts] | gap | share of oracle |",
              "|---|---|---|---|---|"]
     share = replay.get("oracle", {}).get("share", {})

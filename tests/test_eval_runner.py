@@ -222,6 +222,11 @@ def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
     decide = replay["comparisons"][0]
     assert (decide["method"], decide["baseline"]) == ("ltd", "grid") and decide["same_decisions"] is False
     assert replay["oracle"]["speedup"] >= max(m["speedup"] for m in replay["methods"]) * (1 - 1e-9)
+    assert replay["ar_source"].startswith("this run's live ar")
+    profile.meta["ar_seconds_per_token"] = replay["ar_seconds_per_token"] / 2  # an AR reference timed with it
+    again = replay_evaluation(res, trace, profile, prompts=PROMPTS)
+    assert again["ar_source"] == "measured right after the profile"
+    assert again["methods"][0]["speedup"] == pytest.approx(replay["methods"][0]["speedup"] / 2)
     check = check_records(trace, profile, res.records, {"grid": (3, 5)}, {p.id: i for i, p in enumerate(PROMPTS)})
     assert check["configs"][0]["method"] == "grid" and check["configs"][0]["measured_tokens_per_s"] > 0
     assert isinstance(check["stale"], bool)
