@@ -2,9 +2,9 @@
 
 Steps, in order (each says what it costs in the run's log through `progress`):
 1. record (or reuse) the greedy trace of the evaluated prompts (`replay_eval.heldout_trace`);
-2. re-measure the latency profile on the first `profile_prompts` of them (`measure_profile`), and right after it
-   the autoregressive decode time (the reference of replay speedups): replay in this run uses a cost model of
-   the machine as it is now;
+2. re-measure the latency profile on the first `profile_prompts` of them, interleaved prompt by prompt with the
+   autoregressive decode time that replay speedups are relative to (`measure_with_ar`): replay in this run uses
+   a cost model of the machine as it is now;
 3. the live evaluation (`evaluate`, adaptive rounds within what is left of `time_budget_s`);
 4. replay of every evaluated controller over the trace with the fresh profile (`replay_eval.replay_evaluation`);
 5. the cost-model check without extra generations (`costcheck.check_records`): the fresh profile and every
@@ -30,7 +30,7 @@ REPORT_RESERVE_S = 15.0  # seconds kept from the budget for replay, the checks a
 
 def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_dir: str | Path,
                     trace_dir: str | Path | None = None, check_profiles: dict[str, str | Path] | None = None,
-                    replay: bool = True, profile_prompts: int = 4, time_budget_s: float | None = None,
+                    replay: bool = True, profile_prompts: int = 6, time_budget_s: float | None = None,
                     rounds: int | str = "auto", full_rounds: int | None = 1, temperatures=(0.0,),
                     max_new_tokens: int = 96, grid: str | Path | None = None, run_dir: str | Path | None = None,
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
@@ -99,21 +99,15 @@ def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt],
 
 
 def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str | Path | None, *,
-                   max_new_tokens: int, profile_prompts: int = 4, seed: int = 0,
+                   max_new_tokens: int, profile_prompts: int = 6, seed: int = 0,
                    progress: Callable[[str], None] | None = None):
     """Steps 1 and 2: (trace of `ids`, latency profile re-measured now on the first `profile_prompts`)."""
-    from specpilot.envs.profile import measure_profile
     from specpilot.eval.replay_eval import heldout_trace
 
     t0 = time.perf_counter()
     trace = heldout_trace(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens)
     t1 = time.perf_counter()
-    chosen = ids[: max(1, profile_prompts)]
-    profile = measure_profile(pair, tree, chosen, max_new_tokens=max_new_tokens, seed=seed)
-    profile.meta["pair"] = pair.identity()
-    # the autoregressive reference of replay speedups, timed right after the profile: the ratio of the two shares
-    # the machine's state, so a load change before the live rounds cancels in replay speedups
-    profile.meta["ar_seconds_per_token"] = _ar_seconds_per_token(pair, chosen, max_new_tokens)
+    profile = measure_with_ar(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed)
     if trace_dir is not None:
         profile.save(Path(trace_dir) / "profile.json")
     say = progress or (lambda msg: None)
@@ -122,13 +116,26 @@ def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str 
     return trace, profile
 
 
-def _ar_seconds_per_token(pair, ids: list[list[int]], max_new_tokens: int) -> float:
-    """Greedy autoregressive decode seconds per token (prefill excluded, like the profile), after a warm-up."""
-    from specpilot.drafting.decoder import autoregressive_generate
+def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tokens: int, seed: int = 0):
+    """A latency profile of `ids` (`collect_samples`, random configs) with the autoregressive decode time measured
+    interleaved with it, prompt by prompt, into meta["ar_seconds_per_token"] (prefill excluded, like the
+    profile): the reference of replay speedups shares the machine's state with the profile, so load changes
+    cancel in the ratio."""
+    import numpy as np
 
-    autoregressive_generate(pair, ids[0], max_new_tokens=max_new_tokens)
-    outs = [autoregressive_generate(pair, p, max_new_tokens=max_new_tokens) for p in ids]
-    return sum(o.total_s for o in outs) / max(1, sum(o.num_tokens for o in outs))
+    from specpilot.drafting.decoder import autoregressive_generate
+    from specpilot.envs.profile import collect_samples
+
+    rng = np.random.default_rng(seed)
+    autoregressive_generate(pair, ids[0], max_new_tokens=max_new_tokens)  # warm-up, not timed
+    samples, ar_s, ar_tokens = None, 0.0, 0
+    for k, prompt in enumerate(ids):
+        samples = collect_samples(pair, tree, [prompt], max_new_tokens=max_new_tokens, rng=rng,
+                                  warmup_cycles=16 if k == 0 else 0, samples=samples)
+        out = autoregressive_generate(pair, prompt, max_new_tokens=max_new_tokens)
+        ar_s, ar_tokens = ar_s + out.total_s, ar_tokens + out.num_tokens
+    samples.meta.update(seed=seed, pair=pair.identity(), ar_seconds_per_token=ar_s / max(1, ar_tokens))
+    return samples.profile()
 
 
 def _profile_info(profile, path: Path | None, source: str) -> dict:

@@ -8,8 +8,8 @@ timing noise; their intervals (units: prompts) show only how the ratio varies ov
 
 What is compared with what:
 - replay speedup of a method = its replayed tokens/s over autoregressive tokens/s: the AR decode time measured
-  right after the profile (profile.meta["ar_seconds_per_token"], same machine state, so a uniform change of load
-  between the profile and the live rounds cancels), else this run's live `ar` decode time (wall minus prefill);
+  with the profile (profile.meta["ar_seconds_per_token"], interleaved with it, so a change of load between the
+  profile and the live rounds cancels), else this run's live `ar` decode time (wall minus prefill);
 - gap = replay speedup / live speedup - 1: the cost model's error plus what replay leaves out (prefill, the
   controller's own time, bookkeeping outside cycles);
 - the hindsight oracle (`replay_oracle`) on the same traces: the ceiling any (depth, size) policy can reach, and
@@ -120,7 +120,7 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
         raise ValueError(f"the trace has {trace.num_prompts} prompts but {len(prompts)} were evaluated: record the "
                          "trace on the evaluated prompts, in order")
     s_per_token = (getattr(profile, "meta", {}) or {}).get("ar_seconds_per_token")
-    ar_source = "measured right after the profile"
+    ar_source = "measured with the profile, interleaved"
     if not s_per_token:
         s_per_token, ar_source = ar_seconds_per_token(result.records), "this run's live ar (wall minus prefill)"
     n = trace.num_prompts
