@@ -34,9 +34,13 @@ class DemoBudget:
     reward: PPO reward. "dinkelbach" (tokens - lambda * time) by default: summed over an episode it is total tokens
         minus lambda * total time, so it optimises long-run tokens/s. The paper's per-cycle "throughput" reward
         sums tokens/time ratios, which favours many short cycles and collapses the depth policy to depth 1;
-    live_top: grid configs re-measured live; repeats / temperatures: evaluation settings; sampled_methods: the
+    live_top: grid configs re-measured live; temperatures: evaluation settings; sampled_methods: the
         methods also evaluated at temperatures > 0 (the baselines, the grid config, LTD and the best sampling
-        heuristic: all twelve at T=1 would cost the full run ~6 more minutes).
+        heuristic: all twelve at T=1 would cost the full run ~6 more minutes);
+    eval_budget_s / eval_rounds / eval_full_rounds: the eval stage's wall-time budget (trace, profile, live
+        rounds, replay, report), its rounds ("auto": until ltd vs grid is resolved to +-1.5% or the budget is
+        spent, at least 2) and how many rounds run every method (later rounds run ar, ltd and grid only);
+    check_rounds: rounds of the live measurement that checks the latency profile before the grid search.
     """
 
     train_prompts: int = 0
@@ -57,15 +61,18 @@ class DemoBudget:
     vf_arch: tuple[int, ...] = (256, 256)
     reward: str = "dinkelbach"
     live_top: int = 3
-    repeats: int = 1
     temperatures: tuple[float, ...] = (0.0, 1.0)
     sampled_methods: tuple[str, ...] = ("hf_generate", "hf_assisted", "grid", "ltd", "svip")
+    eval_budget_s: float = 600.0
+    eval_rounds: int | str = "auto"
+    eval_full_rounds: int | None = 1
+    check_rounds: int = 3
 
     @classmethod
     def quick(cls) -> "DemoBudget":
         return cls(train_prompts=10, val_prompts=4, heldout_prompts=12, max_new_tokens=48, size_steps=3_000,
                    depth_steps=4_000, coadapt_steps=2_000, rounds=3, n_steps=512, batch_size=128, n_epochs=5,
-                   vf_arch=(256, 256), live_top=2, temperatures=(0.0,))
+                   vf_arch=(256, 256), live_top=2, temperatures=(0.0,), eval_budget_s=120.0)
 
 
 STAGES = ("record", "grid", "train", "eval", "export")
@@ -73,10 +80,11 @@ STAGES = ("record", "grid", "train", "eval", "export")
 # change re-runs that stage and every later one, and reuses the earlier ones
 STAGE_FIELDS = {
     "record": ("train_prompts", "val_prompts", "max_new_tokens", "width", "max_depth", "max_size"),
-    "grid": ("live_top",),
+    "grid": ("live_top", "check_rounds"),
     "train": ("size_steps", "depth_steps", "coadapt_steps", "rounds", "n_steps", "batch_size", "n_epochs", "pi_arch",
               "vf_arch", "reward"),
-    "eval": ("heldout_prompts", "repeats", "temperatures", "sampled_methods"),
+    "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
+             "eval_full_rounds"),
     "export": (),
 }
 
@@ -178,12 +186,19 @@ def _record(*, run_dir, pair, tree, budget, seed, train, val, **_) -> dict:
 
 
 def _grid(*, run_dir, pair, budget, val, **_) -> dict:
+    from specpilot.eval.costcheck import check_and_refresh
     from specpilot.train.grid import grid_search
 
+    # the latency profile behind the grid search and training, checked against live first (re-measured if stale)
+    traces = run_dir / "traces"
+    check = check_and_refresh(pair, traces / "train", traces / "train" / "profile.json",
+                              also=[traces / "validation" / "profile.json"], prompts=2, rounds=budget.check_rounds,
+                              log=lambda msg: tqdm.write(f"  {msg}"))
+    (run_dir / "profile_check.json").write_text(json.dumps(check, indent=1, default=str))
     result = grid_search(run_dir / "traces" / "train", pair=pair, val_prompts=[p.prompt for p in val],
                          live_top=budget.live_top, live_max_new_tokens=budget.max_new_tokens,
                          out=run_dir / "grid.json", progress=True)
-    return {"best": result["best"], "oracle": result.get("oracle")}
+    return {"best": result["best"], "oracle": result.get("oracle"), "cost_check": check}
 
 
 def _train(*, run_dir, budget, seed, wandb, **_) -> dict:
@@ -200,14 +215,20 @@ def _train(*, run_dir, budget, seed, wandb, **_) -> dict:
 
 
 def _eval(*, run_dir, pair, tree, budget, seed, heldout, **_) -> dict:
-    from specpilot.eval.report import write_report
-    from specpilot.eval.runner import evaluate
+    from specpilot.eval.full import full_evaluation
 
-    result = evaluate(heldout, pair=pair, temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens,
-                      repeats=budget.repeats, tree=tree, grid=run_dir / "grid.json", run_dir=run_dir, seed=seed,
-                      progress=lambda msg: tqdm.write(f"  {msg}"), sampled_methods=list(budget.sampled_methods))
-    paths = write_report(result.results, result.meta, run_dir / "eval")
-    return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped")}
+    result, paths = full_evaluation(
+        heldout, pair=pair, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
+        check_profiles={"grid search and training": run_dir / "traces" / "train" / "profile.json"},
+        prior_checks=({"profile behind grid search and training, checked before the grid search":
+                       json.loads((run_dir / "profile_check.json").read_text())}
+                      if (run_dir / "profile_check.json").is_file() else None),
+        time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
+        temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / "grid.json",
+        run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
+        progress=lambda msg: tqdm.write(f"  {msg}"))
+    return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
+            "rounds": result.meta.get("rounds")}
 
 
 def _export(*, run_dir, pair, **_) -> dict:
@@ -223,55 +244,28 @@ STAGE_FUNCTIONS = {"record": _record, "grid": _grid, "train": _train, "eval": _e
 # -- summary -------------------------------------------------------------------------------------------------------
 
 def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identity: dict, budget: DemoBudget) -> dict:
-    """Held-out speedup and tau by method (greedy, pooled over tasks), LTD vs grid, oracle ceiling, overhead."""
+    """Held-out speedups with intervals, the verdicts (LTD vs grid first), replay beside live, the cost-model
+    checks (before the grid search and at evaluation), the grid's best config and the training trace's oracle."""
+    from specpilot.eval.summary import summarise_report
+
     report = json.loads((run_dir / "eval" / "report.json").read_text())
-    rows = [r for r in report["results"] if r.get("temperature") == 0.0 and r.get("concurrency", 1) == 1]
-    by_method: dict[str, dict] = {}
-    for r in rows:
-        m = by_method.setdefault(r["method"], {"speedups": [], "taus": [], "overheads": [], "tokens": 0,
-                                               "identical": True})
-        m["speedups"].append(r["speedup"])
-        if r.get("tau") is not None:
-            m["taus"].append(r["tau"])
-        if r.get("policy_overhead") is not None:
-            m["overheads"].append(r["policy_overhead"])
-        m["tokens"] += r.get("n_tokens") or 0
-        m["identical"] &= r.get("identical_to_ar") is not False
-
-    def mean(xs):
-        xs = [x for x in xs if x is not None and x == x]
-        return sum(xs) / len(xs) if xs else None
-
-    table = {name: {"speedup": mean(m["speedups"]), "tau": mean(m["taus"]), "policy_overhead": mean(m["overheads"]),
-                    "identical_to_ar": m["identical"], "n_tokens": m["tokens"]} for name, m in by_method.items()}
-    ltd, grid = table.get("ltd", {}).get("speedup"), table.get("grid", {}).get("speedup")
-    heuristics = {k: v["speedup"] for k, v in table.items() if k in ("ddd", "svip", "confidence", "hf_heuristic")}
     grid_json = json.loads((run_dir / "grid.json").read_text()) if (run_dir / "grid.json").exists() else {}
+    summary = summarise_report(report)
     return {
         "run_dir": str(run_dir), "wall_s": round(wall_s, 1), "stage_s": {k: round(v, 1) for k, v in timings.items()},
-        "pair": identity, "budget": asdict(budget), "label": report.get("meta", {}).get("label"),
-        "methods": table,
-        "ltd_vs_grid": (ltd / grid - 1.0) if ltd and grid else None,
-        "ltd_beats_every_heuristic": all(ltd > h for h in heuristics.values() if h) if ltd else None,
+        "pair": identity, "budget": asdict(budget), "label": report.get("meta", {}).get("label"), **summary,
         "grid_best": grid_json.get("best"), "replay_oracle": grid_json.get("oracle"),
     }
 
 
 def format_summary(summary: dict) -> str:
+    from specpilot.eval.summary import format_summary_lines
+
     lines = ["", f"specpilot demo — {summary['run_dir']} ({summary['wall_s']:.0f}s: "
              + ", ".join(f"{k} {v:.0f}s" for k, v in summary["stage_s"].items()) + ")"]
     if summary.get("label"):
         lines.append(str(summary["label"]))
-    lines.append(f"{'method':14s} {'speedup':>8s} {'tau':>6s} {'overhead':>9s}  identical")
-    order = sorted(summary["methods"].items(), key=lambda kv: -(kv[1]["speedup"] or 0))
-    for name, m in order:
-        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
-        lines.append(f"{name:14s} {fmt(m['speedup'], '8.2f')}x {fmt(m['tau'], '6.2f')} "
-                     f"{fmt(None if m['policy_overhead'] is None else 100 * m['policy_overhead'], '8.2f')}%  "
-                     f"{m['identical_to_ar']}")
-    if summary.get("ltd_vs_grid") is not None:
-        lines.append(f"LTD vs grid-search best: {100 * summary['ltd_vs_grid']:+.1f}% held-out speedup; "
-                     f"beats every heuristic: {summary['ltd_beats_every_heuristic']}")
+    lines += format_summary_lines(summary)
     if summary.get("grid_best"):
         lines.append(f"grid best: {summary['grid_best']}")
     if summary.get("replay_oracle"):

@@ -227,7 +227,7 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
         samples = ProfileSamples(max_depth=tree.max_depth, width=tree.width,
                                  meta={"device": str(pair.device), "dtype": str(pair.dtype), "sizes": sizes,
                                        "max_new_tokens": max_new_tokens, "measured_s": 0.0,
-                                       "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                                       "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())})
     configs = _RandomConfigs(rng, tree.max_depth, sizes)
     started = time.perf_counter()
     prompt_ids = [pair.encode(p) for p in prompts]

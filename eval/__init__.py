@@ -1,9 +1,14 @@
-"""specpilot.eval: task suites, interleaved benchmarking of decoding methods, metrics and reports.
+"""specpilot.eval: task suites, interleaved benchmarking of decoding methods, paired intervals and verdicts,
+exact replay beside live, the cost-model check, reports.
 
     from specpilot.eval import load_suite, evaluate, write_report
     prompts = load_suite("heldout")
-    result = evaluate(prompts, pair=pair, methods=["fixed", "ddd", "hf_assisted"])
-    write_report(result.results, result.meta, "eval_out")
+    result = evaluate(prompts, pair=pair, methods=["fixed", "ddd", "hf_assisted"], rounds="auto",
+                      time_budget_s=600, decide=("ddd", "fixed"))
+    write_report(result.results, result.meta, "eval_out", analysis=result.analysis())
+
+`specpilot.eval.full.full_evaluation` adds the greedy trace, a re-measured latency profile, replay and the
+cost-model checks around the same `evaluate` call (what `specpilot demo` runs).
 """
 from specpilot.eval.suites import Prompt, SuiteError, load_suite
 

@@ -27,7 +27,9 @@ class RunRecord:
     """One timed generation of one prompt by one method.
 
     wall_s is measured by the runner around the call (perf_counter, device synchronised), the same way for every
-    method; token_times are seconds from the start of the call at which each new token was available.
+    method; token_times are seconds from the start of the call at which each new token was available; prefill_s
+    the part of wall_s spent on the prompt's prefill (0 when unknown: transformers' generate).
+    repeat is the evaluation round: a (prompt_id, repeat) pair is one unit of the paired comparisons.
     cycles: (depth, size, emitted) per cycle for speculative methods; chunk_sizes: tokens per delivery when only
     a stream is observable (transformers' generate).
     """
@@ -41,6 +43,7 @@ class RunRecord:
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0
+    prefill_s: float = 0.0
     peak_mem_mb: float = float("nan")
     repeat: int = 0
     temperature: float = 0.0
@@ -87,7 +90,8 @@ def chunk_sizes(token_times: list[float]) -> list[int]:
     return sizes
 
 
-def _tau(records: list[RunRecord]) -> float:
+def pooled_tau(records: list[RunRecord]) -> float:
+    """tau pooled over runs: emitted / cycles; from the delivery chunks when no cycles were recorded."""
     emitted = sum(c[2] for r in records for c in r.cycles)
     n_cycles = sum(len(r.cycles) for r in records)
     if n_cycles:
@@ -131,7 +135,7 @@ def aggregate(records: list[RunRecord], ar_records: list[RunRecord] | None,
     frac = (lambda x: x / wall if wall > 0 else float("nan"))
     return {
         "speedup": tps / ar_tps if ar_tps == ar_tps and ar_tps > 0 else float("nan"),
-        "tau": _tau(records),
+        "tau": pooled_tau(records),
         "tokens_per_s": tps,
         "ttft_s": float(np.mean(ttfts)) if ttfts else float("nan"),
         "itl_p50_s": p50,

@@ -1,4 +1,10 @@
-"""Write an evaluation report: report.json (rows + meta), report.md (tables, summary, definitions) and PNG plots.
+"""Write an evaluation report: report.json, report.md and PNG plots (`specpilot.eval.plots`).
+
+report.json: {"meta", "summary", "comparisons", "groups", "decisions", "replay", "cost_check", "results"}:
+summary and results carry every speedup with its 95% paired interval `speedup_ci`; comparisons are method pairs
+per temperature {"method", "baseline", "temperature", "ratio", "ci", "same_decisions", "verdict", ...}.
+report.md leads with the verdicts, then speedups with intervals, the deciding pair by task group, replay beside
+live, the cost-model check, decision statistics and the per-group tables.
 
 Every table and plot carries the label a reader needs to trust a number: models and hashes, precision, device,
 sampling and prompt mix, taken from the meta block.
@@ -10,9 +16,12 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, describe
+
 REQUIRED_ROW_KEYS = ("task", "language", "split", "method", "temperature", "speedup", "tau", "tokens_per_s",
                      "ttft_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "peak_mem_mb", "policy_overhead",
                      "draft_frac", "identical_to_ar", "n_prompts", "n_tokens")
+# rows from `evaluate` also carry "speedup_ci" and "n_units"
 
 
 def _clean(value):
@@ -66,163 +75,239 @@ def heldout_summary(results: list[dict]) -> list[dict]:
     return out
 
 
-def _table(rows: list[dict], methods: list[str], key: str, spec: str) -> list[str]:
-    cells = {(r["task"], r["language"], r["method"]): r.get(key) for r in rows}
-    groups = sorted({(r["task"], r["language"]) for r in rows})
-    lines = ["| task | language | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
-    for task, lang in groups:
-        lines.append(f"| {task} | {lang} | " + " | ".join(_fmt(cells.get((task, lang, m)), spec) for m in methods)
-                     + " |")
+def _ci(low, high, spec: str = ".2f") -> str:
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return "[no interval]"
+    return f"[{format(low, spec)}, {format(high, spec)}]"
+
+
+def _with_ci(value, ci, spec: str = ".2f") -> str:
+    """"1.19 [1.15, 1.22]"; the value alone when there is no interval (one unit)."""
+    low, high = ci or [None, None]
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return _fmt(value, spec)
+    return f"{_fmt(value, spec)} {_ci(low, high, spec)}"
+
+
+def _rounds_lines(meta: dict) -> list[str]:
+    rounds = meta.get("rounds")
+    if not rounds:
+        return []
+    target = rounds.get("target_half_width")
+    lines = [f"**Rounds** ({rounds.get('mode', '?')}; budget {_fmt(rounds.get('time_budget_s'), '.0f')} s, target "
+             f"+-{_fmt(None if target is None else 100 * target, '.1f')}%, every method in the first "
+             f"{rounds.get('full_rounds') or 'all'} round(s)):", ""]
+    for t, r in rounds.get("by_temperature", {}).items():
+        hw = r.get("decide_half_width")
+        decided = (f", {r['decide'][0]} vs {r['decide'][1]} interval +-{100 * hw:.1f}%" if hw is not None
+                   and math.isfinite(hw) and r.get("decide") else "")
+        lines.append(f"- T={t}: {r['rounds']} rounds, {r['units']} units, {_fmt(r.get('seconds'), '.0f')} s; "
+                     f"stopped: {r['stopped_by']}{decided}")
+    return lines + [""]
+
+
+def _verdict_lines(analysis: dict) -> list[str]:
+    comps = analysis.get("comparisons") or []
+    if not comps:
+        return []
+    lines = ["## Verdicts (live, paired 95% intervals)", ""]
+    lines += [f"- {describe(c)}" + (f" [{c['baseline_role']}]" if c.get("baseline_role") not in (None, "decide")
+                                    and c.get("baseline_role") != c["baseline"] else "") for c in comps]
+    return lines + [""]
+
+
+def _summary_lines(summary: list[dict], scope: str) -> list[str]:
+    if not summary:
+        return []
+    lines = [f"## {scope} speedup over ar (pooled over units, 95% paired interval)", "",
+             "| method | T | speedup [95% CI] | tau | policy overhead | identical to ar | units | prompts |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in sorted(summary, key=lambda s: (s["temperature"], -(s.get("speedup") or 0))):
+        ci = s.get("speedup_ci")
+        cell = _with_ci(s.get("speedup"), ci) if ci is not None else _fmt(s.get("mean_speedup"))
+        lines.append(f"| {s['method']} | {s['temperature']:g} | {cell} | {_fmt(s.get('tau') or s.get('mean_tau'))} |"
+                     f" {_fmt(s.get('policy_overhead'), '.4f')} | {_fmt(s.get('identical_to_ar'))} | "
+                     f"{s.get('n_units', '-')} | {s.get('n_prompts', s.get('n_groups', '-'))} |")
+    return lines + [""]
+
+
+def _group_lines(groups: list[dict]) -> list[str]:
+    if not groups:
+        return []
+    m, b = groups[0]["method"], groups[0]["baseline"]
+    lines = [f"## {m} vs {b} by task group (live)", "",
+             f"Groups with fewer than {MIN_PROMPTS_TO_CONCLUDE} prompts are too small to conclude: their intervals "
+             "only cover timing noise on those few prompts.", "",
+             "| T | task | language | ratio [95% CI] | verdict | prompts | units |", "|---|---|---|---|---|---|---|"]
+    for g in groups:
+        v = "same decisions" if g["same_decisions"] else (
+            f"too small to conclude ({g['verdict']})" if g["too_small"] else g["verdict"])
+        ratio = "-" if g["same_decisions"] else _with_ci(g["ratio"], g["ci"], ".3f")
+        lines.append(f"| {g['temperature']:g} | {g['task']} | {g['language']} | {ratio} | {v} | {g['n_prompts']} |"
+                     f" {g['n_units']} |")
+    return lines + [""]
+
+
+def _replay_lines(replay: dict | None) -> list[str]:
+    if not replay:
+        return []
+    prof = replay.get("profile") or {}
+    lines = ["## Replay beside live (T=0)", "",
+             f"Replay: every controller over greedy traces of the same {replay['n_prompts']} prompts, exact accepted "
+             f"lengths, time from the latency profile ({prof.get('source', '?')}; created {prof.get('created')}). "
+             f"AR reference: decode time {replay.get('ar_source', 'of the live ar runs')}, "
+             f"{1000 * replay['ar_seconds_per_token']:.2f} ms/token. Gap = replay / live - 1 (replay leaves out "
+             "prefill, the controller's own time and load changes during the live rounds).", "",
+             "| method | live speedup [95% CI] | replay speedup [95% CI over prompts] | gap | share of oracle |",
+             "|---|---|---|---|---|"]
+    share = replay.get("oracle", {}).get("share", {})
+    for m in sorted(replay["methods"], key=lambda m: -m["speedup"]):
+        gap = f"{100 * m['gap']:+.1f}%" if m.get("gap") is not None else "-"
+        lines.append(f"| {m['method']} | {_with_ci(m.get('live_speedup'), m.get('live_speedup_ci'))} | "
+                     f"{_with_ci(m['speedup'], m['speedup_ci'])} | {gap} | {_fmt(share.get(m['method']), '.0%')} |")
+    o = replay.get("oracle")
+    if o:
+        bs = o["best_static"]
+        lines += ["", f"Hindsight oracle on these traces: {o['speedup']:.2f}x over ar (per-cycle greedy oracle "
+                  f"{o['greedy_oracle_speedup']:.2f}x); best static config under replay d={bs['depth']}, "
+                  f"V={bs['size']}: {bs['speedup']:.2f}x."]
+    if replay.get("comparisons"):
+        lines += ["", "Under replay (no timing noise; intervals over prompts):", ""]
+        lines += [f"- {describe({**c, 'n_units': c['n_units']})}" for c in replay["comparisons"]]
+    if replay.get("skipped"):
+        lines += ["", "Not replayed: " + "; ".join(f"`{k}`: {v}" for k, v in replay["skipped"].items())]
+    return lines + [""]
+
+
+def _check_table(check: dict) -> list[str]:
+    lines = ["| config | predicted tok/s | measured tok/s | error | live spread | beyond tolerance |",
+             "|---|---|---|---|---|---|"]
+    for c in check.get("configs", []):
+        name = c.get("method", c["config"]) + (f" ({c['config']})" if c.get("method") else "")
+        lines.append(f"| {name} | {c['predicted_tokens_per_s']:.1f} | {c['measured_tokens_per_s']:.1f} | "
+                     f"{100 * c['error']:+.1f}% | +-{100 * c['spread']:.1f}% | {'YES' if c['off'] else 'no'} |")
     return lines
 
 
-def _markdown(results: list[dict], meta: dict, plots: list[str]) -> str:
+def _cost_lines(cost: dict | None) -> list[str]:
+    if not cost:
+        return []
+    lines = ["## Cost model check", "",
+             "Replay's predicted tokens/s of static configs against live tokens/s (decode time) on the same prompts. "
+             "A profile is stale when a prediction misses the live value by more than the live measurement's own "
+             "spread plus the tolerance.", ""]
+    for key, entry in cost.items():
+        if not isinstance(entry, dict) or "configs" not in entry:
+            continue
+        age = entry.get("age_s")
+        age_text = f"{age / 60:.1f} min" if age is not None else "unknown"
+        state = "STALE" if entry["stale"] else "within the noise"
+        lines += [f"**{entry.get('title', key)}** (profile age {age_text}, tolerance "
+                  f"{100 * entry['tolerance']:.0f}%): {state}"
+                  + (f"; {entry['action']}" if entry.get("action") else ""), ""] + _check_table(entry) + [""]
+    return lines
+
+
+def _decision_lines(decisions: dict) -> list[str]:
+    if not decisions:
+        return []
+    lines = ["## Decisions", "",
+             "Per method: cycles, mean depth and size, their histograms (value:cycles), the share of cycles whose "
+             "(depth, size) differs from grid's config, units decided exactly like grid, and the mean over units of "
+             "|tau - tau(grid)|.", "",
+             "| T | method | cycles | mean depth | mean size | depths | sizes | differs from grid | units same as grid "
+             "| mean abs tau diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for t, per in decisions.items():
+        for name, s in sorted(per.items()):
+            hist = lambda h: " ".join(f"{k}:{v}" for k, v in h.items())  # noqa: E731
+            lines.append(f"| {t} | {name} | {s['cycles']} | {s['mean_depth']:.2f} | {s['mean_size']:.1f} | "
+                         f"{hist(s['depth_hist'])} | {hist(s['size_hist'])} | "
+                         f"{_fmt(s.get('differs_from_reference'), '.0%')} | "
+                         f"{_fmt(s.get('units_same_as_reference'), '.0%')} | "
+                         f"{_fmt(s.get('mean_abs_tau_diff'), '.3f')} |")
+    return lines + [""]
+
+
+def _table(rows: list[dict], methods: list[str], key: str, spec: str) -> list[str]:
+    cells = {(r["task"], r["language"], r["method"]): r for r in rows}
+    groups = sorted({(r["task"], r["language"]) for r in rows})
+    lines = ["| task | language | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
+    for task, lang in groups:
+        out = []
+        for m in methods:
+            r = cells.get((task, lang, m))
+            out.append("-" if r is None else (_with_ci(r.get(key), r.get("speedup_ci"), spec)
+                                              if key == "speedup" and "speedup_ci" in r else _fmt(r.get(key), spec)))
+        lines.append(f"| {task} | {lang} | " + " | ".join(out) + " |")
+    return lines
+
+
+ROW_TABLES = (("speedup", "Speedup over ar [95% paired interval]", ".2f"), ("tau", "Mean accepted length tau", ".2f"),
+              ("tokens_per_s", "Tokens/s", ".1f"), ("ttft_s", "TTFT (s)", ".4f"), ("itl_p50_s", "ITL p50 (s)", ".4f"),
+              ("itl_p99_s", "ITL p99 (s)", ".4f"), ("policy_overhead", "Policy overhead (fraction of time)", ".4f"),
+              ("draft_frac", "Draft time fraction", ".3f"), ("peak_mem_mb", "Peak memory (MiB)", ".0f"),
+              ("identical_to_ar", "Identical to ar", ""))
+
+
+def _row_tables(results: list[dict]) -> list[str]:
     methods = list(dict.fromkeys(r["method"] for r in results))
-    lines = ["# specpilot evaluation", "", f"**Measured on:** {_label(meta)}", "",
-             f"Date {meta.get('date')}; versions {meta.get('versions')}; tree {meta.get('tree')}; "
-             f"protocol {meta.get('protocol', {}).get('interleaving')}, repeats {meta.get('protocol', {}).get('repeats')},"
-             f" warm-up {meta.get('protocol', {}).get('warmup')}.", ""]
-    if meta.get("skipped"):
-        lines += ["**Skipped methods:**", ""] + [f"- `{k}`: {v}" for k, v in meta["skipped"].items()] + [""]
-    summary = heldout_summary(results)
-    if summary:
-        scope = "Held-out" if any("heldout" in str(r.get("split", "")) for r in results) else "All-prompt"
-        lines += [f"## {scope} summary (mean over task x language groups, concurrency 1)", "",
-                  "| method | temperature | mean speedup | mean tau | identical to ar | groups |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {s['method']} | {s['temperature']:g} | {_fmt(s['mean_speedup'])} | {_fmt(s['mean_tau'])} | "
-                  f"{_fmt(s['identical_to_ar'])} | {s['n_groups']} |" for s in summary]
-        lines.append("")
-    levels = sorted({r.get("concurrency", 1) for r in results})
+    lines = []
     for temperature in sorted({r["temperature"] for r in results}):
-        for c in levels:
+        for c in sorted({r.get("concurrency", 1) for r in results}):
             rows = [r for r in results if r["temperature"] == temperature and r.get("concurrency", 1) == c]
-            title = f"## Temperature {temperature:g}" + (f", concurrency {c}" if c > 1 else "")
-            lines += [title, ""]
-            for key, label, spec in (("speedup", "Speedup over ar", ".2f"), ("tau", "Mean accepted length tau", ".2f"),
-                                     ("tokens_per_s", "Tokens/s", ".1f"), ("ttft_s", "TTFT (s)", ".4f"),
-                                     ("itl_p50_s", "ITL p50 (s)", ".4f"), ("itl_p99_s", "ITL p99 (s)", ".4f"),
-                                     ("policy_overhead", "Policy overhead (fraction of time)", ".4f"),
-                                     ("draft_frac", "Draft time fraction", ".3f"),
-                                     ("peak_mem_mb", "Peak memory (MiB)", ".0f"),
-                                     ("identical_to_ar", "Identical to ar", "")):
+            lines += [f"## Per group, temperature {temperature:g}" + (f", concurrency {c}" if c > 1 else ""), ""]
+            for key, label, spec in ROW_TABLES:
                 if key == "identical_to_ar" and temperature != 0:
                     continue
                 lines += [f"**{label}**", ""] + _table(rows, methods, key, spec) + [""]
-    lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in meta.get("protocol", {}).items()] + [
+    return lines
+
+
+def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str]) -> str:
+    protocol = meta.get("protocol", {})
+    lines = ["# specpilot evaluation", "", f"**Measured on:** {_label(meta)}", "",
+             f"Date {meta.get('date')}; versions {meta.get('versions')}; tree {meta.get('tree')}; "
+             f"protocol {protocol.get('interleaving')}; warm-up {protocol.get('warmup')}.", ""]
+    lines += _rounds_lines(meta)
+    if meta.get("skipped"):
+        lines += ["**Skipped methods:**", ""] + [f"- `{k}`: {v}" for k, v in meta["skipped"].items()] + [""]
+    lines += _verdict_lines(analysis)
+    scope = "Held-out" if any("heldout" in str(r.get("split", "")) for r in results) else "All-prompt"
+    lines += _summary_lines(analysis.get("summary") or heldout_summary(results), scope)
+    lines += _group_lines(analysis.get("groups") or [])
+    lines += _replay_lines(analysis.get("replay"))
+    lines += _cost_lines(analysis.get("cost_check"))
+    lines += _decision_lines(analysis.get("decisions") or {})
+    lines += _row_tables(results)
+    lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in protocol.items()] + [
         "- tau: tokens emitted per target forward, bonus token included (1 for autoregressive decoding).",
         "- policy_overhead / draft_frac: controller / draft time over the wall time of the generations.",
-        "- identical_to_ar: at temperature 0, every run's tokens equal `ar`'s; not defined when sampling.", ""]
+        "- identical_to_ar: at temperature 0, every run's tokens equal `ar`'s; not defined when sampling.",
+        "- verdicts: faster / slower when the 95% interval of the ratio excludes 1, indistinguishable when it "
+        "contains 1, same decisions when both made the same (depth, size) on every cycle of every unit.", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
 
 
-def _plots(results: list[dict], meta: dict, out_dir: Path) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+def write_report(results: list[dict], meta: dict, out_dir: str | Path, *, plots: bool = True,
+                 analysis: dict | None = None) -> dict[str, str]:
+    """Write report.json, report.md and the PNG plots into `out_dir`; return {kind: path}.
 
-    import textwrap
+    `analysis` (`EvalResult.analysis()`): summary, comparisons, groups, decisions, replay and cost_check blocks;
+    without it the report has the rows and a mean-over-groups summary only."""
+    from specpilot.eval.plots import write_plots
 
-    label = "\n".join(textwrap.wrap(_label(meta), 120))
-    base = [r for r in results if r.get("concurrency", 1) == 1]
-    methods = list(dict.fromkeys(r["method"] for r in base))
-    written = []
-    for temperature in sorted({r["temperature"] for r in base}):
-        rows = [r for r in base if r["temperature"] == temperature]
-        groups = sorted({(r["task"], r["language"]) for r in rows})
-        # speedup by task/language and method
-        fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(groups) * max(1, len(methods)) / 3), 4))
-        cell = {(r["task"], r["language"], r["method"]): r["speedup"] for r in rows}
-        x = np.arange(len(groups))
-        w = 0.8 / max(1, len(methods))
-        for i, m in enumerate(methods):
-            ys = [cell.get((t, lang, m)) for t, lang in groups]
-            ax.bar(x + i * w, [y if y is not None and math.isfinite(y) else 0 for y in ys], w, label=m)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(x + 0.4 - w / 2, [f"{t}/{lang}" for t, lang in groups], rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("speedup over ar")
-        ax.set_title(f"Speedup, T={temperature:g}\n{label}", fontsize=6)
-        ax.legend(fontsize=6, ncol=3)
-        fig.tight_layout()
-        path = out_dir / f"speedup_T{temperature:g}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
-
-        # draft / verify / other split of wall time, pooled over groups (weighted by time)
-        # only our decoder's methods: transformers' generate exposes no draft/verify split
-        split_methods = [m for m in methods if any(r["method"] == m and r.get("choices") for r in rows)]
-        fig, ax = plt.subplots(figsize=(6, 1.5 + 0.35 * len(split_methods)))
-        split = []
-        for m in split_methods:
-            mrows = [r for r in rows if r["method"] == m and r.get("total_s")]
-            tot = sum(r["total_s"] for r in mrows) or 1.0
-            d = sum((r["draft_frac"] or 0) * r["total_s"] for r in mrows) / tot
-            v = sum((r.get("verify_frac") or 0) * r["total_s"] for r in mrows) / tot
-            p = sum((r["policy_overhead"] or 0) * r["total_s"] for r in mrows) / tot
-            split.append((d, v, p, max(0.0, 1 - d - v - p)))
-        arr = np.array(split) if split else np.zeros((0, 4))
-        left = np.zeros(len(split_methods))
-        for j, (name, color) in enumerate((("draft", "tab:blue"), ("verify", "tab:orange"),
-                                           ("policy", "tab:red"), ("other", "tab:gray"))):
-            ax.barh(split_methods, arr[:, j], left=left, color=color, label=name)
-            left += arr[:, j]
-        ax.set_xlabel("fraction of wall time (other: prefill, bookkeeping outside cycles)")
-        ax.set_title(f"Time split, T={temperature:g}\n{label}", fontsize=6)
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        path = out_dir / f"time_split_T{temperature:g}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
-
-        # depth x size choices coloured by mean accepted length (tau of the cells), one panel per method
-        chosen = [m for m in methods if any(r["method"] == m and r.get("choices") for r in rows)]
-        if chosen:
-            fig, axes = plt.subplots(1, len(chosen), figsize=(3.2 * len(chosen), 3.6), squeeze=False)
-            for ax, m in zip(axes[0], chosen):
-                cells: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0.0])
-                for r in rows:
-                    if r["method"] == m:
-                        for d, s, n, tau in r.get("choices") or []:
-                            cells[(d, s)][0] += n
-                            cells[(d, s)][1] += n * tau
-                depths = sorted({d for d, _ in cells})
-                sizes = sorted({s for _, s in cells})
-                grid = np.full((len(sizes), len(depths)), np.nan)
-                for (d, s), (n, e) in cells.items():
-                    grid[sizes.index(s), depths.index(d)] = e / n
-                im = ax.imshow(grid, origin="lower", aspect="auto", cmap="viridis")
-                for (d, s), (n, _) in cells.items():
-                    ax.text(depths.index(d), sizes.index(s), str(n), ha="center", va="center", fontsize=5, color="w")
-                ax.set_xticks(range(len(depths)), depths, fontsize=6)
-                ax.set_yticks(range(len(sizes)), sizes, fontsize=6)
-                ax.set_xlabel("depth")
-                ax.set_ylabel("size")
-                ax.set_title(m, fontsize=7)
-                fig.colorbar(im, ax=ax, label="mean accepted length")
-            narrow = "\n".join(textwrap.wrap(_label(meta), 50 * len(chosen)))
-            fig.suptitle(f"Depth x size choices (cell text: cycles), T={temperature:g}\n{narrow}", fontsize=6)
-            fig.tight_layout()
-            path = out_dir / f"choices_T{temperature:g}.png"
-            fig.savefig(path, dpi=110)
-            plt.close(fig)
-            written.append(str(path))
-    return written
-
-
-def write_report(results: list[dict], meta: dict, out_dir: str | Path, *, plots: bool = True) -> dict[str, str]:
-    """Write report.json, report.md and the PNG plots into `out_dir`; return {kind: path}."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for r in results:
         missing = [k for k in REQUIRED_ROW_KEYS if k not in r]
         assert not missing, f"result row {r.get('method')}/{r.get('task')} lacks keys {missing}"
-    png = _plots(results, meta, out) if plots and results else []
-    payload = {"meta": meta, "summary": heldout_summary(results), "results": results}
+    analysis = dict(analysis or {})
+    png = write_plots(results, analysis, _label(meta), out) if plots and results else []
+    payload = {"meta": meta, "summary": analysis.get("summary") or heldout_summary(results),
+               **{k: analysis.get(k) for k in ("comparisons", "groups", "decisions", "replay", "cost_check")},
+               "results": results}
     (out / "report.json").write_text(json.dumps(_clean(payload), indent=1, ensure_ascii=False))
-    (out / "report.md").write_text(_markdown(results, meta, png), encoding="utf-8")
+    (out / "report.md").write_text(_markdown(results, meta, analysis, png), encoding="utf-8")
     return {"json": str(out / "report.json"), "md": str(out / "report.md"), **{Path(p).stem: p for p in png}}

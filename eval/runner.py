@@ -1,20 +1,26 @@
-"""`evaluate()`: run every method on the same prompts, interleaved, and aggregate rows for the report.
+"""`evaluate()`: run every method on the same prompts in interleaved rounds, and aggregate rows for the report.
 
-Protocol (what makes the numbers comparable):
-- every method gets the same token ids, the same max_new_tokens, sampling parameters and per-(prompt, repeat)
-  seed; `ar` (our autoregressive baseline on the same caches and clock) is always run, as the speedup reference;
+Protocol (what makes the numbers comparable; the loop itself is `specpilot.eval.rounds`):
+- every method gets the same token ids, the same max_new_tokens, sampling parameters and per-unit seed (a unit
+  is one (prompt, round)); `ar` (our autoregressive baseline on the same caches and clock) is always run, as the
+  speedup reference;
 - warm-up generations of every method before anything is timed;
-- per prompt and repeat, all methods run back to back in a rotated order (round-robin), so drift in machine load
+- per prompt and round, all methods run back to back in a rotated order (round-robin), so drift in machine load
   or clock frequency hits every method alike;
-- wall time of each call is measured here, around the call, identically for all methods (perf_counter after
-  device synchronisation); the decoder's own draft/verify/policy times only split that time;
+- wall time of each call is measured around the call, identically for all methods (perf_counter after device
+  synchronisation); the decoder's own draft/verify/policy times only split that time;
+- every speedup is a pooled ratio over units paired with `ar`'s runs of the same units, with a 95% paired
+  bootstrap interval (`specpilot.eval.stats`); method pairs are compared the same way (`specpilot.eval.compare`);
+- rounds: a fixed number, or "auto": more rounds until the deciding comparison (ltd vs grid) is resolved to
+  +-1.5% or the time budget is spent (never fewer than `min_rounds`);
 - at temperature 0 every method's tokens are compared with `ar`'s (identical_to_ar); sampled runs are not
   comparable token for token (None);
 - `concurrency` N > 1 additionally runs N streams at once (threads sharing the models and the device) and reports
   the same metrics under that load. On CPU the streams share the cores, so this measures contention, not batching.
 
-Methods come from a registry: name -> factory(ctx) returning a callable method. Methods whose requirements are
-missing (no --run for trained policies, no --grid result, module not built) are skipped with a note.
+Methods come from a registry: name -> factory(ctx) returning a callable method; callers may add any Controllers
+by name (`controllers=`), measured by the same loop. Methods whose requirements are missing (no --run for
+trained policies, no --grid result, module not built) are skipped with a note.
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ import torch
 
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
-from specpilot.eval.metrics import RunRecord, aggregate
+from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
+from specpilot.eval.metrics import RunRecord, aggregate, pooled_tau
+from specpilot.eval.rounds import Measurer, MemoryMonitor, RoundPlan, run_rounds, timed
 from specpilot.eval.suites import Prompt, prompt_mix
 from specpilot.drafting.control import Controller, FixedController, default_static_config
 
@@ -100,7 +108,7 @@ def _record(name: str, out) -> RunRecord:
         prompt_id="", method=name, tokens=list(out.tokens), wall_s=0.0,
         token_times=[out.prefill_s + t for t in out.token_times],
         cycles=[(c.depth, c.size, c.emitted) for c in out.cycles],
-        draft_s=out.draft_s, verify_s=out.verify_s, policy_s=out.policy_s,
+        draft_s=out.draft_s, verify_s=out.verify_s, policy_s=out.policy_s, prefill_s=out.prefill_s,
     )
 
 
@@ -202,106 +210,84 @@ def build_methods(names: list[str], ctx: EvalContext) -> tuple[dict[str, Method]
     return methods, skipped
 
 
-# ---- measurement -----------------------------------------------------------------------------------------------
-class MemoryMonitor:
-    """Peak memory per call: the CUDA allocator's peak on GPU; on CPU the process RSS, sampled every
-    `interval_s` by one background thread (plus before and after each call, so short calls are not missed)."""
+# ---- the evaluation ------------------------------------------------------------------------------------------
+@dataclass
+class EvalResult:
+    """results: report rows; meta: what was measured, how; records: every timed run.
 
-    def __init__(self, device: torch.device, interval_s: float = 0.02) -> None:
-        self.cuda = device.type == "cuda"
-        self.interval_s = interval_s
-        self._peak = 0.0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = None
-        if not self.cuda:
-            import psutil
-            self._proc = psutil.Process()
+    comparisons / groups / decisions / summary: the paired analysis of the records (`specpilot.eval.compare`);
+    replay / cost_check: set by `specpilot.eval.replay_eval.replay_evaluation` and `specpilot.eval.costcheck`
+    when a caller runs them; controllers: name -> (fresh copy of the method's Controller, its TreeConfig), so the
+    same decisions can be replayed offline."""
 
-    def _rss_mb(self) -> float:
-        return self._proc.memory_info().rss / 2**20
+    results: list[dict]
+    meta: dict
+    records: list[RunRecord]
+    comparisons: list[dict] = field(default_factory=list)
+    groups: list[dict] = field(default_factory=list)
+    decisions: dict = field(default_factory=dict)
+    summary: list[dict] = field(default_factory=list)
+    replay: dict | None = None
+    cost_check: dict | None = None
+    controllers: dict = field(default_factory=dict, repr=False)
 
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            rss = self._rss_mb()
-            with self._lock:
-                self._peak = max(self._peak, rss)
-
-    def __enter__(self) -> "MemoryMonitor":
-        if not self.cuda:
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def begin(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            with self._lock:
-                self._peak = self._rss_mb()
-
-    def end(self) -> float:
-        if self.cuda:
-            return torch.cuda.max_memory_allocated() / 2**20
-        rss = self._rss_mb()
-        with self._lock:
-            return max(self._peak, rss)
+    def analysis(self) -> dict:
+        """What `write_report(..., analysis=)` prints beside the rows."""
+        return {"summary": self.summary, "comparisons": self.comparisons, "groups": self.groups,
+                "decisions": self.decisions, "replay": self.replay, "cost_check": self.cost_check}
 
 
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
+def _encode_all(prompts: list[Prompt], encode: Callable[[str], list[int]], limit: int) -> tuple[list[list[int]], int]:
+    """Token ids per prompt, keeping the last `limit` tokens (the end of a prompt is what the model continues)."""
+    out, truncated = [], 0
+    for p in prompts:
+        ids = list(encode(p.prompt))
+        if not ids:
+            raise ValueError(f"prompt {p.id!r} encodes to no tokens")
+        if len(ids) > limit:
+            ids, truncated = ids[-limit:], truncated + 1
+        out.append(ids)
+    return out, truncated
 
 
-def _timed(method: Method, ids: list[int], sampling: dict, device: torch.device,
-           memory: MemoryMonitor | None) -> RunRecord:
-    if memory is not None:
-        memory.begin()
-    t0 = _sync(device)
-    rec = method(ids, **sampling)
-    rec.wall_s = _sync(device) - t0
-    if memory is not None:
-        rec.peak_mem_mb = memory.end()
-    return rec
+def _build(ctx: EvalContext, methods: list[str] | None, controllers: dict[str, Controller] | None
+           ) -> tuple[dict[str, Method], dict[str, str], dict[str, Callable[[], Method]]]:
+    """(built methods incl. `ar`, skipped {name: reason}, factories of fresh instances for concurrent streams).
+    Without `methods`: every registered method, or only `controllers` (plus `ar`) when those are given."""
+    names = list(methods) if methods is not None else ([] if controllers else list(METHODS))
+    clash = sorted(set(controllers or {}) & (set(names) | {"ar"}))
+    if clash:
+        raise ValueError(f"controller name(s) {', '.join(clash)} clash with method names; rename them")
+    built, skipped = build_methods(names, ctx)
+    factories: dict[str, Callable[[], Method]] = {n: (lambda n=n: METHODS[n](ctx, n)) for n in built}
+    for name, entry in (controllers or {}).items():
+        controller, tree = entry if isinstance(entry, tuple) else (entry, ctx.tree)  # (controller, its own tree)
+        if not isinstance(controller, Controller):
+            raise TypeError(f"controllers[{name!r}] is a {type(controller).__name__}, not a "
+                            "specpilot.policies.Controller")
+        built[name] = ControllerMethod(name, ctx.pair, tree, controller)
+        factories[name] = lambda n=name, c=controller, t=tree: ControllerMethod(n, ctx.pair, t, copy.deepcopy(c))
+    return built, skipped, factories
 
 
-# ---- controllers measured with the same loop and clock (grid re-measure, training-time live evaluation) --------
-def measure_controllers(pair: ModelPair, controllers: dict[str, Controller], prompts, *, tree: TreeConfig,
-                        trees: dict[str, TreeConfig] | None = None, max_new_tokens: int = 64, repeats: int = 1,
-                        warmup: int = 1, seed: int = 0, progress: bool = False) -> dict[str, dict]:
-    """Live throughput of each controller and of `ar` on `prompts` (strings or token ids), greedy, with the
-    evaluation protocol: warm-up first, then per (prompt, repeat) every method once in a rotated order, each call
-    timed around the call (perf_counter after device synchronisation, prefill included) as `evaluate()` times it.
-    trees: per-controller TreeConfig (default `tree`). Returns {name: {tokens, time_s, tokens_per_s, speedup,
-    mean_accepted_length, policy_s, policy_overhead, depth_mean, size_mean}}."""
-    methods: dict[str, Method] = {"ar": ARMethod(pair)}
-    for name, controller in controllers.items():
-        methods[name] = ControllerMethod(name, pair, (trees or {}).get(name, tree), controller)
-    ids = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
-    if not ids:
+def measure_controllers(pair: ModelPair, controllers: dict, prompts, *, tree: TreeConfig, max_new_tokens: int = 64,
+                        repeats: int = 1, warmup: int = 1, seed: int = 0, progress: bool = False) -> dict[str, dict]:
+    """Live greedy throughput of each controller (a Controller, or a (Controller, TreeConfig) pair) and of `ar` on
+    `prompts` (strings or token-id lists), measured by `evaluate`'s interleaved rounds and clock: the grid search's
+    live re-measure and training-time live evaluation use this, so their numbers are the report's quantity.
+    Returns {name: {tokens, time_s, tokens_per_s, speedup, mean_accepted_length, policy_s, policy_overhead,
+    depth_mean, size_mean}}."""
+    items = [getattr(p, "prompt", p) for p in prompts]
+    if not items:
         raise ValueError("measure_controllers needs at least one prompt")
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "top_k": 0, "top_p": 1.0}
-    for name in methods:
-        for w in range(warmup):
-            methods[name](ids[w % len(ids)], **sampling, seed=seed)
-    names, records = list(methods), {name: [] for name in methods}
-    turn, started = 0, time.perf_counter()
-    for r in range(repeats):
-        for i, prompt in enumerate(ids):
-            for name in names[turn % len(names):] + names[: turn % len(names)]:
-                records[name].append(_timed(methods[name], prompt, {**sampling, "seed": seed + turn}, pair.device,
-                                            None))
-            turn += 1
-            if progress:
-                print(f"  live: repeat {r + 1}/{repeats} prompt {i + 1}/{len(ids)} "
-                      f"({time.perf_counter() - started:.0f}s)", flush=True)
-    out = {name: _throughput(recs) for name, recs in records.items()}
+    suite = [Prompt(id=f"p{i}", task="live", language="-", split="validation", prompt=p) for i, p in enumerate(items)]
+    result = evaluate(suite, pair=pair, methods=[], controllers=controllers, temperatures=(0.0,),
+                      max_new_tokens=max_new_tokens, rounds=repeats, warmup=warmup, tree=tree, seed=seed,
+                      encode=lambda p: pair.encode(p),
+                      progress=(lambda msg: print(f"  live: {msg}", flush=True)) if progress else None)
+    if result.meta.get("skipped"):
+        raise RuntimeError(f"live measurement failed: {result.meta['skipped']}")
+    out = {name: _throughput([r for r in result.records if r.method == name]) for name in ["ar", *controllers]}
     for row in out.values():
         row["speedup"] = row["tokens_per_s"] / out["ar"]["tokens_per_s"]
     return out
@@ -318,47 +304,35 @@ def _throughput(recs: list[RunRecord]) -> dict:
             "size_mean": sum(c[1] for c in cycles) / len(cycles) if cycles else None}
 
 
-# ---- the evaluation ------------------------------------------------------------------------------------------
-@dataclass
-class EvalResult:
-    results: list[dict]
-    meta: dict
-    records: list[RunRecord]
-
-
-def _encode_all(prompts: list[Prompt], encode: Callable[[str], list[int]], limit: int) -> tuple[list[list[int]], int]:
-    """Token ids per prompt, keeping the last `limit` tokens (the end of a prompt is what the model continues)."""
-    out, truncated = [], 0
-    for p in prompts:
-        ids = list(encode(p.prompt))
-        if not ids:
-            raise ValueError(f"prompt {p.id!r} encodes to no tokens")
-        if len(ids) > limit:
-            ids, truncated = ids[-limit:], truncated + 1
-        out.append(ids)
-    return out, truncated
-
-
 def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | None = None,
+             controllers: dict[str, Controller] | None = None,
              temperatures: tuple[float, ...] = (0.0, 1.0), top_k: int = 0, top_p: float = 1.0,
-             max_new_tokens: int = 128, repeats: int = 1, warmup: int = 1, concurrency: int = 1,
-             tree: TreeConfig | None = None, grid: str | Path | None = None, run_dir: str | Path | None = None,
-             seed: int = 0, encode: Callable[[str], list[int]] | None = None,
-             progress: Callable[[str], None] | None = None,
+             max_new_tokens: int = 128, rounds: int | str = 1, min_rounds: int = 2, max_rounds: int = 20,
+             time_budget_s: float | None = None, target_half_width: float = 0.015,
+             decide: tuple[str, str] = DECIDE, full_rounds: int | None = None, repeats: int | None = None,
+             warmup: int = 1, concurrency: int = 1, tree: TreeConfig | None = None,
+             grid: str | Path | None = None, run_dir: str | Path | None = None, seed: int = 0,
+             encode: Callable[[str], list[int]] | None = None, progress: Callable[[str], None] | None = None,
              sampled_methods: list[str] | None = None) -> EvalResult:
-    """Evaluate `methods` (default: every registered one that is available) on `prompts`; see the module
-    docstring for the protocol. Returns result rows (one per task x language x method x temperature x
-    concurrency), a meta block and the raw per-run records. `sampled_methods`: the methods run at temperatures
-    > 0 (default: all; `ar` always runs, it is the reference)."""
-    if not prompts:
-        raise ValueError("no prompts to evaluate")
-    if repeats < 1 or warmup < 0 or concurrency < 1:
-        raise ValueError("repeats and concurrency must be >= 1 and warmup >= 0")
+    """Evaluate `methods` (default: every registered one that is available) and `controllers` (any Controllers,
+    by name, on the evaluation `tree`) on `prompts` with the interleaved rounds of `specpilot.eval.rounds`.
+
+    rounds: an int (exactly that many rounds) or "auto" (min_rounds .. max_rounds: stop once the `decide`
+    comparison's 95% interval has a half-width <= target_half_width, the pair made the same decisions on every
+    unit, or `time_budget_s` (the whole call's budget) would not fit another round); full_rounds: rounds in
+    which every method runs, later rounds run `ar` and the `decide` pair (None: all rounds); repeats: the old
+    name of a fixed `rounds`. sampled_methods: the methods run at temperatures > 0 (default: all; `ar` always
+    runs, it is the reference). Returns rows (task x language x method x temperature x concurrency, each
+    speedup with its paired interval), the paired analysis, a meta block and the raw records."""
+    if not prompts or warmup < 0 or concurrency < 1:
+        raise ValueError("need prompts, concurrency >= 1 and warmup >= 0" if prompts else "no prompts to evaluate")
+    plan = RoundPlan.make(repeats if repeats is not None else rounds, min_rounds=min_rounds, max_rounds=max_rounds,
+                          time_budget_s=time_budget_s, target_half_width=target_half_width, decide=tuple(decide),
+                          full_rounds=full_rounds)
     tree = tree or TreeConfig()
     ctx = EvalContext(pair=pair, tree=tree, grid=grid, run_dir=run_dir)
-    built, skipped = build_methods(list(methods or METHODS), ctx)
+    built, skipped, factories = _build(ctx, methods, controllers)
     names = list(built)
-    device = pair.device
     say = progress or (lambda msg: None)
 
     # leave room for the generation and the deepest draft lookahead of any method's tree
@@ -373,62 +347,85 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
     failed: dict[str, str] = {}
     records: list[RunRecord] = []
     sampled_names = names if sampled_methods is None else [n for n in names if n == "ar" or n in sampled_methods]
-    with MemoryMonitor(device) as memory:
-        for temperature in temperatures:
+    started = time.perf_counter()
+    with MemoryMonitor(pair.device) as memory:
+        measurer = Measurer(built, all_ids, [p.id for p in prompts], pair.device, memory, seed, failed, records)
+        rounds_meta = {}
+        for j, temperature in enumerate(temperatures):
             sampling = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k, top_p=top_p)
             running = names if temperature == 0 else sampled_names
-            for name in running:  # warm-up: kernels, allocator, caches; not timed or recorded
-                for w in range(warmup if name not in failed else 0):
-                    try:
-                        built[name](all_ids[w % len(all_ids)], **sampling, seed=seed)
-                    except Exception as err:  # noqa: BLE001 - a broken method must not sink the others
-                        if name == "ar":
-                            raise
-                        failed[name] = f"{type(err).__name__}: {err}"
-                        break
-            for i, ids in enumerate(all_ids):
-                for r in range(repeats):
-                    k = i * repeats + r
-                    order = running[k % len(running):] + running[: k % len(running)]
-                    for name in order:
-                        if name in failed:
-                            continue
-                        try:
-                            rec = _timed(built[name], ids, {**sampling, "seed": seed + k}, device, memory)
-                        except Exception as err:  # noqa: BLE001 - a broken method must not sink the others
-                            if name == "ar":
-                                raise
-                            failed[name] = f"{type(err).__name__}: {err}"
-                            continue
-                        rec.prompt_id, rec.repeat = prompts[i].id, r
-                        rec.temperature, rec.concurrency = float(temperature), 1
-                        records.append(rec)
-                say(f"T={temperature:g} prompt {i + 1}/{len(all_ids)} done")
+            # what is left of the budget, shared evenly by the temperatures still to run
+            deadline = (None if time_budget_s is None else time.perf_counter()
+                        + (started + time_budget_s - time.perf_counter()) / (len(temperatures) - j))
+            measurer.warmup(running, sampling, warmup)
+            rounds_meta[f"{float(temperature):g}"] = run_rounds(measurer, running, sampling, plan,
+                                                                deadline=deadline, say=say)
             if concurrency > 1:
-                records.extend(_run_concurrent(ctx, running, failed, prompts, all_ids, sampling, seed, concurrency,
-                                               device, memory))
+                records.extend(_run_concurrent(factories, running, failed, prompts, all_ids, sampling, seed,
+                                               concurrency, pair.device, memory))
                 say(f"T={temperature:g} concurrency {concurrency} done")
 
+    kept = [n for n in names if n not in failed]
     records = [r for r in records if r.method not in failed]
-    results = _aggregate(records, prompts, [n for n in names if n not in failed], temperatures, concurrency)
     method_info = {n: (built[n].describe() if hasattr(built[n], "describe") else {"name": n}) for n in names}
     meta = build_meta(pair, tree=tree, prompts=prompts, temperatures=temperatures, top_k=top_k, top_p=top_p,
-                      max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, concurrency=concurrency,
-                      seed=seed, methods=method_info, skipped={**skipped, **failed}, n_truncated=n_truncated,
-                      prompt_token_limit=limit)
+                      max_new_tokens=max_new_tokens, repeats=max(r["rounds"] for r in rounds_meta.values()),
+                      warmup=warmup, concurrency=concurrency, seed=seed, methods=method_info,
+                      skipped={**skipped, **failed}, n_truncated=n_truncated, prompt_token_limit=limit)
+    meta["rounds"] = {**plan.describe(), "seconds": round(time.perf_counter() - started, 1),
+                      "by_temperature": rounds_meta}
     if sampled_methods is not None:
         meta["sampled_methods"] = sampled_names
-    return EvalResult(results=results, meta=meta, records=records)
+    result = EvalResult(results=_aggregate(records, prompts, kept, temperatures, concurrency, seed=seed),
+                        meta=meta, records=records)
+    _analyse(result, prompts, temperatures, plan.decide, seed)
+    result.controllers = {n: (copy.deepcopy(m.controller), m.decoder.tree) for n, m in built.items()
+                          if n in kept and isinstance(m, ControllerMethod)}
+    return result
 
 
-def _run_concurrent(ctx: EvalContext, names: list[str], failed: dict, prompts: list[Prompt],
+def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tuple[str, str], seed: int) -> None:
+    """The paired analysis of `result.records` (see `specpilot.eval.compare`)."""
+    records = result.records
+    result.summary = _summary(records, temperatures, seed)
+    result.comparisons = comparisons(records, temperatures, decide=decide, seed=seed)
+    result.groups = [g for t in temperatures for g in group_comparisons(records, prompts, temperature=t,
+                                                                        method=decide[0], baseline=decide[1],
+                                                                        seed=seed)]
+    result.decisions = {f"{float(t):g}": decision_stats(records, temperature=t, reference=decide[1])
+                        for t in temperatures}
+
+
+def _summary(records: list[RunRecord], temperatures, seed: int) -> list[dict]:
+    """Per method and temperature, over every unit it ran (concurrency 1): pooled speedup over `ar` with its
+    paired interval, tau, and whether every greedy run equalled `ar`'s tokens."""
+    out = []
+    for temperature in temperatures:
+        by_method = unit_records(records, temperature=temperature)
+        ar_tokens = {k[0]: r.tokens for k, r in by_method.get("ar", {}).items() if k[1] == 0}
+        for name, units in by_method.items():
+            c = compare(by_method, name, "ar", temperature=temperature, seed=seed)
+            recs = list(units.values())
+            out.append({
+                "method": name, "temperature": float(temperature),
+                "speedup": c["ratio"] if c else float("nan"), "speedup_ci": c["ci"] if c else [None, None],
+                "tau": pooled_tau(recs),
+                "policy_overhead": sum(r.policy_s for r in recs) / max(sum(r.wall_s for r in recs), 1e-12),
+                "identical_to_ar": (all(r.tokens == ar_tokens.get(r.prompt_id) for r in recs)
+                                    if float(temperature) == 0.0 else None),
+                "n_units": len(units), "n_prompts": len({k[0] for k in units}),
+                "n_rounds": len({k[1] for k in units})})
+    return out
+
+
+def _run_concurrent(factories: dict[str, Callable[[], Method]], names: list[str], failed: dict, prompts: list[Prompt],
                     all_ids: list[list[int]], sampling: dict, seed: int, n: int, device: torch.device,
                     memory: MemoryMonitor) -> list[RunRecord]:
     """N streams at once: prompts in batches of N, one thread per prompt; methods rotated per batch. Every thread
     builds its own method instance (decoders and controllers keep per-generation state)."""
     out: list[RunRecord] = []
     active = [m for m in names if m not in failed]
-    instances = {m: [METHODS[m](ctx, m) for _ in range(n)] for m in active}
+    instances = {m: [factories[m]() for _ in range(n)] for m in active}
     batches = [list(range(s, min(s + n, len(all_ids)))) for s in range(0, len(all_ids), n)]
     for b, batch in enumerate(batches):
         order = active[b % len(active):] + active[: b % len(active)]
@@ -438,8 +435,8 @@ def _run_concurrent(ctx: EvalContext, names: list[str], failed: dict, prompts: l
 
             def work(slot: int, idx: int) -> None:
                 try:
-                    got[slot] = _timed(instances[name][slot], all_ids[idx], {**sampling, "seed": seed + idx},
-                                       device, None)
+                    got[slot] = timed(instances[name][slot], all_ids[idx], {**sampling, "seed": seed + idx},
+                                      device, None)
                 except Exception as err:  # noqa: BLE001 - reported below
                     errors.append(err)
 
@@ -464,33 +461,38 @@ def _run_concurrent(ctx: EvalContext, names: list[str], failed: dict, prompts: l
 
 
 def _aggregate(records: list[RunRecord], prompts: list[Prompt], names: list[str],
-               temperatures: tuple[float, ...], concurrency: int) -> list[dict]:
+               temperatures: tuple[float, ...], concurrency: int, *, seed: int = 0) -> list[dict]:
+    """One row per task x language x method x temperature x concurrency. A row's speedup pairs the method's units
+    with `ar`'s runs of the same units (a method run in fewer rounds is compared on its own rounds), and carries
+    the paired bootstrap interval `speedup_ci`."""
     by_id = {p.id: p for p in prompts}
-    groups: dict[tuple, list[RunRecord]] = {}
-    for r in records:
-        p = by_id[r.prompt_id]
-        groups.setdefault((p.task, p.language, r.method, r.temperature, r.concurrency), []).append(r)
-    # greedy reference tokens: ar's first repeat of each prompt
-    ar_tokens = {r.prompt_id: r.tokens for r in records
-                 if r.method == "ar" and r.temperature == 0.0 and r.concurrency == 1 and r.repeat == 0}
-    split_of = {}
+    split_of: dict[tuple[str, str], set] = {}
     for p in prompts:
         split_of.setdefault((p.task, p.language), set()).add(p.split)
     rows = []
     levels = [1] + ([concurrency] if concurrency > 1 else [])
     for temperature in temperatures:
         for c in levels:
-            for task, lang in sorted({(p.task, p.language) for p in prompts}):
-                ar = groups.get((task, lang, "ar", float(temperature), c))
+            by_method = unit_records(records, temperature=temperature, concurrency=c)
+            ar = by_method.get("ar", {})
+            # greedy reference tokens: ar's first round of each prompt
+            ar_tokens = {k[0]: r.tokens for k, r in ar.items() if k[1] == 0}
+            for task, lang in sorted(split_of):
+                ids = [p.id for p in prompts if (p.task, p.language) == (task, lang)]
                 for name in names:
-                    recs = groups.get((task, lang, name, float(temperature), c))
-                    if not recs:
+                    units = {k: r for k, r in by_method.get(name, {}).items() if by_id[k[0]].task == task
+                             and by_id[k[0]].language == lang}
+                    if not units:
                         continue
+                    recs = list(units.values())
                     identical = (all(r.tokens == ar_tokens.get(r.prompt_id) for r in recs)
                                  if float(temperature) == 0.0 else None)
                     row = {"task": task, "language": lang, "split": "/".join(sorted(split_of[(task, lang)])),
                            "method": name, "temperature": float(temperature), "concurrency": c}
-                    row.update(aggregate(recs, ar, identical=identical))
+                    row.update(aggregate(recs, [ar[k] for k in units if k in ar] or None, identical=identical))
+                    paired = compare(by_method, name, "ar", temperature=temperature, prompt_ids=ids, seed=seed)
+                    row["speedup_ci"] = paired["ci"] if paired else [float("nan"), float("nan")]
+                    row["n_units"] = len(units)
                     rows.append(row)
     return rows
 
@@ -533,8 +535,10 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
         "sampling": {"temperatures": [float(t) for t in temperatures], "top_k": top_k, "top_p": top_p,
                      "max_new_tokens": max_new_tokens, "seed": seed},
         "protocol": {"repeats": repeats, "warmup": warmup, "concurrency": concurrency,
-                     "interleaving": "round-robin per prompt and repeat, order rotated",
-                     "speedup": "pooled tokens/s of the method over pooled tokens/s of ar on the same prompts",
+                     "interleaving": "rounds over all prompts; per prompt the methods back to back, order rotated",
+                     "unit": "one (prompt, round): every method of the round ran it back to back",
+                     "speedup": "pooled tokens/s of the method over pooled tokens/s of ar on the same units",
+                     "interval": "95% paired percentile bootstrap over units (4000 resamples, seeded)",
                      "itl": "gaps between successive token deliveries (a cycle's tokens are one delivery)",
                      "peak_mem": "CUDA allocator peak" if device.type == "cuda" else "process RSS, sampled"},
         "tree": {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size},

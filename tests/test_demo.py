@@ -9,7 +9,7 @@ from specpilot.demo import DemoBudget, run_demo
 
 TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tokens=16, width=2, max_depth=4,
                   max_size=8, size_steps=256, depth_steps=256, coadapt_steps=128, rounds=1, n_steps=128,
-                  batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0,))
+                  batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0,), eval_budget_s=5.0, check_rounds=2)
 
 
 def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
@@ -22,7 +22,14 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     methods = summary["methods"]
     assert {"ar", "grid", "ltd", "depth_only", "size_only", "fixed"} <= set(methods)
     assert all(m["identical_to_ar"] for m in methods.values())
-    assert "speedup" in capsys.readouterr().out
+    assert summary["ltd_vs_grid"]["verdict"] in ("faster", "slower", "indistinguishable", "same decisions")
+    assert summary["rounds"]["by_temperature"]["0"]["rounds"] >= 2
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["replay"]["methods"] and report["replay"]["oracle"]["speedup"] > 0
+    assert any("before the grid search" in entry["title"] for entry in report["cost_check"].values())
+    assert (run / "traces" / "heldout" / "trace.npz").exists() and (run / "eval" / "forest_speedup_T0.png").exists()
+    out = capsys.readouterr().out
+    assert "speedup over ar [95% CI]" in out and "ltd vs grid (T=0)" in out and "cost model" in out
     # a re-run reuses every finished stage
     again = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
                      wandb="disabled")

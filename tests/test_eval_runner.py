@@ -91,14 +91,22 @@ def test_meta_labels_the_measurement(greedy):
 
 
 def test_write_report_files(greedy, tmp_path):
-    paths = write_report(greedy.results, greedy.meta, tmp_path)
+    paths = write_report(greedy.results, greedy.meta, tmp_path, analysis=greedy.analysis())
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report) >= {"results", "meta", "summary"} and len(report["results"]) == len(greedy.results)
+    assert set(report) >= {"results", "meta", "summary", "comparisons", "groups", "decisions"}
+    assert len(report["results"]) == len(greedy.results)
     md = (tmp_path / "report.md").read_text()
-    assert "Speedup over ar" in md and "Held-out summary" in md
-    assert (tmp_path / "speedup_T0.png").stat().st_size > 0
-    assert (tmp_path / "time_split_T0.png").exists() and (tmp_path / "choices_T0.png").exists()
+    assert "Speedup over ar" in md and "Held-out speedup over ar" in md and "## Decisions" in md
+    for name in ("forest_speedup_T0", "decisions_T0", "time_split_T0", "choices_T0"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0, name
+    assert not (tmp_path / "speedup_T0.png").exists()
     assert paths["json"].endswith("report.json")
+
+
+def test_write_report_without_analysis_keeps_the_rows(greedy, tmp_path):
+    write_report(greedy.results, greedy.meta, tmp_path, plots=False)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["summary"][0]["mean_speedup"] is not None and report["comparisons"] is None
 
 
 def test_sampling_and_concurrency_rows(pair):
@@ -125,3 +133,102 @@ def test_unknown_method_rejected(pair):
 def test_registry_covers_the_issue_methods():
     assert set(METHODS) >= {"ar", "hf_generate", "hf_assisted", "fixed", "grid", "ddd", "svip", "confidence",
                             "hf_heuristic", "ltd", "depth_only", "size_only"}
+
+
+# ---- paired intervals, adaptive rounds, arbitrary controllers --------------------------------------------------
+TREE = TreeConfig(width=2, max_depth=4, max_size=8)
+
+
+@pytest.fixture(scope="module")
+def grid_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grid2") / "grid.json"
+    path.write_text(json.dumps({"best": {"depth": 3, "size": 5, "width": 2}}))
+    return path
+
+
+def _adaptive(pair, grid_file, ltd, **kwargs):
+    from specpilot.policies import FixedController
+
+    return evaluate(PROMPTS, pair=pair, methods=["grid", "fixed"], controllers={"ltd": FixedController(*ltd)},
+                    temperatures=(0.0,), max_new_tokens=8, warmup=0, tree=TREE, grid=grid_file, encode=_encode,
+                    **kwargs)
+
+
+def test_zero_budget_stops_after_the_minimum_rounds(pair, grid_file):
+    res = _adaptive(pair, grid_file, (2, 4), rounds="auto", min_rounds=2, time_budget_s=0.0,
+                    target_half_width=1e-9, full_rounds=1)
+    info = res.meta["rounds"]["by_temperature"]["0"]
+    assert info["rounds"] == 2 and info["units"] == 2 * len(PROMPTS) and info["stopped_by"] == "time budget"
+    units = {(r.method, r.repeat) for r in res.records}
+    assert ("fixed", 1) not in units and {("ltd", 1), ("grid", 1), ("ar", 1)} <= units  # full_rounds=1
+
+
+def test_same_decisions_stop_and_verdict(pair, grid_file):
+    res = _adaptive(pair, grid_file, (3, 5), rounds="auto", min_rounds=2, max_rounds=6)
+    assert res.meta["rounds"]["by_temperature"]["0"]["stopped_by"] == "same decisions"
+    decide = next(c for c in res.comparisons if (c["method"], c["baseline"]) == ("ltd", "grid"))
+    assert decide["same_decisions"] is True and decide["verdict"] == "same decisions"
+
+
+def test_rows_and_summary_carry_paired_intervals(pair, grid_file):
+    res = _adaptive(pair, grid_file, (2, 4), rounds=3)
+    info = res.meta["rounds"]["by_temperature"]["0"]
+    assert info["stopped_by"] == "fixed" and info["rounds"] == 3
+    for row in res.results:
+        low, high = row["speedup_ci"]
+        assert row["n_units"] == 3 and low <= row["speedup"] <= high
+    summary = {s["method"]: s for s in res.summary}
+    assert summary["ltd"]["n_units"] == 3 * len(PROMPTS) and summary["ar"]["speedup"] == pytest.approx(1.0)
+    assert {(c["method"], c["baseline"]) for c in res.comparisons} >= {("ltd", "grid")}
+    assert {c["verdict"] for c in res.comparisons} <= {"faster", "slower", "indistinguishable", "same decisions"}
+    assert res.decisions["0"]["ltd"]["differs_from_reference"] == 1.0
+    assert res.decisions["0"]["grid"]["reference_config"] == [3, 5]
+
+
+def test_controllers_run_with_the_same_loop_and_return_copies(pair):
+    from specpilot.policies import FixedController
+
+    res = evaluate(PROMPTS[:1], pair=pair, controllers={"d1": FixedController(1, 2), "d3": FixedController(3, 6)},
+                   temperatures=(0.0,), max_new_tokens=6, warmup=0, tree=TREE, encode=_encode, rounds=2)
+    assert {r["method"] for r in res.results} == {"ar", "d1", "d3"}
+    assert all(r["identical_to_ar"] for r in res.results)
+    controller, tree = res.controllers["d3"]
+    assert isinstance(controller, FixedController) and controller.depth == 3 and tree == TREE
+
+
+@pytest.mark.parametrize("controllers, error, message", [
+    ({"ar": "x"}, ValueError, "clash with method names"),
+    ({"mine": object()}, TypeError, "not a specpilot.policies.Controller"),
+])
+def test_bad_controllers_rejected(pair, controllers, error, message):
+    with pytest.raises(error, match=message):
+        evaluate(PROMPTS, pair=pair, controllers=controllers, temperatures=(0.0,), encode=_encode)
+
+
+def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
+    from specpilot.eval.costcheck import check_records
+    from specpilot.eval.full import measure_with_ar
+    from specpilot.eval.replay_eval import heldout_trace, replay_evaluation
+
+    res = _adaptive(pair, grid_file, (2, 4), rounds=2)
+    ids = [_encode(p.prompt) for p in PROMPTS]
+    trace = heldout_trace(pair, TREE, ids, tmp_path / "trace", max_new_tokens=8)
+    assert heldout_trace(pair, TREE, ids, tmp_path / "trace", max_new_tokens=8).path == trace.path  # reused
+    profile = measure_with_ar(pair, TREE, ids, max_new_tokens=8)
+    assert profile.meta["ar_seconds_per_token"] > 0 and profile.meta["cycles"] > 0
+    replay = replay_evaluation(res, trace, profile, prompts=PROMPTS)
+    assert replay["ar_source"] == "measured with the profile, interleaved"
+    by = {m["method"]: m for m in replay["methods"]}
+    assert set(by) == {"ltd", "grid", "fixed"}
+    assert by["grid"]["tau"] == pytest.approx(next(s["tau"] for s in res.summary if s["method"] == "grid"))
+    decide = replay["comparisons"][0]
+    assert (decide["method"], decide["baseline"]) == ("ltd", "grid") and decide["same_decisions"] is False
+    assert replay["oracle"]["speedup"] >= max(m["speedup"] for m in replay["methods"]) * (1 - 1e-9)
+    ar_s = profile.meta.pop("ar_seconds_per_token")  # without it: the run's live ar is the reference
+    again = replay_evaluation(res, trace, profile, prompts=PROMPTS)
+    assert again["ar_source"].startswith("this run's live ar")
+    scale = ar_s / again["ar_seconds_per_token"]
+    assert again["methods"][0]["speedup"] == pytest.approx(replay["methods"][0]["speedup"] / scale)
+    check = check_records(trace, profile, res.records, {"grid": (3, 5)}, {p.id: i for i, p in enumerate(PROMPTS)})
+    assert check["configs"][0]["method"] == "grid" and check["configs"][0]["measured_tokens_per_s"] > 0
+    assert isinstance(check["stale"], bool)

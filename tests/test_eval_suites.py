@@ -13,13 +13,24 @@ def test_bundled_suite_loads_with_its_split(name):
     assert all(p.prompt.strip() for p in prompts)
 
 
-def test_heldout_covers_code_and_four_languages_per_nl_task():
+def test_heldout_has_enough_prompts_per_task_and_language_group():
+    """Every task x language group has the prompts a group-level interval needs (MIN_PROMPTS_TO_CONCLUDE)."""
+    from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
+
     prompts = load_suite("heldout")
     mix = prompt_mix(prompts)
     assert mix["by_task"]["code"] >= 12
     for task in ("instruction", "qa", "math", "conversation"):
         for lang in ("en", "it", "es", "zh"):
-            assert mix["by_task_language"].get(f"{task}/{lang}", 0) >= 3, (task, lang)
+            assert mix["by_task_language"].get(f"{task}/{lang}", 0) >= MIN_PROMPTS_TO_CONCLUDE, (task, lang)
+
+
+def test_heldout_prompts_are_distinct_and_ids_name_their_group():
+    prompts = load_suite("heldout")
+    assert len({p.prompt for p in prompts}) == len(prompts)
+    for p in prompts:
+        if p.task != "code":
+            assert p.id.startswith(f"heldout-{p.task}-") and p.id.endswith(f"-{p.language}"), p.id
 
 
 def test_splits_are_disjoint():

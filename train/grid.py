@@ -56,13 +56,12 @@ def measure_live(pair, configs: Sequence[dict], prompts: Sequence, *, max_new_to
 
     if not prompts:
         raise ValueError("measure_live needs at least one prompt")
-    controllers, trees = {}, {}
+    controllers = {}
     for k, cfg in enumerate(configs):
-        name = f"cfg{k}"
-        controllers[name] = FixedController(int(cfg["depth"]), int(cfg["size"]))
-        trees[name] = TreeConfig(width=int(cfg["width"]), max_depth=max(1, int(cfg.get("max_depth", cfg["depth"]))),
-                                 max_size=max(1, int(cfg.get("max_size", cfg["size"]))))
-    res = measure_controllers(pair, controllers, prompts, tree=next(iter(trees.values())), trees=trees,
+        tree = TreeConfig(width=int(cfg["width"]), max_depth=max(1, int(cfg.get("max_depth", cfg["depth"]))),
+                          max_size=max(1, int(cfg.get("max_size", cfg["size"]))))
+        controllers[f"cfg{k}"] = (FixedController(int(cfg["depth"]), int(cfg["size"])), tree)
+    res = measure_controllers(pair, controllers, prompts, tree=next(iter(controllers.values()))[1],
                               max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, progress=progress)
     rows = [{"width": int(cfg["width"]), "depth": int(cfg["depth"]), "size": int(cfg["size"]), **res[f"cfg{k}"]}
             for k, cfg in enumerate(configs)]

@@ -1,0 +1,173 @@
+"""`full_evaluation()`: live rounds, exact replay beside them and the cost-model check, in one call and one report.
+
+Steps, in order (each says what it costs in the run's log through `progress`):
+1. record (or reuse) the greedy trace of the evaluated prompts (`replay_eval.heldout_trace`);
+2. re-measure the latency profile on the first `profile_prompts` of them, interleaved prompt by prompt with the
+   autoregressive decode time that replay speedups are relative to (`measure_with_ar`): replay in this run uses
+   a cost model of the machine as it is now;
+3. the live evaluation (`evaluate`, adaptive rounds within what is left of `time_budget_s`);
+4. replay of every evaluated controller over the trace with the fresh profile (`replay_eval.replay_evaluation`);
+5. the cost-model check without extra generations (`costcheck.check_records`): the fresh profile and every
+   profile in `check_profiles` (e.g. the one behind the grid search and training) predict the live runs of the
+   fixed-config methods; a stale one is named in the log and the report;
+6. `write_report` into `out_dir`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from specpilot.drafting.types import TreeConfig
+from specpilot.eval.costcheck import check_records, profile_age_s
+from specpilot.eval.report import write_report
+from specpilot.eval.runner import EvalResult, evaluate
+from specpilot.eval.suites import Prompt
+from specpilot.policies import FixedController
+
+REPORT_RESERVE_S = 15.0  # seconds kept from the budget for replay, the checks and the report
+
+
+def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_dir: str | Path,
+                    trace_dir: str | Path | None = None, check_profiles: dict[str, str | Path] | None = None,
+                    replay: bool = True, profile_prompts: int = 6, time_budget_s: float | None = None,
+                    rounds: int | str = "auto", full_rounds: int | None = 1, temperatures=(0.0,),
+                    max_new_tokens: int = 96, grid: str | Path | None = None, run_dir: str | Path | None = None,
+                    methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
+                    tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None,
+                    progress: Callable[[str], None] | None = None) -> tuple[EvalResult, dict]:
+    """Run the steps of the module docstring; return (the EvalResult with replay and cost_check set, report
+    paths). `trace_dir`: where the trace and the fresh profile are kept (None: not saved); `check_profiles`:
+    {title: profile.json path} of profiles to check against this run's live runs; `prior_checks`: {title:
+    `costcheck.check_and_refresh` result} of earlier checks (e.g. before the grid search), reported first."""
+    say = progress or (lambda msg: None)
+    started = time.perf_counter()
+    prompts = list(prompts)
+    ids = [pair.encode(p.prompt) for p in prompts]
+    trace = profile = None
+    if replay:
+        trace, profile = prepare_replay(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens,
+                                        profile_prompts=profile_prompts, seed=seed, progress=say)
+    budget = None if time_budget_s is None else max(0.0, time_budget_s - (time.perf_counter() - started)
+                                                    - REPORT_RESERVE_S)
+    lookup = {p.prompt: i for p, i in zip(prompts, ids)}
+    result = evaluate(prompts, pair=pair, methods=methods, temperatures=tuple(temperatures),
+                      max_new_tokens=max_new_tokens, rounds=rounds, full_rounds=full_rounds, time_budget_s=budget,
+                      tree=tree, grid=grid, run_dir=run_dir, seed=seed, encode=lookup.__getitem__, progress=say,
+                      sampled_methods=sampled_methods)
+    if replay:
+        attach_replay(result, trace, profile, prompts, profile_path=Path(trace_dir) / "profile.json"
+                      if trace_dir else None, check_profiles=check_profiles, tolerance=tolerance, seed=seed,
+                      progress=say)
+    if prior_checks:
+        result.cost_check = {**prior_entries(prior_checks), **(result.cost_check or {})}
+    paths = write_report(result.results, result.meta, out_dir, analysis=result.analysis())
+    return result, paths
+
+
+def prior_entries(checks: dict[str, dict]) -> dict[str, dict]:
+    """Report entries of `check_and_refresh` results: the check, and the re-check after a refresh."""
+    out = {}
+    for title, check in checks.items():
+        before = {**check["before"], "title": title}
+        if check.get("refreshed"):
+            before["action"] = "re-measured (run log says so); the grid search and training used the new profile"
+            out[f"{title} (re-measured)"] = {**check["after"], "title": f"{title}, after re-measuring"}
+        out = {title: before, **out}
+    return out
+
+
+def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt], *,
+                  profile_path: Path | None = None, check_profiles: dict[str, str | Path] | None = None,
+                  tolerance: float = 0.25, seed: int = 0, progress: Callable[[str], None] | None = None) -> None:
+    """Steps 4 and 5: set `result.replay` and `result.cost_check` (or say in meta["skipped"] why not: replay
+    needs greedy runs and the trace's prompts to be the evaluated token ids)."""
+    say = progress or (lambda msg: None)
+    if result.meta.get("prompts_truncated"):
+        result.meta["skipped"]["replay"] = "prompts were truncated to fit the context: the trace does not match"
+        return
+    if not any(r.temperature == 0.0 for r in result.records):
+        result.meta["skipped"]["replay"] = "no greedy (T=0) runs: replay is exact for greedy decoding only"
+        return
+    from specpilot.eval.replay_eval import replay_evaluation
+
+    t0 = time.perf_counter()
+    info = _profile_info(profile, profile_path, "re-measured for this evaluation")
+    result.replay = replay_evaluation(result, trace, profile, prompts=prompts, seed=seed, profile_info=info)
+    result.cost_check = _cost_checks(result, trace, profile, prompts, check_profiles or {}, tolerance, say)
+    say(f"replay and cost-model check done ({time.perf_counter() - t0:.0f}s)")
+
+
+def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str | Path | None, *,
+                   max_new_tokens: int, profile_prompts: int = 6, seed: int = 0,
+                   progress: Callable[[str], None] | None = None):
+    """Steps 1 and 2: (trace of `ids`, latency profile re-measured now on the first `profile_prompts`)."""
+    from specpilot.eval.replay_eval import heldout_trace
+
+    t0 = time.perf_counter()
+    trace = heldout_trace(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens)
+    t1 = time.perf_counter()
+    profile = measure_with_ar(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed)
+    if trace_dir is not None:
+        profile.save(Path(trace_dir) / "profile.json")
+    say = progress or (lambda msg: None)
+    say(f"greedy trace of {len(ids)} prompts ({t1 - t0:.0f}s), latency profile re-measured on "
+        f"{min(len(ids), max(1, profile_prompts))} of them ({time.perf_counter() - t1:.0f}s)")
+    return trace, profile
+
+
+def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tokens: int, seed: int = 0):
+    """A latency profile of `ids` (`collect_samples`, random configs) with the autoregressive decode time measured
+    interleaved with it, prompt by prompt, into meta["ar_seconds_per_token"] (prefill excluded, like the
+    profile): the reference of replay speedups shares the machine's state with the profile, so load changes
+    cancel in the ratio."""
+    import numpy as np
+
+    from specpilot.drafting.decoder import autoregressive_generate
+    from specpilot.envs.profile import collect_samples
+
+    rng = np.random.default_rng(seed)
+    autoregressive_generate(pair, ids[0], max_new_tokens=max_new_tokens)  # warm-up, not timed
+    samples, ar_s, ar_tokens = None, 0.0, 0
+    for k, prompt in enumerate(ids):
+        samples = collect_samples(pair, tree, [prompt], max_new_tokens=max_new_tokens, rng=rng,
+                                  warmup_cycles=16 if k == 0 else 0, samples=samples)
+        out = autoregressive_generate(pair, prompt, max_new_tokens=max_new_tokens)
+        ar_s, ar_tokens = ar_s + out.total_s, ar_tokens + out.num_tokens
+    samples.meta.update(seed=seed, pair=pair.identity(), ar_seconds_per_token=ar_s / max(1, ar_tokens))
+    return samples.profile()
+
+
+def _profile_info(profile, path: Path | None, source: str) -> dict:
+    age, created = profile_age_s(profile, path)
+    return {"source": source, "created": created, "age_s": age, "path": str(path) if path else None}
+
+
+def _fixed_configs(result: EvalResult, width: int) -> dict[str, tuple[int, int]]:
+    """Methods whose controller is a static config on the trace's width: name -> (depth, size)."""
+    return {name: (c.depth, c.size) for name, (c, tree) in result.controllers.items()
+            if isinstance(c, FixedController) and tree.width == width}
+
+
+def _cost_checks(result: EvalResult, trace, fresh, prompts: Sequence[Prompt], others: dict[str, str | Path],
+                 tolerance: float, say: Callable[[str], None]) -> dict:
+    from specpilot.envs.profile import LatencyProfile
+
+    configs = _fixed_configs(result, trace.width)
+    index = {p.id: i for i, p in enumerate(prompts)}
+    out = {}
+    candidates = [("fresh", "profile re-measured for this evaluation", fresh, None)]
+    for title, path in others.items():
+        if Path(path).is_file():
+            candidates.append((title, f"profile behind {title}", LatencyProfile.load(path), Path(path)))
+    for key, title, profile, path in candidates:
+        check = check_records(trace, profile, result.records, configs, index, tolerance=tolerance)
+        check["age_s"], check["created"] = profile_age_s(profile, path)
+        check["title"] = title
+        if key != "fresh" and check["stale"]:
+            check["action"] = ("decisions trained or searched on it rest on a stale cost model; the replay here "
+                               "uses the re-measured profile")
+            say(f"cost model: the {title} is STALE at evaluation time (max error "
+                f"{100 * check['max_abs_error']:.0f}% vs live)")
+        out[key] = check
+    return out

@@ -1,0 +1,183 @@
+"""Exact replay evaluation beside live: the evaluated controllers replayed over greedy traces of the same prompts.
+
+Under greedy decoding the output does not depend on (depth, size), so a trace of the held-out prompts
+(`specpilot.envs.record.record_trace`, recorded once and reused) gives every controller's exact accepted lengths,
+and a latency profile its time (`specpilot.envs.replay.replay_controller`: the controller sees the recorded
+DraftStates through the same Controller interface the live decoder calls). Replay ratios between methods have no
+timing noise; their intervals (units: prompts) show only how the ratio varies over prompts.
+
+What is compared with what:
+- replay speedup of a method = its replayed tokens/s over autoregressive tokens/s: the AR decode time measured
+  with the profile (profile.meta["ar_seconds_per_token"], interleaved with it, so a change of load between the
+  profile and the live rounds cancels), else this run's live `ar` decode time (wall minus prefill);
+- gap = replay speedup / live speedup - 1: the cost model's error plus what replay leaves out (prefill, the
+  controller's own time, bookkeeping outside cycles);
+- the hindsight oracle (`replay_oracle`) on the same traces: the ceiling any (depth, size) policy can reach, and
+  each method's share of it.
+Replay is greedy only (T=0).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from specpilot.drafting.types import CycleRecord, DraftState, TreeConfig
+from specpilot.eval.compare import DECIDE, HEURISTICS, LEARNED, task_groups
+from specpilot.eval.metrics import RunRecord
+from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, paired_ratio_interval, same_decisions, verdict
+from specpilot.policies.base import Controller
+
+
+class _Logged(Controller):
+    """Delegates every decision to `inner` and logs the (depth, size) of each verified cycle."""
+
+    def __init__(self, inner: Controller) -> None:
+        self.inner, self.name = inner, getattr(inner, "name", "controller")
+        self.log: list[tuple[int, int]] = []
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        return self.inner.skip_drafting(state)
+
+    def should_stop(self, state: DraftState) -> bool:
+        return self.inner.should_stop(state)
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.inner.choose_size(state)
+
+    def observe(self, record: CycleRecord) -> None:
+        self.log.append((record.depth, record.size))
+        self.inner.observe(record)
+
+
+def heldout_trace(pair, tree: TreeConfig, ids: Sequence[Sequence[int]], out_dir: str | Path | None, *,
+                  max_new_tokens: int, progress: bool = False):
+    """The greedy trace of `ids` (token ids per prompt) with `tree`: loaded from `out_dir` when it holds one of
+    the same pair, tree, budget and prompt tokens, else recorded (and saved there when out_dir is given)."""
+    from specpilot.envs.record import Trace, record_trace
+
+    want = {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size}
+    if out_dir is not None and (Path(out_dir) / "trace.npz").is_file():
+        try:
+            trace = Trace.load(out_dir)
+            same = (trace.header.get("tree") == want and trace.max_new_tokens == max_new_tokens
+                    and trace.header.get("pair") == json.loads(json.dumps(pair.identity()))
+                    and [trace.prompt(i) for i in range(trace.num_prompts)] == [list(p) for p in ids])
+            if same:
+                return trace
+        except (ValueError, OSError, KeyError):
+            pass  # unreadable or another version: record again
+    trace = record_trace(pair, tree, [list(p) for p in ids], max_new_tokens=max_new_tokens, progress=progress)
+    if out_dir is not None:
+        trace.save(out_dir)
+    return trace
+
+
+def ar_seconds_per_token(records: Sequence[RunRecord]) -> float:
+    """Decode seconds per token of the live greedy `ar` runs (wall time minus prefill, pooled)."""
+    ar = [r for r in records if r.method == "ar" and r.temperature == 0.0 and r.concurrency == 1]
+    tokens = sum(r.n_tokens for r in ar)
+    if not tokens:
+        raise ValueError("no live greedy `ar` runs: replay speedups need the run's autoregressive reference")
+    return sum(r.wall_s - r.prefill_s for r in ar) / tokens
+
+
+def _replay_units(trace, profile, controller: Controller, n: int) -> dict:
+    """Per prompt: tokens, modelled time (s) and the (depth, size) log of `controller` under replay."""
+    from specpilot.envs.oracle import replay_controller
+
+    logged = _Logged(copy.deepcopy(controller))
+    tokens, times, logs = [], [], []
+    for i in range(n):
+        start = len(logged.log)
+        out = replay_controller(trace, profile, logged, prompts=[i])
+        tokens.append(out["tokens"])
+        times.append(out["time_s"])
+        logs.append(logged.log[start:])
+    return {"tokens": np.asarray(tokens, float), "time_s": np.asarray(times, float), "logs": logs}
+
+
+def _ratio(a: dict, b: dict, idx: Sequence[int], *, seed: int) -> dict:
+    idx = list(idx)
+    interval = paired_ratio_interval(a["tokens"][idx], a["time_s"][idx], b["tokens"][idx], b["time_s"][idx],
+                                     seed=seed)
+    same = same_decisions([a["logs"][i] for i in idx], [b["logs"][i] for i in idx])
+    return {"ratio": interval.ratio, "ci": interval.ci(), "same_decisions": same,
+            "verdict": verdict(interval, same=same), "n_units": interval.n_units}
+
+
+def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 0,
+                      decide: tuple[str, str] = DECIDE, profile_info: dict | None = None) -> dict:
+    """Replay every controller of `result` (an `EvalResult`) over `trace` (recorded on `prompts`, in order) with
+    `profile`; the dict the report prints as "Replay beside live" (module docstring). Methods whose tree width
+    differs from the trace's are skipped with the reason."""
+    from specpilot.envs.oracle import replay_oracle
+
+    if trace.num_prompts != len(prompts):
+        raise ValueError(f"the trace has {trace.num_prompts} prompts but {len(prompts)} were evaluated: record the "
+                         "trace on the evaluated prompts, in order")
+    s_per_token = (getattr(profile, "meta", {}) or {}).get("ar_seconds_per_token")
+    ar_source = "measured with the profile, interleaved"
+    if not s_per_token:
+        s_per_token, ar_source = ar_seconds_per_token(result.records), "this run's live ar (wall minus prefill)"
+    n = trace.num_prompts
+    units, skipped = {}, {}
+    for name, (controller, tree) in result.controllers.items():
+        if tree.width != trace.width:
+            skipped[name] = f"tree width {tree.width} differs from the trace's {trace.width}"
+            continue
+        units[name] = _replay_units(trace, profile, controller, n)
+    ar_tokens = np.asarray([trace.budget(i)[0] for i in range(n)], dtype=float)  # greedy: the same for all
+    ar = {"tokens": ar_tokens, "time_s": ar_tokens * s_per_token, "logs": [[]] * n}
+    live = {s["method"]: s for s in result.summary if s["temperature"] == 0.0}
+    methods = []
+    for name, u in units.items():
+        c = _ratio(u, ar, range(n), seed=seed)
+        live_speedup = live.get(name, {}).get("speedup")
+        methods.append({"method": name, "speedup": c["ratio"], "speedup_ci": c["ci"],
+                        "tau": float(u["tokens"].sum() / max(1, sum(len(x) for x in u["logs"]))),
+                        "tokens_per_s": float(u["tokens"].sum() / u["time_s"].sum()),
+                        "live_speedup": live_speedup, "live_speedup_ci": live.get(name, {}).get("speedup_ci"),
+                        "gap": (c["ratio"] / live_speedup - 1.0) if live_speedup else None, "n_prompts": n})
+    oracle = replay_oracle(trace, profile)
+    ar_tps = 1.0 / s_per_token
+    return {"ar_seconds_per_token": s_per_token, "ar_source": ar_source, "n_prompts": n, "profile": profile_info or {},
+            "methods": methods, "skipped": skipped,
+            "comparisons": _replay_comparisons(units, seed=seed, decide=decide),
+            "groups": _replay_groups(units, prompts, decide=decide, seed=seed),
+            "oracle": {"speedup": oracle["oracle"]["tokens_per_s"] / ar_tps,
+                       "greedy_oracle_speedup": oracle["greedy_oracle"]["tokens_per_s"] / ar_tps,
+                       "best_static": {"depth": oracle["best_static"]["depth"], "size": oracle["best_static"]["size"],
+                                       "speedup": oracle["best_static"]["tokens_per_s"] / ar_tps},
+                       "share": {m["method"]: m["tokens_per_s"] / oracle["oracle"]["tokens_per_s"]
+                                 for m in methods}}}
+
+
+def _replay_comparisons(units: dict, *, seed: int, decide: tuple[str, str]) -> list[dict]:
+    n = len(next(iter(units.values()))["tokens"]) if units else 0
+    speed = {m: float(u["tokens"].sum() / u["time_s"].sum()) for m, u in units.items()}
+    heuristics = [h for h in HEURISTICS if h in units]
+    best = max(heuristics, key=speed.get) if heuristics else None
+    pairs: list[tuple[str, str]] = []
+    for m, b in [decide] + [(m, b) for m in LEARNED for b in ("grid", best)]:
+        if b is not None and m != b and m in units and b in units and (m, b) not in pairs:
+            pairs.append((m, b))
+    return [{"method": m, "baseline": b, "temperature": 0.0, **_ratio(units[m], units[b], range(n), seed=seed)}
+            for m, b in pairs]
+
+
+def _replay_groups(units: dict, prompts: Sequence, *, decide: tuple[str, str], seed: int) -> list[dict]:
+    m, b = decide
+    if m not in units or b not in units:
+        return []
+    groups = task_groups(prompts)
+    return [{"task": task, "language": lang, "method": m, "baseline": b, "temperature": 0.0,
+             **_ratio(units[m], units[b], idx, seed=seed), "n_prompts": len(idx),
+             "too_small": len(idx) < MIN_PROMPTS_TO_CONCLUDE}
+            for (task, lang), idx in sorted(groups.items())]

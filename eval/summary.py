@@ -1,0 +1,117 @@
+"""A short verdict-first summary of a report.json, for the demo's last screen and `specpilot eval`'s output.
+
+`summarise_report(report)` keeps what a reader needs to answer "does the learned policy beat the grid config?":
+greedy speedups over ar with their intervals, the verdicts of the compared pairs (no percentage when two methods
+made the same decisions), how many rounds and units were used, which task groups can be concluded on, replay
+beside live, and the cost-model checks. `format_summary_lines(summary)` prints it.
+"""
+from __future__ import annotations
+
+import math
+
+from specpilot.eval.stats import describe
+
+
+def _ok(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
+    """The summary dict (JSON-able) of a report.json payload; speedups at `temperature`, verdicts at all."""
+    methods = {s["method"]: {"speedup": s.get("speedup", s.get("mean_speedup")), "speedup_ci": s.get("speedup_ci"),
+                             "tau": s.get("tau", s.get("mean_tau")), "policy_overhead": s.get("policy_overhead"),
+                             "identical_to_ar": s.get("identical_to_ar"), "n_units": s.get("n_units")}
+               for s in report.get("summary") or [] if s["temperature"] == temperature}
+    comps = report.get("comparisons") or []
+    decide = next((c for c in comps if c.get("baseline_role") == "decide" and c["temperature"] == temperature), None)
+    groups = [g for g in report.get("groups") or [] if g["temperature"] == temperature and g["language"] != "all"]
+    replay = report.get("replay") or {}
+    return {
+        "methods": methods,
+        "comparisons": comps,
+        "ltd_vs_grid": decide,
+        "rounds": (report.get("meta") or {}).get("rounds"),
+        "groups": {"n": len(groups), "too_small": sum(g["too_small"] for g in groups),
+                   "conclusive": [{k: g[k] for k in ("task", "language", "ratio", "ci", "verdict")}
+                                  for g in groups if not g["too_small"]]},
+        "replay": {"methods": {m["method"]: {"speedup": m["speedup"], "live_speedup": m.get("live_speedup"),
+                                             "gap": m.get("gap")} for m in replay.get("methods", [])},
+                   "comparisons": replay.get("comparisons", []), "oracle": replay.get("oracle")} if replay else None,
+        "cost_check": {k: {"stale": v["stale"], "max_abs_error": v.get("max_abs_error"), "age_s": v.get("age_s"),
+                           "title": v.get("title", k)}
+                       for k, v in (report.get("cost_check") or {}).items()},
+    }
+
+
+def _speedup_cell(m: dict) -> str:
+    sp, ci = m.get("speedup"), m.get("speedup_ci") or [None, None]
+    if not _ok(sp):
+        return "-"
+    interval = f"[{ci[0]:.2f}, {ci[1]:.2f}]" if _ok(ci[0]) and _ok(ci[1]) else "[no interval]"
+    return f"{sp:.2f}x {interval}"
+
+
+def _method_lines(methods: dict) -> list[str]:
+    lines = [f"{'method':14s} {'speedup over ar [95% CI]':>26s} {'tau':>6s} {'overhead':>9s} {'units':>6s}  identical"]
+    for name, m in sorted(methods.items(), key=lambda kv: -(kv[1]["speedup"] or 0)):
+        tau = f"{m['tau']:6.2f}" if _ok(m.get("tau")) else f"{'-':>6s}"
+        over = f"{100 * m['policy_overhead']:8.2f}%" if _ok(m.get("policy_overhead")) else f"{'-':>9s}"
+        lines.append(f"{name:14s} {_speedup_cell(m):>26s} {tau} {over} {m.get('n_units') or '-':>6}  "
+                     f"{m.get('identical_to_ar')}")
+    return lines
+
+
+def _rounds_line(rounds: dict | None) -> list[str]:
+    if not rounds:
+        return []
+    parts = []
+    for t, r in rounds.get("by_temperature", {}).items():
+        hw = r.get("decide_half_width")
+        width = f", ltd vs grid +-{100 * hw:.1f}%" if _ok(hw) else ""
+        parts.append(f"T={t}: {r['rounds']} rounds, {r['units']} units, stopped: {r['stopped_by']}{width}")
+    return ["rounds: " + "; ".join(parts)]
+
+
+def _replay_lines(replay: dict | None) -> list[str]:
+    if not replay:
+        return []
+    cells = []
+    for name in ("ltd", "grid", "depth_only", "size_only"):
+        m = replay["methods"].get(name)
+        if m and _ok(m["speedup"]):
+            gap = f", gap {100 * m['gap']:+.1f}%" if _ok(m.get("gap")) else ""
+            live = f"live {m['live_speedup']:.2f}x" if _ok(m.get("live_speedup")) else "live -"
+            cells.append(f"{name} {m['speedup']:.2f}x ({live}{gap})")
+    oracle = replay.get("oracle") or {}
+    lines = ["replay of the held-out traces (exact tau, modelled time): " + ", ".join(cells)
+             + (f"; hindsight oracle {oracle['speedup']:.2f}x" if _ok(oracle.get("speedup")) else "")]
+    lines += [f"  replay {describe(c)}" for c in replay.get("comparisons", [])[:1]]
+    return lines
+
+
+def _cost_lines(checks: dict) -> list[str]:
+    out = []
+    for c in checks.values():
+        age = f", profile age {c['age_s'] / 60:.1f} min" if _ok(c.get("age_s")) else ""
+        err = f"max error {100 * c['max_abs_error']:.0f}%" if _ok(c.get("max_abs_error")) else "no fixed config"
+        out.append(f"cost model ({c['title']}): {'STALE' if c['stale'] else 'within the noise'} ({err}{age})")
+    return out
+
+
+def format_summary_lines(summary: dict) -> list[str]:
+    """The summary as printable lines (verdicts first after the method table)."""
+    lines = _method_lines(summary.get("methods") or {})
+    comps = summary.get("comparisons") or []
+    if comps:
+        lines.append("verdicts (live, paired 95% intervals):")
+        lines += [f"  {describe(c)}" + (f" [{c['baseline_role']}]" if c.get("baseline_role") == "best heuristic"
+                                        else "") for c in comps]
+    lines += _rounds_line(summary.get("rounds"))
+    groups = summary.get("groups") or {}
+    if groups.get("n"):
+        concl = "; ".join(f"{g['task']}/{g['language']} {g['verdict']}" for g in groups["conclusive"])
+        lines.append(f"task groups: {groups['n']}, {groups['too_small']} too small to conclude (< 5 prompts)"
+                     + (f"; {concl}" if concl else ""))
+    lines += _replay_lines(summary.get("replay"))
+    lines += _cost_lines(summary.get("cost_check") or {})
+    return lines

@@ -1,0 +1,96 @@
+"""The cost-model check: predicted (replay) vs measured (live) tokens/s, the noise band, staleness, refresh."""
+import json
+
+import pytest
+import torch
+
+from specpilot.drafting import TreeConfig
+from specpilot.eval.costcheck import (check_and_refresh, check_profile, compare_rates, default_configs,
+                                      profile_age_s)
+from specpilot.eval.metrics import RunRecord
+
+
+def _runs(name, tokens_per_s_by_round, n_prompts=2):
+    return [RunRecord(prompt_id=str(p), method=name, tokens=[0] * 40, wall_s=40 / tps + 0.01, prefill_s=0.01,
+                      repeat=r) for r, tps in enumerate(tokens_per_s_by_round) for p in range(n_prompts)]
+
+
+@pytest.mark.parametrize("predicted, rounds, off", [
+    (100.0, [100.0, 100.0, 100.0], False),
+    (120.0, [100.0, 100.0, 100.0], False),      # 20% off, within the 25% tolerance
+    (140.0, [100.0, 100.0, 100.0], True),       # 40% off
+    (140.0, [80.0, 100.0, 120.0], False),       # 40% off, but the live runs themselves spread +-20%
+    (14.8, [151.7, 150.0, 153.0], True),        # the issue's tenfold stale profile
+])
+def test_error_beyond_spread_plus_tolerance_is_stale(predicted, rounds, off):
+    out = compare_rates({"d2_s8": predicted}, _runs("d2_s8", rounds), tolerance=0.25)
+    row = out["configs"][0]
+    assert row["off"] is off and out["stale"] is off
+    assert row["error"] == pytest.approx(predicted / row["measured_tokens_per_s"] - 1)
+
+
+def test_measured_rate_is_decode_time_without_prefill():
+    row = compare_rates({"c": 50.0}, _runs("c", [50.0]))["configs"][0]
+    assert row["measured_tokens_per_s"] == pytest.approx(50.0) and row["spread"] == 0.0
+
+
+def test_profile_age_from_meta_or_file(tmp_path):
+    class P:
+        meta = {"created": "2020-01-01T00:00:00+00:00"}
+
+    age, created = profile_age_s(P())
+    assert age > 3600 * 24 * 365 and created.startswith("2020-01-01")
+    path = tmp_path / "profile.json"
+    path.write_text("{}")
+    P.meta = {}
+    age, _ = profile_age_s(P(), path)
+    assert 0 <= age < 60
+    assert profile_age_s(P()) == (None, None)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    from tiny import tiny_pair
+
+    from specpilot.envs.record import record_task
+
+    torch.set_num_threads(1)
+    pair = tiny_pair(noise=0.1)
+    out = tmp_path_factory.mktemp("trace")
+    tree = TreeConfig(width=2, max_depth=3, max_size=6)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    trace_dir, profile_path = record_task(pair, tree, prompts, out, max_new_tokens=10)
+    return pair, trace_dir, profile_path
+
+
+def test_check_profile_measures_live_configs(recorded):
+    pair, trace_dir, profile_path = recorded
+    out = check_profile(pair, trace_dir, profile_path, 2, rounds=2, profile_path=profile_path)
+    from specpilot.envs.record import Trace
+
+    assert [c["config"] for c in out["configs"]] == [f"d{d}_s{s}" for d, s in default_configs(Trace.load(trace_dir))]
+    assert all(len(c["measured_by_round"]) == 2 for c in out["configs"])
+    assert out["prompts"] == [0, 1] and out["age_s"] is not None and out["live"]
+
+
+def test_stale_profile_is_re_measured_and_saved(recorded, tmp_path):
+    pair, trace_dir, profile_path = recorded
+    data = json.loads(profile_path.read_text())
+    for key in ("first_level", "levels", "verify_size"):  # a tenfold slower machine than the live one
+        data[key]["mean"] = [10 * m for m in data[key]["mean"]]
+    data["context_offset"] = [10 * o for o in data["context_offset"]]
+    stale = tmp_path / "train" / "profile.json"
+    stale.parent.mkdir()
+    stale.write_text(json.dumps(data))
+    other = tmp_path / "validation" / "profile.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps(data))
+    said = []
+    out = check_and_refresh(pair, trace_dir, stale, also=[other], prompts=2, rounds=2, log=said.append)
+    assert out["before"]["stale"] and out["refreshed"] and "live" not in out["before"]
+    assert out["after"]["max_abs_error"] < out["before"]["max_abs_error"]
+    assert (stale.parent / "profile.stale.json").exists() and (other.parent / "profile.stale.json").exists()
+    assert json.loads(stale.read_text())["meta"]["refreshed"].startswith("stale")
+    assert json.loads(other.read_text())["meta"] == json.loads(stale.read_text())["meta"]
+    assert any("re-measuring" in line for line in said)
+    json.dumps(out)  # JSON-able: the demo stores it

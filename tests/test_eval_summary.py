@@ -1,0 +1,56 @@
+"""The verdict-first summary (demo and `specpilot eval`) and the report's markdown: what is printed for each
+verdict, and that "same decisions" prints no percentage at all."""
+import re
+
+from specpilot.eval.report import write_report
+from specpilot.eval.summary import format_summary_lines, summarise_report
+
+
+def _comparison(method, baseline, verdict, ratio=1.0, ci=(0.98, 1.02), role="decide", same=False):
+    return {"method": method, "baseline": baseline, "temperature": 0.0, "ratio": ratio, "ci": list(ci),
+            "same_decisions": same, "verdict": verdict, "n_units": 24, "n_prompts": 12, "baseline_role": role}
+
+
+REPORT = {
+    "meta": {"rounds": {"mode": "auto", "by_temperature": {"0": {"rounds": 2, "units": 24, "stopped_by":
+                                                                 "same decisions", "decide_half_width": 0.02}}}},
+    "summary": [{"method": m, "temperature": 0.0, "speedup": sp, "speedup_ci": [sp - 0.05, sp + 0.05], "tau": 2.5,
+                 "policy_overhead": 0.01, "identical_to_ar": True, "n_units": 24} for m, sp in
+                [("ar", 1.0), ("grid", 1.19), ("ltd", 1.2), ("svip", 1.1)]],
+    "comparisons": [_comparison("ltd", "grid", "same decisions", ratio=1.039, same=True),
+                    _comparison("ltd", "svip", "faster", 1.09, (1.04, 1.14), role="best heuristic")],
+    "groups": [{"task": "qa", "language": "en", "temperature": 0.0, "too_small": True, "ratio": 1.1,
+                "ci": [0.9, 1.3], "verdict": "indistinguishable", "same_decisions": False, "n_prompts": 1,
+                "n_units": 2, "method": "ltd", "baseline": "grid"}],
+    "cost_check": {"fresh": {"stale": False, "max_abs_error": 0.08, "age_s": 60.0, "title": "fresh profile"}},
+}
+
+
+def test_same_decisions_prints_no_percentage():
+    lines = format_summary_lines(summarise_report(REPORT))
+    decide = next(line for line in lines if "ltd vs grid" in line)
+    assert "same decisions" in decide and "%" not in decide and "1.039" not in decide
+    heuristic = next(line for line in lines if "ltd vs svip" in line)
+    assert "+9.0%" in heuristic and "[1.040, 1.140]" in heuristic and "faster" in heuristic
+    assert "best heuristic" in heuristic
+
+
+def test_summary_names_rounds_groups_and_the_cost_model():
+    text = "\n".join(format_summary_lines(summarise_report(REPORT)))
+    assert "2 rounds, 24 units, stopped: same decisions" in text
+    assert "task groups: 1, 1 too small to conclude" in text
+    assert "cost model (fresh profile): within the noise (max error 8%" in text
+    assert re.search(r"ltd\s+1\.20x \[1\.15, 1\.25\]", text)
+
+
+def test_markdown_leads_with_verdicts(tmp_path):
+    rows = [{"task": "qa", "language": "en", "split": "heldout", "method": m, "temperature": 0.0, "speedup": 1.0,
+             "tau": 1.0, "tokens_per_s": 10.0, "ttft_s": 0.1, "itl_p50_s": 0.1, "itl_p90_s": 0.1, "itl_p99_s": 0.1,
+             "peak_mem_mb": 1.0, "policy_overhead": 0.0, "draft_frac": 0.0, "identical_to_ar": True, "n_prompts": 1,
+             "n_tokens": 10, "speedup_ci": [0.9, 1.1], "n_units": 2} for m in ("ar", "ltd", "grid")]
+    analysis = {k: REPORT[k] for k in ("summary", "comparisons", "groups")}
+    write_report(rows, REPORT["meta"], tmp_path, plots=False, analysis=analysis)
+    md = (tmp_path / "report.md").read_text()
+    assert md.index("## Verdicts") < md.index("speedup over ar (pooled") < md.index("by task group")
+    assert "ltd vs grid (T=0): same decisions on every cycle of 24 units" in md
+    assert "too small to conclude" in md and "1.00 [0.90, 1.10]" in md
