@@ -15,7 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
+
+from specpilot.train.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
 
@@ -55,6 +58,7 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     live.add_argument("--draft", default=None, help="draft model (with --target)")
     live.add_argument("--device", default=None)
     live.add_argument("--init-from", default=None, help="start from this policy zip (e.g. fine-tune a replay policy)")
+    add_cluster_arguments(p)  # --ray/--workers: live environments on Ray workers, one per worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,13 +112,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"specpilot train {cmd}: {err}", file=sys.stderr)
         return 2
     pair = None
-    if args.backend == "live":
+    ray = getattr(args, "ray", None)
+    if ray and (args.backend != "live" or cmd not in ("size", "depth", "coadapt")):
+        print(f"specpilot train {cmd}: replay environments train in this process (SB3's local vectorisation); "
+              "--ray only moves live environments (--backend live) onto Ray workers", file=sys.stderr)
+        ray = None
+    if args.backend == "live" and not ray:
         from specpilot.drafting.pair import ModelPair
 
         pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
     over = {k: v for k, v in _overrides(args).items() if v is not None}
     common = dict(static=static, resume=args.resume, seed=args.seed, wandb=args.wandb, **over)
-    live = dict(reward=args.reward, backend=args.backend, pair=pair)
+    from specpilot.train.cluster import ClusterError
+
+    try:
+        with open_pool(args) if ray else nullcontext() as pool:
+            live = dict(reward=args.reward, backend=args.backend, pair=pair, cluster=pool)
+            return _run_stage(cmd, args, run_dir, traces, common, live)
+    except ClusterError as err:
+        print(f"specpilot train {cmd}: {err}", file=sys.stderr)
+        return 2
+
+
+def _run_stage(cmd: str, args, run_dir: Path, traces, common: dict, live: dict) -> int:
+    from specpilot.train import pipeline as P
+
     try:
         if cmd == "size":
             res = P.train_size(run_dir, traces, steps=args.steps, depth_range=_ints(args.depth_range),

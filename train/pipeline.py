@@ -324,6 +324,7 @@ def _train_stage(
     max_context: int,
     settings_overrides: dict,
     keep_init_if_better: bool = False,
+    cluster=None,
 ) -> StageResult:
     from specpilot.envs.replay import ReplayDepthEnv, ReplaySizeEnv
     from specpilot.train.ppo import train_policy, update_manifest
@@ -350,6 +351,7 @@ def _train_stage(
             return StageResult(stage, kind, run_dir / stage / "best.zip", spec, actions, done.get("score"),
                                skipped=True)
 
+    make_venv = None  # a VecEnv factory replacing SB3's local DummyVecEnv (Ray workers' live environments)
     if backend == "replay":
         if kind == "size":
             def make_env():
@@ -362,8 +364,8 @@ def _train_stage(
         from specpilot.envs.live import DepthEnv, SizeEnv
         from specpilot.envs.record import load_prompts
 
-        if pair is None:
-            raise ValueError("backend='live' needs pair= (the models to decode with)")
+        if pair is None and cluster is None:
+            raise ValueError("backend='live' needs pair= (the models to decode with) or cluster= (a WorkerPool)")
         prompts = list(train_prompts) if train_prompts is not None else load_prompts("train")
         tree = TreeConfig(width=tr.width, max_depth=tr.max_depth, max_size=tr.max_size)
         if kind == "size":
@@ -374,6 +376,16 @@ def _train_stage(
             def make_env():
                 return DepthEnv(pair, prompts, max_new_tokens=tr.max_new_tokens, tree=tree, reward=reward,
                                 size_controller=partner, max_context=max_context)
+        if cluster is not None:  # the same environments, one per Ray worker, each on the worker's own pair
+            from specpilot.train.ray_vecenv import RayVecEnv
+
+            partner_kw = {"size_actions": actions, "depth_controller": partner} if kind == "size" \
+                else {"size_controller": partner}
+            env_kwargs = dict(prompts=prompts, max_new_tokens=tr.max_new_tokens, tree=tree, reward=reward,
+                              max_context=max_context, **partner_kw)
+
+            def make_venv():
+                return RayVecEnv(cluster, kind, env_kwargs)
     else:
         raise ValueError(f"backend must be 'replay' or 'live', got {backend!r}")
 
@@ -387,7 +399,7 @@ def _train_stage(
                                          "size_actions": actions, "spec": spec.to_dict(),
                                          "init_from": str(init_from or "")}})
     best = train_policy(make_env, val, settings, run_dir, stage, resume=resume, logger=logger,
-                        init_from=init_from)
+                        init_from=init_from, venv_factory=make_venv)
     info = json.loads((run_dir / stage / "best.json").read_text())
     result = StageResult(stage, kind, best, spec, actions, info.get("score"))
     if init_from is not None and keep_init_if_better:
@@ -432,6 +444,7 @@ def train_size(
     reward: str = "dinkelbach",
     backend: str = "replay",
     pair=None,
+    cluster=None,
     train_prompts: Sequence | None = None,
     stage: str = "size_s1",
     init_from: str | Path | None = None,
@@ -448,6 +461,8 @@ def train_size(
 
     settings_overrides: any PPOSettings field (n_steps, batch_size, n_epochs, pi_arch, vf_arch, gamma,
     learning_rate, ent_coef, eval_every, ...); defaults from `budget_settings`.
+    cluster: a `specpilot.train.cluster.WorkerPool`: with backend="live", one environment per Ray worker
+    (`specpilot.train.ray_vecenv.RayVecEnv`) instead of a local one on `pair`.
     """
     traces = TaskTraces.resolve(traces)
     depth, _ = static_config(run_dir, static)
@@ -463,7 +478,7 @@ def train_size(
         return _train_stage("size", run_dir, traces, stage=stage, steps=steps,
                             partner=as_depth_controller(depth_partner), val_partner=val_partner,
                             size_actions=size_actions, reward=reward, backend=backend, pair=pair,
-                            train_prompts=train_prompts, init_from=init_from, resume=resume, logger=log, seed=seed,
+                            cluster=cluster, train_prompts=train_prompts, init_from=init_from, resume=resume, logger=log, seed=seed,
                             max_context=max_context, settings_overrides=settings_overrides)
     finally:
         if owned:
@@ -480,6 +495,7 @@ def train_depth(
     reward: str = "dinkelbach",
     backend: str = "replay",
     pair=None,
+    cluster=None,
     train_prompts: Sequence | None = None,
     stage: str = "depth_s1",
     init_from: str | Path | None = None,
@@ -500,7 +516,7 @@ def train_depth(
     try:
         return _train_stage("depth", run_dir, traces, stage=stage, steps=steps, partner=partner,
                             val_partner=partner, size_actions=None, reward=reward, backend=backend, pair=pair,
-                            train_prompts=train_prompts, init_from=init_from, resume=resume, logger=log, seed=seed,
+                            cluster=cluster, train_prompts=train_prompts, init_from=init_from, resume=resume, logger=log, seed=seed,
                             max_context=max_context, settings_overrides=settings_overrides)
     finally:
         if owned:
@@ -547,6 +563,7 @@ def coadapt(
     reward: str = "dinkelbach",
     backend: str = "replay",
     pair=None,
+    cluster=None,
     train_prompts: Sequence | None = None,
     resume: bool = False,
     seed: int = 0,
@@ -581,7 +598,7 @@ def coadapt(
             frozen = load_partner(other, p.best, p.spec, size_actions=p.size_actions, fallback=fixed)
             res = _train_stage(kind, run_dir, traces, stage=stage, steps=budgets[i], partner=frozen,
                                val_partner=frozen, size_actions=latest["size"].size_actions, reward=reward,
-                               backend=backend, pair=pair, train_prompts=train_prompts,
+                               backend=backend, pair=pair, cluster=cluster, train_prompts=train_prompts,
                                init_from=latest[kind].best, resume=resume, logger=log, seed=seed + i + 1,
                                max_context=max_context, settings_overrides=dict(settings_overrides),
                                keep_init_if_better=True)
