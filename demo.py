@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -309,10 +310,15 @@ def run(args: argparse.Namespace) -> int:
     run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, seed=args.seed,
                   wandb=args.wandb, device=args.device)
     if getattr(args, "ray", None):
+        from specpilot.train.cluster import ClusterError
         from specpilot.train.cluster_cli import open_pool
 
-        with open_pool(args) as pool:
-            run(cluster=pool)
+        try:
+            with open_pool(args) as pool:
+                run(cluster=pool)
+        except ClusterError as err:
+            print(f"specpilot demo: {err}", file=sys.stderr)
+            return 2
     else:
         run()
     return 0

@@ -122,6 +122,21 @@ def test_sharded_grid_replays_exactly_and_remeasures_the_top_cells_on_every_work
     assert json.loads((tmp_path / "grid.json").read_text())["best"] == got["best"]
 
 
+def test_demo_record_and_grid_stages_run_on_the_pool(ray_pool, tmp_path):
+    from specpilot.demo import STAGE_FUNCTIONS, DemoBudget
+
+    budget = DemoBudget(max_new_tokens=6, width=2, max_depth=3, max_size=6, live_top=1)
+    prompts = [Prompt(f"t{i}", "code", "python", "train", text) for i, text in enumerate(PROMPTS[:3])]
+    common = dict(run_dir=tmp_path, pair=None, tree=TREE, budget=budget, seed=0, train=prompts, val=prompts[:2],
+                  heldout=[], wandb=None, cluster=ray_pool)
+    STAGE_FUNCTIONS["record"](**common)
+    for split in ("train", "validation"):  # what record_traces writes
+        for name in ("trace.npz", "trace.json", "profile.json", "ar.json"):
+            assert (tmp_path / "traces" / split / name).is_file(), (split, name)
+    grid = STAGE_FUNCTIONS["grid"](**common)
+    assert grid["best"]["source"] == "live" and (tmp_path / "grid.json").is_file()
+
+
 @pytest.mark.parametrize("mode, verb", [("exit", "died"), ("raise", "raised")])
 def test_a_failed_shard_is_retried_and_its_prompts_reported(ray_pool, local_pair, tmp_path, mode, verb):
     ray_pool.inject_fault = {"shard": 1, "mode": mode}  # "exit" kills the worker process; Ray restarts it
@@ -135,3 +150,23 @@ def test_a_failed_shard_is_retried_and_its_prompts_reported(ray_pool, local_pair
     _assert_same_tables(Trace.load(tmp_path), record_trace(local_pair, TREE, PROMPTS[:4], max_new_tokens=8))
     again = record_sharded(ray_pool, TREE, PROMPTS[:4], tmp_path / "after", max_new_tokens=8, profile_prompts=1)
     assert again["retried_prompts"] == []  # the pool still has working workers
+
+
+def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path):
+    """`specpilot record --ray local --workers 2` in a fresh process (its own local Ray)."""
+    import os
+    import subprocess
+    import sys
+
+    suite = tmp_path / "prompts.txt"
+    suite.write_text("\n".join(PROMPTS[1:4]) + "\n")  # one prompt per line
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specpilot.cli", "record", "--suite", str(suite), "--out", str(out),
+           "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--device", "cpu",
+           "--max-new-tokens", "6", "--width", "2", "--max-depth", "3", "--max-size", "6",
+           "--ray", "local", "--workers", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("trace.npz", "trace.json", "profile.json", CLUSTER_FILE):
+        assert (out / name).is_file(), name
+    assert "2 workers" in proc.stderr and Trace.load(out).num_prompts == 3

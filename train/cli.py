@@ -5,6 +5,7 @@
     specpilot train coadapt --run RUN --rounds 3 [--steps 10000]
     specpilot train ablation --run RUN [--kind size] [--rewards throughput,acceptance,time,dinkelbach]
     specpilot train all --run RUN            # stage 1 (size, depth) + co-adaptation
+    specpilot train size --run RUN --backend live --ray auto --workers 8   # one live env per Ray worker
 
 Traces default to RUN/traces/{train,validation} (`specpilot record --suite train --out RUN/traces/train`, the same
 for validation); the static baseline to RUN/grid.json (`specpilot grid`). Every PPO hyper-parameter defaults to the

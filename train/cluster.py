@@ -306,6 +306,10 @@ class WorkerPool:
         self.spec = spec if spec.device or not self.gpus else PairSpec(**{**spec.to_dict(), "device": "cuda"})
         bundle = {"CPU": float(spec.threads), **({"GPU": 1.0} if self.gpus else {})}
         self.bundle, self.inject_fault = bundle, inject_fault
+        short = {k: v * workers for k, v in bundle.items() if v * workers > resources.get(k, 0)}
+        if short:  # fail now rather than wait for resources the cluster does not have at all
+            raise ClusterError(f"{workers} workers of {bundle} need {short} but the cluster has {dict(resources)}: "
+                               "lower --workers or --threads, or add nodes")
         self.placement = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
         try:
             ray.get(self.placement.ready(), timeout=ready_timeout_s)

@@ -40,10 +40,13 @@ def default_workers(resources: dict, threads: int) -> int:
 @contextmanager
 def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = None) -> Iterator:
     """Connect to args.ray and start a WorkerPool of args.workers workers loading args' pair; close it after."""
-    from specpilot.train.cluster import PairSpec, WorkerPool, connect, shutdown
+    from specpilot.train.cluster import ClusterError, PairSpec, WorkerPool, connect, import_ray, shutdown
 
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     threads = max(1, int(getattr(args, "threads", None) or 1))
+    owned = not import_ray().is_initialized()  # a Ray this process already uses stays up after the command
+    if args.workers is not None and args.workers < 1:
+        raise ClusterError(f"--workers must be >= 1, got {args.workers}")
     resources = connect(args.ray)
     workers = args.workers or default_workers(resources, threads)
     spec = PairSpec(getattr(args, "target", None), getattr(args, "draft", None), getattr(args, "eagle", None),
@@ -55,7 +58,7 @@ def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = N
         yield pool
     finally:
         pool.close()
-        if args.ray == "local":
+        if owned:
             shutdown()
 
 
@@ -65,9 +68,6 @@ def with_cluster(command: str, run: Callable[[argparse.Namespace], int]) -> Call
     def handler(args: argparse.Namespace) -> int:
         if getattr(args, "ray", None) is None or command not in CLUSTER_RUNNERS:
             return run(args)
-        if args.workers is not None and args.workers < 1:
-            print(f"specpilot {command}: --workers must be >= 1", file=sys.stderr)
-            return 2
         from specpilot.train.cluster import ClusterError
 
         try:

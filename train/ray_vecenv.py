@@ -43,6 +43,7 @@ class RayVecEnv(VecEnv):
         self.metadata = metadata
         self.workers = pool.workers[:n]
         self._pending: list | None = None
+        self.closed = False
 
     def _get(self, refs: list) -> list:
         try:
