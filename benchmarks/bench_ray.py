@@ -66,6 +66,7 @@ def main() -> None:
         return run
 
     methods = {"ray": ray_run, "proc-2t": proc_run(2), "proc-1t": proc_run(1)}
+    print(f"start-up: ray.init {t_init:.1f}s, pool {t_pool:.1f}s, first shard {t_first:.1f}s", flush=True)
     for name, run in methods.items():  # warm-up, untimed
         run(f"warm-{name}")
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -75,6 +76,7 @@ def main() -> None:
             t0 = time.perf_counter()
             methods[name](f"{name}-{r}")
             times[name].append(time.perf_counter() - t0)
+            print(f"  repeat {r}: {name} {times[name][-1]:.1f}s", flush=True)
     pool.close()
     shutdown()
 

@@ -3,6 +3,8 @@ over the same environments (observations, episode ends, terminal observations, a
 check, PPO trains on it, and the pipeline's live backend uses it when given a pool."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 from stable_baselines3 import PPO
@@ -30,7 +32,7 @@ def local_pair(saved_pair):
 @pytest.mark.parametrize("kind", ["size", "depth"])
 def test_ray_vecenv_steps_like_dummy_vecenv_over_the_same_envs(ray_pool, local_pair, kind):
     check_env(CLASSES[kind](local_pair, **KWARGS[kind]))  # the environment itself passes SB3's checker
-    raw = RayVecEnv(ray_pool, kind, KWARGS[kind])
+    raw = RayVecEnv(ray_pool, partial(CLASSES[kind], **KWARGS[kind]))
     ray_env = VecCheckNan(raw, raise_exception=True)  # SB3's check: raises on NaN/inf observations or rewards
     dummy = DummyVecEnv([lambda: Monitor(CLASSES[kind](local_pair, **KWARGS[kind])) for _ in range(2)])
     assert ray_env.num_envs == 2 and ray_env.observation_space == dummy.observation_space
@@ -64,7 +66,7 @@ def test_ray_vecenv_steps_like_dummy_vecenv_over_the_same_envs(ray_pool, local_p
 
 
 def test_ppo_trains_a_few_hundred_steps_on_ray_workers(ray_pool):
-    venv = RayVecEnv(ray_pool, "size", KWARGS["size"])
+    venv = RayVecEnv(ray_pool, partial(SizeEnv, **KWARGS["size"]))
     model = PPO("MlpPolicy", venv, n_steps=64, batch_size=64, n_epochs=2, policy_kwargs={"net_arch": [16]},
                 seed=0, device="cpu")
     model.learn(total_timesteps=256)

@@ -211,18 +211,14 @@ class PairWorker:
         return run_replay_grid(files, kwargs)
 
     # -- one live environment (specpilot.train.ray_vecenv.RayVecEnv) -----------------------------------------------
-    def env_make(self, kind: str, kwargs: dict) -> tuple:
-        """Build this worker's environment on its pair (Monitor-wrapped, as SB3's DummyVecEnv wraps it)."""
+    def env_make(self, env_fn: Callable[[Any], Any]) -> tuple:
+        """Build this worker's environment as env_fn(pair) on its own pair (Monitor-wrapped, as SB3's DummyVecEnv
+        wraps it); return its spaces and metadata."""
         from stable_baselines3.common.monitor import Monitor
 
-        from specpilot.envs.live import DepthEnv, SizeEnv
-
-        classes = {"depth": DepthEnv, "size": SizeEnv}
-        if kind not in classes:
-            raise ValueError(f"environment kind must be 'depth' or 'size', got {kind!r}")
         if self.env is not None:
             self.env.close()
-        self.env = Monitor(classes[kind](self.pair, **kwargs))
+        self.env = Monitor(env_fn(self.pair))
         return self.env.observation_space, self.env.action_space, self.env.metadata
 
     def env_reset(self, seed: int | None, options: dict | None) -> tuple:

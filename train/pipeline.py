@@ -377,15 +377,18 @@ def _train_stage(
                 return DepthEnv(pair, prompts, max_new_tokens=tr.max_new_tokens, tree=tree, reward=reward,
                                 size_controller=partner, max_context=max_context)
         if cluster is not None:  # the same environments, one per Ray worker, each on the worker's own pair
+            from functools import partial
+
             from specpilot.train.ray_vecenv import RayVecEnv
 
             partner_kw = {"size_actions": actions, "depth_controller": partner} if kind == "size" \
                 else {"size_controller": partner}
-            env_kwargs = dict(prompts=prompts, max_new_tokens=tr.max_new_tokens, tree=tree, reward=reward,
-                              max_context=max_context, **partner_kw)
+            env_fn = partial(SizeEnv if kind == "size" else DepthEnv, prompts=prompts,
+                             max_new_tokens=tr.max_new_tokens, tree=tree, reward=reward, max_context=max_context,
+                             **partner_kw)
 
             def make_venv():
-                return RayVecEnv(cluster, kind, env_kwargs)
+                return RayVecEnv(cluster, env_fn)
     else:
         raise ValueError(f"backend must be 'replay' or 'live', got {backend!r}")
 

@@ -1,10 +1,11 @@
 """RayVecEnv: SB3's VecEnv API over live environments that run on Ray workers, one environment per worker.
 
-    venv = RayVecEnv(pool, "size", {"prompts": prompts, "max_new_tokens": 64, "tree": tree, "size_actions": acts})
+    venv = RayVecEnv(pool, partial(SizeEnv, prompts=prompts, max_new_tokens=64, tree=tree, size_actions=acts))
     model = PPO("MlpPolicy", VecNormalize(venv, norm_obs=False))
 
-Each `PairWorker` of the pool builds `specpilot.envs.live.DepthEnv` or `SizeEnv` on its own pair (on its own GPU),
-wrapped in SB3's `Monitor` as DummyVecEnv wraps it. `step_async` sends every worker its action, `step_wait`
+Each `PairWorker` of the pool builds its environment as `env_fn(pair)` on its own pair (on its own GPU), wrapped in
+SB3's `Monitor` as DummyVecEnv wraps it: env_fn is any picklable function of a ModelPair (a `functools.partial` of
+`specpilot.envs.live.SizeEnv` / `DepthEnv`), shipped to the workers, so the VecEnv knows no environment class. `step_async` sends every worker its action, `step_wait`
 collects the results; as in SubprocVecEnv, a worker resets its environment at episode end and returns the final
 observation in info["terminal_observation"]. Decoding runs on the workers in parallel; the policy and the updates
 stay in this process. Replay environments do not need this: they are cheap, SB3's local DummyVecEnv serves them.
@@ -14,7 +15,7 @@ stage (`specpilot train ... --resume`) from its last checkpoint.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
@@ -25,19 +26,18 @@ from specpilot.train.cluster import ClusterError, WorkerPool, import_ray
 class RayVecEnv(VecEnv):
     """SB3 VecEnv whose environments live on the pool's workers (num_envs = number of workers used).
 
-    pool: a started WorkerPool. kind: "depth" or "size". env_kwargs: keyword arguments of DepthEnv / SizeEnv
-    besides the pair (prompts, max_new_tokens, tree, reward, size_controller / depth_controller, size_actions,
-    max_context, ...); they are pickled to the workers, so partners must be picklable (PPOController is).
+    pool: a started WorkerPool. env_fn: pair -> gym.Env, called on each worker with its pair; it is pickled to
+    the workers, with everything it holds (prompts, tree, partner controllers: PPOController pickles).
     num_envs: the first N workers (default all).
     """
 
-    def __init__(self, pool: WorkerPool, kind: str, env_kwargs: dict, *, num_envs: int | None = None) -> None:
+    def __init__(self, pool: WorkerPool, env_fn: Callable[[Any], Any], *, num_envs: int | None = None) -> None:
         self.ray = import_ray()
         n = len(pool) if num_envs is None else int(num_envs)
         if not 1 <= n <= len(pool):
             raise ValueError(f"num_envs must be between 1 and the pool's {len(pool)} workers, got {num_envs}")
         self.pool, self.actors = pool, pool.actors[:n]
-        spaces = self._get([a.env_make.remote(kind, env_kwargs) for a in self.actors])
+        spaces = self._get([a.env_make.remote(env_fn) for a in self.actors])
         observation_space, action_space, metadata = spaces[0]
         super().__init__(n, observation_space, action_space)
         self.metadata = metadata
