@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from specpilot.train.cluster_cli import CLUSTER_COMMANDS, add_cluster_arguments, with_cluster
+
 # (command, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "specpilot.demo", "run the whole mission end to end on the embedded pair (or your own)"),
@@ -40,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(_handler=_not_built(name))
             continue
         module.add_arguments(p)
-        p.set_defaults(_handler=module.run)
+        if name in CLUSTER_COMMANDS:  # --ray ADDRESS --workers N; Ray is imported only when --ray is given
+            add_cluster_arguments(p)
+        p.set_defaults(_handler=with_cluster(name, module.run))
     return parser
 
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def load_prompts(suite: str, split: str | None = None, limit: int | None = None) -> list[str]:
-    """Prompts of a bundled suite name or a .jsonl/.txt path (via specpilot.eval.suites), first `limit`."""
-    from specpilot.eval.suites import load_suite
-
-    prompts = [p.prompt for p in load_suite(suite, split=split)]
-    return prompts[:limit] if limit else prompts
+from specpilot.eval.suites import load_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

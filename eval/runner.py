@@ -298,6 +298,7 @@ def _throughput(recs: list[RunRecord]) -> dict:
     cycles = [c for r in recs for c in r.cycles]
     policy_s = sum(r.policy_s for r in recs)
     return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan"),
+            "cycles": len(cycles) if cycles else tokens,  # autoregressive decoding: one target step per token
             "mean_accepted_length": tokens / len(cycles) if cycles else 1.0, "policy_s": policy_s,
             "policy_overhead": policy_s / time_s if time_s > 0 else float("nan"),
             "depth_mean": sum(c[0] for c in cycles) / len(cycles) if cycles else None,

@@ -146,3 +146,9 @@ def prompt_mix(prompts: list[Prompt]) -> dict:
         "by_task_language": {f"{t}/{lang}": n for (t, lang), n in Counter((p.task, p.language)
                                                                             for p in prompts).items()},
     }
+
+
+def load_prompts(suite: str, split: str | None = None, limit: int | None = None) -> list[str]:
+    """The prompt texts of a bundled suite name or a .jsonl/.txt path, the first `limit` (all when None)."""
+    prompts = [p.prompt for p in load_suite(suite, split=split)]
+    return prompts[:limit] if limit else prompts

@@ -33,3 +33,17 @@ def saved_pair(tmp_path_factory):
         model.save_pretrained(root / name)
         fast.save_pretrained(root / name)
     return root
+
+
+@pytest.fixture(scope="session")
+def ray_pool(saved_pair):
+    """A local Ray (2 CPUs, no dashboard) with two CPU workers, each loading `saved_pair` by path on 1 thread.
+    Session-scoped: Ray and the workers start once (~20 s) for every test module that uses them."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'specpilot[ray]'")
+    from specpilot.train.cluster import PairSpec, WorkerPool, connect, shutdown
+
+    connect("local", num_cpus=2)
+    pool = WorkerPool(PairSpec(str(saved_pair / "target"), str(saved_pair / "draft"), device="cpu"), workers=2)
+    yield pool
+    pool.close()
+    shutdown()

@@ -5,6 +5,7 @@
     specpilot train coadapt --run RUN --rounds 3 [--steps 10000]
     specpilot train ablation --run RUN [--kind size] [--rewards throughput,acceptance,time,dinkelbach]
     specpilot train all --run RUN            # stage 1 (size, depth) + co-adaptation
+    specpilot train size --run RUN --backend live --ray auto --workers 8   # one live env per Ray worker
 
 Traces default to RUN/traces/{train,validation} (`specpilot record --suite train --out RUN/traces/train`, the same
 for validation); the static baseline to RUN/grid.json (`specpilot grid`). Every PPO hyper-parameter defaults to the
@@ -15,7 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
+
+from specpilot.train.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
 
@@ -54,6 +58,7 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     live.add_argument("--draft", default=None, help="draft model (with --target)")
     live.add_argument("--device", default=None)
     live.add_argument("--init-from", default=None, help="start from this policy zip (e.g. fine-tune a replay policy)")
+    add_cluster_arguments(p)  # --ray/--workers: live environments on Ray workers, one per worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,19 +86,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3)
 
 
-def _options(args, static, pair):
+def _options(args, static, pair, cluster=None):
     from specpilot.train.ppo import PPOOverrides
     from specpilot.train.stages import TrainOptions
 
     ppo = PPOOverrides(n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.n_epochs,
                        pi_arch=_ints(args.pi_arch), vf_arch=_ints(args.vf_arch), gamma=args.gamma,
                        learning_rate=args.lr, ent_coef=args.ent_coef, eval_every=args.eval_every)
-    return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, static=static, resume=args.resume,
-                        seed=args.seed, ppo=ppo)
+    return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, cluster=cluster, static=static,
+                        resume=args.resume, seed=args.seed, ppo=ppo)
 
 
 def run(args: argparse.Namespace) -> int:
-    from specpilot.train import pipeline as P
+    from specpilot.train.traces import TaskTraces
 
     cmd = getattr(args, "train_command", None)
     if cmd not in COMMANDS:
@@ -101,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     run_dir = Path(args.run)
     try:
-        traces = P.TaskTraces.resolve(args.traces or run_dir / "traces")
+        traces = TaskTraces.resolve(args.traces or run_dir / "traces")
         static = tuple(_ints(args.static)) if args.static else (args.grid or None)
         if static is not None and not isinstance(static, tuple) and not Path(static).is_file():
             raise FileNotFoundError(f"--grid {static} not found")
@@ -109,12 +114,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"specpilot train {cmd}: {err}", file=sys.stderr)
         return 2
     pair = None
-    if args.backend == "live":
+    ray = getattr(args, "ray", None)
+    if ray and (args.backend != "live" or cmd not in ("size", "depth", "coadapt")):
+        print(f"specpilot train {cmd}: replay environments train in this process (SB3's local vectorisation); "
+              "--ray only moves live environments (--backend live) onto Ray workers", file=sys.stderr)
+        ray = None
+    if args.backend == "live" and not ray:
         from specpilot.drafting.pair import ModelPair
 
         pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
+    from specpilot.train.cluster import ClusterError
+
     try:
-        options = _options(args, static, pair)
+        with open_pool(args) if ray else nullcontext() as pool:
+            return _run_stage(cmd, args, run_dir, traces, _options(args, static, pair, pool))
+    except ClusterError as err:
+        print(f"specpilot train {cmd}: {err}", file=sys.stderr)
+        return 2
+
+
+def _run_stage(cmd: str, args, run_dir: Path, traces, options) -> int:
+    from specpilot.train import pipeline as P
+
+    try:
         common = dict(options=options, wandb=args.wandb)
         if cmd == "size":
             res = P.train_size(run_dir, traces, steps=args.steps, depth_range=_ints(args.depth_range),

@@ -260,7 +260,7 @@ def resolve_train_trace(path: str | Path) -> Path:
                             "(record one with `specpilot record --suite train --out DIR`)")
 
 
-def _int_list(text: str | None) -> list[int] | None:
+def int_list(text: str | None) -> list[int] | None:
     if not text:
         return None
     out: list[int] = []
@@ -307,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
         except (FileNotFoundError, ValueError) as err:
             print(f"specpilot grid: {err}", file=sys.stderr)
             return 2
-    result = grid_search(traces, depths=_int_list(args.depths), sizes=_int_list(args.sizes),
+    result = grid_search(traces, depths=int_list(args.depths), sizes=int_list(args.sizes),
                          max_new_tokens=args.max_new_tokens, pair=pair, val_prompts=prompts, live_top=args.live_top,
                          live_repeats=args.live_repeats, out=args.out, progress=True)
     best = result["best"]

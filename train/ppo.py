@@ -398,6 +398,7 @@ def train_policy(
     *,
     init_from: str | Path | None = None,
     callbacks: list[BaseCallback] | None = None,
+    venv_factory: Callable[[], Any] | None = None,
 ) -> Path:
     """Train one PPO stage and return run_dir/<stage_name>/best.zip.
 
@@ -408,7 +409,8 @@ def train_policy(
     checkpoints is refused, never overwritten. init_from: start from another policy zip's weights (co-adaptation
     rounds; ignored when resuming). KeyboardInterrupt saves a checkpoint at the last update boundary, then
     propagates. Validation and checkpoints happen at update boundaries, so they fire at the first rollout end
-    after every `eval_every` / `checkpoint_every` steps, and once more at the end.
+    after every `eval_every` / `checkpoint_every` steps, and once more at the end. venv_factory: builds the
+    VecEnv instead of DummyVecEnv over env_factory (e.g. `specpilot.train.ray_vecenv.RayVecEnv`).
     """
     run_dir = Path(run_dir)
     stage_dir = run_dir / stage_name
@@ -418,7 +420,7 @@ def train_policy(
         raise FileExistsError(f"stage {stage_dir} already has checkpoints: pass resume=True to continue it, or use "
                               "another stage name / delete the directory to start over")
     stage_dir.mkdir(parents=True, exist_ok=True)
-    venv = _make_venv(env_factory, settings.n_envs)
+    venv = venv_factory() if venv_factory is not None else _make_venv(env_factory, settings.n_envs)
 
     resumed = progress is not None
     if resumed:

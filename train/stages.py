@@ -36,7 +36,8 @@ class TrainOptions:
     reward: environment reward (`specpilot.envs.rewards`); "dinkelbach" optimises long-run tokens/s.
     backend: "replay" (trace + profile, fast, greedy) or "live" (the real decoder, wall-clock rewards).
     pair / train_prompts / temperature: the live backend's models, prompts (default: the trace's prompts) and
-        sampling temperature.
+        sampling temperature. cluster: a `specpilot.train.cluster.WorkerPool`: with the live backend, one
+        environment per Ray worker on the worker's own pair (`specpilot.train.ray_vecenv.RayVecEnv`).
     static: the static baseline (depth, size), a grid.json path, or None for RUN/grid.json; it fixes the partners.
     skip_decisions: the depth policy also decides, before drafting, whether to draft at all.
     resume: continue interrupted stages; finished stages are skipped. seed: base seed of every stage.
@@ -46,6 +47,7 @@ class TrainOptions:
     reward: str = "dinkelbach"
     backend: str = "replay"
     pair: Any = None
+    cluster: Any = None
     train_prompts: Sequence | None = None
     temperature: float = 0.0
     static: tuple[int, int] | str | Path | None = None
@@ -60,8 +62,8 @@ class TrainOptions:
             raise ValueError(f"unknown reward {self.reward!r}; choose one of {REWARD_MODES}")
         if self.backend not in ("replay", "live"):
             raise ValueError(f"backend must be 'replay' or 'live', got {self.backend!r}")
-        if self.backend == "live" and self.pair is None:
-            raise ValueError("backend='live' needs pair= (the models to decode with)")
+        if self.backend == "live" and self.pair is None and self.cluster is None:
+            raise ValueError("backend='live' needs pair= (the models to decode with) or cluster= (a WorkerPool)")
 
 
 def budget_settings(kind: str, steps: int, *, seed: int = 0, ppo: PPOOverrides | None = None):
@@ -185,27 +187,45 @@ def _size_actions(model: ReplayModel, size_actions: Sequence[int] | None) -> lis
     return [v for v in acts if v <= model.trace.max_size] or [model.trace.max_size]
 
 
-def _env_factory(spec: StageSpec, traces: TaskTraces, model: ReplayModel, actions, options: TrainOptions):
-    """A function building one training environment for the stage (replay or live source)."""
-    from specpilot.envs.environments import DepthEnv, LiveSource, ReplaySource, SizeEnv
+def _make_env(source, spec: StageSpec, actions, *, reward: str, max_context: int, skip_decisions: bool):
+    from specpilot.envs.environments import DepthEnv, SizeEnv
+
+    if spec.kind == "size":
+        return SizeEnv(source, reward=reward, size_actions=actions, depth_controller=spec.partner,
+                       max_context=max_context)
+    return DepthEnv(source, reward=reward, size_controller=spec.partner, max_context=max_context,
+                    skip_decisions=skip_decisions)
+
+
+def _live_env(pair, *, prompts, tree, max_new_tokens, temperature, spec, actions, **env_settings):
+    """One live training environment on `pair` (a module-level function: Ray workers build it with their pair)."""
+    from specpilot.envs.environments import LiveSource
+
+    source = LiveSource(pair, prompts, tree=tree, max_new_tokens=max_new_tokens, temperature=temperature)
+    return _make_env(source, spec, actions, **env_settings)
+
+
+def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, actions, options: TrainOptions):
+    """(a function building one training environment, a VecEnv factory or None): replay environments here, live
+    ones here on options.pair or one per Ray worker on options.cluster."""
+    from functools import partial
+
+    from specpilot.envs.environments import ReplaySource
 
     trace = model.trace
+    settings = dict(reward=options.reward, max_context=options.max_context, skip_decisions=options.skip_decisions)
     if options.backend == "replay":
-        def source():
-            return ReplaySource(traces.train)
-    else:
-        prompts = list(options.train_prompts) if options.train_prompts is not None else \
-            [trace.prompt(i) for i in range(trace.num_prompts)]
-        tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
+        return (lambda: _make_env(ReplaySource(traces.train), spec, actions, **settings)), None
+    prompts = list(options.train_prompts) if options.train_prompts is not None else \
+        [trace.prompt(i) for i in range(trace.num_prompts)]
+    tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
+    env_fn = partial(_live_env, prompts=prompts, tree=tree, max_new_tokens=trace.max_new_tokens,
+                     temperature=options.temperature, spec=spec, actions=actions, **settings)
+    if options.cluster is None:
+        return (lambda: env_fn(options.pair)), None
+    from specpilot.train.ray_vecenv import RayVecEnv
 
-        def source():
-            return LiveSource(options.pair, prompts, tree=tree, max_new_tokens=trace.max_new_tokens,
-                              temperature=options.temperature)
-    if spec.kind == "size":
-        return lambda: SizeEnv(source(), reward=options.reward, size_actions=actions,
-                               depth_controller=spec.partner, max_context=options.max_context)
-    return lambda: DepthEnv(source(), reward=options.reward, size_controller=spec.partner,
-                            max_context=options.max_context, skip_decisions=options.skip_decisions)
+    return (lambda: env_fn(options.pair)), (lambda: RayVecEnv(options.cluster, env_fn))
 
 
 def _finished(run_dir: Path, spec: StageSpec, obs_spec, actions, total: int) -> StageResult | None:
@@ -254,12 +274,14 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
                                      "train_pair": trace.header.get("pair")},
                     seeds={spec.stage: settings.seed},
                     stage_setup={spec.stage: {"kind": spec.kind, "backend": options.backend, "reward": options.reward,
+                                              "cluster": options.cluster is not None,
                                               "temperature": options.temperature,
                                               "partner": _describe(spec.partner),
                                               "val_partner": _describe(spec.val_partner), "size_actions": actions,
                                               "spec": obs_spec.to_dict(), "init_from": str(spec.init_from or "")}})
-    best = train_policy(_env_factory(spec, traces, model, actions, options), val, settings, run_dir, spec.stage,
-                        resume=options.resume, logger=logger, init_from=spec.init_from)
+    make_env, make_venv = _env_factories(spec, traces, model, actions, options)
+    best = train_policy(make_env, val, settings, run_dir, spec.stage, resume=options.resume, logger=logger,
+                        init_from=spec.init_from, venv_factory=make_venv)
     info = json.loads((run_dir / spec.stage / "best.json").read_text())
     result = StageResult(spec.stage, spec.kind, best, obs_spec, actions, info.get("score"))
     if spec.init_from is not None and spec.keep_init_if_better:

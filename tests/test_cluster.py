@@ -1,0 +1,173 @@
+"""Sharded runs on a local Ray with two CPU workers and a tiny saved pair: recording equals a single-process
+recording, an interrupted run resumes, a dead or failing worker's shard is retried and reported, evaluation keeps
+the report structure with each worker's device, and the grid's replay and live phases run on the pool."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specpilot.drafting.pair import ModelPair
+from specpilot.drafting.types import TreeConfig
+from specpilot.envs.profile import LatencyProfile
+from specpilot.envs.record import Trace, record_task, record_trace
+from specpilot.eval.report import write_report
+from specpilot.eval.runner import evaluate
+from specpilot.eval.suites import Prompt
+from specpilot.train.cluster import ClusterError
+from specpilot.train.cluster_grid import grid_search_sharded
+from specpilot.train.grid import grid_search
+from specpilot.train.sharded import CLUSTER_FILE, evaluate_sharded, record_sharded
+
+TREE = TreeConfig(width=2, max_depth=3, max_size=6)
+PROMPTS = ["def f(x):\n    return", "def g(y):", "return x + 1", "def add(a, b):", "x = f(1)", "def h():"]
+
+
+@pytest.fixture(scope="module")
+def local_pair(saved_pair):
+    return ModelPair.from_pretrained(str(saved_pair / "target"), str(saved_pair / "draft"), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def sharded(ray_pool, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded")
+    summary = record_sharded(ray_pool, TREE, PROMPTS, out, max_new_tokens=12, profile_prompts=4, ar=True)
+    return out, summary
+
+
+def _assert_same_tables(a: Trace, b: Trace) -> None:
+    assert set(a.arrays) == set(b.arrays)
+    for key, value in b.arrays.items():
+        assert a.arrays[key].dtype == value.dtype, key
+        if np.issubdtype(value.dtype, np.integer):
+            np.testing.assert_array_equal(a.arrays[key], value, err_msg=key)
+        else:  # the same kernels on the same CPU: equal up to float rounding
+            np.testing.assert_allclose(a.arrays[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_sharded_record_writes_what_a_single_process_record_writes(sharded, local_pair, tmp_path):
+    out, summary = sharded
+    record_task(local_pair, TREE, PROMPTS, tmp_path, max_new_tokens=12, profile_prompts=4)
+    got, want = Trace.load(out), Trace.load(tmp_path)
+    _assert_same_tables(got, want)
+    for key in ("pair", "tree", "prompts", "positions", "max_new_tokens", "eos_token_id", "device"):
+        assert got.header[key] == want.header[key], key
+    profile = LatencyProfile.load(out / "profile.json")
+    assert profile.meta["pair"] == want.header["pair"] and profile.meta["devices"] == ["cpu"]
+    assert len(profile.meta["sample_device"]["verify"]) == profile.meta["cycles"] > 0
+    assert set(LatencyProfile.load(tmp_path / "profile.json").to_dict()) == set(profile.to_dict())
+    assert json.loads((out / "ar.json").read_text())["tokens"] > 0
+    shards = json.loads((out / CLUSTER_FILE).read_text())["shards"]
+    assert [p for s in shards for p in s["prompts"]] == list(range(len(PROMPTS)))
+    assert summary["retried_prompts"] == [] and summary["resumed_shards"] == []
+
+
+def test_a_rerun_resumes_from_the_shards_already_written(sharded, ray_pool):
+    out, summary = sharded
+    before = Trace.load(out)
+    (out / "shards" / "shard-0002" / "done.json").unlink()  # as if the run died while shard 2 was recorded
+    again = record_sharded(ray_pool, TREE, PROMPTS, out, max_new_tokens=12, profile_prompts=4, ar=True)
+    assert again["resumed_shards"] == [i for i in range(len(summary["shards"])) if i != 2]
+    _assert_same_tables(Trace.load(out), before)
+
+
+def test_shards_of_another_recording_are_refused(sharded, ray_pool):
+    out, _ = sharded
+    with pytest.raises(ClusterError, match="another recording"):
+        record_sharded(ray_pool, TREE, PROMPTS, out, max_new_tokens=8)
+
+
+EVAL_PROMPTS = [Prompt("c1", "code", "python", "heldout", "def add(a, b):"),
+                Prompt("c2", "code", "python", "heldout", "def f(x):\n    return"),
+                Prompt("q1", "qa", "it", "heldout", "Domanda: perché?"),
+                Prompt("q2", "qa", "it", "heldout", "Risposta: sì")]
+EVAL_KW = dict(methods=["fixed"], temperatures=(0.0,), max_new_tokens=8, warmup=1,
+               tree=TreeConfig(width=2, max_depth=4, max_size=8))
+
+
+def test_sharded_eval_keeps_the_report_structure_and_records_each_workers_device(ray_pool, local_pair, tmp_path):
+    got = evaluate_sharded(ray_pool, EVAL_PROMPTS, **EVAL_KW)
+    want = evaluate(EVAL_PROMPTS, pair=local_pair, **EVAL_KW)
+
+    def key(row):
+        return row["task"], row["language"], row["method"], row["temperature"], row["concurrency"]
+
+    assert sorted(map(key, got.results)) == sorted(map(key, want.results))
+    assert len({key(r) for r in got.results}) == len(got.results)  # one worker per (task, language) row
+    ref = {key(r): r for r in want.results}
+    for row in got.results:
+        assert set(row) == set(ref[key(row)]) | {"worker", "device"}
+        assert row["device"] == "cpu" and row["identical_to_ar"] is True
+    assert {r["worker"] for r in got.results} == {0, 1}  # two groups, two workers
+    assert [w["device"] for w in got.meta["workers"]] == ["cpu", "cpu"]
+    assert got.meta["prompt_mix"] == want.meta["prompt_mix"] and got.meta["cluster"]["retried_prompts"] == []
+    tokens = {(r.prompt_id, r.method): r.tokens for r in want.records}
+    assert {(r.prompt_id, r.method): r.tokens for r in got.records} == tokens
+    report = json.loads(open(write_report(got.results, got.meta, tmp_path, plots=False)["json"]).read())
+    assert {r["worker"] for r in report["results"]} == {0, 1}
+
+
+def test_sharded_grid_replays_exactly_and_remeasures_the_top_cells_on_every_worker(ray_pool, sharded, tmp_path):
+    out, _ = sharded
+    got = grid_search_sharded(ray_pool, out, val_prompts=PROMPTS[:2], live_top=2, live_max_new_tokens=6,
+                              out=tmp_path / "grid.json", heatmap=False)
+    want = grid_search(out, live_top=0, heatmap=False)
+    assert [(r["width"], r["depth"], r["size"], r["tokens"]) for r in got["table"]] == \
+        [(r["width"], r["depth"], r["size"], r["tokens"]) for r in want["table"]]
+    assert got["oracle"].keys() == want["oracle"].keys()
+    assert got["best"]["source"] == "live" and len(got["live"]) == 2
+    for row in got["live"]:
+        assert [w["worker"] for w in row["workers"]] == [0, 1] and row["speedup"] > 0
+    assert json.loads((tmp_path / "grid.json").read_text())["best"] == got["best"]
+
+
+def test_demo_record_and_grid_stages_run_on_the_pool(ray_pool, tmp_path):
+    from specpilot.demo import STAGE_FUNCTIONS, DemoBudget
+
+    budget = DemoBudget(max_new_tokens=6, width=2, max_depth=3, max_size=6, live_top=1)
+    prompts = [Prompt(f"t{i}", "code", "python", "train", text) for i, text in enumerate(PROMPTS[:3])]
+    common = dict(run_dir=tmp_path, pair=None, tree=TREE, budget=budget, seed=0, train=prompts, val=prompts[:2],
+                  heldout=[], wandb=None, cluster=ray_pool)
+    STAGE_FUNCTIONS["record"](**common)
+    for split in ("train", "validation"):  # what record_traces writes
+        for name in ("trace.npz", "trace.json", "profile.json", "ar.json"):
+            assert (tmp_path / "traces" / split / name).is_file(), (split, name)
+    grid = STAGE_FUNCTIONS["grid"](**common)
+    assert grid["best"]["source"] == "live" and (tmp_path / "grid.json").is_file()
+
+
+@pytest.mark.parametrize("mode, verb", [("exit", "died"), ("raise", "raised")])
+def test_a_failed_shard_is_retried_and_its_prompts_reported(ray_pool, local_pair, tmp_path, mode, verb):
+    ray_pool.inject_fault = {"shard": 1, "mode": mode}  # "exit" kills the worker process; Ray restarts it
+    try:
+        summary = record_sharded(ray_pool, TREE, PROMPTS[:4], tmp_path, max_new_tokens=8, profile_prompts=1)
+    finally:
+        ray_pool.inject_fault = None
+    assert summary["retried_prompts"] == [1]
+    shard = summary["shards"][1]
+    assert shard["attempts"] == 2 and f"{verb}" in shard["retried"]
+    _assert_same_tables(Trace.load(tmp_path), record_trace(local_pair, TREE, PROMPTS[:4], max_new_tokens=8))
+    again = record_sharded(ray_pool, TREE, PROMPTS[:4], tmp_path / "after", max_new_tokens=8, profile_prompts=1)
+    assert again["retried_prompts"] == []  # the pool still has working workers
+
+
+def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path):
+    """`specpilot record --ray local --workers 2` in a fresh process (its own local Ray)."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'specpilot[ray]'")
+    import os
+    import subprocess
+    import sys
+
+    suite = tmp_path / "prompts.txt"
+    suite.write_text("\n".join(PROMPTS[1:4]) + "\n")  # one prompt per line
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "specpilot.cli", "record", "--suite", str(suite), "--out", str(out),
+           "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--device", "cpu",
+           "--max-new-tokens", "6", "--width", "2", "--max-depth", "3", "--max-size", "6",
+           "--ray", "local", "--workers", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("trace.npz", "trace.json", "profile.json", CLUSTER_FILE):
+        assert (out / name).is_file(), name
+    assert "2 workers" in proc.stderr and Trace.load(out).num_prompts == 3

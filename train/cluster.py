@@ -1,0 +1,431 @@
+"""Ray workers that hold a model pair each, and a pool that runs shards of work on them with retries.
+
+    with WorkerPool(PairSpec(target="t", draft="d"), workers=8) as pool:        # after connect("auto")
+        outcomes = pool.run_shards([ShardTask(0, "record", {...}), ...], on_done=write_shard)
+
+- `PairSpec`: what a worker needs to load its own pair (paths or the embedded pair, an optional EAGLE head,
+  device, dtype, threads). Small and picklable: it travels to the workers, the models do not.
+- `connect(address)`: "local" starts Ray on this machine, "auto" joins the running cluster, anything else is a
+  cluster address. Ray is imported here, inside functions: `import specpilot...` never imports it.
+- `PairWorker`: the body of one Ray actor. It loads the pair on its device (`num_gpus=1` on GPU clusters, which
+  Ray maps to a GPU of its own; CPU workers take `threads` cores) and runs shard kinds by name: "record",
+  "evaluate", "live", "replay"; it can also host one live environment (`specpilot.train.ray_vecenv`).
+- `WorkerPool`: N actors in a placement group of N bundles, so N workers land on N GPUs (or N x threads cores).
+  `run_shards` hands each idle worker the next shard; a shard that raises, or whose worker dies (Ray restarts the
+  actor, which reloads its pair), is retried once and reported in `ShardOutcome.retried`.
+
+The shard kinds call the library's own entry points (record_trace, collect_samples, evaluate, measure_live,
+grid_search); `specpilot.train.sharded` plans the shards and merges what they return.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+LOCAL, AUTO = "local", "auto"
+MAX_RESTARTS = 2  # Ray restarts a dead worker (which reloads its pair) this many times
+FAULT_MODES = ("exit", "raise")
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot do what was asked (no Ray, too few resources, a shard failed twice); says what to do."""
+
+
+def import_ray():
+    """The `ray` module, or a ClusterError saying how to install it."""
+    try:
+        import ray
+    except ImportError as err:
+        raise ClusterError("Ray is not installed: `pip install 'specpilot[ray]'` (on every node of the cluster), "
+                           "or run without --ray") from err
+    return ray
+
+
+def connect(address: str = LOCAL, *, num_cpus: int | None = None, num_gpus: int | None = None) -> dict:
+    """Join or start Ray and return its resources. `address`: "local" (start Ray here with `num_cpus`/`num_gpus`),
+    "auto" (the cluster `ray start` set up on this node) or "host:port" / "ray://host:port". A Ray already
+    initialised in this process is reused as it is."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        quiet = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=True)
+        try:
+            if address == LOCAL:
+                ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **quiet)
+            else:
+                ray.init(address=address, **quiet)
+        except ConnectionError as err:
+            raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err}): start one with `ray start "
+                               "--head` (and `ray start --address HEAD:6379` on the other nodes), or use "
+                               "--ray local") from err
+    return dict(ray.cluster_resources())
+
+
+def shutdown() -> None:
+    """Stop this process's connection to Ray (and the local Ray that `connect("local")` started)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """How a worker loads its pair. target/draft: paths or hub ids, both None for the embedded pair; eagle: an
+    EAGLE-3 head path (passed to `ModelPair.from_pretrained` only when given); device: None = "cuda" on a GPU
+    worker, else "cpu"; dtype: None = the device's default; threads: torch intra-op threads of the worker."""
+
+    target: str | None = None
+    draft: str | None = None
+    eagle: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.target is None) != (self.draft is None):
+            raise ValueError("PairSpec needs both target and draft, or neither (the embedded pair)")
+        if int(self.threads) < 1:
+            raise ValueError(f"PairSpec.threads must be >= 1, got {self.threads}")
+
+    def load(self):
+        """The ModelPair on this process's device (called on the worker)."""
+        import torch
+
+        from specpilot.drafting.pair import ModelPair
+
+        torch.set_num_threads(int(self.threads))
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        extra = {"eagle": self.eagle} if self.eagle is not None else {}
+        return ModelPair.from_pretrained(self.target, self.draft, device=device, dtype=self.dtype, **extra)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ShardTask:
+    """One unit of work: `kind` is a PairWorker shard kind, `payload` its keyword arguments, `prompts` the indices
+    (into the caller's prompt list) it covers, for the report of retried prompts."""
+
+    shard: int
+    kind: str
+    payload: dict
+    prompts: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ShardOutcome:
+    """What a shard returned, which worker ran it (its description), and the failure it was retried after."""
+
+    shard: int
+    result: Any
+    worker: dict
+    attempts: int = 1
+    retried: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the worker (a Ray actor: `ray.remote(PairWorker)` in WorkerPool)
+
+
+class PairWorker:
+    """Holds one pair on one device and runs shards on it. Methods are called remotely by WorkerPool."""
+
+    def __init__(self, spec: PairSpec, index: int) -> None:
+        self.spec, self.index = spec, index
+        self.pair = spec.load()
+        self.env = None
+        self._warm: set[str] = set()
+
+    def describe(self) -> dict:
+        """Where this worker runs: device (and GPU name / Ray GPU ids), host, node, pid, torch threads."""
+        import ray
+        import torch
+
+        device = self.pair.device
+        return {"worker": self.index, "device": str(device), "dtype": str(self.pair.dtype).replace("torch.", ""),
+                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "host": socket.gethostname(),
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "torch_threads": torch.get_num_threads()}
+
+    def run_shard(self, kind: str, payload: dict, fault: str | None = None) -> dict:
+        """Run shard `kind` with `payload`. `fault` is a test hook: "exit" kills this worker's process, "raise"
+        fails the shard (WorkerPool passes it only on a shard's first attempt, when asked to)."""
+        if fault == "exit":
+            os._exit(1)
+        if fault == "raise":
+            raise RuntimeError("fault injected by WorkerPool(inject_fault=...)")
+        handlers: dict[str, Callable[..., Any]] = {"record": self._record, "evaluate": self._evaluate,
+                                                   "live": self._live, "replay": self._replay}
+        if kind not in handlers:
+            raise ValueError(f"unknown shard kind {kind!r}; known: {', '.join(handlers)}")
+        return handlers[kind](**payload)
+
+    def _first(self, what: str) -> bool:
+        """True the first time this worker process does `what` (its warm-up is then run, and not kept)."""
+        first = what not in self._warm
+        self._warm.add(what)
+        return first
+
+    def _record(self, *, prompts: list, tree: dict, max_new_tokens: int, profile_prompts: list, seed: list[int],
+                ar: bool) -> dict:
+        import numpy as np
+
+        from specpilot.drafting.types import TreeConfig
+        from specpilot.envs.profile import collect_samples
+        from specpilot.envs.record import record_trace
+        from specpilot.train.sharded import samples_to_dict
+
+        tree_config = TreeConfig(**tree)
+        trace = record_trace(self.pair, tree_config, prompts, max_new_tokens=max_new_tokens)
+        out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
+        if profile_prompts:
+            samples = collect_samples(self.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
+                                      rng=np.random.default_rng(seed),
+                                      warmup_cycles=16 if self._first("profile") else 0)
+            out["samples"] = samples_to_dict(samples)
+        if ar:
+            from specpilot.train.traces import measure_ar
+
+            out["ar"] = measure_ar(self.pair, prompts, max_new_tokens=max_new_tokens,
+                                   warmup=1 if self._first("ar") else 0)
+        return out
+
+    def _evaluate(self, *, prompts: list, kwargs: dict):
+        from specpilot.eval.runner import evaluate
+
+        tag = f"[worker {self.index}]"
+        return evaluate(prompts, pair=self.pair, progress=lambda msg: print(tag, msg, flush=True), **kwargs)
+
+    def _live(self, *, configs: list[dict], prompts: list, kwargs: dict) -> tuple[list[dict], dict | None]:
+        from specpilot.train.grid import measure_live
+
+        return measure_live(self.pair, configs, prompts, **kwargs)
+
+    def _replay(self, *, files: dict[str, bytes], kwargs: dict) -> dict:
+        return run_replay_grid(files, kwargs)
+
+    # -- one live environment (specpilot.train.ray_vecenv.RayVecEnv) -----------------------------------------------
+    def env_make(self, env_fn: Callable[[Any], Any]) -> tuple:
+        """Build this worker's environment as env_fn(pair) on its own pair (Monitor-wrapped, as SB3's DummyVecEnv
+        wraps it); return its spaces and metadata."""
+        from stable_baselines3.common.monitor import Monitor
+
+        if self.env is not None:
+            self.env.close()
+        self.env = Monitor(env_fn(self.pair))
+        return self.env.observation_space, self.env.action_space, self.env.metadata
+
+    def env_reset(self, seed: int | None, options: dict | None) -> tuple:
+        return self.env.reset(seed=seed, **({"options": options} if options else {}))
+
+    def env_step(self, action) -> tuple:
+        """One step in SB3's VecEnv convention: (obs, reward, done, info, reset_info), resetting at episode end."""
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        done = terminated or truncated
+        info["TimeLimit.truncated"] = truncated and not terminated
+        reset_info: dict = {}
+        if done:
+            info["terminal_observation"] = obs
+            obs, reset_info = self.env.reset()
+        return obs, reward, done, info, reset_info
+
+    def env_call(self, op: str, name: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """get / set / method / is_wrapped / has on the environment (SB3's VecEnv attribute API)."""
+        from stable_baselines3.common.env_util import is_wrapped
+
+        if op == "get":
+            return self.env.get_wrapper_attr(name)
+        if op == "has":
+            return self.env.has_wrapper_attr(name)
+        if op == "set":
+            return setattr(self.env, name, args[0])
+        if op == "method":
+            return self.env.get_wrapper_attr(name)(*args, **(kwargs or {}))
+        if op == "is_wrapped":
+            return is_wrapped(self.env, args[0])
+        raise ValueError(f"unknown env_call op {op!r}")
+
+    def env_close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+
+
+def run_replay_grid(files: dict[str, bytes], kwargs: dict) -> dict:
+    """`grid_search` (replay phase only) on a trace directory shipped as {file name: bytes}: written to a temporary
+    directory first, so the worker needs no shared filesystem and replay reads the same ar.json/profile.json."""
+    import tempfile
+
+    from specpilot.train.grid import grid_search
+
+    with tempfile.TemporaryDirectory(prefix="specpilot-replay-") as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        result = grid_search(tmp, live_top=0, heatmap=False, out=None, **kwargs)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the pool
+
+
+class WorkerPool:
+    """N PairWorker actors in one placement group (one bundle each: 1 GPU + `threads` CPUs on GPU clusters,
+    `threads` CPUs otherwise; the actors themselves request no CPU, so the pool's replay tasks can use the bundle's
+    cores between shards). Call `connect()` first. Use as a context manager, or call close().
+
+    gpus: True / False, or None = use GPUs when the cluster has at least `workers` of them.
+    inject_fault: test hook {"shard": i, "mode": "exit" | "raise"}: shard i's first attempt kills its worker
+    process (Ray restarts it) or raises; either way the shard is retried.
+    """
+
+    def __init__(self, spec: PairSpec, *, workers: int, gpus: bool | None = None, strategy: str = "PACK",
+                 ready_timeout_s: float = 600.0, inject_fault: dict | None = None) -> None:
+        ray = import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            raise ClusterError("Ray is not connected: call specpilot.train.cluster.connect(address) first")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if inject_fault is not None and inject_fault.get("mode") not in FAULT_MODES:
+            raise ValueError(f"inject_fault mode must be one of {FAULT_MODES}, got {inject_fault}")
+        resources = ray.cluster_resources()
+        self.gpus = bool(resources.get("GPU", 0) >= workers) if gpus is None else bool(gpus)
+        self.spec = spec if spec.device or not self.gpus else PairSpec(**{**spec.to_dict(), "device": "cuda"})
+        bundle = {"CPU": float(spec.threads), **({"GPU": 1.0} if self.gpus else {})}
+        self.bundle, self.inject_fault = bundle, inject_fault
+        short = {k: v * workers for k, v in bundle.items() if v * workers > resources.get(k, 0)}
+        if short:  # fail now rather than wait for resources the cluster does not have at all
+            raise ClusterError(f"{workers} workers of {bundle} need {short} but the cluster has {dict(resources)}: "
+                               "lower --workers or --threads, or add nodes")
+        self.placement = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
+        try:
+            ray.get(self.placement.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.placement)
+            raise ClusterError(f"the cluster cannot place {workers} workers of {bundle} within {ready_timeout_s:.0f}s"
+                               f" (it has {dict(resources)}): lower --workers or --threads, or add nodes") from None
+        actor = ray.remote(PairWorker)
+        self.actors = [actor.options(num_cpus=0, num_gpus=1 if self.gpus else 0, max_restarts=MAX_RESTARTS,
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i))
+                       .remote(self.spec, i) for i in range(workers)]
+        try:
+            self.workers = ray.get([a.describe.remote() for a in self.actors])
+        except ray.exceptions.RayError as err:
+            self.close()
+            raise ClusterError(f"a worker could not load its pair {self.spec}: {err}") from err
+        self.deaths = [0] * workers
+        self._recovering: dict[Any, tuple[int, int]] = {}  # probe ref -> (worker, tries): restarting actors
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill the actors and free their placement group."""
+        import ray
+
+        for a in getattr(self, "actors", []):
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if getattr(self, "placement", None) is not None:
+            ray.util.remove_placement_group(self.placement)
+            self.placement = None
+
+    def task_strategy(self):
+        """Scheduling strategy for a plain Ray task that should run on the pool's reserved cores."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self.placement)
+
+    def _fault(self, task: ShardTask, attempt: int) -> str | None:
+        f = self.inject_fault
+        return f["mode"] if f is not None and attempt == 0 and int(f["shard"]) == task.shard else None
+
+    def run_shards(self, tasks: list[ShardTask], *, retries: int = 1,
+                   on_done: Callable[[ShardTask, ShardOutcome], None] | None = None,
+                   progress: Callable[[str], None] | None = None) -> list[ShardOutcome]:
+        """Run every task on the next idle worker; return outcomes in task order. A failed shard (an exception,
+        or its worker died) is retried up to `retries` times; `on_done` is called as each shard finishes (write
+        it to disk there, so an interrupted run can resume). Raises ClusterError when a shard fails for good."""
+        import ray
+
+        say = progress or (lambda msg: None)
+        queue = deque((t, 0, None) for t in tasks)
+        busy = {w for w, _ in self._recovering.values()}
+        idle = deque(w for w in range(len(self.actors)) if w not in busy)
+        running: dict[Any, tuple[ShardTask, int, int, str | None]] = {}
+        outcomes: dict[int, ShardOutcome] = {}
+        started = time.perf_counter()
+        while queue or running:
+            while queue and idle:
+                task, attempt, reason = queue.popleft()
+                w = idle.popleft()
+                ref = self.actors[w].run_shard.remote(task.kind, task.payload, self._fault(task, attempt))
+                running[ref] = (task, attempt, w, reason)
+            if not running and not self._recovering:
+                raise ClusterError("every worker died more often than Ray restarts it; check the workers' logs "
+                                   "(`ray logs`) and rerun: finished shards are kept")
+            (ref,), _ = ray.wait(list(running) + list(self._recovering), num_returns=1)
+            if ref in self._recovering:
+                self._probe(ref, idle)
+                continue
+            task, attempt, w, reason = running.pop(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayError as err:
+                died = isinstance(err, ray.exceptions.RayActorError)
+                self.deaths[w] += died
+                if not died:
+                    idle.append(w)
+                elif self.deaths[w] <= MAX_RESTARTS:  # Ray restarts it: wait until it answers before reusing it
+                    self._recovering[self.actors[w].describe.remote()] = (w, 0)
+                why = f"worker {w} {'died' if died else 'raised'}: {_first_line(err)}"
+                if attempt >= retries:
+                    raise ClusterError(f"shard {task.shard} (prompts {task.prompts}) failed {attempt + 1} times; "
+                                       f"last: {why}. Finished shards are kept: rerun the same command to resume"
+                                       ) from err
+                say(f"shard {task.shard}: {why}; retrying prompts {task.prompts}")
+                queue.append((task, attempt + 1, why))
+                continue
+            idle.append(w)
+            outcome = ShardOutcome(task.shard, result, self.workers[w], attempt + 1, reason)
+            outcomes[task.shard] = outcome
+            if on_done is not None:
+                on_done(task, outcome)
+            say(f"shard {task.shard} done on worker {w} ({len(outcomes)}/{len(tasks)}, "
+                f"{time.perf_counter() - started:.1f}s)")
+        return [outcomes[t.shard] for t in tasks]
+
+    def _probe(self, ref, idle: deque) -> None:
+        """A restarting worker's `describe` probe returned: idle again when it answered, else probe again (a
+        restart reloads the pair: up to ~10 minutes), else give the worker up."""
+        import ray
+
+        w, tries = self._recovering.pop(ref)
+        try:
+            self.workers[w] = ray.get(ref)
+            idle.append(w)
+        except ray.exceptions.RayActorError:
+            if tries < 1200:
+                time.sleep(0.5)
+                self._recovering[self.actors[w].describe.remote()] = (w, tries + 1)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    tail = [line for line in text if line.strip()]
+    return (tail[-1] if tail else type(err).__name__)[:300]
