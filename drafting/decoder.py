@@ -26,7 +26,7 @@ from specpilot.drafting.sampling import sampling_probs
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
-from specpilot.drafting.verify import (accept_chain_sampled, accept_greedy, accept_tree_sampled, block_inputs,
+from specpilot.drafting.verify import (accept_greedy, accept_tree_recursive, accept_tree_sampled, block_inputs,
                                        select_block)
 
 
@@ -87,7 +87,7 @@ class DecodingSession:
         self.finished_by: str | None = None
         self.acceptance = 1.0
         self.drafter = TreeDrafter(make_drafter(pair), tree.width, tree.max_depth,
-                                   sample_chain=tree.width == 1 and self.sampling is not None)
+                                   sample=self.sampling is not None and tree.sampled_children)
         self.needs_features = self.drafter.drafter.needs_features
         self.target_cache = new_cache(pair.target)
         self._features: torch.Tensor | None = None  # EAGLE: target features of positions _features_at.. (fused)
@@ -263,8 +263,8 @@ class DecodingSession:
     def _accept(self, tree, block, logits) -> tuple[list[int], int]:
         if self.sampling is None:
             return accept_greedy(block, logits)
-        if tree is not None and tree.draft_probs is not None:
-            return accept_chain_sampled(block, logits, tree.draft_probs, self.sampling, self.generator)
+        if tree is not None and tree.sampled:
+            return accept_tree_recursive(block, logits, tree, self.sampling, self.generator)
         return accept_tree_sampled(block, logits, self.sampling, self.generator)
 
     def _finish_cycle(self, tree, size: int, accepted: int, emitted: list[int], verify_s: float,

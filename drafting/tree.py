@@ -9,11 +9,20 @@ prefix, its ancestors and itself; position = root position + depth; an EAGLE hea
 the node's parent). Each frontier node's top-W children are candidates (W*W per level), scored by cumulative draft
 log-probability; the global top-W become the next frontier. An EAGLE head drafts over its reduced vocabulary,
 mapped to target ids.
-W = 1 is a chain. With `sample_chain` (W = 1, temperature > 0) each level's token is drawn from the draft's sampling
-distribution instead of taken by argmax, for Leviathan-style verification.
+W = 1 is a chain.
 
-Node ids are assigned level by level, so sorting by (score desc, id asc) is ancestor-closed: a parent's score is
->= its child's and its id is smaller.
+Sampled children (`sample=True`, used at temperature > 0): each expanded node's W children are drawn from the
+drafter's sampling distribution q (temperature, top-k, top-p applied as to the target) WITHOUT replacement
+(Gumbel-top-k: the keys' order is the sampling order), for multi-draft recursive rejection sampling at verification
+(`specpilot.drafting.verify.accept_tree_recursive`). That rule is exact only if how many of a node's children are
+verified never depends on those children's sampled values, so sampled children are ranked for verification by a
+priority that does not read them: min(parent's priority, parent's path score + log of the i-th largest probability
+of q) for the i-th child in sampling order; the true path scores (cumulative log q) still pick the frontier.
+Deterministic children (`sample=False`) are the top-W by q; their priority is their path score.
+
+Node ids are assigned level by level and, within a parent, in child order, so sorting by (priority desc, id asc) is
+closed under ancestors (a child's priority never exceeds its parent's; the parent's id is smaller) and, for sampled
+children, under earlier siblings (priorities fall along the sampling order).
 """
 from __future__ import annotations
 
@@ -34,55 +43,84 @@ class DraftTree:
     tokens: torch.Tensor        # [cap] long
     parents: torch.Tensor       # [cap] long
     depths: torch.Tensor        # [cap] long, 1-based
-    scores: torch.Tensor        # [cap] float32 cumulative draft log-probability
+    scores: torch.Tensor        # [cap] float32 verification priority (= path score for deterministic children)
+    path_scores: torch.Tensor   # [cap] float32 cumulative draft log-probability of the path to the node
     ancestors: torch.Tensor     # [cap, cap] bool, ancestors[i, j]: j is i or an ancestor of i
     size: int = 0
     depth: int = 0
     frontier: torch.Tensor | None = None        # node ids of the current frontier
-    draft_probs: list[torch.Tensor] | None = None  # sampled chain only: q at each level [vocab]
+    q_rows: list[torch.Tensor] | None = None    # sampled children: the q [k, target vocab] each level was drawn from
+    q_index: torch.Tensor | None = None         # sampled children: [cap] row of q (over all levels) a node came from
     _ranking: tuple | None = None                   # (sorted scores, node ids) for the tree of size _ranked_size
     _ranked_size: int = -1
     scores_view: np.ndarray | None = None           # CPU trees: a numpy view of `scores` (reading it costs no torch op)
 
     @classmethod
-    def empty(cls, capacity: int, device: torch.device) -> "DraftTree":
+    def empty(cls, capacity: int, device: torch.device, sampled: bool = False) -> "DraftTree":
+        scores = torch.zeros(capacity, dtype=torch.float32, device=device)
         tree = cls(
             tokens=torch.zeros(capacity, dtype=torch.long, device=device),
             parents=torch.full((capacity,), -1, dtype=torch.long, device=device),
             depths=torch.zeros(capacity, dtype=torch.long, device=device),
-            scores=torch.zeros(capacity, dtype=torch.float32, device=device),
+            scores=scores,
+            path_scores=torch.zeros(capacity, dtype=torch.float32, device=device) if sampled else scores,
             ancestors=torch.zeros(capacity, capacity, dtype=torch.bool, device=device),
+            q_rows=[] if sampled else None,
+            q_index=torch.full((capacity,), -1, dtype=torch.long, device=device) if sampled else None,
         )
         if tree.scores.device.type == "cpu":
             tree.scores_view = tree.scores.numpy()  # shares memory: add_level's writes show through
         return tree
 
-    def add_level(self, tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Append one level of nodes; returns their ids."""
+    @property
+    def sampled(self) -> bool:
+        return self.q_rows is not None
+
+    def add_level(self, tokens: torch.Tensor, parents: torch.Tensor, path_scores: torch.Tensor,
+                  priority: torch.Tensor | None = None, q: torch.Tensor | None = None) -> torch.Tensor:
+        """Append one level of nodes (parent-major, each parent's children in child order); returns their ids.
+        Sampled children also give their priority and the q [parents, vocab] they were drawn from."""
         n = int(tokens.numel())
         ids = torch.arange(self.size, self.size + n, device=tokens.device)
         self.tokens[ids] = tokens
         self.parents[ids] = parents
         self.depth += 1
         self.depths[ids] = self.depth
-        self.scores[ids] = scores.float()
+        self.path_scores[ids] = path_scores.float()
+        if self.sampled:
+            self.scores[ids] = priority.float()
+            first = sum(int(r.shape[0]) for r in self.q_rows)
+            per_parent = n // q.shape[0]
+            self.q_index[ids] = first + torch.arange(q.shape[0], device=ids.device).repeat_interleave(per_parent)
+            self.q_rows.append(q)
         if self.depth > 1:
             self.ancestors[ids] = self.ancestors[parents]
         self.ancestors[ids, ids] = True
         self.size += n
         return ids
 
+    def q_of_children(self, node: int) -> torch.Tensor:
+        """The q a sampled node's children were drawn from (node -1: the root)."""
+        child = int(torch.nonzero(self.parents[: self.size] == node)[0])
+        row = int(self.q_index[child])
+        for rows in self.q_rows:
+            if row < rows.shape[0]:
+                return rows[row]
+            row -= rows.shape[0]
+        raise IndexError("q row out of range")
+
     def ranking(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores sorted descending, node ids) of all candidates, ties by id asc: the order in which candidates are
-        chosen for verification. One sort per tree size, shared by a size policy's observation and verification."""
+        """(priorities sorted descending, node ids) of all candidates, ties by id asc: the order in which candidates
+        are chosen for verification. One sort per tree size, shared by a size policy's observation and
+        verification."""
         if self._ranked_size != self.size:
-            # stable descending sort keeps smaller ids first among equal scores (ancestor closure under ties)
+            # stable descending sort keeps smaller ids first among equal scores (closure under ties)
             values, ids = torch.sort(self.scores[: self.size], descending=True, stable=True)
             self._ranking, self._ranked_size = (values, ids), self.size
         return self._ranking
 
     def ranked(self) -> torch.Tensor:
-        """All node ids by (score desc, id asc)."""
+        """All node ids by (priority desc, id asc)."""
         return self.ranking()[1]
 
 
@@ -94,7 +132,7 @@ class TreeDrafter:
     positions; it is cropped back to them after a cycle).
     """
 
-    def __init__(self, drafter, width: int, max_depth: int, sample_chain: bool = False) -> None:
+    def __init__(self, drafter, width: int, max_depth: int, sample: bool = False) -> None:
         if not hasattr(drafter, "forward") or not hasattr(drafter, "offset"):
             from specpilot.drafting.drafters import LMDrafter
 
@@ -102,7 +140,7 @@ class TreeDrafter:
         self.drafter = drafter
         self.width = width
         self.max_depth = max_depth
-        self.sample_chain = sample_chain
+        self.sample = sample
         self.cache = drafter.new_cache()
         self.device = None
         self.committed = 0
@@ -158,22 +196,27 @@ class TreeDrafter:
             self.feed(tokens, features)
 
     def _children(self, logq: torch.Tensor, sampling: tuple | None, generator) -> tuple:
-        """log-probs [n, V_draft] -> (child target ids [n, k], child log-probs [n, k], q over the target vocabulary
-        or None)."""
-        if self.sample_chain and sampling is not None:
-            q_draft = sampling_probs(logq, *sampling)                          # [1, V_draft]
-            local = torch.multinomial(q_draft, 1, generator=generator)         # [1, 1]
-            q = self._target_probs(q_draft[0])
-            return self.drafter.to_target(local), logq.gather(-1, local), q
-        values, local = torch.topk(logq, self.width, dim=-1)
-        return self.drafter.to_target(local), values, None
+        """log-probs [n, V_draft] -> (child target ids [n, k], child log-probs [n, k], log of the i-th largest
+        probability [n, k] (sampled) or None, q over the target vocabulary [n, V] (sampled) or None)."""
+        if not (self.sample and sampling is not None):
+            values, local = torch.topk(logq, self.width, dim=-1)
+            return self.drafter.to_target(local), values, None, None
+        q_draft = sampling_probs(logq, *sampling)                                # [n, V_draft]
+        log_q = torch.log(q_draft)
+        # Gumbel-top-k: k draws without replacement, in sampling order (keys descending)
+        uniform = torch.rand(q_draft.shape, generator=generator, device=q_draft.device).clamp_(1e-20, 1.0)
+        local = torch.topk(log_q - torch.log(-torch.log(uniform)), self.width, dim=-1).indices  # [n, k]
+        ranked_log_q = torch.topk(log_q, self.width, dim=-1).values             # value-free child priorities
+        return (self.drafter.to_target(local), log_q.gather(-1, local), ranked_log_q,
+                self._target_probs(q_draft))
 
     def _target_probs(self, q_draft: torch.Tensor) -> torch.Tensor:
-        """A distribution over the drafter's vocabulary, placed on the target's ids (zero elsewhere)."""
+        """Distributions [n, V_draft] over the drafter's vocabulary, placed on the target's ids (zero elsewhere)."""
         if self.drafter.offset == 0:
             return q_draft
-        ids = self.drafter.to_target(torch.arange(q_draft.numel(), device=q_draft.device))
-        return torch.zeros(self.drafter.head.config.vocab_size, device=q_draft.device).scatter(0, ids, q_draft)
+        ids = self.drafter.to_target(torch.arange(q_draft.shape[-1], device=q_draft.device))
+        out = torch.zeros(q_draft.shape[0], self.drafter.head.config.vocab_size, device=q_draft.device)
+        return out.index_copy_(1, ids, q_draft)
 
     def _record_features(self, logq_row: torch.Tensor, child_logprob: float) -> None:
         p = logq_row.exp()
@@ -186,11 +229,11 @@ class TreeDrafter:
         assert new_tokens, "a cycle needs at least the root token"
         logq, hidden = self.feed(new_tokens, features, last_only=True)      # [1, V], [1, H] | None
         self.root_position = self.prefix_len - 1
-        tokens, logprobs, q = self._children(logq, sampling, generator)
-        tree = DraftTree.empty(self.capacity, self._device())
-        ids_level = tree.add_level(tokens[0], torch.full_like(tokens[0], -1), logprobs[0])
+        tokens, logprobs, ranked, q = self._children(logq, sampling, generator)
+        tree = DraftTree.empty(self.capacity, self._device(), sampled=q is not None)
+        ids_level = tree.add_level(tokens[0], torch.full_like(tokens[0], -1), logprobs[0],
+                                   ranked[0] if ranked is not None else None, q)
         tree.frontier = ids_level
-        tree.draft_probs = [q] if q is not None else None
         if hidden is not None:
             self._node_hidden = hidden.new_empty(self.capacity, hidden.shape[-1])
             self._node_hidden[ids_level] = hidden[0]
@@ -215,17 +258,19 @@ class TreeDrafter:
         positions = torch.full((1, n), self.root_position + tree.depth, dtype=torch.long, device=mask.device)
         hidden = self._node_hidden[frontier][None] if self._node_hidden is not None else None
         logq, out = self.drafter.forward(tree.tokens[frontier][None], hidden, positions, mask, self.cache)  # [n, V]
-        child_tokens, child_logprobs, q = self._children(logq, sampling, generator)  # [n, k]
+        child_tokens, child_logprobs, ranked, q = self._children(logq, sampling, generator)  # [n, k]
         k = child_tokens.shape[1]
-        cumulative = tree.scores[frontier][:, None] + child_logprobs  # [n, k]
+        cumulative = tree.path_scores[frontier][:, None] + child_logprobs  # [n, k]
+        priority = None
+        if ranked is not None:  # never reads the children's own sampled values (see the module docstring)
+            priority = torch.minimum(tree.scores[frontier][:, None],
+                                     tree.path_scores[frontier][:, None] + ranked).reshape(-1)
         parents = frontier[:, None].expand(n, k)
-        ids = tree.add_level(child_tokens.reshape(-1), parents.reshape(-1), cumulative.reshape(-1))
+        ids = tree.add_level(child_tokens.reshape(-1), parents.reshape(-1), cumulative.reshape(-1), priority, q)
         if out is not None:
             self._node_hidden[ids] = out.repeat_interleave(k, dim=0)  # each child is fed with its parent's output
         best = int(torch.argmax(cumulative.reshape(-1)))
         tree.frontier = ids[torch.topk(cumulative.reshape(-1), min(self.width, ids.numel())).indices]
-        if q is not None:
-            tree.draft_probs.append(q)
         self._record_features(logq[best // k], float(child_logprobs.reshape(-1)[best]))
         return tree
 

@@ -20,11 +20,16 @@ class TreeConfig:
         the global top-W (by cumulative draft log-probability) become the next frontier. W=1 drafts a chain.
     max_depth: most draft forwards in one cycle; a controller may stop earlier, never later.
     max_size: most drafted candidates verified in one target forward (the root is verified in addition).
+    sampled_children: at temperature > 0, draw each node's children from the draft's sampling distribution without
+        replacement and verify them by recursive rejection sampling (True), or take the top-W and verify by drawing
+        from the target (False; accepts only when the target happens to sample one of W fixed tokens). Both are
+        exact; greedy decoding always takes the top-W.
     """
 
     width: int = 8
     max_depth: int = 12
     max_size: int = 64
+    sampled_children: bool = True
 
     def __post_init__(self) -> None:
         if self.width < 1:

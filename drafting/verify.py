@@ -3,7 +3,8 @@
 The verified block is [root] + the V selected candidates in id order (parents before children). Each token sees
 the committed prefix in the target cache, its ancestors and itself; its position is root position + depth.
 Acceptance returns the accepted candidates (a root-to-node path) and the emitted token after it (the target's
-argmax in greedy mode, a draw from the target's law otherwise), so a cycle emits accepted + 1 tokens.
+argmax in greedy mode, a draw from the target's law otherwise), so a cycle emits accepted + 1 tokens. Three rules:
+greedy; deterministic (top-W) children at temperature > 0; sampled children (recursive rejection sampling).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specpilot.drafting.sampling import accept_or_correct, sample, sampling_probs
+from specpilot.drafting.sampling import residual_distribution, sample, sampling_probs, uniform
 from specpilot.drafting.tree import DraftTree
 
 
@@ -91,15 +92,37 @@ def accept_tree_sampled(block: Block, logits: torch.Tensor, sampling: tuple, gen
         node = nxt
 
 
-def accept_chain_sampled(block: Block, logits: torch.Tensor, draft_probs: list[torch.Tensor], sampling: tuple,
-                         generator) -> tuple[list[int], int]:
-    """Sampled chain (W = 1): Leviathan's min(1, p/q) test per token, residual correction on rejection."""
-    path = []
+def accept_tree_recursive(block: Block, logits: torch.Tensor, tree, sampling: tuple, generator
+                          ) -> tuple[list[int], int]:
+    """Sampled children (drawn from q without replacement): multi-draft recursive rejection sampling. At each node,
+    with p the target's sampling distribution, the node's verified children are tried in sampling order: child x_i
+    is accepted with probability min(1, p(x_i) / q_i(x_i)); on rejection p <- norm(max(p - q_i, 0)) and
+    q_{i+1} = q_i without x_i, renormalised. If every child is rejected the emitted token is drawn from the final p.
+    Exact (the target's law) because the verified children of a node are a prefix of its sampling order whose
+    length never depends on their values (see drafting/tree.py). W = 1 is Leviathan et al.'s chain rule."""
+    children: dict[int, list[tuple[int, int]]] = {}
     for i in range(1, len(block.tokens)):
-        p = sampling_probs(logits[i - 1], *sampling)
-        ok, correction = accept_or_correct(p, draft_probs[i - 1], block.tokens[i], generator)
-        if not ok:
-            return path, correction
-        path.append(i)
-    last = path[-1] if path else 0
-    return path, sample(sampling_probs(logits[last], *sampling), generator)
+        children.setdefault(block.parents[i], []).append((i, block.tokens[i]))  # ascending ids: sampling order
+    path, node = [], 0
+    while True:
+        p = sampling_probs(logits[node], *sampling)
+        nxt = None
+        if node in children:
+            q = tree.q_of_children(-1 if node == 0 else int(block.node_ids[node - 1])).clone()
+            for index, token in children[node]:
+                q_x, p_x = float(q[token]), float(p[token])
+                if q_x <= 0.0:  # not a draw (fewer tokens than W had mass): as if absent
+                    continue
+                if p_x >= q_x or uniform(generator, p.device) * q_x < p_x:
+                    nxt = index
+                    break
+                p = residual_distribution(p, q) if residual_distribution(p, q) is not None else p
+                q[token] = 0.0
+                mass = float(q.sum())
+                if mass <= 0.0:
+                    break
+                q /= mass
+        if nxt is None:
+            return path, sample(p, generator)
+        path.append(nxt)
+        node = nxt

@@ -78,7 +78,7 @@ class _AlternateSkip(FixedController):
         return self.turn % 2 == 1
 
 
-def _tv_against_target_law(width, depth, size, sampling, *, controller=None, n=3000, steps=2):
+def _tv_against_target_law(width, depth, size, sampling, *, controller=None, n=3000, steps=2, sampled=True):
     """(total-variation distance of n sampled continuations from the exact target law, its concentration bound)."""
     vocab = 6
     # a peaked target and a poor draft (first-token TV(p, q) ~ 0.3): many rejections, so the correction matters;
@@ -87,7 +87,8 @@ def _tv_against_target_law(width, depth, size, sampling, *, controller=None, n=3
     pair = ModelPair(target, noisy_copy(target, 2.0, seed=4))
     prompt = [1, 2]
     law = _target_law(target, prompt, steps, sampling)
-    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size))
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size,
+                                                  sampled_children=sampled))
     controller = controller or FixedController(depth, size)
     counts = dict.fromkeys(law, 0)
     temperature, top_k, top_p = sampling
@@ -100,14 +101,16 @@ def _tv_against_target_law(width, depth, size, sampling, *, controller=None, n=3
     return tv, 0.5 * math.sqrt(len(law) / n) + 0.035
 
 
-@pytest.mark.parametrize("width,depth,size,sampling", [
-    (1, 3, 3, (1.0, 0, 1.0)),     # sampled chain, Leviathan rule
-    (2, 3, 8, (0.7, 4, 0.9)),     # tree with temperature, top-k and top-p
-    pytest.param(3, 2, 6, (1.0, 0, 1.0), marks=pytest.mark.slow),   # deterministic top-W tree
-    pytest.param(1, 2, 2, (1.3, 0, 0.8), marks=pytest.mark.slow),   # chain with top-p
+@pytest.mark.parametrize("width,depth,size,sampling,sampled", [
+    (1, 3, 3, (1.0, 0, 1.0), True),     # sampled chain (Leviathan's rule)
+    (3, 3, 12, (1.0, 0, 1.0), True),    # sampled children, recursive rejection sampling
+    (2, 3, 8, (0.7, 4, 0.9), False),    # deterministic top-W children, temperature, top-k and top-p
+    pytest.param(2, 3, 5, (0.7, 4, 0.9), True, marks=pytest.mark.slow),   # sampled tree, top-k/top-p, partial V
+    pytest.param(3, 2, 6, (1.0, 0, 1.0), False, marks=pytest.mark.slow),  # deterministic tree
+    pytest.param(1, 2, 2, (1.3, 0, 0.8), True, marks=pytest.mark.slow),   # chain with top-p
 ])
-def test_decoder_samples_target_law(width, depth, size, sampling):
-    tv, bound = _tv_against_target_law(width, depth, size, sampling)
+def test_decoder_samples_target_law(width, depth, size, sampling, sampled):
+    tv, bound = _tv_against_target_law(width, depth, size, sampling, sampled=sampled)
     assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
 
 
@@ -120,10 +123,66 @@ def test_negative_control_the_naive_rule_fails_the_same_check(monkeypatch):
     """The check can fail: with "resample from p on rejection" the same TV test must reject the decoder."""
     import specpilot.drafting.verify as verify
 
-    def naive(p, q, token, generator):
-        ok, _ = accept_or_correct(p, q, token, generator)
-        return (True, None) if ok else (False, int(torch.multinomial(p, 1, generator=generator)))
-
-    monkeypatch.setattr(verify, "accept_or_correct", naive)
+    monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)  # keep p on rejection: the naive rule
     tv, bound = _tv_against_target_law(1, 3, 3, (1.0, 0, 1.0))
     assert tv >= bound, f"the naive rule passed: TV {tv:.4f} < {bound:.4f}"
+
+
+def _rrs_law(p, q, k):
+    """Exact output law of recursive rejection sampling with k children drawn from q without replacement,
+    by enumerating every ordered draw (the rule as drafting/verify.py implements it)."""
+    vocab = len(p)
+    law = [0.0] * vocab
+
+    def walk(prefix, prob, p_cur, q_cur):
+        if len(prefix) == k or sum(q_cur) <= 0:
+            for y in range(vocab):
+                law[y] += prob * p_cur[y]
+            return
+        for x in range(vocab):
+            if q_cur[x] <= 0:
+                continue
+            draw = prob * q_cur[x]
+            accept = min(1.0, p_cur[x] / q_cur[x])
+            law[x] += draw * accept
+            residual = [max(a - b, 0.0) for a, b in zip(p_cur, q_cur)]
+            mass = sum(residual)
+            p_next = [r / mass for r in residual] if mass > 1e-15 else p_cur
+            q_next = [0.0 if i == x else v for i, v in enumerate(q_cur)]
+            total = sum(q_next)
+            q_next = [v / total for v in q_next] if total > 0 else q_next
+            walk(prefix + [x], draw * (1 - accept), p_next, q_next)
+
+    walk([], 1.0, list(p), list(q))
+    return law
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("p,q", [([0.5, 0.3, 0.2, 0.0], [0.2, 0.5, 0.3, 0.0]),
+                                 ([0.1, 0.1, 0.1, 0.7], [0.6, 0.2, 0.15, 0.05]),
+                                 ([0.25, 0.25, 0.25, 0.25], [0.97, 0.01, 0.01, 0.01])])
+def test_recursive_rejection_rule_reproduces_the_target_law_exactly(p, q, k):
+    assert _rrs_law(p, q, k) == pytest.approx(p, abs=1e-12)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_recursive_rejection_implementation_matches_its_law(k):
+    """accept_tree_recursive at one node (k children drawn by Gumbel-top-k, as the drafter draws them)."""
+    from specpilot.drafting.verify import Block, accept_tree_recursive
+
+    p, q = torch.tensor([0.1, 0.1, 0.1, 0.7]), torch.tensor([0.6, 0.2, 0.15, 0.05])
+
+    class OneNode:
+        def q_of_children(self, node):
+            return q
+
+    gen = torch.Generator().manual_seed(7)
+    counts, n = [0, 0, 0, 0], 40000
+    logits = torch.log(p)[None].expand(k + 1, 4)
+    for _ in range(n):
+        keys = torch.log(q) - torch.log(-torch.log(torch.rand(4, generator=gen).clamp_(1e-20, 1.0)))
+        drawn = torch.topk(keys, k).indices.tolist()
+        block = Block(node_ids=torch.arange(k), tokens=[0] + drawn, parents=[-1] + [0] * k)
+        path, bonus = accept_tree_recursive(block, logits, OneNode(), (1.0, 0, 1.0), gen)
+        counts[block.tokens[path[0]] if path else bonus] += 1
+    assert [c / n for c in counts] == pytest.approx(p.tolist(), abs=0.012)  # 5 sigma at n = 40000
