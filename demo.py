@@ -44,7 +44,9 @@ class DemoBudget:
     eval_budget_s / eval_rounds / eval_full_rounds: the eval stage's wall-time budget (trace, profile, live
         rounds, replay, report), its rounds ("auto": until ltd vs grid is resolved to +-1.5% or the budget is
         spent, at least 2) and how many rounds run every method (later rounds run ar, ltd and grid only);
-    check_rounds: rounds of the live measurement that checks the latency profile before the grid search.
+    check_rounds: rounds of the live measurement that checks the latency profile before the grid search;
+    sampled_depth_steps / sampled_size_steps: live PPO steps of the policies fine-tuned at each temperature > 0 of
+        `temperatures` (replay models greedy decoding only; the grid measures its candidates live there too).
     """
 
     train_prompts: int = 0
@@ -71,12 +73,15 @@ class DemoBudget:
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
     check_rounds: int = 3
+    sampled_depth_steps: int = 2048
+    sampled_size_steps: int = 1024
 
     @classmethod
     def quick(cls) -> "DemoBudget":
         return cls(train_prompts=10, val_prompts=4, heldout_prompts=12, max_new_tokens=48, size_steps=3_000,
                    depth_steps=4_000, coadapt_steps=2_000, rounds=3, n_steps=512, batch_size=128, n_epochs=5,
-                   vf_arch=(256, 256), live_top=2, temperatures=(0.0,), eval_budget_s=120.0)
+                   vf_arch=(256, 256), live_top=2, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
+                   eval_budget_s=150.0, sampled_depth_steps=512, sampled_size_steps=256)
 
 
 STAGES = ("record", "grid", "train", "eval", "export")
@@ -84,9 +89,9 @@ STAGES = ("record", "grid", "train", "eval", "export")
 # change re-runs that stage and every later one, and reuses the earlier ones
 STAGE_FIELDS = {
     "record": ("train_prompts", "val_prompts", "max_new_tokens", "width", "max_depth", "max_size"),
-    "grid": ("live_top", "check_rounds"),
+    "grid": ("live_top", "check_rounds", "temperatures"),
     "train": ("size_steps", "depth_steps", "coadapt_steps", "rounds", "n_steps", "batch_size", "n_epochs", "pi_arch",
-              "vf_arch", "reward"),
+              "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps"),
     "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
              "eval_full_rounds"),
     "export": (),
@@ -218,13 +223,15 @@ def _grid(*, run_dir, pair, budget, val, cluster=None, **_) -> dict:
     (run_dir / "profile_check.json").write_text(json.dumps(check, indent=1, default=str))
     result = grid_search(run_dir / "traces" / "train", pair=pair, val_prompts=[p.prompt for p in val],
                          live_top=budget.live_top, live_max_new_tokens=budget.max_new_tokens,
+                         sampled_temperatures=[t for t in budget.temperatures if t > 0],
                          out=run_dir / "grid.json", progress=True)
     return {"best": result["best"], "oracle": result.get("oracle"), "cost_check": check}
 
 
-def _train(*, run_dir, budget, seed, wandb, **_) -> dict:
+def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     from specpilot.train.pipeline import TaskTraces, TrainOptions, run_pipeline
     from specpilot.train.ppo import PPOOverrides
+    from specpilot.train.sampled import train_sampled
 
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
@@ -232,6 +239,13 @@ def _train(*, run_dir, budget, seed, wandb, **_) -> dict:
     options = TrainOptions(reward=budget.reward, static=run_dir / "grid.json", resume=True, seed=seed, ppo=ppo)
     out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
                        coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, options=options, wandb=wandb)
+    # sampling is part of training: the policies evaluated at T > 0 are fine-tuned live at T
+    live = TrainOptions(reward=budget.reward, static=run_dir / "grid.json", resume=True, seed=seed,
+                        ppo=PPOOverrides(**{**vars(ppo), "n_steps": 256, "batch_size": 128}), backend="live",
+                        pair=pair, train_prompts=[p.prompt for p in train])
+    out["sampled"] = {f"{t:g}": train_sampled(run_dir, traces, t, depth_steps=budget.sampled_depth_steps,
+                                              size_steps=budget.sampled_size_steps, options=live, wandb=wandb)
+                      for t in budget.temperatures if t > 0}
     return json.loads(json.dumps(out, default=str))
 
 

@@ -68,20 +68,32 @@ Method = Callable[..., RunRecord]
 
 
 class ControllerMethod:
-    """Our speculative decoder steered by a Controller (fixed, grid, heuristics, trained policies)."""
+    """Our speculative decoder steered by a Controller (fixed, grid, heuristics, trained policies).
 
-    def __init__(self, name: str, pair: ModelPair, tree: TreeConfig, controller: Controller) -> None:
+    by_temperature: {temperature: (controller, tree)} used instead at those sampling temperatures (the grid and
+    the policies a run selected or trained at T > 0)."""
+
+    def __init__(self, name: str, pair: ModelPair, tree: TreeConfig, controller: Controller,
+                 by_temperature: dict[float, tuple[Controller, TreeConfig]] | None = None) -> None:
         from specpilot.drafting.decoder import SpeculativeDecoder
 
         self.name = name
         self.controller = controller
         self.decoder = SpeculativeDecoder(pair, tree)
+        self.by_temperature = {float(t): (c, SpeculativeDecoder(pair, tr)) for t, (c, tr) in
+                               (by_temperature or {}).items()}
 
     def describe(self) -> dict:
-        return {**self.controller.describe(), "name": self.name, "tree": vars(self.decoder.tree)}
+        out = {**self.controller.describe(), "name": self.name, "tree": vars(self.decoder.tree)}
+        if self.by_temperature:
+            out["by_temperature"] = {f"{t:g}": {**c.describe(), "tree": vars(d.tree)}
+                                     for t, (c, d) in self.by_temperature.items()}
+        return out
 
     def __call__(self, ids: list[int], **sampling) -> RunRecord:
-        out = self.decoder.generate(ids, controller=self.controller, **sampling)
+        controller, decoder = self.by_temperature.get(float(sampling.get("temperature", 0.0)),
+                                                      (self.controller, self.decoder))
+        out = decoder.generate(ids, controller=controller, **sampling)
         return _record(self.name, out)
 
 
@@ -113,10 +125,11 @@ def _record(name: str, out) -> RunRecord:
 
 
 # ---- registry ------------------------------------------------------------------------------------------------
-def _controller(factory: Callable[[EvalContext], tuple[Controller, TreeConfig | None]]):
+def _controller(factory: Callable[[EvalContext], tuple]):
+    """A method from a factory returning (controller, tree | None[, {temperature: (controller, tree)}])."""
     def build(ctx: EvalContext, name: str) -> Method:
-        controller, tree = factory(ctx)
-        return ControllerMethod(name, ctx.pair, tree or ctx.tree, controller)
+        controller, tree, *rest = factory(ctx)
+        return ControllerMethod(name, ctx.pair, tree or ctx.tree, controller, rest[0] if rest else None)
     return build
 
 
@@ -134,7 +147,18 @@ def _grid(ctx: EvalContext):
         raise MethodUnavailable(f"{ctx.grid}: not a grid result with best.depth/size/width ({err})") from err
     # the best static configuration may use another width or a deeper tree than the evaluation default
     tree = TreeConfig(width=width, max_depth=max(ctx.tree.max_depth, depth), max_size=max(ctx.tree.max_size, size))
-    return FixedController(depth, size), tree
+    return FixedController(depth, size), tree, _grid_by_temperature(ctx)
+
+
+def _grid_by_temperature(ctx: EvalContext) -> dict:
+    """The grid's best per sampling temperature (`best_by_temperature`: measured live at that temperature)."""
+    out = {}
+    for t, cell in (json.loads(Path(ctx.grid).read_text()).get("best_by_temperature") or {}).items():
+        depth, size, width = int(cell["depth"]), int(cell["size"]), int(cell.get("width", ctx.tree.width))
+        tree = TreeConfig(width=width, max_depth=max(ctx.tree.max_depth, depth, 1),
+                          max_size=max(ctx.tree.max_size, size, 1))
+        out[float(t)] = (FixedController(depth, size), tree)
+    return out
 
 
 def _heuristic(key: str):
@@ -163,8 +187,20 @@ def _trained(key: str):
         if key not in loaded:
             raise MethodUnavailable(f"{ctx.run_dir} has no {key!r} policy (has: {', '.join(sorted(loaded))})")
         # each stream gets its own copy: controllers keep per-generation state
-        return copy.deepcopy(loaded[key]), None
+        return copy.deepcopy(loaded[key]), None, _trained_by_temperature(ctx, key)
     return factory
+
+
+def _trained_by_temperature(ctx: EvalContext, key: str) -> dict:
+    """Policies the run trained at a sampling temperature: RUN/sampled/T<t>/policies.json (specpilot.train)."""
+    from specpilot.policies.ppo import load_run_controllers
+
+    out = {}
+    for index in sorted(Path(ctx.run_dir).glob("sampled/T*/policies.json")):
+        controllers = load_run_controllers(index.parent, device="cpu")
+        if key in controllers:
+            out[float(index.parent.name[1:])] = (copy.deepcopy(controllers[key]), ctx.tree)
+    return out
 
 
 def _hf(assisted: bool):
@@ -271,8 +307,9 @@ def _build(ctx: EvalContext, methods: list[str] | None, controllers: dict[str, C
 
 
 def measure_controllers(pair: ModelPair, controllers: dict, prompts, *, tree: TreeConfig, max_new_tokens: int = 64,
-                        repeats: int = 1, warmup: int = 1, seed: int = 0, progress: bool = False) -> dict[str, dict]:
-    """Live greedy throughput of each controller (a Controller, or a (Controller, TreeConfig) pair) and of `ar` on
+                        repeats: int = 1, warmup: int = 1, seed: int = 0, temperature: float = 0.0,
+                        progress: bool = False) -> dict[str, dict]:
+    """Live throughput (at `temperature`, greedy by default) of each controller (a Controller, or a (Controller, TreeConfig) pair) and of `ar` on
     `prompts` (strings or token-id lists), measured by `evaluate`'s interleaved rounds and clock: the grid search's
     live re-measure and training-time live evaluation use this, so their numbers are the report's quantity.
     Returns {name: {tokens, time_s, tokens_per_s, speedup, mean_accepted_length, policy_s, policy_overhead,
@@ -281,7 +318,7 @@ def measure_controllers(pair: ModelPair, controllers: dict, prompts, *, tree: Tr
     if not items:
         raise ValueError("measure_controllers needs at least one prompt")
     suite = [Prompt(id=f"p{i}", task="live", language="-", split="validation", prompt=p) for i, p in enumerate(items)]
-    result = evaluate(suite, pair=pair, methods=[], controllers=controllers, temperatures=(0.0,),
+    result = evaluate(suite, pair=pair, methods=[], controllers=controllers, temperatures=(float(temperature),),
                       max_new_tokens=max_new_tokens, rounds=repeats, warmup=warmup, tree=tree, seed=seed,
                       encode=lambda p: pair.encode(p),
                       progress=(lambda msg: print(f"  live: {msg}", flush=True)) if progress else None)

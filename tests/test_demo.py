@@ -9,7 +9,8 @@ from specpilot.demo import DemoBudget, run_demo
 
 TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tokens=16, width=2, max_depth=4,
                   max_size=8, size_steps=256, depth_steps=256, coadapt_steps=128, rounds=1, n_steps=128,
-                  batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0,), eval_budget_s=5.0, check_rounds=2)
+                  batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
+                  eval_budget_s=5.0, check_rounds=2, sampled_depth_steps=64, sampled_size_steps=64)
 
 
 def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
@@ -28,6 +29,13 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     assert report["replay"]["methods"] and report["replay"]["oracle"]["speedup"] > 0
     assert any("before the grid search" in entry["title"] for entry in report["cost_check"].values())
     assert (run / "traces" / "heldout" / "trace.npz").exists() and (run / "eval" / "forest_speedup_T0.png").exists()
+    # sampling: the grid measured its candidates live at T=1, the run trained T=1 policies, the report has T=1 rows
+    grid = json.loads((run / "grid.json").read_text())
+    assert set(grid["best_by_temperature"]) == {"1"} and any(r["depth"] == 0 for r in grid["sampled_live"]["1"])
+    assert (run / "sampled" / "T1" / "policies.json").is_file()
+    sampled_rows = {(r["method"], r["temperature"]) for r in report["summary"]}
+    assert {("ar", 1.0), ("grid", 1.0), ("ltd", 1.0)} <= sampled_rows
+    assert report["meta"]["methods"]["ltd"]["by_temperature"]["1"]
     out = capsys.readouterr().out
     assert "speedup over ar [95% CI]" in out and "ltd vs grid (T=0)" in out and "cost model" in out
     # a re-run reuses every finished stage

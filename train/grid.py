@@ -126,6 +126,36 @@ def _live_phase(table: list[dict], sources: list[dict], pair, val_prompts, *, li
     return rows, ar
 
 
+def sampled_candidates(table: list[dict], max_depth: int = 3) -> list[dict]:
+    """Cells worth measuring at a sampling temperature, where greedy replay cannot rank them: plain steps (depth 0)
+    and, for each depth 1..max_depth, the replay-best size at that depth (shallow trees: sampled text is less
+    predictable)."""
+    picked = [next(r for r in table if r["depth"] == 0)] if any(r["depth"] == 0 for r in table) else []
+    for depth in range(1, max_depth + 1):
+        rows = [r for r in table if r["depth"] == depth]
+        if rows:
+            picked.append(rows[0])  # the table is sorted by replay tokens/s
+    return picked
+
+
+def _sampled_phase(table: list[dict], sources: list[dict], pair, val_prompts, temperature: float, *,
+                   max_new_tokens: int | None, repeats: int, warmup: int, progress: bool) -> tuple[dict, list[dict]]:
+    """The best of `sampled_candidates`, measured live at `temperature` (best cell, measured rows)."""
+    from specpilot.eval.runner import measure_controllers
+
+    cells = sampled_candidates(table)
+    max_dims = {s["width"]: (s["max_depth"], s["max_size"]) for s in sources}
+    controllers = {f"cell{k}": (FixedController(r["depth"], r["size"]),
+                                TreeConfig(width=r["width"], max_depth=max_dims[r["width"]][0],
+                                           max_size=max_dims[r["width"]][1])) for k, r in enumerate(cells)}
+    res = measure_controllers(pair, controllers, val_prompts, tree=next(iter(controllers.values()))[1],
+                              max_new_tokens=max_new_tokens or sources[0]["max_new_tokens"], repeats=repeats,
+                              warmup=warmup, temperature=temperature, progress=progress)
+    rows = [{**{key: r[key] for key in ("width", "depth", "size")}, **res[f"cell{k}"]} for k, r in enumerate(cells)]
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    return {key: best[key] for key in ("width", "depth", "size", "tokens_per_s", "speedup")}, rows
+
+
 def grid_search(
     traces: str | Path | Trace | Sequence[str | Path | Trace],
     *,
@@ -139,6 +169,7 @@ def grid_search(
     live_repeats: int = 1,
     live_max_new_tokens: int | None = None,
     live_warmup: int = 1,
+    sampled_temperatures: Sequence[float] = (),
     out: str | Path | None = None,
     heatmap: bool = True,
     progress: bool = False,
@@ -152,6 +183,8 @@ def grid_search(
     pair, val_prompts: the live phase (skipped when either is missing or live_top == 0). val_prompts must be
         validation prompts (never held-out ones: the result selects a baseline).
     live_max_new_tokens: default the trace's max_new_tokens.
+    sampled_temperatures: temperatures > 0 at which `sampled_candidates` are also measured live (greedy replay
+        cannot rank cells for sampled decoding); the best per temperature goes to `best_by_temperature`.
     out: path of grid.json; the heat map goes next to it as <stem>.png (heatmap=False skips it).
     """
     started = time.perf_counter()
@@ -175,12 +208,20 @@ def grid_search(
         best.update(source="live", live_tokens_per_s=chosen["tokens_per_s"], live_speedup=chosen.get("speedup"))
     else:
         best = {**{k: table[0][k] for k in ("width", "depth", "size")}, "source": "replay"}
+    by_temperature, sampled_rows = {}, {}
+    if pair is not None and val_prompts:
+        for temperature in (t for t in sampled_temperatures if t > 0):
+            by_temperature[f"{temperature:g}"], sampled_rows[f"{temperature:g}"] = _sampled_phase(
+                table, sources, pair, val_prompts, float(temperature), max_new_tokens=live_max_new_tokens,
+                repeats=live_repeats, warmup=live_warmup, progress=progress)
     rb = next(r for r in table if (r["width"], r["depth"], r["size"]) == (best["width"], best["depth"], best["size"]))
     best.update(replay_tokens_per_s=rb["tokens_per_s"], replay_speedup=rb["speedup"],
                 mean_accepted_length=rb["mean_accepted_length"])
 
     result = {
         "best": best,
+        "best_by_temperature": by_temperature,
+        "sampled_live": sampled_rows,
         # the partner config of training stages: the best cell that drafts (the best may be plain steps, depth 0)
         "best_drafting": next({k: r[k] for k in ("width", "depth", "size")} for r in table if r["depth"] >= 1),
         "table": table,

@@ -268,8 +268,9 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     settings = budget_settings(spec.kind, spec.steps, seed=options.seed + spec.seed_offset, ppo=options.ppo)
     if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
         return done
+    # replay validation models greedy decoding only: a stage trained at T > 0 keeps its final policy
     val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
-                        size_actions=actions, logger=logger, stage=spec.stage)
+                        size_actions=actions, logger=logger, stage=spec.stage) if options.temperature == 0 else None
     update_manifest(run_dir, traces={"train": str(traces.train), "validation": str(traces.validation),
                                      "train_pair": trace.header.get("pair")},
                     seeds={spec.stage: settings.seed},
@@ -284,7 +285,7 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
                         init_from=spec.init_from, venv_factory=make_venv)
     info = json.loads((run_dir / spec.stage / "best.json").read_text())
     result = StageResult(spec.stage, spec.kind, best, obs_spec, actions, info.get("score"))
-    if spec.init_from is not None and spec.keep_init_if_better:
+    if spec.init_from is not None and spec.keep_init_if_better and val is not None:
         result = _keep_init_if_better(result, spec, val, run_dir)
     return result
 
