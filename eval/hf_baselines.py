@@ -59,15 +59,16 @@ def configure_assistant(draft, *, num_assistant_tokens: int, schedule: str = "co
 class HFGenerate:
     """One of transformers' generate() modes as an evaluation method (see the module docstring)."""
 
-    def __init__(self, pair, *, assisted: bool, name: str) -> None:
+    def __init__(self, pair, *, assisted: bool, name: str, assistant=None) -> None:
         self.pair = pair
         self.assisted = assisted
         self.name = name
+        self.assistant = assistant if assistant is not None else pair.draft  # a separate draft LM
 
     def describe(self) -> dict:
         out = {"name": self.name, "impl": "transformers.generate"}
         if self.assisted:
-            gc = self.pair.draft.generation_config
+            gc = self.assistant.generation_config
             out.update(num_assistant_tokens=gc.num_assistant_tokens,
                        num_assistant_tokens_schedule=gc.num_assistant_tokens_schedule,
                        assistant_confidence_threshold=gc.assistant_confidence_threshold)
@@ -91,7 +92,7 @@ class HFGenerate:
         else:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         if self.assisted:
-            kwargs["assistant_model"] = pair.draft
+            kwargs["assistant_model"] = self.assistant
         if cuda:
             torch.cuda.synchronize()
         streamer = TimingStreamer(time.perf_counter(), cuda)

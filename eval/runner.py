@@ -208,11 +208,28 @@ def _hf(assisted: bool):
         from specpilot.eval.hf_baselines import HFGenerate, configure_assistant
 
         if assisted and "hf_assistant" not in ctx._cache:
+            assistant = _assistant(ctx)
             # same draft length as our `fixed` default, HF's default constant schedule and confidence threshold
-            ctx._cache["hf_assistant"] = configure_assistant(
-                ctx.pair.draft, num_assistant_tokens=default_static_config(ctx.device)[0])
-        return HFGenerate(ctx.pair, assisted=assisted, name=name)
+            configure_assistant(assistant, num_assistant_tokens=default_static_config(ctx.device)[0])
+            ctx._cache["hf_assistant"] = assistant
+        return HFGenerate(ctx.pair, assisted=assisted, name=name, assistant=ctx._cache.get("hf_assistant"))
     return build
+
+
+def _assistant(ctx: EvalContext):
+    """transformers' assisted generation needs a separate draft LM: the pair's, or for the embedded target drafted
+    by its EAGLE-3 head, the embedded draft LM (loaded once, on the pair's device and dtype)."""
+    if ctx.pair.draft is not None:
+        return ctx.pair.draft
+    if not ctx.pair.name.startswith("specpilot-default"):
+        raise MethodUnavailable("transformers' assisted generation needs a separate draft LM; this pair drafts with "
+                                "an EAGLE-3 head")
+    from transformers import AutoModelForCausalLM
+
+    from specpilot.drafting.pair import DEFAULT_PAIR_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(str(DEFAULT_PAIR_DIR / "draft"), dtype=ctx.pair.dtype)
+    return model.to(ctx.pair.device).eval()
 
 
 METHODS: dict[str, Callable[[EvalContext, str], Method]] = {
