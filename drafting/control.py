@@ -80,3 +80,31 @@ class FixedController(Controller):
 
     def describe(self) -> dict:
         return {"name": self.name, "depth": self.depth, "size": self.size}
+
+
+class DecisionLog(Controller):
+    """Delegates every decision to `inner` and logs the (depth, size) of each cycle it observes (for reports,
+    validation statistics and the evaluation's decision comparisons)."""
+
+    def __init__(self, inner: Controller) -> None:
+        self.inner, self.name = inner, getattr(inner, "name", "controller")
+        self.log: list[tuple[int, int]] = []
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        return self.inner.skip_drafting(state)
+
+    def should_stop(self, state: DraftState) -> bool:
+        return self.inner.should_stop(state)
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.inner.choose_size(state)
+
+    def observe(self, record: CycleRecord) -> None:
+        self.log.append((record.depth, record.size))
+        self.inner.observe(record)
+
+    def describe(self) -> dict:
+        return self.inner.describe()

@@ -25,35 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from specpilot.drafting.types import CycleRecord, DraftState, TreeConfig
+from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import DECIDE, HEURISTICS, LEARNED, task_groups
 from specpilot.eval.metrics import RunRecord
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, paired_ratio_interval, same_decisions, verdict
-from specpilot.policies.base import Controller
-
-
-class _Logged(Controller):
-    """Delegates every decision to `inner` and logs the (depth, size) of each verified cycle."""
-
-    def __init__(self, inner: Controller) -> None:
-        self.inner, self.name = inner, getattr(inner, "name", "controller")
-        self.log: list[tuple[int, int]] = []
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def skip_drafting(self, state: DraftState) -> bool:
-        return self.inner.skip_drafting(state)
-
-    def should_stop(self, state: DraftState) -> bool:
-        return self.inner.should_stop(state)
-
-    def choose_size(self, state: DraftState) -> int:
-        return self.inner.choose_size(state)
-
-    def observe(self, record: CycleRecord) -> None:
-        self.log.append((record.depth, record.size))
-        self.inner.observe(record)
+from specpilot.drafting.control import Controller, DecisionLog
 
 
 def heldout_trace(pair, tree: TreeConfig, ids: Sequence[Sequence[int]], out_dir: str | Path | None, *,
@@ -92,7 +68,7 @@ def _replay_units(trace, profile, controller: Controller, n: int) -> dict:
     """Per prompt: tokens, modelled time (s) and the (depth, size) log of `controller` under replay."""
     from specpilot.envs.oracle import replay_controller
 
-    logged = _Logged(copy.deepcopy(controller))
+    logged = DecisionLog(copy.deepcopy(controller))
     tokens, times, logs = [], [], []
     for i in range(n):
         start = len(logged.log)

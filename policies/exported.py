@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.control import FixedController
 from specpilot.drafting.types import DraftState, TreeConfig
 from specpilot.policies.actor import Actor, ActorError
 from specpilot.policies.learned import DEPTH_ACTIONS, LearnedController  # noqa: F401 (DEPTH_ACTIONS re-exported)

@@ -13,8 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specpilot.drafting.control import Controller
-from specpilot.drafting.types import CycleRecord, DraftState
+from specpilot.drafting.control import Controller, DecisionLog
 from specpilot.envs.oracle import replay_controller
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import ObservationSpec
@@ -38,39 +37,14 @@ def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
             "source": "profile"}
 
 
-class DecisionTally(Controller):
-    """Delegates to `inner` and tallies the cycles it runs (depth / size histograms, for reports)."""
-
-    def __init__(self, inner: Controller) -> None:
-        self.inner, self.name = inner, inner.name
-        self.depths: list[int] = []
-        self.sizes: list[int] = []
-
-    def reset(self) -> None:
-        self.inner.reset()
-
-    def skip_drafting(self, state: DraftState) -> bool:
-        return self.inner.skip_drafting(state)
-
-    def should_stop(self, state: DraftState) -> bool:
-        return self.inner.should_stop(state)
-
-    def choose_size(self, state: DraftState) -> int:
-        return self.inner.choose_size(state)
-
-    def observe(self, record: CycleRecord) -> None:
-        self.depths.append(record.depth)
-        self.sizes.append(record.size)
-        self.inner.observe(record)
-
-
 def evaluate_replay(controller: Controller, model: ReplayModel, ar_tokens_per_s: float | None = None) -> dict:
     """Replay throughput of `controller` on `model`'s trace with depth/size tallies (and speedup vs AR)."""
-    tally = DecisionTally(controller)
-    res = replay_controller(model, controller=tally)
-    res["depth_mean"] = float(np.mean(tally.depths)) if tally.depths else float("nan")
-    res["size_mean"] = float(np.mean(tally.sizes)) if tally.sizes else float("nan")
-    res["depth_hist"] = np.bincount(tally.depths, minlength=model.trace.max_depth + 1).tolist()
+    logged = DecisionLog(controller)
+    res = replay_controller(model, controller=logged)
+    depths, sizes = [d for d, _ in logged.log], [v for _, v in logged.log]
+    res["depth_mean"] = float(np.mean(depths)) if depths else float("nan")
+    res["size_mean"] = float(np.mean(sizes)) if sizes else float("nan")
+    res["depth_hist"] = np.bincount(depths, minlength=model.trace.max_depth + 1).tolist()
     if ar_tokens_per_s:
         res["speedup"] = res["tokens_per_s"] / ar_tokens_per_s
     return res
