@@ -36,6 +36,15 @@ from specpilot.train.logging import CycleMetricsCallback, RunLogger
 PROGRESS_FILE = "progress.json"
 
 
+class StageExistsError(FileExistsError):
+    """A stage directory already has checkpoints and resuming was not asked for (`stage_dir` says which)."""
+
+    def __init__(self, stage_dir: Path) -> None:
+        self.stage_dir = Path(stage_dir)
+        super().__init__(f"stage {stage_dir} already has checkpoints: pass resume=True to continue it, or use "
+                         "another stage name / delete the directory to start over")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from (corrupted, or trained with different settings/spaces)."""
 
@@ -417,8 +426,7 @@ def train_policy(
     ckpt_dir = stage_dir / "checkpoints"
     progress = read_progress(stage_dir)
     if progress is not None and not resume:
-        raise FileExistsError(f"stage {stage_dir} already has checkpoints: pass resume=True to continue it, or use "
-                              "another stage name / delete the directory to start over")
+        raise StageExistsError(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
     venv = venv_factory() if venv_factory is not None else _make_venv(env_factory, settings.n_envs)
 
