@@ -310,13 +310,13 @@ def format_summary(summary: dict) -> str:
 # -- CLI -----------------------------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import add_pair_arguments, output_dir
+    from specpilot.drafting.cliargs import add_pair_arguments, output_dir, seed
 
     parser.add_argument("--quick", action="store_true", help="small budgets (<= ~6 minutes on 2 CPU cores)")
     parser.add_argument("--out", default="runs/demo", type=output_dir,
                         help="run directory (finished stages are reused; checked before anything runs)")
     add_pair_arguments(parser, dtype_option=False)
-    parser.add_argument("--seed", type=int, default=0, help="seed of every stage")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of every stage")
     parser.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
                         help="wandb mode (default: $WANDB_MODE, else offline)")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from specpilot.drafting.cliargs import (add_pair_arguments, load_pair, non_negative_float, non_negative_int, pair_given,
-                               positive_int, probability, utf8_text)
+                               positive_int, probability, seed, utf8_text)
 
 # the tree/controller options an exported decoder fixes itself: given with --config they are refused
 STATIC_OPTIONS = ("depth", "size", "width", "max_depth")
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="top-p when sampling (1: off)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    parser.add_argument("--seed", type=seed, default=None, help="sampling seed (default: random)")
     parser.add_argument("--compare", action="store_true", help="also run target-only decoding and print the speedup")
 
 

@@ -168,6 +168,18 @@ def dtype(text: str) -> str:
     return text.strip().lower()
 
 
+def seed(text: str) -> int:
+    """A random seed: an integer >= 0 (numpy's generators refuse negative seeds)."""
+    return non_negative_int(text)
+
+
+def stage_name(text: str) -> str:
+    """A folder name (a stage under the run): no path separators, not '.' or '..'."""
+    if not text.strip() or "/" in text or "\\" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a folder name without '/', got {text!r}")
+    return text
+
+
 def _output(kind: str) -> Callable[[str], str]:
     from specpilot.drafting.errors import OutputPathError
     from specpilot.drafting.files import check_writable

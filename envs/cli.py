@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from specpilot.drafting.cliargs import add_pair_arguments, load_pair, output_dir, positive_int
+from specpilot.drafting.cliargs import add_pair_arguments, load_pair, output_dir, positive_int, seed
 from specpilot.eval.suites import load_prompts
 
 
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                          "(default: all)")
     parser.add_argument("--profile-prompts", type=positive_int, default=None,
                         help="measure the latency profile on the first N prompts (default: all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the profile's random (depth, size) draws")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the profile's random (depth, size) draws")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting.errors import InputFileError
-from specpilot.drafting.files import atomic_path, atomic_write_text, read_json
+from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable, read_json
 
 TRACE_VERSION = 1
 NO_RANK = np.iinfo(np.int16).max
@@ -348,7 +348,7 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     (depth, size) per cycle (see `specpilot.envs.profile.measure_profile`)."""
     from specpilot.envs.profile import measure_profile
 
-    out_dir = Path(out_dir)
+    out_dir = check_writable(out_dir, kind="dir", what="trace folder")  # before minutes of recording
     trace = record_trace(pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
     trace.save(out_dir)
     chosen = list(prompts)[: profile_prompts] if profile_prompts else list(prompts)

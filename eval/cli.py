@@ -14,7 +14,7 @@ import argparse
 from dataclasses import dataclass
 
 from specpilot.drafting.cliargs import (add_pair_arguments, float_list, load_pair, non_negative_float, non_negative_int,
-                               output_dir, positive_float, positive_int, probability, say)
+                               output_dir, positive_float, positive_int, probability, say, seed)
 from specpilot.eval.runner import METHODS
 
 
@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder (checked before anything is measured)")
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="evaluate only the first N prompts (default: all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of sampling and of the bootstrap")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of sampling and of the bootstrap")
     parser.add_argument("--width", type=positive_int, default=None,
                         help="draft tree beam width W (default: the --run's, else 8)")
     parser.add_argument("--max-depth", type=positive_int, default=None,

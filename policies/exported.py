@@ -229,7 +229,7 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
     config = meta["_path"]
     try:
         t = meta["tree"]
-        tree = TreeConfig(width=int(t["width"]), max_depth=int(t["max_depth"]), max_size=int(t["max_size"]))
+        tree = TreeConfig(width=t["width"], max_depth=t["max_depth"], max_size=t["max_size"])
         policies = meta["policies"]
     except (KeyError, TypeError, ValueError) as err:
         raise ExportedConfigError(f"{config}: missing or invalid 'tree'/'policies' section ({err}); re-export") from err

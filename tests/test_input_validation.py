@@ -114,6 +114,16 @@ def test_width_larger_than_an_eagle_heads_draft_vocabulary():
         SpeculativeDecoder(eagle_pair, TreeConfig(width=64))
 
 
+@pytest.mark.parametrize("depth, size, error", [(2.5, 4, TypeError), (2, "4", TypeError), (-1, 4, ValueError),
+                                                 (3, 0, ValueError)])
+def test_fixed_controller_takes_integers_only(depth, size, error):
+    from specpilot.policies import FixedController
+
+    with pytest.raises(error, match="FixedController"):
+        FixedController(depth, size)
+    assert FixedController(np.int64(0), 0).depth == 0  # never drafts: verifies nothing
+
+
 def test_decoder_arguments_have_the_right_types(pair):
     with pytest.raises(TypeError, match="TreeConfig"):
         SpeculativeDecoder(pair, {"width": 4})

@@ -481,7 +481,7 @@ def build_pair(out_dir: str | Path, *, target_minutes: float = 40.0, draft_minut
 # --------------------------------------------------------------------------------------------------- CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import device, output_dir, positive_float, positive_int
+    from specpilot.drafting.cliargs import device, output_dir, positive_float, positive_int, seed
     from specpilot.drafting.pair import DEFAULT_PAIR_DIR
 
     parser.add_argument("action", choices=["build"], help="build: train and save the default pair")
@@ -492,7 +492,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-minutes", type=positive_float, default=40.0,
                         help="wall-clock budget for the target")
     parser.add_argument("--draft-minutes", type=positive_float, default=12.0, help="wall-clock budget for the draft")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the corpus split and of training")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the corpus split and of training")
     parser.add_argument("--device", type=device, default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny pair in about a minute (smoke test)")

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, non_negative_float,
-                                        output_dir, positive_float, positive_int)
+                                        output_dir, positive_float, positive_int, seed, stage_name)
 from specpilot.train.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
@@ -72,7 +72,7 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     p.add_argument("--wandb", default=None, choices=["online", "offline", "disabled"],
                    help="wandb mode (default: $WANDB_MODE, else offline); TensorBoard is always written")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run; finished stages are skipped")
-    p.add_argument("--seed", type=int, default=0, help="seed of PPO and of the environments")
+    p.add_argument("--seed", type=seed, default=0, help="seed of PPO and of the environments")
     g = p.add_argument_group("PPO overrides (default: the paper's, scaled for small budgets)")
     g.add_argument("--n-steps", type=positive_int, default=None, help="rollout length (default: paper 2048, scaled)")
     g.add_argument("--batch-size", type=positive_int, default=None, help="minibatch (default: paper 256, scaled)")
@@ -117,9 +117,9 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="random partner depths LOW,HIGH (default: 1,max_depth)")
         p.add_argument("--size-actions", type=int_list(1), default=None,
                        help="verification sizes to choose from, e.g. 2,4,8,16 (default: the device's size actions)")
-        p.add_argument("--stage", default="size_s1", help="stage directory name under RUN")
+        p.add_argument("--stage", type=stage_name, default="size_s1", help="stage directory name under RUN")
     elif name == "depth":
-        p.add_argument("--stage", default="depth_s1", help="stage directory name under RUN")
+        p.add_argument("--stage", type=stage_name, default="depth_s1", help="stage directory name under RUN")
     elif name == "coadapt":
         p.add_argument("--rounds", type=positive_int, default=3, help="stages: size, depth, size, ...")
     elif name == "ablation":

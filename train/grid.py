@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from specpilot.drafting.control import FixedController
-from specpilot.drafting.files import atomic_path, atomic_write_text
+from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.oracle import replay_oracle
 from specpilot.envs.record import Trace
@@ -154,6 +154,8 @@ def grid_search(
     live_max_new_tokens: default the trace's max_new_tokens.
     out: path of grid.json; the heat map goes next to it as <stem>.png (heatmap=False skips it).
     """
+    if out is not None:
+        check_writable(out, kind="file", what="grid result")  # before the sweep, not after it
     started = time.perf_counter()
     table: list[dict] = []
     oracle: dict[str, dict] = {}
