@@ -339,7 +339,12 @@ class ModelPair:
             raise ValueError("give a drafter with target=: draft= (a causal LM) or eagle= (an EAGLE-3 head)")
         for name, value in (("draft", draft), ("eagle", eagle)):
             if value == "embedded" and not embedded:
-                raise ValueError(f"{name}='embedded' belongs to the embedded target: leave target= unset")
+                raise ValueError(f"{name}='embedded' (--{name} embedded) belongs to the embedded target: leave "
+                                 "target= (--target) unset")
+        if eagle == "embedded" and not (DEFAULT_PAIR_DIR / "eagle" / "config.json").exists():
+            raise FileNotFoundError(f"the embedded pair ships no EAGLE-3 head ({DEFAULT_PAIR_DIR / 'eagle'} is "
+                                    "missing): use its draft (draft='embedded', --draft embedded) or give a head "
+                                    "folder")
         target_model = _load_lm(target, "target", dtype)
         tok = _load_tokenizer(tokenizer, target)
         draft_model = head = None

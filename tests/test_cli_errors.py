@@ -10,6 +10,7 @@ import pytest
 
 from specpilot.cli import main
 from specpilot.drafting.errors import is_user_error
+from specpilot.drafting.pair import DEFAULT_PAIR_DIR
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -70,6 +71,8 @@ CASES = {
                                ["--target needs its drafter"]),
     "draft and eagle": (lambda p: ["generate", "--prompt", "x", *_pair(p), "--eagle", p["draft"]],
                         ["--draft", "--eagle", "not both"]),
+    "embedded draft with a target": (lambda p: ["generate", "--prompt", "x", "--target", p["target"], "--draft",
+                                                "embedded"], ["--draft embedded", "--target"]),
     "config with depth": (lambda p: ["generate", "--prompt", "x", "--config", str(p["root"]), "--depth", "7"],
                           ["--depth", "conflict", "--config"]),
     "width over vocabulary": (lambda p: ["generate", "--prompt", "x", *_pair(p), "--width", "5000",
@@ -122,6 +125,12 @@ def test_bad_input_is_one_line_exit_2(case, paths, capsys):
     build, fragments = CASES[case]
     code, err = run_cli(build(paths), capsys)
     assert_one_line(code, err, *fragments)
+
+
+@pytest.mark.skipif((DEFAULT_PAIR_DIR / "eagle" / "config.json").exists(), reason="the package ships a head")
+def test_embedded_eagle_when_none_is_shipped(capsys):
+    code, err = run_cli(["generate", "--prompt", "x", "--eagle", "embedded"], capsys)
+    assert_one_line(code, err, "ships no EAGLE-3 head", "--draft embedded")
 
 
 def test_tokenizerless_draft_folder_is_not_a_mismatch(paths, capsys):

@@ -29,7 +29,6 @@ then read from RUN.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -59,7 +58,8 @@ def _obs_norm(stage_dir: Path, prefix: str) -> tuple[dict | None, dict[str, torc
     progress = stage_dir / "checkpoints" / "progress.json"
     if not progress.is_file():
         return None, {}
-    name = json.loads(progress.read_text()).get("vecnormalize")
+    name = read_json(progress, what="checkpoint progress record", fix="retrain the stage or restore the file"
+                     ).get("vecnormalize")
     if not name or not (stage_dir / "checkpoints" / name).is_file():
         return None, {}
     import pickle

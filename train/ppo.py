@@ -242,10 +242,14 @@ def read_progress(stage_dir: str | Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        progress = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} is corrupted ({err}); delete {path.parent} to restart the stage, or restore "
                               "the file") from err
+    if not isinstance(progress, dict):
+        raise CheckpointError(f"{path} is corrupted (not a JSON object); delete {path.parent} to restart the stage, "
+                              "or restore the file")
+    return progress
 
 
 class _StageCallback(BaseCallback):
