@@ -118,6 +118,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     """Everything that can be checked without a model, before anything is measured (see the module docstring)."""
     from specpilot.envs.profile import LatencyProfile
     from specpilot.eval.inputs import check_methods, requested_methods, resolve_tree
+    from specpilot.eval.rounds import RoundPlan
     from specpilot.eval.suites import load_suite
 
     prompts = load_suite(args.suite, split=args.split)
@@ -127,6 +128,10 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
     for path in args.check_profile:
         LatencyProfile.load(path)
+    # the round plan's own checks (e.g. --min-rounds above --max-rounds) before the replay recording, not after it
+    RoundPlan.make(args.repeats if args.repeats is not None else args.rounds, min_rounds=args.min_rounds,
+                   max_rounds=args.max_rounds, time_budget_s=args.time_budget,
+                   target_half_width=args.target_half_width, decide=tuple(args.decide), full_rounds=args.full_rounds)
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
                   grid=args.grid, run_dir=args.run_dir)

@@ -107,6 +107,8 @@ CASES = {
     "stage with a path": (lambda p: ["train", "size", "--run", str(p["root"] / "t"), "--stage", "../x"],
                           ["--stage", "folder name"]),
     "eval decide one method": (lambda p: ["eval", "--decide", "ltd"], ["--decide", "METHOD,BASELINE"]),
+    "eval min rounds above max": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--min-rounds", "5",
+                                             "--max-rounds", "3"], ["min_rounds=5 exceeds max_rounds=3"]),
     "eval grid without a result": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--methods", "grid"],
                                       ["grid needs a grid-search result"]),
     "train gamma above 1": (lambda p: ["train", "size", "--run", str(p["root"] / "t"), "--gamma", "1.5"],
