@@ -22,10 +22,7 @@ def check_float(name: str, value, *, minimum: float | None = None, maximum: floa
                 open_low: bool = False) -> float:
     """`value` as a finite float within [minimum, maximum] ((minimum, maximum] with open_low); else TypeError /
     ValueError naming `name` and the range."""
-    low = "" if minimum is None else f"{'>' if open_low else '>='} {minimum:g}"
-    high = "" if maximum is None else f"<= {maximum:g}"
-    accepted = "a finite number" + (f" {low}" if low else "") + (f" and {high}" if low and high else
-                                                                   f" {high}" if high else "")
+    accepted = float_range(minimum, maximum, open_low=open_low)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {accepted}, got {value!r} ({type(value).__name__})")
     value = float(value)
@@ -36,6 +33,13 @@ def check_float(name: str, value, *, minimum: float | None = None, maximum: floa
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be {accepted}, got {value:g}")
     return value
+
+
+def float_range(minimum: float | None = None, maximum: float | None = None, *, open_low: bool = False) -> str:
+    """"a finite number > 0 and <= 1" and the like: the accepted range in words."""
+    bounds = ([f"{'>' if open_low else '>='} {minimum:g}"] if minimum is not None else []) + \
+        ([f"<= {maximum:g}"] if maximum is not None else [])
+    return " ".join(["a finite number", " and ".join(bounds)]).strip()
 
 
 def _int_range(minimum: int | None, maximum: int | None) -> str:

@@ -60,27 +60,17 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
-def any_int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
 def float_in(low: float | None = None, high: float | None = None, *, open_low: bool = False,
              describe: str | None = None) -> Callable[[str], float]:
     """A finite float in [low, high] ((low, high] with open_low)."""
-    from specpilot.drafting.checks import check_float
+    from specpilot.drafting.checks import check_float, float_range
+
+    accepted = describe or float_range(low, high, open_low=open_low)
 
     def parse(text: str) -> float:
         try:
-            value = float(text)
-        except ValueError:
-            value = text
-        try:
-            return check_float("value", value, minimum=low, maximum=high, open_low=open_low)
-        except (TypeError, ValueError) as err:
-            accepted = describe or str(err).split(" must be ")[1].split(", got")[0]
+            return check_float("value", float(text), minimum=low, maximum=high, open_low=open_low)
+        except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
 
     parse.__name__ = "number"
