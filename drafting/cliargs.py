@@ -23,6 +23,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
+        if action.required:  # nothing to default to
+            return text if "required" in text.lower() else f"{text} (required)"
         if "default" in text.lower():
             return text
         return super()._get_help_string(action)
@@ -193,11 +195,12 @@ output_file = _output("file")  # a file that can be written (its folder exists o
 
 # -- the model pair -------------------------------------------------------------------------------------------------
 
-def add_pair_arguments(parser, *, dtype_option: bool = True, what: str = "") -> None:
+def add_pair_arguments(parser, *, dtype_option: bool = True, what: str = "",
+                       target_default: str = "the embedded target") -> None:
     """--target / --draft / --eagle / --device (/ --dtype) as every command that loads a pair takes them."""
     suffix = f" {what}" if what else ""
     parser.add_argument("--target", default=None,
-                        help=f"target model{suffix}: a local folder or hub id (default: the embedded target)")
+                        help=f"target model{suffix}: a local folder or hub id (default: {target_default})")
     parser.add_argument("--draft", default=None,
                         help="draft model: a causal LM sharing the target's vocabulary (folder or hub id), or "
                              "'embedded' (default: the embedded pair's drafter)")

@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.drafting.types import TreeConfig
     from specpilot.envs.record import record_task
     from specpilot.policies.observation import default_size_actions
@@ -34,8 +35,6 @@ def run(args: argparse.Namespace) -> int:
     pair = load_pair(args)
     max_size = args.max_size or max(max(default_size_actions(str(pair.device))), TreeConfig().max_size)
     tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
-    from specpilot.drafting.decoder import SpeculativeDecoder
-
     SpeculativeDecoder(pair, tree)  # the tree must fit the drafter (width <= its vocabulary) before hours of work
     print(f"recording {len(prompts)} prompts from {args.suite!r} on {pair.name} ({pair.device}), tree {tree}, "
           f"max_new_tokens={args.max_new_tokens}")

@@ -49,7 +49,8 @@ def test_every_option_has_help_that_shows_its_default(name):
         assert action.help and action.help.strip(), f"{name} {action.option_strings or action.dest}: no help text"
         shown = formatter._get_help_string(action)
         if action.option_strings:
-            assert "default" in shown.lower(), f"{name} {action.option_strings}: help does not show the default"
+            said = "required" if action.required else "default"
+            assert said in shown.lower(), f"{name} {action.option_strings}: help does not show the {said}"
 
 
 def test_help_renders_defaults(capsys):

@@ -403,9 +403,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=output_dir,
                         help="output folder for decoder.json, weights and engine configs (checked before exporting)")
     parser.add_argument("--onnx", action="store_true", help="also write ONNX actors (needs the optional onnx extra)")
-    add_pair_arguments(parser, dtype_option=False, what="the run was trained on (default: from the run's manifest)")
+    add_pair_arguments(parser, dtype_option=False, what="the run was trained on",
+                       target_default="none: the identity comes from the run's manifest, and the recorded pair is "
+                                      "loaded when its paths exist here")
     parser.add_argument("--default-pair", action="store_true",
-                        help="the run used the embedded default pair (the same as giving no --target)")
+                        help="load the embedded default pair (the run was trained on it) instead of reading the "
+                             "pair from the run's manifest")
     parser.add_argument("--trace", help="recorded trace to measure the policies' choices on (default: the run's "
                                         "validation trace, RUN/traces/validation)")
     parser.add_argument("--grid", help="grid-search result JSON with best {depth, size, width} (default: "
