@@ -1,12 +1,24 @@
 """The `specpilot` command line. Every sub-command lives in a module that exposes `add_arguments(parser)` and
-`run(args) -> int` and calls library functions; this file only wires them together. A command's module is imported
-when the parser is built (argparse needs each command's options for --help)."""
+`run(args) -> int` and calls library functions; this file only wires them together and owns the one error path:
+
+- bad input (see `specpilot.drafting.errors.is_user_error`: the package's own error classes, ValueError /
+  TypeError raised by its validation, OSError about paths) prints ONE line, `specpilot <command>: <message>`, on
+  stderr and exits with code 2; bad arguments are refused by the parser the same way before anything runs;
+- Ctrl-C prints one line and exits with 130 (`specpilot train` adds where its checkpoint is and the exact
+  `--resume` command);
+- anything else is a bug and keeps its traceback; `specpilot --debug COMMAND ...` shows tracebacks for bad input
+  too.
+
+A command's module is imported when the parser is built (argparse needs each command's options for --help).
+`cli_reference()` renders the README's CLI table from this parser (tests/test_cli_docs.py keeps them equal).
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
+from specpilot.drafting.cliargs import Parser, positive_int
 from specpilot.train.cluster_cli import CLUSTER_COMMANDS, add_cluster_arguments, with_cluster
 
 # (command, module, one-line help)
@@ -20,20 +32,23 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("eval", "specpilot.eval.cli", "evaluate methods on held-out task suites and write a report"),
     ("export", "specpilot.train.export", "export a trained run to decoder.json + safetensors + engine configs"),
 ]
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specpilot",
-        description="Learn how much to speculate: exact tree speculative decoding steered by PPO policies.",
-    )
+    parser = Parser(prog="specpilot",
+                    description="Learn how much to speculate: exact tree speculative decoding steered by PPO "
+                                "policies.")
     # dest differs from any sub-command option, so a sub-command's defaults can never overwrite it
-    parser.add_argument("--threads", dest="global_threads", type=int, default=None,
+    parser.add_argument("--threads", dest="global_threads", type=positive_int, default=None, metavar="N",
                         help="torch CPU threads (default: torch's choice). Batch-1 decoding of small models often "
                              "runs as fast on 1 thread, and extra threads stall when other work shares the cores")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the full traceback of every error (default: one line for bad input)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_label=f"specpilot {name}")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
@@ -57,18 +72,84 @@ def _not_built(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
-    if args.global_threads is not None:
-        if args.global_threads < 1:
-            parser.error(f"--threads must be >= 1, got {args.global_threads}")
-        import torch
+    args._argv = argv  # the exact command, for messages such as train's `--resume` hint
+    label = getattr(args, "_label", f"specpilot {args.command}")
+    if not sys.stderr.isatty():
+        _quiet_progress_bars()
+    try:
+        if args.global_threads is not None:
+            import torch
 
-        torch.set_num_threads(args.global_threads)
-    return int(args._handler(args) or 0)
+            torch.set_num_threads(args.global_threads)
+        return int(args._handler(args) or 0)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{label}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - sorted into bad input (one line) and bugs (re-raised) right here
+        from specpilot.drafting.errors import is_user_error, one_line
+
+        if args.debug or not is_user_error(err):
+            raise
+        print(f"{label}: {one_line(err)}", file=sys.stderr)
+        return 2
+
+
+def _quiet_progress_bars() -> None:
+    """No model-loading progress bars when stderr is a log or a pipe: there, stderr carries our messages (an error
+    is one line) and a bar is only noise. A terminal keeps them (loading a large model takes a while)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
+# -- the README's CLI table -----------------------------------------------------------------------------------------
+
+def _commands(parser: argparse.ArgumentParser, prefix: str = "specpilot"):
+    """(command line prefix, its parser, its help) for every leaf command (train's stages included)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+                if nested:
+                    yield from _commands(sub, f"{prefix} {name}")
+                else:
+                    yield f"{prefix} {name}", sub, helps.get(name, "")
+
+
+def _usage(command: str, parser: argparse.ArgumentParser) -> str:
+    parts = [command]
+    for a in parser._actions:
+        if not a.option_strings and not isinstance(a, argparse._SubParsersAction):
+            parts.append("|".join(a.choices) if a.choices else (a.metavar or a.dest).upper())
+        elif a.required:
+            parts.append(f"{a.option_strings[-1]} {a.metavar or a.dest.upper()}")
+    return " ".join(parts)
+
+
+def cli_reference() -> str:
+    """The README's CLI table: one row per command with its required arguments and every option it takes."""
+    rows = ["| command | does | options |", "|---|---|---|"]
+    top = build_parser()
+    rows.append("| `specpilot [--threads N] [--debug] COMMAND ...` | global options, before the command | "
+                "`--threads`, `--debug` |")
+    for command, parser, help_text in _commands(top):
+        options = [a.option_strings[-1] for a in parser._actions
+                   if a.option_strings and not a.required and a.dest != "help"]
+        rows.append(f"| `{_usage(command, parser)}` | {help_text} | {', '.join(f'`{o}`' for o in options)} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

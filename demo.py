@@ -139,7 +139,7 @@ def _limit(items: list, n: int) -> list:
 
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
-             draft: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
+             draft: str | None = None, eagle: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
              wandb: str | None = None, device: str | None = None, cluster=None) -> dict:
     """Run (or resume) every stage; return the summary dict (also written to RUN/summary.json)."""
     from specpilot.drafting import ModelPair, TreeConfig
@@ -150,7 +150,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     run_dir.mkdir(parents=True, exist_ok=True)
     state = DemoState(run_dir)
     started = time.perf_counter()
-    pair = ModelPair.from_pretrained(target, draft, device=device)
+    pair = ModelPair.from_pretrained(target, draft, device=device, **({"eagle": eagle} if eagle else {}))
     identity = pair.identity()
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
@@ -324,19 +324,23 @@ def format_summary(summary: dict) -> str:
 # -- CLI -----------------------------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specpilot.drafting.cliargs import add_pair_arguments, output_dir, seed
+
     parser.add_argument("--quick", action="store_true", help="small budgets (<= ~6 minutes on 2 CPU cores)")
-    parser.add_argument("--out", default="runs/demo", help="run directory (finished stages are reused)")
-    parser.add_argument("--target", help="target model (hub id or path); default: the embedded pair")
-    parser.add_argument("--draft", help="draft model (hub id or path); default: the embedded pair")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="runs/demo", type=output_dir,
+                        help="run directory (finished stages are reused; checked before anything runs)")
+    add_pair_arguments(parser, dtype_option=False)
+    parser.add_argument("--seed", type=seed, default=0, help="seed of every stage")
     parser.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
                         help="wandb mode (default: $WANDB_MODE, else offline)")
 
 
 def run(args: argparse.Namespace) -> int:
-    run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, seed=args.seed,
-                  wandb=args.wandb, device=args.device)
+    from specpilot.drafting.cliargs import check_pair_arguments
+
+    check_pair_arguments(args)
+    run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, eagle=args.eagle,
+                  seed=args.seed, wandb=args.wandb, device=args.device)
     if getattr(args, "ray", None):
         from specpilot.train.cluster import ClusterError
         from specpilot.train.cluster_cli import open_pool

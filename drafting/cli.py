@@ -1,43 +1,72 @@
-"""`specpilot generate`: generate text with the speculative decoder and print a one-line summary."""
+"""`specpilot generate`: generate text with the speculative decoder and print a one-line summary.
+
+Either a static configuration (--depth/--size on a --width tree) or an exported decoder (--config DIR: its policies
+decide depth and size on the tree decoder.json fixes, so the static options are refused with it instead of being
+ignored). The pair comes from --target/--draft/--eagle (the embedded pair by default); with --config the pair
+decoder.json names is loaded unless one is given (its content hashes are checked either way).
+"""
 from __future__ import annotations
 
 import argparse
 
+from specpilot.drafting.cliargs import (add_pair_arguments, load_pair, non_negative_float, non_negative_int, pair_given,
+                               positive_int, probability, seed, utf8_text)
+
+# the tree/controller options an exported decoder fixes itself: given with --config they are refused
+STATIC_OPTIONS = ("depth", "size", "width", "max_depth")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--target", help="target model (hub id or path); default: the embedded pair")
-    parser.add_argument("--draft", help="draft model (hub id or path); default: the embedded pair")
-    parser.add_argument("--config", help="an exported decoder directory (decoder.json): use its policies")
-    parser.add_argument("--depth", type=int, help="draft depth (static controller)")
-    parser.add_argument("--size", type=int, help="verification size: drafted candidates verified per cycle")
-    parser.add_argument("--width", type=int, default=None, help="tree width W (1 = chain)")
-    parser.add_argument("--max-depth", type=int, default=12)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--compare", action="store_true", help="also run target-only decoding and print speedup")
+    parser.add_argument("--prompt", required=True, type=utf8_text, help="prompt text (UTF-8)")
+    add_pair_arguments(parser)
+    parser.add_argument("--config", help="an exported decoder directory (decoder.json): its policies decide depth "
+                                         "and size (default: none, a static configuration)")
+    parser.add_argument("--depth", type=non_negative_int, default=None,
+                        help="draft depth of the static controller, 0 = no drafting (default: 4 on CPU, 8 on CUDA)")
+    parser.add_argument("--size", type=positive_int, default=None,
+                        help="verification size: drafted candidates verified per cycle (default: 12 on CPU, 60 on "
+                             "CUDA)")
+    parser.add_argument("--width", type=positive_int, default=None,
+                        help="tree width W, 1 = a chain (default: 4 on CPU, 8 on CUDA)")
+    parser.add_argument("--max-depth", type=positive_int, default=None,
+                        help="deepest tree (default: 12, raised to --depth when that is deeper)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
+    parser.add_argument("--top-p", type=probability, default=1.0, help="top-p when sampling (1: off)")
+    parser.add_argument("--seed", type=seed, default=None, help="sampling seed (default: random)")
+    parser.add_argument("--compare", action="store_true", help="also run target-only decoding and print the speedup")
+
+
+def _decoder(args: argparse.Namespace):
+    """(decoder, controller) for --config or for the static options."""
+    from specpilot.drafting import SpeculativeDecoder, TreeConfig
+    from specpilot.policies import FixedController
+
+    if args.config:
+        given = [f"--{name.replace('_', '-')}" for name in STATIC_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} conflict(s) with --config: the exported policies decide depth and "
+                             "size on the tree decoder.json fixes; drop them, or drop --config for a static "
+                             "configuration")
+        pair = load_pair(args) if pair_given(args) else None
+        decoder = SpeculativeDecoder.from_config(args.config, pair=pair, device=args.device, dtype=args.dtype)
+        return decoder, decoder.default_controller
+    pair = load_pair(args)
+    controller = FixedController(args.depth, args.size, device=str(pair.device))
+    width = args.width if args.width is not None else (8 if pair.device.type == "cuda" else 4)
+    max_depth = args.max_depth if args.max_depth is not None else 12
+    tree = TreeConfig(width=width, max_depth=max(max_depth, controller.depth), max_size=max(64, controller.size))
+    return SpeculativeDecoder(pair, tree), controller
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
-    from specpilot.policies import FixedController
+    from specpilot.drafting import autoregressive_generate
 
-    if args.config:
-        decoder = SpeculativeDecoder.from_config(args.config)
-        pair, controller = decoder.pair, decoder.default_controller
-    else:
-        pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
-        controller = FixedController(args.depth, args.size, device=str(pair.device))
-        width = args.width or (8 if pair.device.type == "cuda" else 4)
-        tree = TreeConfig(width=width, max_depth=max(args.max_depth, controller.depth),
-                          max_size=max(64, controller.size))
-        decoder = SpeculativeDecoder(pair, tree)
+    decoder, controller = _decoder(args)
+    pair = decoder.pair
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     decoder.generate(args.prompt, controller=controller, **{**sampling, "max_new_tokens": 4})  # warm-up

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from specpilot.drafting.checks import check_int
 from specpilot.drafting.types import CycleRecord, DraftState
 
 
@@ -62,12 +63,11 @@ class FixedController(Controller):
 
     def __init__(self, depth: int | None = None, size: int | None = None, *, device: str | None = None) -> None:
         default_depth, default_size = default_static_config(device)
-        self.depth = int(default_depth if depth is None else depth)
-        self.size = int(default_size if size is None else size)
-        if self.depth < 0:
-            raise ValueError(f"FixedController depth must be >= 0 (0 = never draft), got {self.depth}")
-        if self.size < (0 if self.depth == 0 else 1):  # a controller that never drafts verifies nothing
-            raise ValueError(f"FixedController size must be >= 1, got {self.size}")
+        self.depth = check_int("FixedController depth (0 = never draft)", default_depth if depth is None else depth,
+                               minimum=0)
+        # a controller that never drafts verifies nothing
+        self.size = check_int("FixedController size", default_size if size is None else size,
+                              minimum=0 if self.depth == 0 else 1)
 
     def skip_drafting(self, state: DraftState) -> bool:
         return self.depth == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.drafting.cache import cache_length, keep_positions, new_cache
+from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.drafters import make_drafter, target_features
@@ -30,15 +31,14 @@ from specpilot.drafting.verify import (accept_greedy, accept_tree_recursive, acc
                                        select_block)
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed=None) -> None:
+    """Sampling arguments as `generate` documents them, else TypeError / ValueError naming the argument."""
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_float("temperature", temperature, minimum=0.0)
+    check_int("top_k (0 disables it)", top_k, minimum=0)
+    check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
+    if seed is not None:
+        check_int("seed", seed)
 
 
 def _check_context(pair: ModelPair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
@@ -68,7 +68,7 @@ class DecodingSession:
 
     def __init__(self, decoder: "SpeculativeDecoder", prompt: list[int], *, max_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
-        _check_sampling(max_new_tokens, temperature, top_k, top_p)
+        _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
         _check_context(pair, len(prompt), max_new_tokens, tree.max_depth + 1)
         self.pair, self.tree_config = pair, tree
@@ -309,8 +309,17 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, pair: ModelPair, tree: TreeConfig | None = None) -> None:
+        if not isinstance(pair, ModelPair):
+            raise TypeError(f"pair must be a specpilot ModelPair, got {type(pair).__name__}")
+        tree = TreeConfig() if tree is None else tree
+        if not isinstance(tree, TreeConfig):
+            raise TypeError(f"tree must be a TreeConfig, got {type(tree).__name__}")
+        vocab = pair.drafter_vocab_size
+        if tree.width > vocab:  # a level cannot have more distinct children than the drafter has tokens
+            raise ValueError(f"TreeConfig.width={tree.width} exceeds the drafter's vocabulary of {vocab} tokens; "
+                             f"use a width in 1..{vocab}")
         self.pair = pair
-        self.tree = tree or TreeConfig()
+        self.tree = tree
 
     def start(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
               top_p: float = 1.0, seed: int | None = None) -> DecodingSession:
@@ -348,7 +357,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     Like the speculative session, the prefill covers prompt[:-1] (not timed) and the timed loop starts by feeding
     the last prompt token, one target forward per new token.
     """
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
+    _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     ids = pair.encode(prompt)
     _check_context(pair, len(ids), max_new_tokens, 0)
     device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id

@@ -13,7 +13,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from specpilot.drafting.checks import check_int
 
 DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
 # The embedded drafter `ModelPair.from_pretrained()` uses: the EAGLE-3 head when it is shipped (it measured faster
@@ -31,6 +34,30 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+DEVICE_KINDS = ("cpu", "cuda", "mps")
+
+
+def check_device(device: str | torch.device | None) -> str:
+    """The device to load on: `device` when this machine has it ("cpu", "cuda", "cuda:N", "mps"), the default
+    (`default_device()`) for None; else ValueError saying what is available."""
+    if device is None:
+        return default_device()
+    text = str(device).strip()
+    kind, _, index = text.partition(":")
+    if kind not in DEVICE_KINDS or (index and not index.isdigit()):
+        raise ValueError(f"device {text!r} is not supported: use cpu, cuda, cuda:N or mps")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {text!r} needs CUDA, but torch sees no CUDA GPU here (torch "
+                             f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {text!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0..cuda:{torch.cuda.device_count() - 1}")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {text!r} needs Apple's MPS backend, which torch does not see here; use cpu")
+    return text
+
+
 def default_dtype(device: str) -> torch.dtype:
     """fp32 on CPU (exact and fastest for small models there); bf16 on CUDA when supported, else fp16."""
     if str(device).startswith("cuda"):
@@ -38,18 +65,42 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32
 
 
-def _dtype(dtype, device: str) -> torch.dtype:
+def check_dtype(dtype, device: str) -> torch.dtype:
+    """The torch floating dtype named by `dtype` (a DTYPES name or a torch.dtype), the device's default for None;
+    else ValueError listing the accepted names."""
     if dtype is None:
         return default_dtype(device)
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
-        return DTYPES[dtype]
+        if dtype.strip().lower() not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        return DTYPES[dtype.strip().lower()]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype; choose one of {', '.join(DTYPES)}")
     return dtype
 
 
 def _vocab_size(model) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
+
+
+def check_text(name: str, text: str) -> None:
+    """Refuse text that is not valid Unicode: lone surrogates are what Python makes of invalid UTF-8 bytes in argv
+    (surrogateescape); tokenizers would drop or mangle them silently."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start:err.end].encode("utf-8", "surrogateescape")
+        raise ValueError(f"{name} is not valid UTF-8: bytes {bad!r} at character {err.start} do not decode; pass "
+                         "UTF-8 text (re-encode the input, e.g. `iconv -t UTF-8`)") from None
+
+
+def check_token_ids(ids: list[int], vocab_size: int, *, what: str = "prompt token id") -> list[int]:
+    """`ids` when every id is in 0..vocab_size-1; else ValueError naming the first bad id and its position."""
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{what} {token} at position {position} is outside the vocabulary: token ids must be "
+                             f"in 0..{vocab_size - 1} (the target has {vocab_size} tokens)")
+    return ids
 
 
 def check_same_vocabulary(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
@@ -131,7 +182,10 @@ def _load_lm(source, what: str, dtype):
     try:
         return AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
     except OSError as err:
-        where = "the local folder" if isinstance(source, Path) else "the hub (offline here?)"
+        if isinstance(source, Path):
+            where = "the local folder"
+        else:
+            where = f"the hub as a model id (no local path {str(source)!r} exists; offline here?)"
         raise FileNotFoundError(f"cannot load the {what} model {str(source)!r} from {where}: "
                                 f"{str(err).splitlines()[0]}") from err
 
@@ -218,15 +272,36 @@ class ModelPair:
             "vocab_size": self.vocab_size,
         }
 
+    @property
+    def drafter_vocab_size(self) -> int:
+        """Tokens the drafter can propose: an EAGLE head's reduced draft vocabulary, else the draft LM's logits."""
+        if self.eagle is not None:
+            return int(self.eagle.config.draft_vocab_size)
+        return _vocab_size(self.draft)
+
     def encode(self, prompt: str | list[int] | torch.Tensor) -> list[int]:
-        """Prompt text or ids -> list of token ids."""
+        """Prompt text or ids -> list of token ids, every id checked against the target's vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this ModelPair has no tokenizer: pass token ids, or build it with tokenizer=")
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            check_text("the prompt", prompt)
+            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            return check_token_ids(ids, self.vocab_size, what="the tokenizer's id")
+        if isinstance(prompt, (bytes, bytearray)):
+            raise TypeError("the prompt is bytes: decode it to text (str) first, or pass a list of token ids")
         if isinstance(prompt, torch.Tensor):
-            return [int(t) for t in prompt.reshape(-1).tolist()]
-        return [int(t) for t in prompt]
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise TypeError(f"prompt token ids must be integers, got a tensor of {prompt.dtype}")
+            prompt = prompt.reshape(-1).tolist()
+        elif isinstance(prompt, np.ndarray):
+            if not np.issubdtype(prompt.dtype, np.integer):
+                raise TypeError(f"prompt token ids must be integers, got an array of {prompt.dtype}")
+            prompt = prompt.reshape(-1).tolist()
+        elif not isinstance(prompt, (list, tuple, range)):
+            raise TypeError(f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}")
+        ids = [t if type(t) is int else check_int(f"prompt token id at position {i}", t)
+               for i, t in enumerate(prompt)]
+        return check_token_ids(ids, self.vocab_size)
 
     def decode(self, tokens: list[int]) -> str | None:
         if self.tokenizer is None:
@@ -249,8 +324,8 @@ class ModelPair:
         (`DEFAULT_DRAFTER`); draft="embedded" / eagle="embedded" pick the embedded one explicitly."""
         if draft is not None and eagle is not None:
             raise ValueError("give draft= (a separate LM) or eagle= (an EAGLE-3 head), not both")
-        device = device or default_device()
-        dtype = _dtype(dtype, device)
+        device = check_device(device)
+        dtype = check_dtype(dtype, device)
         embedded = target is None
         if embedded:
             root = DEFAULT_PAIR_DIR
@@ -264,7 +339,12 @@ class ModelPair:
             raise ValueError("give a drafter with target=: draft= (a causal LM) or eagle= (an EAGLE-3 head)")
         for name, value in (("draft", draft), ("eagle", eagle)):
             if value == "embedded" and not embedded:
-                raise ValueError(f"{name}='embedded' belongs to the embedded target: leave target= unset")
+                raise ValueError(f"{name}='embedded' (--{name} embedded) belongs to the embedded target: leave "
+                                 "target= (--target) unset")
+        if eagle == "embedded" and not (DEFAULT_PAIR_DIR / "eagle" / "config.json").exists():
+            raise FileNotFoundError(f"the embedded pair ships no EAGLE-3 head ({DEFAULT_PAIR_DIR / 'eagle'} is "
+                                    "missing): use its draft (draft='embedded', --draft embedded) or give a head "
+                                    "folder")
         target_model = _load_lm(target, "target", dtype)
         tok = _load_tokenizer(tokenizer, target)
         draft_model = head = None

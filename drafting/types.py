@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specpilot.drafting.checks import check_int
+
 
 @dataclass(frozen=True)
 class TreeConfig:
@@ -32,12 +34,9 @@ class TreeConfig:
     sampled_children: bool = True
 
     def __post_init__(self) -> None:
-        if self.width < 1:
-            raise ValueError(f"TreeConfig.width must be >= 1, got {self.width}")
-        if self.max_depth < 1:
-            raise ValueError(f"TreeConfig.max_depth must be >= 1, got {self.max_depth}")
-        if self.max_size < 1:
-            raise ValueError(f"TreeConfig.max_size must be >= 1, got {self.max_size}")
+        # integers only (a float width would build fractional tree shapes); numpy integers become plain ints
+        for name in ("width", "max_depth", "max_size"):
+            object.__setattr__(self, name, check_int(f"TreeConfig.{name}", getattr(self, name), minimum=1))
 
     def num_candidates(self, depth: int) -> int:
         """Candidates in a tree of `depth` levels: W at level 1, W*W at each later level."""

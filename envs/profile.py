@@ -31,6 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.files import atomic_write_text, read_json
+
 PROFILE_VERSION = 1
 
 
@@ -120,17 +123,27 @@ class LatencyProfile:
         return asdict(self)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1))
-        return path
+        """Write the profile as JSON, atomically (a crash never leaves a half-written file)."""
+        return atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "LatencyProfile":
-        data = json.loads(Path(path).read_text())
-        if int(data.get("version", -1)) != PROFILE_VERSION:
-            raise ValueError(f"{path}: latency profile version {data.get('version')} is not {PROFILE_VERSION}; "
-                             "re-run `specpilot record`")
+        """A saved profile; FileNotFoundError / InputFileError name the file when it is missing, truncated, garbage
+        or lacks a field."""
+        path = Path(path)
+        fix = "measure it again with `specpilot record --out DIR` (it writes profile.json)"
+        data = read_json(path, what="latency profile", fix=fix)
+        if data.get("version") != PROFILE_VERSION:
+            raise InputFileError(f"{path}: latency profile version {data.get('version')!r} is not "
+                                 f"{PROFILE_VERSION}; {fix}")
+        required = ("max_depth", "width", "first_level", "levels", "verify_size", "context_edges", "context_offset")
+        missing = [k for k in required if k not in data]
+        curves = ("first_level", "levels", "verify_size")
+        bad = [k for k in curves if k in data and not (isinstance(data[k], dict)
+                                                        and {"keys", "mean", "std", "count"} <= set(data[k]))]
+        if missing or bad:
+            raise InputFileError(f"{path} is not a complete latency profile (missing {missing or 'nothing'}, "
+                                 f"malformed {bad or 'nothing'}); {fix}")
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     @classmethod

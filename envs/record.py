@@ -31,11 +31,16 @@ from __future__ import annotations
 
 import json
 import time
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable, read_json
 
 TRACE_VERSION = 1
 NO_RANK = np.iinfo(np.int16).max
@@ -115,27 +120,72 @@ class Trace:
 
     # -- io ---------------------------------------------------------------------------------------------------------------
     def save(self, out_dir: str | Path) -> Path:
+        """Write out_dir/trace.npz then trace.json, each atomically (a crash never leaves a half-written file)."""
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(out_dir / "trace.npz", **self.arrays)
-        (out_dir / "trace.json").write_text(json.dumps(self.header, indent=1))
+        with atomic_path(out_dir / "trace.npz") as tmp:
+            np.savez_compressed(tmp, **self.arrays)
+        atomic_write_text(out_dir / "trace.json", json.dumps(self.header, indent=1))
         self.path = out_dir
         return out_dir
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
+        """The trace in a directory (or its trace.npz); FileNotFoundError / InputFileError name the file when it is
+        missing, truncated, garbage or inconsistent with its header."""
         path = Path(path)
         out_dir = path if path.is_dir() else path.parent
         npz, header = out_dir / "trace.npz", out_dir / "trace.json"
         if not npz.is_file() or not header.is_file():
             raise FileNotFoundError(f"no trace at {path}: expected trace.npz and trace.json (write them with "
                                     "`specpilot record --out DIR`)")
-        head = json.loads(header.read_text())
-        if int(head.get("version", -1)) != TRACE_VERSION:
-            raise ValueError(f"{header}: trace version {head.get('version')} is not {TRACE_VERSION}; record again")
-        with np.load(npz) as data:
-            arrays = {k: data[k] for k in data.files}
+        head = read_json(header, what="trace header (trace.json)", fix=RECORD_AGAIN)
+        if head.get("version") != TRACE_VERSION:
+            raise InputFileError(f"{header}: trace version {head.get('version')!r} is not {TRACE_VERSION}; "
+                                 f"{RECORD_AGAIN}")
+        try:
+            with np.load(npz, allow_pickle=False) as data:
+                arrays = {k: data[k] for k in data.files}
+        except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as err:
+            raise InputFileError(f"{npz} is not a readable trace ({type(err).__name__}: {err}): the file is "
+                                 f"truncated or corrupted; {RECORD_AGAIN}") from None
+        _check_trace(head, arrays, header, npz)
         return cls(head, arrays, out_dir)
+
+
+RECORD_AGAIN = "record it again with `specpilot record --out DIR`"
+ARRAYS = ("prompt_tokens", "prompt_offsets", "continuation", "continuation_offsets", "eos_at", "position_offsets",
+          "scores", "top_prob", "entropy", "onpath_rank")
+
+
+def _check_trace(head: dict, arrays: dict, header: Path, npz: Path) -> None:
+    """The header's tree and budget are integers and the arrays have the shapes they promise (a trace.npz from
+    another recording, or a cut-off write, fails here with the file named instead of deep inside replay)."""
+    try:
+        tree = head["tree"]
+        width, max_depth, _ = (int(tree[k]) for k in ("width", "max_depth", "max_size"))
+        int(head["max_new_tokens"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise InputFileError(f"{header} lacks a valid tree {{width, max_depth, max_size}} / max_new_tokens entry "
+                             f"({type(err).__name__}: {err}); {RECORD_AGAIN}") from None
+    missing = [k for k in ARRAYS if k not in arrays]
+    if missing:
+        raise InputFileError(f"{npz} lacks the array(s) {', '.join(missing)}; {RECORD_AGAIN}")
+    rows = int(arrays["scores"].shape[0]) if arrays["scores"].ndim == 2 else -1
+    candidates = width + (max_depth - 1) * width * width
+    offsets = arrays["position_offsets"]
+    problems = []
+    if arrays["scores"].ndim != 2 or arrays["scores"].shape[1] != candidates:
+        problems.append(f"scores has shape {arrays['scores'].shape}, expected (N, {candidates}) for W={width}, "
+                        f"D={max_depth}")
+    if offsets.ndim != 1 or len(offsets) != len(arrays["prompt_offsets"]) or int(offsets[-1]) != rows:
+        problems.append("position_offsets do not match the prompts and the scores rows")
+    if arrays["onpath_rank"].shape != (rows, max_depth, max_depth):
+        problems.append(f"onpath_rank has shape {arrays['onpath_rank'].shape}, expected ({rows}, {max_depth}, "
+                        f"{max_depth})")
+    if "positions" in head and int(head["positions"]) != rows:
+        problems.append(f"{header.name} says {head['positions']} positions, the arrays hold {rows}")
+    if problems:
+        raise InputFileError(f"{npz} does not match {header.name}: {'; '.join(problems)}; {RECORD_AGAIN}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -298,7 +348,7 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     (depth, size) per cycle (see `specpilot.envs.profile.measure_profile`)."""
     from specpilot.envs.profile import measure_profile
 
-    out_dir = Path(out_dir)
+    out_dir = check_writable(out_dir, kind="dir", what="trace folder")  # before minutes of recording
     trace = record_trace(pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
     trace.save(out_dir)
     chosen = list(prompts)[: profile_prompts] if profile_prompts else list(prompts)

@@ -3,12 +3,18 @@
 The command only parses arguments and calls library functions: `load_suite`, `evaluate`, `write_report`, and
 with --replay-dir `specpilot.eval.full.prepare_replay` / `attach_replay` (exact replay beside live, cost-model
 check). It prints the verdict-first summary of `specpilot.eval.summary`.
+
+Before anything is measured (`prepare`): the output folder is writable, every method asked for by name can run
+(`specpilot.eval.inputs.check_methods`: a missing or broken --run / --grid is an error, not a skipped method), and
+with --run the tree is the run's (its policies' contract; a conflicting --width/--max-depth/--max-size is refused).
 """
 from __future__ import annotations
 
 import argparse
-import sys
+from dataclasses import dataclass
 
+from specpilot.drafting.cliargs import (add_pair_arguments, float_list, load_pair, non_negative_float, non_negative_int,
+                               output_dir, positive_float, positive_int, probability, say, seed)
 from specpilot.eval.runner import METHODS
 
 
@@ -24,123 +30,174 @@ def _rounds(text: str) -> int | str:
     return value
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+def _methods(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown) or repr(text)}; choose from "
+                                         f"{', '.join(METHODS)}")
+    return names
+
+
+def _decide(text: str) -> tuple[str, str]:
+    names = _methods(text)
+    if len(names) != 2:
+        raise argparse.ArgumentTypeError(f"expected METHOD,BASELINE (two method names), got {text!r}")
+    return names[0], names[1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", default="heldout",
-                        help="bundled suite (train, validation, heldout) or a path to .jsonl / .txt (default heldout)")
-    parser.add_argument("--split", default=None, help="keep only prompts of this split")
-    parser.add_argument("--methods", default=None,
-                        help=f"comma list (default: all available): {', '.join(METHODS)}; `ar` always runs")
-    parser.add_argument("--temperatures", type=_floats, default=(0.0, 1.0), help="comma list (default 0,1)")
-    parser.add_argument("--sampled-methods", default=None,
+                        help="bundled suite (train, validation, heldout) or a path to .jsonl / .txt")
+    parser.add_argument("--split", default=None, help="keep only prompts of this split (default: all)")
+    parser.add_argument("--methods", type=_methods, default=None,
+                        help=f"comma list (default: all available): {', '.join(METHODS)}; `ar` always runs; a "
+                             "method named here that cannot run is an error")
+    parser.add_argument("--temperatures", type=float_list(non_negative_float), default=(0.0, 1.0),
+                        help="comma list of sampling temperatures, 0 = greedy")
+    parser.add_argument("--sampled-methods", type=_methods, default=None,
                         help="comma list of the methods run at temperatures > 0 (default: all of --methods)")
-    parser.add_argument("--top-k", type=int, default=0, help="top-k when sampling (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="top-p when sampling (1: off)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
+    parser.add_argument("--top-p", type=probability, default=1.0, help="top-p when sampling (1: off)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
     parser.add_argument("--rounds", type=_rounds, default="auto",
                         help="rounds over all prompts: N, or auto (default): until the --decide pair's 95%% interval "
                              "is within --target-half-width, they made the same decisions, or --time-budget is spent")
-    parser.add_argument("--min-rounds", type=int, default=2, help="fewest rounds with --rounds auto (default 2)")
-    parser.add_argument("--max-rounds", type=int, default=20, help="most rounds with --rounds auto (default 20)")
-    parser.add_argument("--time-budget", type=float, default=None,
+    parser.add_argument("--min-rounds", type=positive_int, default=2, help="fewest rounds with --rounds auto")
+    parser.add_argument("--max-rounds", type=positive_int, default=20, help="most rounds with --rounds auto")
+    parser.add_argument("--time-budget", type=positive_float, default=None,
                         help="seconds for the whole evaluation (default: none); another round starts only if it fits")
-    parser.add_argument("--target-half-width", type=float, default=0.015,
-                        help="stop when the deciding interval is within +- this fraction (default 0.015)")
-    parser.add_argument("--decide", default="ltd,grid", help="the deciding pair METHOD,BASELINE (default ltd,grid)")
-    parser.add_argument("--full-rounds", type=int, default=1,
-                        help="rounds in which every method runs; later rounds run ar and the deciding pair (default 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="old name of a fixed --rounds N")
-    parser.add_argument("--replay-dir", default=None,
-                        help="record (or reuse) greedy traces of the prompts here and report exact replay beside live")
+    parser.add_argument("--target-half-width", type=positive_float, default=0.015,
+                        help="stop when the deciding interval is within +- this fraction")
+    parser.add_argument("--decide", type=_decide, default=("ltd", "grid"),
+                        help="the deciding pair METHOD,BASELINE (default: ltd,grid)")
+    parser.add_argument("--full-rounds", type=positive_int, default=1,
+                        help="rounds in which every method runs; later rounds run ar and the deciding pair")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="old name of a fixed --rounds N (default: unset)")
+    parser.add_argument("--replay-dir", type=output_dir, default=None,
+                        help="record (or reuse) greedy traces of the prompts here and report exact replay beside "
+                             "live (default: no replay)")
     parser.add_argument("--check-profile", action="append", default=[], metavar="PROFILE_JSON",
-                        help="with --replay-dir: check this latency profile against the live runs (repeatable)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs per method")
-    parser.add_argument("--concurrency", type=int, default=1,
+                        help="with --replay-dir: check this latency profile against the live runs (repeatable; "
+                             "default: none)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed warm-up runs per method")
+    parser.add_argument("--concurrency", type=positive_int, default=1,
                         help="also run N streams at once and report speedup/latency under that load")
-    parser.add_argument("--target", default=None, help="target model (hub id or path); default: embedded pair")
-    parser.add_argument("--draft", default=None, help="draft model (hub id or path); default: embedded pair")
-    parser.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default per device)")
-    parser.add_argument("--grid", default=None, help="grid-search result JSON (enables method `grid`)")
+    add_pair_arguments(parser)
+    parser.add_argument("--grid", default=None, help="grid-search result JSON (enables method `grid`; default: none)")
     parser.add_argument("--run", dest="run_dir", default=None,
-                        help="trained run dir (enables `ltd`, `depth_only`, `size_only`)")
-    parser.add_argument("--out", default="eval_out", help="output directory (default eval_out)")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N prompts")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--width", type=int, default=8, help="draft tree beam width W")
-    parser.add_argument("--max-depth", type=int, default=12, help="most draft levels per cycle")
-    parser.add_argument("--max-size", type=int, default=64, help="most candidates verified per cycle")
+                        help="trained run dir (enables `ltd`, `depth_only`, `size_only`; its tree is used; "
+                             "default: none)")
+    parser.add_argument("--out", type=output_dir, default="eval_out",
+                        help="output folder (checked before anything is measured)")
+    parser.add_argument("--limit", type=positive_int, default=None,
+                        help="evaluate only the first N prompts (default: all)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of sampling and of the bootstrap")
+    parser.add_argument("--width", type=positive_int, default=None,
+                        help="draft tree beam width W (default: the --run's, else 8)")
+    parser.add_argument("--max-depth", type=positive_int, default=None,
+                        help="most draft levels per cycle (default: the --run's, else 12)")
+    parser.add_argument("--max-size", type=positive_int, default=None,
+                        help="most candidates verified per cycle (default: the --run's largest size action, else 64)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
 
-def run(args: argparse.Namespace) -> int:
-    from specpilot.drafting.pair import ModelPair
-    from specpilot.drafting.types import TreeConfig
-    from specpilot.eval.report import write_report
-    from specpilot.eval.runner import evaluate
-    from specpilot.eval.suites import SuiteError, load_suite
+@dataclass
+class EvalPlan:
+    """What `prepare` checked: the prompts, the methods (None: all available), the tree, the deciding pair."""
 
-    try:
-        prompts = load_suite(args.suite, split=args.split)
-    except SuiteError as err:
-        print(f"specpilot eval: {err}", file=sys.stderr)
-        return 2
+    prompts: list
+    methods: list[str] | None
+    sampled: list[str] | None
+    tree: object
+    decide: tuple[str, str]
+
+
+def prepare(args: argparse.Namespace) -> EvalPlan:
+    """Everything that can be checked without a model, before anything is measured (see the module docstring)."""
+    from specpilot.envs.profile import LatencyProfile
+    from specpilot.eval.inputs import check_methods, requested_methods, resolve_tree
+    from specpilot.eval.rounds import RoundPlan
+    from specpilot.eval.suites import load_suite
+
+    prompts = load_suite(args.suite, split=args.split)
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    sampled = [m.strip() for m in args.sampled_methods.split(",") if m.strip()] if args.sampled_methods else None
-    unknown = [m for m in (methods or []) + (sampled or []) if m not in METHODS]
-    if unknown:
-        print(f"specpilot eval: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}",
-              file=sys.stderr)
-        return 2
-    try:
-        tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=args.max_size)
-        pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
-    except (ValueError, FileNotFoundError, OSError) as err:
-        print(f"specpilot eval: {err}", file=sys.stderr)
-        return 2
-    decide = tuple(m.strip() for m in args.decide.split(","))
-    if len(decide) != 2:
-        print(f"specpilot eval: --decide takes METHOD,BASELINE, got {args.decide!r}", file=sys.stderr)
-        return 2
-    say = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    print(f"evaluating {len(prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype})", file=sys.stderr)
+    if args.check_profile and not args.replay_dir:
+        raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
+    for path in args.check_profile:
+        LatencyProfile.load(path)
+    # the round plan's own checks (e.g. --min-rounds above --max-rounds) before the replay recording, not after it
+    RoundPlan.make(args.repeats if args.repeats is not None else args.rounds, min_rounds=args.min_rounds,
+                   max_rounds=args.max_rounds, time_budget_s=args.time_budget,
+                   target_half_width=args.target_half_width, decide=tuple(args.decide), full_rounds=args.full_rounds)
+    tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
+    check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
+                  grid=args.grid, run_dir=args.run_dir)
+    return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide))
+
+
+def run(args: argparse.Namespace) -> int:
+    from specpilot.drafting.decoder import SpeculativeDecoder
+    from specpilot.eval.inputs import check_methods
+    from specpilot.eval.report import write_report
+    from specpilot.eval.runner import evaluate
+
+    plan = prepare(args)
+    if getattr(args, "ray", None):
+        return _run_on_ray(args, plan)
+    pair = load_pair(args)
+    SpeculativeDecoder(pair, plan.tree)  # the tree fits the drafter (width <= its vocabulary)
+    methods = plan.methods
+    if pair.drafter_kind == "eagle3":
+        check_methods(list(dict.fromkeys([*(methods or []), *(plan.sampled or [])])), drafter_kind="eagle3")
+        if methods is None:  # all available: transformers' assisted generation needs a draft LM
+            methods = [m for m in METHODS if m != "hf_assisted"]
+    say(f"evaluating {len(plan.prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype}), tree {plan.tree}")
     trace = profile = None
-    ids = {p.prompt: pair.encode(p.prompt) for p in prompts}
+    ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
     if args.replay_dir:
         from specpilot.eval.full import prepare_replay
 
-        trace, profile = prepare_replay(pair, tree, list(ids.values()), args.replay_dir,
+        trace, profile = prepare_replay(pair, plan.tree, list(ids.values()), args.replay_dir,
                                         max_new_tokens=args.max_new_tokens, seed=args.seed, progress=say)
-    try:
-        result = evaluate(prompts, pair=pair, methods=methods, temperatures=args.temperatures, top_k=args.top_k,
-                          top_p=args.top_p, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
-                          min_rounds=args.min_rounds, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
-                          target_half_width=args.target_half_width, decide=decide, full_rounds=args.full_rounds,
-                          repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency, tree=tree,
-                          grid=args.grid, run_dir=args.run_dir, seed=args.seed, encode=ids.__getitem__,
-                          progress=say, sampled_methods=sampled)
-    except ValueError as err:
-        print(f"specpilot eval: {err}", file=sys.stderr)
-        return 2
+    result = evaluate(plan.prompts, pair=pair, methods=methods, temperatures=args.temperatures, top_k=args.top_k,
+                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
+                      min_rounds=args.min_rounds, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
+                      target_half_width=args.target_half_width, decide=plan.decide, full_rounds=args.full_rounds,
+                      repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency, tree=plan.tree,
+                      grid=args.grid, run_dir=args.run_dir, seed=args.seed, encode=ids.__getitem__,
+                      progress=say, sampled_methods=plan.sampled)
     if trace is not None:
         from pathlib import Path
 
         from specpilot.eval.full import attach_replay
 
-        attach_replay(result, trace, profile, prompts, profile_path=Path(args.replay_dir) / "profile.json",
+        attach_replay(result, trace, profile, plan.prompts, profile_path=Path(args.replay_dir) / "profile.json",
                       check_profiles={p: p for p in args.check_profile}, seed=args.seed, progress=say)
     paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots, analysis=result.analysis())
     for name, reason in result.meta["skipped"].items():
-        print(f"skipped {name}: {reason}", file=sys.stderr)
+        say(f"skipped {name}: {reason}")
     _print_summary(paths["json"])
+    print(f"wrote {paths['md']} and {paths['json']}")
+    return 0
+
+
+def _run_on_ray(args: argparse.Namespace, plan: EvalPlan) -> int:
+    """`specpilot eval --ray`: (task, language) groups spread over the workers, report as without Ray."""
+    from specpilot.eval.report import write_report
+    from specpilot.train.cluster_cli import open_pool, say_retries
+    from specpilot.train.sharded import evaluate_sharded
+
+    with open_pool(args) as pool:
+        result = evaluate_sharded(pool, plan.prompts, methods=plan.methods, temperatures=args.temperatures,
+                                  top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                                  repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency,
+                                  tree=plan.tree, grid=args.grid, run_dir=args.run_dir, seed=args.seed,
+                                  sampled_methods=plan.sampled, progress=print)
+    paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)
+    say_retries(result.meta["cluster"]["retried_prompts"])
     print(f"wrote {paths['md']} and {paths['json']}")
     return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot.drafting.files import atomic_path
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
 
 
@@ -42,7 +43,8 @@ def _errbars(ax, y: np.ndarray, rows: list[dict], key: str, ci_key: str, **style
 
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:  # no half-written PNG after a crash
+        fig.savefig(tmp, dpi=110)
     _plt().close(fig)
     return str(path)
 

@@ -16,6 +16,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from specpilot.drafting.files import atomic_write_text
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, describe
 
 REQUIRED_ROW_KEYS = ("task", "language", "split", "method", "temperature", "speedup", "tau", "tokens_per_s",
@@ -308,6 +309,7 @@ def write_report(results: list[dict], meta: dict, out_dir: str | Path, *, plots:
     payload = {"meta": meta, "summary": analysis.get("summary") or heldout_summary(results),
                **{k: analysis.get(k) for k in ("comparisons", "groups", "decisions", "replay", "cost_check")},
                "results": results}
-    (out / "report.json").write_text(json.dumps(_clean(payload), indent=1, ensure_ascii=False))
-    (out / "report.md").write_text(_markdown(results, meta, analysis, png), encoding="utf-8")
+    # atomic: an interrupted or failing write never leaves a half-written report beside the old one
+    atomic_write_text(out / "report.json", json.dumps(_clean(payload), indent=1, ensure_ascii=False))
+    atomic_write_text(out / "report.md", _markdown(results, meta, analysis, png))
     return {"json": str(out / "report.json"), "md": str(out / "report.md"), **{Path(p).stem: p for p in png}}

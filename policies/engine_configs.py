@@ -1,20 +1,28 @@
-"""Static speculative-decoding configs for the engines users already run, derived from a trained run.
+"""Static speculative-decoding configs for the engines users already run, derived from a trained run, written in
+the form each engine reads (checked against transformers 5.24, vLLM 0.33 and SGLang 0.5.23 sources).
 
 None of these engines can run a per-token learned policy: transformers' assisted generation, vLLM and SGLang take a
 fixed draft length (or a draft length driven by their own simple rules), so what `specpilot export` writes here are
-the closest static approximations of what the policies do:
+the closest static approximations of what the policies do. Which files depend on the pair's drafter:
 
-    hf/generation_config.json        the DRAFT's generation config for transformers assisted generation (chain):
-                                     num_assistant_tokens = the depth policy's median depth, schedule "constant",
-                                     assistant_confidence_threshold fitted to the depth policy's STOP decisions
-    vllm/speculative_config.json     {"method": "draft_model", "model": <draft>, "num_speculative_tokens": K}
-                                     (vLLM drafts chains: K = the same median depth)
-    sglang/sglang_args.json          --speculative-algorithm / -num-steps (D) / -eagle-topk (W) /
-                                     -num-draft-tokens (V + 1: SGLang counts the root, our sizes do not)
-    sglang/sglang_adaptive.json      --speculative-adaptive-config: candidate_steps = the depth policy's most
-                                     frequent depths; an EMA of acceptance length picks among them (topk = 1 only)
+    draft LM (drafter "draft_lm")
+    hf/generation_config.json     the DRAFT's generation config: transformers' AssistedCandidateGenerator reads
+                                  num_assistant_tokens (K = the depth policy's median depth), the "constant" schedule
+                                  and assistant_confidence_threshold (fitted to the depth policy's STOP decisions)
+                                  from `assistant_model.generation_config`, never from generate()'s arguments
+    vllm/speculative_config.json  {"method": "draft_model", "model": <draft>, "num_speculative_tokens": K, ...}
+    sglang/sglang_args.json       STANDALONE: --speculative-num-steps D / -eagle-topk W / -num-draft-tokens V + 1
+    sglang/config.yaml            the same as `sglang.launch_server --config` reads it (dashed keys, + model-path)
 
-The tree shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`),
+    EAGLE-3 head (drafter "eagle3"): no hf/ (assisted generation cannot draft with a head)
+    vllm/speculative_config.json  {"method": "eagle3", "model": <head>, "num_speculative_tokens": K}
+    sglang/sglang_args.json       EAGLE3 with the head as --speculative-draft-model-path, D / W / V + 1
+    sglang/sglang_adaptive.json   only with topk (W) 1: SGLang's adaptive steps config, keyed by batch size,
+                                  {"1": {"candidate_steps": [...], ...}}; candidate_steps hold the static num_steps
+    sglang/config.yaml            as above, plus speculative-adaptive / -adaptive-config when adaptive applies
+
+SGLang ignores the adaptive config (with only a warning) for STANDALONE and for topk > 1, so it is not written
+there. The tree shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`),
 else from the policies' measured choices, else from the run's fallback static config.
 """
 from __future__ import annotations
@@ -25,9 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_CONFIDENCE_THRESHOLD = 0.4  # transformers' default assistant_confidence_threshold
+from specpilot.drafting.files import atomic_write_text
 
-# SGLang adaptive-mode settings (units: EMA of the acceptance length in tokens, and batches):
+DEFAULT_CONFIDENCE_THRESHOLD = 0.4  # transformers' default assistant_confidence_threshold
+ADAPTIVE_BATCH_SIZE = "1"  # the policies were measured at batch size 1: the slot SGLang uses for it
+
+# SGLang adaptive-mode settings per batch-size slot (units: EMA of the accepted length in tokens, and batches):
 ADAPTIVE_DEFAULTS = {
     "ema_alpha": 0.2,        # weight of the newest batch: ~5-batch memory, like GammaTune's rate 0.2 in LTD
     "update_interval": 10,   # re-decide the tier every 10 batches: switching has a CUDA-graph/cache cost
@@ -35,23 +46,6 @@ ADAPTIVE_DEFAULTS = {
     "down_hysteresis": -0.25,  # step down only once the EMA falls 0.25 token below the switch point
     "up_hysteresis": 0.25,     # step up only once it exceeds the switch point by 0.25 token (no flapping)
 }
-
-README = """# Engine configs exported by specpilot
-
-These engines cannot run specpilot's per-token learned policies (which decide after every draft level whether to
-continue, and how many candidates to verify, from the draft's scores). The files here are the closest static
-approximations; `decoder.json` in the parent directory records where each number came from (`engine_configs`).
-
-- `hf/generation_config.json`: copy into the DRAFT model's directory (transformers reads the assistant's own
-  generation config; passing num_assistant_tokens to generate() may not reach it). Chain drafting.
-- `vllm/speculative_config.json`: pass as `speculative_config=` (Python) or `--speculative-config '<json>'`.
-- `sglang/sglang_args.json`: the `--speculative-*` server arguments (num_draft_tokens counts the root token).
-- `sglang/sglang_adaptive.json`: `--speculative-adaptive --speculative-adaptive-config sglang_adaptive.json`
-  (adaptive mode needs `--speculative-eagle-topk 1`).
-
-To run the learned policies themselves use specpilot: `SpeculativeDecoder.from_config(<export dir>)` or
-`specpilot generate --config <export dir> --prompt ...`.
-"""
 
 
 def choice_summary(values: list[int]) -> dict | None:
@@ -86,38 +80,66 @@ def max_candidates(width: int, depth: int) -> int:
 
 def hf_generation_config(num_tokens: int, threshold: float, base: dict | None = None) -> dict:
     """The draft's generation_config.json for assisted generation (base: the draft's own config, kept)."""
-    config = dict(base or {})
+    config = {k: v for k, v in (base or {}).items() if k != "_from_model_config"}  # a saved file, not derived
     config.update({"num_assistant_tokens": int(max(1, num_tokens)), "num_assistant_tokens_schedule": "constant",
                    "assistant_confidence_threshold": float(threshold)})
     return config
 
 
-def vllm_speculative_config(model: str, num_tokens: int) -> dict:
+def vllm_speculative_config(model: str, num_tokens: int, *, drafter: str = "draft_lm") -> dict:
+    """vLLM's speculative_config: method "draft_model" for a draft LM, "eagle3" for an EAGLE-3 head."""
+    if drafter == "eagle3":
+        return {"method": "eagle3", "model": str(model), "num_speculative_tokens": int(max(1, num_tokens))}
     return {"method": "draft_model", "model": str(model), "num_speculative_tokens": int(max(1, num_tokens)),
             "draft_tensor_parallel_size": 1}
 
 
 def sglang_args(draft: str, depth: int, width: int, size: int, algorithm: str = "STANDALONE") -> dict:
     """SGLang server arguments for a (D, W, V) tree; V excludes the root, SGLang's num_draft_tokens includes it.
-    STANDALONE = a separate small draft LM (what specpilot pairs are); use EAGLE/EAGLE3 with an EAGLE head."""
+    STANDALONE = a separate small draft LM; EAGLE3 = an EAGLE-3 head. With topk 1 (a chain) every drafted token
+    is verified: num_draft_tokens = num_steps + 1."""
     depth, width = int(max(1, depth)), int(max(1, width))
     size = int(min(max(1, size), max_candidates(width, depth)))
     if width == 1:
-        size = min(size, depth)  # a chain has exactly `depth` drafted tokens
+        size = depth  # a chain has exactly `depth` drafted tokens
     return {"speculative_algorithm": algorithm, "speculative_draft_model_path": str(draft),
             "speculative_num_steps": depth, "speculative_eagle_topk": width,
             "speculative_num_draft_tokens": size + 1}
 
 
-def sglang_adaptive_config(depth_counts: dict, fallback_depth: int, max_tiers: int = 3) -> dict:
-    """candidate_steps: the depth policy's `max_tiers` most frequent depths (sorted), else around fallback_depth."""
+def sglang_adaptive_config(depth_counts: dict, num_steps: int, max_tiers: int = 3) -> dict:
+    """SGLang's --speculative-adaptive-config, keyed by batch size: {"1": {"candidate_steps": [...], knobs}}.
+    candidate_steps: the depth policy's `max_tiers` most frequent depths plus the static `num_steps` (SGLang
+    refuses a num_steps outside them); without measured depths, tiers around num_steps."""
+    num_steps = int(max(1, num_steps))
     if depth_counts:
         ranked = sorted(depth_counts.items(), key=lambda kv: (-kv[1], int(kv[0])))
-        steps = sorted(int(k) for k, _ in ranked[:max_tiers])
+        steps = {int(k) for k, _ in ranked[:max_tiers]}
     else:
-        d = int(max(1, fallback_depth))
-        steps = sorted({max(1, d // 2), d, d + d // 2})
-    return {"candidate_steps": steps, **ADAPTIVE_DEFAULTS}
+        steps = {max(1, num_steps // 2), num_steps + num_steps // 2}
+    return {ADAPTIVE_BATCH_SIZE: {"candidate_steps": sorted(steps | {num_steps}), **ADAPTIVE_DEFAULTS}}
+
+
+def yaml_text(entries: dict) -> str:
+    """A flat mapping as YAML (scalars only; strings double-quoted, which YAML reads like JSON strings)."""
+    lines = []
+    for key, value in entries.items():
+        text = ("true" if value else "false") if isinstance(value, bool) else \
+            json.dumps(value) if isinstance(value, str) else str(value)
+        lines.append(f"{key}: {text}")
+    return "\n".join(lines) + "\n"
+
+
+def sglang_launch_config(args: dict, *, target: str, tokenizer: str | None, adaptive_path: str | None) -> dict:
+    """`sglang.launch_server --config FILE` entries: the server flags with dashes (that is how SGLang's config
+    merger turns keys back into flags), the target as model-path, and the adaptive switch when it applies."""
+    entries = {"model-path": str(target)}
+    if tokenizer:
+        entries["tokenizer-path"] = str(tokenizer)
+    entries.update({key.replace("_", "-"): value for key, value in args.items()})
+    if adaptive_path:
+        entries.update({"speculative-adaptive": True, "speculative-adaptive-config": str(adaptive_path)})
+    return entries
 
 
 def static_shape(grid_best: dict | None, depth_summary: dict | None, size_summary: dict | None, width: int,
@@ -132,14 +154,24 @@ def static_shape(grid_best: dict | None, depth_summary: dict | None, size_summar
     return {"depth": int(fallback[0]), "width": int(width), "size": int(fallback[1])}, "fallback"
 
 
-def write_engine_configs(out_dir: str | Path, *, draft: str, width: int, grid_best: dict | None,
-                         choices: dict, fallback: tuple[int, int], draft_generation_config: dict | None = None) -> dict:
-    """Write hf/, vllm/, sglang/ configs and README.md under out_dir/engines; return decoder.json's
-    `engine_configs` section (relative file paths, the numbers used and their provenance).
+ENGINE_FILES = {"hf": "hf/generation_config.json", "vllm": "vllm/speculative_config.json",
+                "sglang": "sglang/sglang_args.json", "sglang_config": "sglang/config.yaml",
+                "sglang_adaptive": "sglang/sglang_adaptive.json"}
 
+
+def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_best: dict | None, choices: dict,
+                         fallback: tuple[int, int], draft_generation_config: dict | None = None,
+                         tokenizer: str | None = None) -> dict:
+    """Write the engine files (see the module docstring) and README.md under out_dir/engines, each atomically;
+    return decoder.json's `engine_configs` section (relative file paths, the numbers used and their provenance).
+
+    pair: `ModelPair.identity()` ("target", "draft" = the drafter's path, "drafter" = "draft_lm" | "eagle3").
     choices: {"depths": [per-cycle depth], "sizes": [per-cycle verified size], "stop_top_probs": [...],
-              "stops": [...]} measured by running the exported controller (any list may be empty)."""
+              "stops": [...]} measured by running the exported controller (any list may be empty).
+    tokenizer: the folder of the target's tokenizer when the target folder has none (the embedded pair)."""
     out = Path(out_dir) / "engines"
+    drafter = pair.get("drafter") or "draft_lm"
+    target, draft = str(pair.get("target") or "TARGET"), str(pair.get("draft") or "DRAFT")
     depth_summary = choice_summary(choices.get("depths") or [])
     size_summary = choice_summary(choices.get("sizes") or [])
     shape, shape_source = static_shape(grid_best, depth_summary, size_summary, width, fallback)
@@ -147,24 +179,83 @@ def write_engine_configs(out_dir: str | Path, *, draft: str, width: int, grid_be
     chain_source = "policies (median depth)" if depth_summary else shape_source
     threshold, agreement = fit_confidence_threshold(choices.get("stop_top_probs") or [], choices.get("stops") or [])
 
-    files = {
-        "hf": ("hf/generation_config.json", hf_generation_config(chain_k, threshold, draft_generation_config)),
-        "vllm": ("vllm/speculative_config.json", vllm_speculative_config(draft, chain_k)),
-        "sglang": ("sglang/sglang_args.json", sglang_args(draft, shape["depth"], shape["width"], shape["size"])),
-        "sglang_adaptive": ("sglang/sglang_adaptive.json",
-                            sglang_adaptive_config(depth_summary["counts"] if depth_summary else {}, chain_k)),
-    }
-    for rel, data in files.values():
-        path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2) + "\n")
-    (out / "README.md").write_text(README)
+    files: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    if drafter == "eagle3":
+        skipped["hf"] = "transformers' assisted generation drafts with a separate LM; it cannot use an EAGLE-3 head"
+    else:
+        files["hf"] = json.dumps(hf_generation_config(chain_k, threshold, draft_generation_config), indent=2)
+    files["vllm"] = json.dumps(vllm_speculative_config(draft, chain_k, drafter=drafter), indent=2)
+    args = sglang_args(draft, shape["depth"], shape["width"], shape["size"],
+                       "EAGLE3" if drafter == "eagle3" else "STANDALONE")
+    adaptive_path = None
+    if drafter == "eagle3" and args["speculative_eagle_topk"] == 1:
+        adaptive = sglang_adaptive_config(depth_summary["counts"] if depth_summary else {},
+                                          args["speculative_num_steps"])
+        files["sglang_adaptive"] = json.dumps(adaptive, indent=2)
+        adaptive_path = (out / ENGINE_FILES["sglang_adaptive"]).resolve()
+    else:
+        skipped["sglang_adaptive"] = ("SGLang's adaptive steps run only for EAGLE/EAGLE3 with --speculative-eagle-topk "
+                                      "1" + (f"; this tree has topk {args['speculative_eagle_topk']}"
+                                             if drafter == "eagle3" else "; this pair drafts with a separate LM "
+                                                                         "(STANDALONE)"))
+    files["sglang"] = json.dumps(args, indent=2)
+    files["sglang_config"] = yaml_text(sglang_launch_config(args, target=target, tokenizer=tokenizer,
+                                                            adaptive_path=adaptive_path))
+    for key, rel in ENGINE_FILES.items():
+        if key in files:
+            atomic_write_text(out / rel, files[key].rstrip("\n") + "\n")
+        else:
+            (out / rel).unlink(missing_ok=True)  # a stale file of an earlier export must not look current
+    atomic_write_text(out / "README.md", engines_readme(out, files, skipped, target=target, tokenizer=tokenizer))
     return {
         "note": "Static approximations: these engines cannot run per-token learned policies (see engines/README.md).",
-        "files": {k: f"engines/{rel}" for k, (rel, _) in files.items()},
+        "drafter": drafter,
+        "files": {k: f"engines/{ENGINE_FILES[k]}" for k in ENGINE_FILES if k in files},
+        "skipped": skipped,
         "chain_depth": {"value": int(chain_k), "source": chain_source},
         "tree_shape": {**shape, "source": shape_source},
         "confidence_threshold": {"value": threshold, "agreement_with_depth_policy": agreement,
                                  "source": "fitted" if agreement is not None else "transformers default"},
         "choices": {"depth": depth_summary, "size": size_summary},
     }
+
+
+def engines_readme(out: Path, files: dict, skipped: dict, *, target: str, tokenizer: str | None) -> str:
+    """How each engine takes the files just written (paths filled in)."""
+    root = out.resolve()
+    tok = f" --tokenizer {tokenizer}" if tokenizer else ""
+    parts = [
+        "# Engine configs exported by specpilot", "",
+        "These engines cannot run specpilot's per-token learned policies (which decide after every draft level "
+        "whether to continue, and how many candidates to verify, from the draft's scores). The files here are the "
+        "closest static approximations; `decoder.json` in the parent directory records where each number came "
+        "from (`engine_configs`). Model paths are local to the machine that exported them: replace them elsewhere.",
+    ]
+    if "hf" in files:
+        parts += ["", "## transformers (assisted generation)", "",
+                  "transformers reads the assistant's settings from the assistant model's own generation config "
+                  "(num_assistant_tokens passed to generate() does not reach it). Either copy "
+                  "`hf/generation_config.json` into the draft's folder before loading it, or:", "",
+                  "    from transformers import GenerationConfig",
+                  f"    assistant.generation_config = GenerationConfig.from_pretrained(\"{root / 'hf'}\")",
+                  "    target.generate(**inputs, assistant_model=assistant)"]
+    parts += ["", "## vLLM", "",
+              f"    vllm serve {target}{tok} --speculative-config \"$(cat {root / ENGINE_FILES['vllm']})\"", "",
+              "(Python: `LLM(model=..., tokenizer=..., speculative_config=json.load(open(...)))`.) "
+              + ("The target folder holds no tokenizer files (the embedded pair keeps them in a sibling "
+                 "`tokenizer/` folder): pass that folder with `--tokenizer`, as above." if tokenizer else
+                 "Pass `--tokenizer` when the target folder has no tokenizer files.")]
+    parts += ["", "## SGLang", "",
+              f"    python -m sglang.launch_server --config {root / ENGINE_FILES['sglang_config']}", "",
+              "`sglang/config.yaml` holds the server flags with dashed keys (how `--config` reads them); "
+              "`sglang/sglang_args.json` the same values as a JSON object (`speculative_num_draft_tokens` counts "
+              "the root token)."]
+    if "sglang_adaptive" in files:
+        parts.append("`sglang/sglang_adaptive.json` is SGLang's adaptive-steps config, keyed by batch size; "
+                     "config.yaml switches it on (`speculative-adaptive`).")
+    for key, reason in skipped.items():
+        parts.append(f"Not written: {ENGINE_FILES[key]} ({reason}).")
+    parts += ["", "To run the learned policies themselves use specpilot: `SpeculativeDecoder.from_config(<export "
+              "dir>)` or `specpilot generate --config <export dir> --prompt ...`."]
+    return "\n".join(parts) + "\n"

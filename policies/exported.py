@@ -173,26 +173,38 @@ def _pair_mismatch(recorded: dict, actual: dict) -> list[str]:
             for key in ("target_hash", "draft_hash") if recorded.get(key) != actual.get(key)]
 
 
-def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, device: str | None = None,
-                 dtype=None):
-    """The ModelPair to decode with: `pair` when given, else the pair decoder.json names (the embedded default
-    pair, or local target/draft paths that exist). Its content hashes must equal the recorded ones unless
-    `allow_pair_mismatch=True` (policies then steer a pair they were not trained for: still lossless, maybe slow)."""
+def _load_recorded_pair(recorded: dict, config: str, device: str | None, dtype):
+    """The pair decoder.json's `pair` section names: the embedded target with the recorded drafter kind, or the
+    recorded target and drafter (draft LM or EAGLE-3 head) paths when they exist here."""
     from specpilot.drafting.pair import ModelPair
 
+    kind = recorded.get("drafter") or "draft_lm"
+    if kind not in ("draft_lm", "eagle3"):
+        raise ExportedConfigError(f"{config}: unknown drafter kind {kind!r} in the pair section (expected draft_lm "
+                                  "or eagle3); re-export the run")
+    option = "eagle" if kind == "eagle3" else "draft"
+    target, source = recorded.get("target"), recorded.get("draft")
+    local = str(source) if source and Path(str(source)).exists() else None
+    if str(recorded.get("name", "")).startswith("specpilot-default"):
+        return ModelPair.from_pretrained(device=device, dtype=dtype, **{option: local or "embedded"})
+    if target and local and Path(str(target)).exists():
+        return ModelPair.from_pretrained(target, device=device, dtype=dtype, **{option: local})
+    raise ExportedConfigError(
+        f"{config} names the pair {recorded.get('name')!r} (target {target!r}, {option} {source!r}), which cannot "
+        f"be loaded from here (paths are local to the exporting machine): pass pair=ModelPair.from_pretrained("
+        f"target=..., {option}=...) (CLI: --target/--{option})")
+
+
+def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, device: str | None = None,
+                 dtype=None):
+    """The ModelPair to decode with: `pair` when given, else the pair decoder.json names (the embedded target with
+    the recorded drafter, or local target / draft-or-EAGLE-head paths that exist). Its content hashes must equal the
+    recorded ones unless `allow_pair_mismatch=True` (policies then steer a pair they were not trained for: still
+    lossless, maybe slow)."""
     recorded = meta.get("pair") or {}
     config = meta.get("_path", CONFIG_FILE)
     if pair is None:
-        target, draft = recorded.get("target"), recorded.get("draft")
-        if recorded.get("name") == "specpilot-default":
-            pair = ModelPair.from_pretrained(device=device, dtype=dtype)
-        elif target and draft and Path(str(target)).exists() and Path(str(draft)).exists():
-            pair = ModelPair.from_pretrained(target, draft, device=device, dtype=dtype)
-        else:
-            raise ExportedConfigError(
-                f"{config} names the pair {recorded.get('name')!r} (target {target!r}, draft {draft!r}), which cannot "
-                "be loaded from here: pass pair=ModelPair.from_pretrained(target=..., draft=...) (CLI: --target/"
-                "--draft)")
+        pair = _load_recorded_pair(recorded, config, device, dtype)
     if recorded and not allow_pair_mismatch:
         diffs = _pair_mismatch(recorded, pair.identity())
         if diffs:
@@ -217,7 +229,7 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
     config = meta["_path"]
     try:
         t = meta["tree"]
-        tree = TreeConfig(width=int(t["width"]), max_depth=int(t["max_depth"]), max_size=int(t["max_size"]))
+        tree = TreeConfig(width=t["width"], max_depth=t["max_depth"], max_size=t["max_size"])
         policies = meta["policies"]
     except (KeyError, TypeError, ValueError) as err:
         raise ExportedConfigError(f"{config}: missing or invalid 'tree'/'policies' section ({err}); re-export") from err

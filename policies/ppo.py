@@ -10,7 +10,6 @@ Run directory contract (written by `specpilot.train.ppo.write_policies_index`):
 """
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 
@@ -67,13 +66,16 @@ def load_sb3_policy(path: str | Path, device: str = "cpu"):
 
 
 def _read_index(run_dir: Path) -> dict:
+    from specpilot.drafting.errors import InputFileError
+    from specpilot.drafting.files import read_json
+
     index_path = run_dir / "policies.json"
     if not index_path.is_file():
         raise PolicyLoadError(f"{index_path} not found: this run has no final policies yet (train it first)")
     try:
-        return json.loads(index_path.read_text())
-    except json.JSONDecodeError as err:
-        raise PolicyLoadError(f"{index_path} is not valid JSON ({err}); rewrite it with write_policies_index")
+        return read_json(index_path, what="policies index", fix="rewrite it with write_policies_index")
+    except InputFileError as err:  # truncated, binary, or not a JSON object
+        raise PolicyLoadError(str(err)) from None
 
 
 def load_run_controllers(run_dir: str | Path, device: str = "cpu") -> dict[str, Controller]:

@@ -20,6 +20,10 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     for path in ["traces/train/trace.npz", "grid.json", "policies.json", "eval/report.json", "eval/report.md",
                  "export/decoder.json", "summary.json", "manifest.json"]:
         assert (run / path).exists(), path
+    from test_cli_docs import readme_demo_paths
+
+    for path in readme_demo_paths():  # the README's stage table lists what the demo writes
+        assert (run / path).exists(), f"README.md lists {path}, which the demo did not write"
     methods = summary["methods"]
     assert {"ar", "grid", "ltd", "depth_only", "size_only", "fixed"} <= set(methods)
     assert all(m["identical_to_ar"] for m in methods.values())

@@ -22,8 +22,15 @@ def test_defaults_and_lists():
     (["--suite", "no_such_suite"], "unknown suite"),
     (["--methods", "fixed,warp"], "unknown method(s) warp"),
 ])
-def test_bad_input_exits_2_with_message(argv, message, capsys):
-    assert cli.run(_parse(argv)) == 2
+def test_bad_input_exits_2_with_message(argv, message, capsys, tmp_path):
+    """Through the one CLI error path (specpilot.cli.main): exit code 2 and the message, nothing measured."""
+    from specpilot.cli import main
+
+    try:
+        code = main(["eval", "--out", str(tmp_path / "out"), *argv])
+    except SystemExit as exit_info:  # refused by the argument parser
+        code = exit_info.code
+    assert code == 2
     assert message in capsys.readouterr().err
 
 

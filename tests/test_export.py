@@ -190,17 +190,19 @@ def test_decoder_json_and_engine_configs(export_dir, pair):
     shape = eng["tree_shape"]
     assert sgl["speculative_num_steps"] == shape["depth"] and sgl["speculative_eagle_topk"] == WIDTH
     assert sgl["speculative_num_draft_tokens"] == min(shape["size"], WIDTH + (shape["depth"] - 1) * WIDTH ** 2) + 1
-    adaptive = json.loads((export_dir / eng["files"]["sglang_adaptive"]).read_text())
-    assert set(adaptive) == {"candidate_steps", "ema_alpha", "update_interval", "warmup_batches",
-                             "down_hysteresis", "up_hysteresis"}
-    assert set(adaptive["candidate_steps"]) <= {int(k) for k in eng["choices"]["depth"]["counts"]}
+    assert sgl["speculative_algorithm"] == "STANDALONE"
+    # SGLang ignores the adaptive config for a separate draft LM (STANDALONE): it is not written
+    assert "sglang_adaptive" not in eng["files"] and "STANDALONE" in eng["skipped"]["sglang_adaptive"]
+    assert not (export_dir / "engines" / "sglang" / "sglang_adaptive.json").exists()
     assert "cannot run per-token" in eng["note"]
 
 
 def test_engine_config_helpers():
     assert sglang_args("d", depth=3, width=2, size=100)["speculative_num_draft_tokens"] == 2 + 2 * 4 + 1
     assert sglang_args("d", depth=4, width=1, size=10)["speculative_num_draft_tokens"] == 5
-    assert sglang_adaptive_config({"1": 5, "3": 9, "5": 2, "7": 1}, 3)["candidate_steps"] == [1, 3, 5]
+    # keyed by batch size; the static num_steps is always a candidate
+    assert sglang_adaptive_config({"1": 5, "3": 9, "5": 2, "7": 1}, 3)["1"]["candidate_steps"] == [1, 3, 5]
+    assert sglang_adaptive_config({"1": 5, "3": 9, "5": 2, "7": 1}, 7)["1"]["candidate_steps"] == [1, 3, 5, 7]
     t, agree = fit_confidence_threshold([0.1, 0.2, 0.8, 0.9], [True, True, False, False])
     assert agree == 1.0 and 0.2 < t <= 0.8
     assert fit_confidence_threshold([], []) == (0.4, None)

@@ -481,19 +481,28 @@ def build_pair(out_dir: str | Path, *, target_minutes: float = 40.0, draft_minut
 # --------------------------------------------------------------------------------------------------- CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specpilot.drafting.cliargs import device, output_dir, positive_float, positive_int, seed
     from specpilot.drafting.pair import DEFAULT_PAIR_DIR
 
     parser.add_argument("action", choices=["build"], help="build: train and save the default pair")
-    parser.add_argument("--out", default=None, help=f"output folder (default: {DEFAULT_PAIR_DIR}; "
-                                                     "a temp folder with --quick)")
-    parser.add_argument("--target-minutes", type=float, default=40.0, help="wall-clock budget for the target")
-    parser.add_argument("--draft-minutes", type=float, default=12.0, help="wall-clock budget for the draft")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    # building over the shipped pair must be asked for: --out is required except with --quick
+    parser.add_argument("--out", default=None, type=output_dir,
+                        help=f"output folder, required unless --quick (default with --quick: a temp folder); give "
+                             f"--out {DEFAULT_PAIR_DIR} to rebuild the pair shipped in the package")
+    parser.add_argument("--target-minutes", type=positive_float, default=40.0,
+                        help="wall-clock budget for the target")
+    parser.add_argument("--draft-minutes", type=positive_float, default=12.0, help="wall-clock budget for the draft")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the corpus split and of training")
+    parser.add_argument("--device", type=device, default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny pair in about a minute (smoke test)")
     parser.add_argument("--draft-only", action="store_true",
                         help="keep the tokenizer and target already in --out; re-distil and re-measure the draft")
+
+
+def _refuse_default_out(shipped) -> None:
+    raise ValueError(f"--out is required: give the folder to build into (--out {shipped} rebuilds the pair shipped "
+                     "in the package, overwriting it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -503,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or tempfile.mkdtemp(prefix="specpilot_pair_")
         minutes = dict(target_minutes=min(args.target_minutes, 0.25), draft_minutes=min(args.draft_minutes, 0.15))
     else:
-        out = args.out or DEFAULT_PAIR_DIR
+        out = args.out or _refuse_default_out(DEFAULT_PAIR_DIR)
         minutes = dict(target_minutes=args.target_minutes, draft_minutes=args.draft_minutes)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     metrics = build_pair(out, seed=args.seed, device=args.device, quick=args.quick, threads=args.threads,

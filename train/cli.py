@@ -10,80 +10,126 @@
 Traces default to RUN/traces/{train,validation} (`specpilot record --suite train --out RUN/traces/train`, the same
 for validation); the static baseline to RUN/grid.json (`specpilot grid`). Every PPO hyper-parameter defaults to the
 paper's (scaled for small budgets, see `specpilot.train.pipeline.budget_settings`) and can be overridden.
+
+Ctrl-C saves a checkpoint at the last update boundary; the command then prints where it is and the exact command
+that resumes it (the same command with --resume), and exits with 130.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, non_negative_float,
+                                        output_dir, positive_float, positive_int, seed, stage_name)
 from specpilot.train.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
+REWARDS = ("throughput", "acceptance", "time", "dinkelbach")
+PAIR_OPTIONS = ("target", "draft", "eagle", "device", "dtype")
 
 
-def _ints(text: str | None) -> list[int] | None:
-    return [int(x) for x in text.split(",") if x.strip()] if text else None
+def _static(text: str) -> tuple[int, int]:
+    values = int_list(1)(text)
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"expected DEPTH,SIZE (two integers >= 1), got {text!r}")
+    return values[0], values[1]
+
+
+def _depth_range(text: str) -> list[int]:
+    values = int_list(1)(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return values
+
+
+def _rewards(text: str) -> list[str]:
+    names = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in names if r not in REWARDS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown reward(s) {', '.join(unknown) or repr(text)}; choose from "
+                                         f"{', '.join(REWARDS)}")
+    return names
 
 
 def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
-    p.add_argument("--run", required=True, help="run directory (checkpoints, manifest, logs, policies.json)")
+    p.add_argument("--run", required=True, type=output_dir,
+                   help="run directory (checkpoints, manifest, logs, policies.json; checked before training)")
     p.add_argument("--traces", default=None, help="directory with train/ and validation/ traces (default RUN/traces)")
-    p.add_argument("--steps", type=int, default=steps, help=f"budget in env steps (default {steps})")
-    p.add_argument("--reward", default="dinkelbach", choices=["throughput", "acceptance", "time", "dinkelbach"],
+    p.add_argument("--steps", type=positive_int, default=steps,
+                   help="budget in env steps" + ("" if steps else " (default: per stage, see below)"))
+    p.add_argument("--reward", default="dinkelbach", choices=REWARDS,
                    help="reward mode of the environments (default dinkelbach: tokens - lambda*time sums to the "
                         "episode's true objective; the paper's per-cycle throughput reward favours short cycles)")
     p.add_argument("--backend", default="replay", choices=["replay", "live"],
                    help="replay (trace + profile, fast) or live (real decoder, wall-clock rewards)")
-    p.add_argument("--static", default=None, help="static (depth,size), e.g. 4,12 (default: from --grid)")
+    p.add_argument("--static", type=_static, default=None,
+                   help="static (depth,size), e.g. 4,12 (default: from --grid)")
     p.add_argument("--grid", default=None, help="grid.json whose best config fixes partners (default RUN/grid.json)")
     p.add_argument("--wandb", default=None, choices=["online", "offline", "disabled"],
                    help="wandb mode (default: $WANDB_MODE, else offline); TensorBoard is always written")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run; finished stages are skipped")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0, help="seed of PPO and of the environments")
     g = p.add_argument_group("PPO overrides (default: the paper's, scaled for small budgets)")
-    g.add_argument("--n-steps", type=int, default=None, help="rollout length (paper 2048)")
-    g.add_argument("--batch-size", type=int, default=None, help="minibatch (paper 256)")
-    g.add_argument("--n-epochs", type=int, default=None, help="epochs per update (paper 20)")
-    g.add_argument("--pi-arch", default=None, help="actor layers, e.g. 1024,256 (paper: size 1024,256; depth 1024)")
-    g.add_argument("--vf-arch", default=None, help="value layers (paper 1024,256)")
-    g.add_argument("--gamma", type=float, default=None, help="discount (paper: size 0.9, depth 0.999)")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (paper 1e-3, 1%% warm-up, linear decay)")
-    g.add_argument("--ent-coef", type=float, default=None, help="entropy coefficient (paper 0.01)")
-    g.add_argument("--eval-every", type=int, default=None, help="validate every N env steps")
-    live = p.add_argument_group("live backend")
-    live.add_argument("--target", default=None, help="target model (default: the embedded pair)")
-    live.add_argument("--draft", default=None, help="draft model (with --target)")
-    live.add_argument("--device", default=None)
-    live.add_argument("--init-from", default=None, help="start from this policy zip (e.g. fine-tune a replay policy)")
+    g.add_argument("--n-steps", type=positive_int, default=None, help="rollout length (default: paper 2048, scaled)")
+    g.add_argument("--batch-size", type=positive_int, default=None, help="minibatch (default: paper 256, scaled)")
+    g.add_argument("--n-epochs", type=positive_int, default=None, help="epochs per update (default: paper 20)")
+    g.add_argument("--pi-arch", type=int_list(1), default=None,
+                   help="actor layers, e.g. 1024,256 (default: paper's, size 1024,256; depth 1024)")
+    g.add_argument("--vf-arch", type=int_list(1), default=None, help="value layers (default: paper 1024,256)")
+    g.add_argument("--gamma", type=float_in(0.0, 1.0, open_low=True, describe="a discount in (0, 1]"), default=None,
+                   help="discount (default: paper's, size 0.9, depth 0.999)")
+    g.add_argument("--lr", type=positive_float, default=None,
+                   help="peak learning rate (default: paper 1e-3, 1%% warm-up, linear decay)")
+    g.add_argument("--ent-coef", type=non_negative_float, default=None,
+                   help="entropy coefficient (default: paper 0.01)")
+    g.add_argument("--eval-every", type=positive_int, default=None,
+                   help="validate every N env steps (default: per budget)")
+    live = p.add_argument_group("live backend (--backend live)")
+    add_pair_arguments(live)
+    live.add_argument("--init-from", default=None,
+                      help="start from this policy zip, e.g. fine-tune a replay policy (default: a fresh policy)")
     add_cluster_arguments(p)  # --ray/--workers: live environments on Ray workers, one per worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="train_command", metavar="STAGE")
-    p = sub.add_parser("size", help="stage 1: size policy against random depths")
-    _common(p, 20_000)
-    p.add_argument("--depth-range", default=None, help="random partner depths low,high (default 1,max_depth)")
-    p.add_argument("--size-actions", default=None, help="verification sizes to choose from, e.g. 2,4,8,16")
-    p.add_argument("--stage", default="size_s1")
-    p = sub.add_parser("depth", help="stage 1: depth policy with the static size")
-    _common(p, 40_000)
-    p.add_argument("--stage", default="depth_s1")
-    p = sub.add_parser("coadapt", help="stage 2: alternate size / depth with the partner frozen")
-    _common(p, 10_000)
-    p.add_argument("--rounds", type=int, default=3, help="stages: size, depth, size, ...")
-    p = sub.add_parser("ablation", help="reward ablation: one policy per reward mode, same budget")
-    _common(p, 10_000)
-    p.add_argument("--kind", default="size", choices=["size", "depth"])
-    p.add_argument("--rewards", default="throughput,acceptance,time,dinkelbach")
-    p = sub.add_parser("all", help="stage 1 (size, depth) then co-adaptation")
-    _common(p, None)
-    p.add_argument("--size-steps", type=int, default=20_000)
-    p.add_argument("--depth-steps", type=int, default=40_000)
-    p.add_argument("--coadapt-steps", type=int, default=10_000)
-    p.add_argument("--rounds", type=int, default=3)
+    stages = {
+        "size": ("stage 1: size policy against random depths", 20_000),
+        "depth": ("stage 1: depth policy with the static size", 40_000),
+        "coadapt": ("stage 2: alternate size / depth with the partner frozen", 10_000),
+        "ablation": ("reward ablation: one policy per reward mode, same budget", 10_000),
+        "all": ("stage 1 (size, depth) then co-adaptation", None),
+    }
+    for name, (help_text, steps) in stages.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_label=f"specpilot train {name}")
+        _common(p, steps)
+        _stage_arguments(name, p)
+
+
+def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    if name == "size":
+        p.add_argument("--depth-range", type=_depth_range, default=None,
+                       help="random partner depths LOW,HIGH (default: 1,max_depth)")
+        p.add_argument("--size-actions", type=int_list(1), default=None,
+                       help="verification sizes to choose from, e.g. 2,4,8,16 (default: the device's size actions)")
+        p.add_argument("--stage", type=stage_name, default="size_s1", help="stage directory name under RUN")
+    elif name == "depth":
+        p.add_argument("--stage", type=stage_name, default="depth_s1", help="stage directory name under RUN")
+    elif name == "coadapt":
+        p.add_argument("--rounds", type=positive_int, default=3, help="stages: size, depth, size, ...")
+    elif name == "ablation":
+        p.add_argument("--kind", default="size", choices=["size", "depth"], help="which policy to train")
+        p.add_argument("--rewards", type=_rewards, default=list(REWARDS), help="comma list of reward modes")
+    else:
+        p.add_argument("--size-steps", type=positive_int, default=20_000, help="size stage budget (env steps)")
+        p.add_argument("--depth-steps", type=positive_int, default=40_000, help="depth stage budget (env steps)")
+        p.add_argument("--coadapt-steps", type=positive_int, default=10_000, help="budget per co-adaptation stage")
+        p.add_argument("--rounds", type=positive_int, default=3, help="co-adaptation stages")
 
 
 def _options(args, static, pair, cluster=None):
@@ -91,72 +137,104 @@ def _options(args, static, pair, cluster=None):
     from specpilot.train.stages import TrainOptions
 
     ppo = PPOOverrides(n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.n_epochs,
-                       pi_arch=_ints(args.pi_arch), vf_arch=_ints(args.vf_arch), gamma=args.gamma,
-                       learning_rate=args.lr, ent_coef=args.ent_coef, eval_every=args.eval_every)
+                       pi_arch=args.pi_arch, vf_arch=args.vf_arch, gamma=args.gamma, learning_rate=args.lr,
+                       ent_coef=args.ent_coef, eval_every=args.eval_every)
     return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, cluster=cluster, static=static,
                         resume=args.resume, seed=args.seed, ppo=ppo)
 
 
-def run(args: argparse.Namespace) -> int:
+def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
+    """(traces, static) after the checks that need no model: options that would be ignored are refused, the
+    traces and the grid result are readable."""
+    from specpilot.eval.inputs import read_grid_best
     from specpilot.train.traces import TaskTraces
 
-    cmd = getattr(args, "train_command", None)
-    if cmd not in COMMANDS:
-        print(f"specpilot train: choose a stage: {', '.join(COMMANDS)} (see --help)", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run)
-    try:
-        traces = TaskTraces.resolve(args.traces or run_dir / "traces")
-        static = tuple(_ints(args.static)) if args.static else (args.grid or None)
-        if static is not None and not isinstance(static, tuple) and not Path(static).is_file():
-            raise FileNotFoundError(f"--grid {static} not found")
-    except (FileNotFoundError, ValueError) as err:
-        print(f"specpilot train {cmd}: {err}", file=sys.stderr)
-        return 2
-    pair = None
     ray = getattr(args, "ray", None)
     if ray and (args.backend != "live" or cmd not in ("size", "depth", "coadapt")):
-        print(f"specpilot train {cmd}: replay environments train in this process (SB3's local vectorisation); "
-              "--ray only moves live environments (--backend live) onto Ray workers", file=sys.stderr)
-        ray = None
-    if args.backend == "live" and not ray:
-        from specpilot.drafting.pair import ModelPair
+        raise ValueError("--ray moves live environments (--backend live, stages size/depth/coadapt) onto Ray "
+                         "workers; replay training runs in this process: drop --ray, or add --backend live")
+    given = ", ".join(f"--{k}" for k in PAIR_OPTIONS if getattr(args, k, None) is not None)
+    if args.backend != "live" and given:
+        raise ValueError(f"{given} load(s) the pair of the live backend: add --backend live, or drop it (replay "
+                         "training uses the traces' recorded pair)")
+    if args.static is not None and args.grid is not None:
+        raise ValueError("--static and --grid both fix the static partner config: give one")
+    traces = TaskTraces.resolve(args.traces or run_dir / "traces")
+    grid = args.grid if args.grid is not None else (run_dir / "grid.json" if (run_dir / "grid.json").is_file()
+                                                     else None)
+    if grid is not None:
+        read_grid_best(grid)
+    if args.init_from is not None and not Path(args.init_from).is_file():
+        raise FileNotFoundError(f"--init-from {args.init_from}: no such policy zip")
+    return traces, args.static if args.static is not None else args.grid
 
-        pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
-    from specpilot.train.cluster import ClusterError
+
+def run(args: argparse.Namespace) -> int:
+    cmd = getattr(args, "train_command", None)
+    if cmd not in COMMANDS:
+        raise ValueError(f"choose a stage: {', '.join(COMMANDS)} (see `specpilot train --help`)")
+    run_dir = Path(args.run)
+    traces, static = _check(cmd, args, run_dir)
+    ray = getattr(args, "ray", None)
+    pair = load_pair(args) if args.backend == "live" and not ray else None
+    from specpilot.train.ppo import StageExistsError
 
     try:
         with open_pool(args) if ray else nullcontext() as pool:
             return _run_stage(cmd, args, run_dir, traces, _options(args, static, pair, pool))
-    except ClusterError as err:
-        print(f"specpilot train {cmd}: {err}", file=sys.stderr)
-        return 2
+    except StageExistsError as err:
+        raise _stage_exists(err, args) from None
+    except KeyboardInterrupt:
+        print(interrupted_message(args, run_dir), file=sys.stderr)
+        return 130
+
+
+def _stage_exists(err, args: argparse.Namespace) -> FileExistsError:
+    """The library's message names resume=True; on the command line the flag is --resume."""
+    return FileExistsError(f"stage {err.stage_dir} already has checkpoints: add --resume to continue it "
+                           f"({resume_command(args)}), or use another --run / delete {err.stage_dir} to start over")
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The exact command the user ran, with --resume added."""
+    argv = list(getattr(args, "_argv", None) or sys.argv[1:])
+    if "--resume" not in argv:
+        argv.append("--resume")
+    return shlex.join(["specpilot", *argv])
+
+
+def interrupted_message(args: argparse.Namespace, run_dir: Path) -> str:
+    """Where the interrupted stage's checkpoint is (train_policy saved it and recorded it in the manifest) and the
+    command that resumes it."""
+    checkpoints = []
+    try:
+        stages = json.loads((run_dir / "manifest.json").read_text()).get("stages") or {}
+        checkpoints = [f"{name}: {entry['checkpoint']}" for name, entry in stages.items()
+                       if isinstance(entry, dict) and entry.get("status") == "interrupted" and entry.get("checkpoint")]
+    except (OSError, ValueError):
+        pass
+    where = (f"checkpoint saved ({'; '.join(checkpoints)})" if checkpoints
+             else "no checkpoint of the running stage yet (finished stages are kept)")
+    return f"{args._label}: interrupted; {where}. Resume with:\n  {resume_command(args)}"
 
 
 def _run_stage(cmd: str, args, run_dir: Path, traces, options) -> int:
     from specpilot.train import pipeline as P
 
-    try:
-        common = dict(options=options, wandb=args.wandb)
-        if cmd == "size":
-            res = P.train_size(run_dir, traces, steps=args.steps, depth_range=_ints(args.depth_range),
-                               size_actions=_ints(args.size_actions), stage=args.stage, init_from=args.init_from,
-                               **common)
-            out = res.to_dict()
-        elif cmd == "depth":
-            res = P.train_depth(run_dir, traces, steps=args.steps, stage=args.stage, init_from=args.init_from,
-                                **common)
-            out = res.to_dict()
-        elif cmd == "coadapt":
-            out = P.coadapt(run_dir, traces, rounds=args.rounds, steps=args.steps, **common)
-        elif cmd == "ablation":
-            out = P.reward_ablation(run_dir, traces, kind=args.kind, rewards=args.rewards.split(","),
-                                    steps=args.steps, **common)
-        else:
-            out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
-                                 coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"specpilot train {cmd}: {err}", file=sys.stderr)
-        return 2
+    common = dict(options=options, wandb=args.wandb)
+    if cmd == "size":
+        res = P.train_size(run_dir, traces, steps=args.steps, depth_range=args.depth_range,
+                           size_actions=args.size_actions, stage=args.stage, init_from=args.init_from, **common)
+        out = res.to_dict()
+    elif cmd == "depth":
+        res = P.train_depth(run_dir, traces, steps=args.steps, stage=args.stage, init_from=args.init_from, **common)
+        out = res.to_dict()
+    elif cmd == "coadapt":
+        out = P.coadapt(run_dir, traces, rounds=args.rounds, steps=args.steps, **common)
+    elif cmd == "ablation":
+        out = P.reward_ablation(run_dir, traces, kind=args.kind, rewards=args.rewards, steps=args.steps, **common)
+    else:
+        out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
+                             coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
     print(json.dumps(out, indent=1, default=str)[:4000])
     return 0

@@ -86,8 +86,10 @@ class PairSpec:
     threads: int = 1
 
     def __post_init__(self) -> None:
-        if (self.target is None) != (self.draft is None):
-            raise ValueError("PairSpec needs both target and draft, or neither (the embedded pair)")
+        if self.target is not None and self.draft is None and self.eagle is None:
+            raise ValueError("PairSpec with a target needs its drafter: draft (a draft LM) or eagle (an EAGLE-3 head)")
+        if self.draft is not None and self.eagle is not None:
+            raise ValueError("PairSpec takes draft or eagle, not both")
         if int(self.threads) < 1:
             raise ValueError(f"PairSpec.threads must be >= 1, got {self.threads}")
 

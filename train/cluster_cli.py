@@ -22,11 +22,14 @@ CLUSTER_COMMANDS = ("record", "grid", "eval", "demo")
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """--ray ADDRESS and --workers N (one call per heavy command's parser)."""
+    from specpilot.drafting.cliargs import positive_int
+
     g = parser.add_argument_group("cluster (Ray; `pip install 'specpilot[ray]'`)")
     g.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on Ray workers: 'local' starts Ray on this machine, 'auto' joins the cluster that "
-                        "`ray start` set up on this node, or a cluster address HOST:PORT")
-    g.add_argument("--workers", type=int, default=None,
+                        "`ray start` set up on this node, or a cluster address HOST:PORT (default: none, run in "
+                        "this process)")
+    g.add_argument("--workers", type=positive_int, default=None,
                    help="Ray workers, each loading its own pair on its own GPU (or --threads CPU cores); default: "
                         "one per GPU of the cluster, else cluster CPUs // threads")
 
@@ -98,12 +101,12 @@ def run_record(args: argparse.Namespace) -> int:
               f"max_new_tokens={args.max_new_tokens}")
         summary = record_sharded(pool, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                  profile_prompts=args.profile_prompts, seed=args.seed, progress=print)
-    _say_retries(summary["retried_prompts"], summary["resumed_shards"])
+    say_retries(summary["retried_prompts"], summary["resumed_shards"])
     print(f"wrote {args.out}/trace.npz, trace.json, profile.json, cluster.json")
     return 0
 
 
-def _say_retries(retried: list[int], resumed: list[int] | None = None) -> None:
+def say_retries(retried: list[int], resumed: list[int] | None = None) -> None:
     if retried:
         print(f"retried prompts (their shard failed once): {retried}")
     if resumed:
@@ -135,38 +138,6 @@ def run_grid(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    """`specpilot eval --ray`: (task, language) groups spread over the workers, report as without Ray."""
-    from specpilot.drafting.types import TreeConfig
-    from specpilot.eval.report import write_report
-    from specpilot.eval.runner import METHODS
-    from specpilot.eval.suites import SuiteError, load_suite
-    from specpilot.train.sharded import evaluate_sharded
-
-    try:
-        prompts = load_suite(args.suite, split=args.split)
-    except SuiteError as err:
-        print(f"specpilot eval: {err}", file=sys.stderr)
-        return 2
-    prompts = prompts[: args.limit] if args.limit is not None else prompts
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    sampled = [m.strip() for m in args.sampled_methods.split(",") if m.strip()] if args.sampled_methods else None
-    unknown = [m for m in (methods or []) + (sampled or []) if m not in METHODS]
-    if unknown:
-        print(f"specpilot eval: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}",
-              file=sys.stderr)
-        return 2
-    tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=args.max_size)
-    with open_pool(args) as pool:
-        result = evaluate_sharded(pool, prompts, methods=methods, temperatures=args.temperatures, top_k=args.top_k,
-                                  top_p=args.top_p, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                                  warmup=args.warmup, concurrency=args.concurrency, tree=tree, grid=args.grid,
-                                  run_dir=args.run_dir, seed=args.seed, sampled_methods=sampled, progress=print)
-    paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)
-    _say_retries(result.meta["cluster"]["retried_prompts"])
-    print(f"wrote {paths['md']} and {paths['json']}")
-    return 0
-
-
-CLUSTER_RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "record": run_record, "grid": run_grid, "eval": run_eval}
+# eval, train and demo read args.ray in their own run() (eval checks its inputs first, the same way with or
+# without Ray)
+CLUSTER_RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {"record": run_record, "grid": run_grid}

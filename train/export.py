@@ -29,14 +29,13 @@ then read from RUN.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from specpilot.drafting.control import FixedController, default_static_config
+from specpilot.drafting.files import atomic_path, check_writable, read_json
 from specpilot.drafting.types import TreeConfig
 from specpilot.policies.actor import Actor
 from specpilot.policies.engine_configs import write_engine_configs
@@ -59,7 +58,8 @@ def _obs_norm(stage_dir: Path, prefix: str) -> tuple[dict | None, dict[str, torc
     progress = stage_dir / "checkpoints" / "progress.json"
     if not progress.is_file():
         return None, {}
-    name = json.loads(progress.read_text()).get("vecnormalize")
+    name = read_json(progress, what="checkpoint progress record", fix="retrain the stage or restore the file"
+                     ).get("vecnormalize")
     if not name or not (stage_dir / "checkpoints" / name).is_file():
         return None, {}
     import pickle
@@ -84,50 +84,68 @@ def run_root(run_dir: Path) -> Path:
     return run_dir
 
 
+def _owning_run(path: Path) -> Path | None:
+    """The run folder (one holding manifest.json) that `path` lies in, if any."""
+    for folder in path.resolve().parents:
+        if (folder / "manifest.json").is_file():
+            return folder
+    return None
+
+
+def run_local(recorded: str | Path, *roots: Path) -> Path | None:
+    """A path recorded in a run's manifest or policies.json, resolved for the run in `roots` (the run folder, and
+    a sub-index folder such as RUN/stage1): relative paths under the first root; absolute ones re-rooted into a
+    root that holds the same file (a copied run must not read the original's files); an absolute path into
+    another run folder gives None; one outside every run is used as it is."""
+    path = Path(recorded)
+    if not path.is_absolute():
+        return roots[0] / path
+    for root in roots:
+        for i in range(1, len(path.parts)):  # longest tail first: the most specific match
+            candidate = root.joinpath(*path.parts[i:])
+            if candidate.exists():
+                return candidate
+    owner = _owning_run(path) if path.exists() else None
+    if owner is not None and owner not in {r.resolve() for r in roots}:
+        return None
+    return path
+
+
+def read_manifest(root: Path) -> dict:
+    """RUN/manifest.json ({} when the run has none); a garbage file is an error naming it."""
+    path = root / "manifest.json"
+    if not path.exists():
+        return {}
+    return read_json(path, what="run manifest", fix="restore it, or delete it to export from policies.json alone")
+
+
 def find_trace(root: Path) -> Path | None:
-    """The run's validation trace (else its training trace): manifest "traces" (train/pipeline.py), a trace path
-    in the manifest's config, or RUN/traces/{validation,train}/trace.npz."""
-    manifest = _read_json_or_none(root / "manifest.json") or {}
+    """The run's validation trace (else its training trace): RUN/traces/{validation,train}, then the manifest's
+    "traces" (train/pipeline.py) and trace paths in its config, each resolved inside the run (`run_local`)."""
+    manifest = read_manifest(root)
     traces = manifest.get("traces") if isinstance(manifest.get("traces"), dict) else {}
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     named = [(k, v) for k, v in config.items() if "trace" in str(k).lower() and isinstance(v, str)]
     named.sort(key=lambda kv: 0 if "val" in kv[0].lower() else 1)  # prefer the validation trace
-    # the run's own folder first: a copied run must not read the original run's traces through the manifest's
-    # absolute paths
-    candidates = [root / "traces" / "validation", root / "traces" / "train", traces.get("validation"),
-                  traces.get("train"), *(v for _, v in named)]
-    for value in candidates:
-        if not value:
-            continue
-        for path in (root / str(value), Path(value)):
-            if (path / "trace.npz").is_file() or (path.suffix == ".npz" and path.is_file()):
-                return path
+    recorded = [traces.get("validation"), traces.get("train"), *(v for _, v in named)]
+    candidates = [root / "traces" / "validation", root / "traces" / "train",
+                  *(run_local(v, root) for v in recorded if isinstance(v, str) and v)]
+    for path in candidates:
+        if path is not None and ((path / "trace.npz").is_file() or (path.suffix == ".npz" and path.is_file())):
+            return path
     return None
 
 
-def _read_json_or_none(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-
-
 def _grid_best(run_dir: Path, grid: str | Path | None) -> tuple[dict | None, str | None]:
-    paths = [Path(grid)] if grid else [run_dir / "grid.json", run_dir / "grid" / "grid.json",
-                                       run_dir / "grid" / "best.json"]
-    for path in paths:
-        data = _read_json_or_none(path)
-        if data is None:
-            if grid:
-                raise ExportError(f"grid-search result {path} is missing or not valid JSON")
-            continue
-        best = data.get("best", data)
-        if isinstance(best, dict) and "depth" in best and "size" in best:
-            return {k: int(best[k]) for k in ("width", "depth", "size") if k in best}, str(path)
-        if grid:
-            raise ExportError(f"{path} has no best {{depth, size[, width]}} entry")
+    """The grid search's best cell: `grid` when given, else the run's grid.json (grid/grid.json, grid/best.json)
+    when present. A present file that is not a grid result is an error naming it, never silently skipped."""
+    from specpilot.eval.inputs import read_grid_best
+
+    if grid:
+        return read_grid_best(grid), str(grid)
+    for path in (run_dir / "grid.json", run_dir / "grid" / "grid.json", run_dir / "grid" / "best.json"):
+        if path.is_file():
+            return read_grid_best(path), str(path)
     return None, None
 
 
@@ -135,10 +153,11 @@ def _pair_identity(run_dir: Path, pair, trace: Path | None) -> dict:
     """The pair's identity: from `pair`, else the manifest ("pair"/"models"), else the trace header."""
     if pair is not None:
         return pair.identity()
-    manifest = _read_json_or_none(run_dir / "manifest.json") or {}
+    manifest = read_manifest(run_dir)
     header = None
     if trace is not None:
-        header = _read_json_or_none((trace.parent if trace.suffix == ".npz" else trace) / "trace.json")
+        header_path = (trace.parent if trace.suffix == ".npz" else trace) / "trace.json"
+        header = read_json(header_path, what="trace header (trace.json)", fix="record the trace again")
     for entry in (manifest.get("pair"), manifest.get("models"), (header or {}).get("pair")):
         if isinstance(entry, dict) and "target_hash" in entry and "draft_hash" in entry:
             return entry
@@ -171,36 +190,64 @@ def _export_onnx(actor: Actor, path: Path) -> str | None:
             return actor.logits(x)
 
     try:
-        torch.onnx.export(_Module(), (torch.zeros(1, actor.in_features),), str(path), input_names=["observation"],
-                          output_names=["logits"], dynamic_axes={"observation": {0: "batch"}, "logits": {0: "batch"}})
+        with atomic_path(path) as tmp:
+            torch.onnx.export(_Module(), (torch.zeros(1, actor.in_features),), str(tmp), input_names=["observation"],
+                              output_names=["logits"],
+                              dynamic_axes={"observation": {0: "batch"}, "logits": {0: "batch"}})
     except Exception as err:  # the exporter's own dependencies (e.g. onnxscript) vary across torch versions
         raise ExportError(f"ONNX export of {path.name} failed ({type(err).__name__}: {err}); install "
                           "'specpilot[onnx]' (and onnxscript for torch >= 2.9), or export without --onnx") from err
     return path.name
 
 
-def _export_policy(kind: str, entry: dict, run_dir: Path, out_dir: Path, onnx: bool, log) -> tuple:
+def _policy_zip(entry: dict, kind: str, run_dir: Path, root: Path) -> Path:
+    """The policy zip policies.json names, inside this run (see `run_local`)."""
+    index = run_dir / "policies.json"
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or "spec" not in entry:
+        raise ExportError(f"{index}: the {kind} entry lacks 'path' or 'spec'; rewrite it with "
+                          "specpilot.train.ppo.write_policies_index")
+    path = run_local(entry["path"], run_dir, root)
+    if path is None:
+        owner = _owning_run(Path(entry["path"]))
+        raise ExportError(f"{index}: the {kind} policy {entry['path']} belongs to another run ({owner}); copy the "
+                          "zip into this run and record its path relative to it")
+    return path
+
+
+def _relative_to(path: Path, root: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _export_policy(kind: str, entry: dict, run_dir: Path, root: Path, out_dir: Path, onnx: bool, log) -> tuple:
     """One policy of policies.json -> out_dir/<kind>.safetensors; (decoder.json entry, SB3 policy, Actor, spec)."""
     from safetensors.torch import save_file
 
     from specpilot.policies.ppo import PolicyLoadError, load_sb3_policy
 
-    spec = ObservationSpec.from_dict(entry["spec"])
+    zip_path = _policy_zip(entry, kind, run_dir, root)
     try:
-        policy = load_sb3_policy(run_dir / entry["path"])
+        spec = ObservationSpec.from_dict(entry["spec"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ExportError(f"{run_dir / 'policies.json'}: the {kind} entry's spec is unreadable ({err})") from err
+    try:
+        policy = load_sb3_policy(zip_path)
     except PolicyLoadError as err:
         raise ExportError(str(err)) from err
     layers, tensors = Actor.from_sb3(policy).to_layers(kind)
-    norm, norm_tensors = _obs_norm((run_dir / entry["path"]).parent, kind)
+    norm, norm_tensors = _obs_norm(zip_path.parent, kind)
     tensors.update(norm_tensors)
     actor = Actor.from_layers(layers, tensors, obs_norm=norm, source=f"{kind} policy")
     actions = DEPTH_ACTIONS if kind == "depth" else [int(v) for v in entry["size_actions"]]
     if actor.in_features != spec.dim or actor.n_actions != len(actions):
-        raise ExportError(f"{run_dir / entry['path']}: the {kind} policy takes {actor.in_features} inputs and has "
+        raise ExportError(f"{zip_path}: the {kind} policy takes {actor.in_features} inputs and has "
                           f"{actor.n_actions} actions, but policies.json's spec gives {spec.dim} inputs and "
                           f"{len(actions)} actions; policies.json does not describe this policy")
     file = out_dir / f"{kind}.safetensors"
-    save_file(tensors, str(file), metadata={"format": "specpilot-policy", "kind": kind})
+    with atomic_path(file) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "specpilot-policy", "kind": kind})
     probe = probe_observation(spec)
     logits = actor.logits(torch.from_numpy(probe).unsqueeze(0))[0]
     record = {
@@ -208,7 +255,7 @@ def _export_policy(kind: str, entry: dict, run_dir: Path, out_dir: Path, onnx: b
         "layers": layers, "obs_norm": norm, "actions": actions,
         "decision": "argmax of the logits (first index on ties), float32 on the CPU",
         "probe": {"observation": probe.tolist(), "logits": logits.tolist(), "action": int(logits.argmax())},
-        "source": {"zip": entry["path"], "zip_sha256": file_sha256(run_dir / entry["path"])},
+        "source": {"zip": _relative_to(zip_path, run_dir), "zip_sha256": file_sha256(zip_path)},
     }
     if onnx:
         name = _export_onnx(actor, out_dir / f"{kind}.onnx")
@@ -258,17 +305,20 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     """
     from specpilot.policies.ppo import PPOController
 
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir, out_dir = Path(run_dir), check_writable(out_dir, kind="dir", what="export folder")
     index_path = run_dir / "policies.json"
-    index = _read_json_or_none(index_path)
-    if index is None:
-        raise ExportError(f"{index_path} is missing or not valid JSON: train the run first (it is written by "
-                          "specpilot.train.ppo.write_policies_index)")
+    index = read_json(index_path, what="policies index", fix="train the run first (it is written by "
+                      "specpilot.train.ppo.write_policies_index)")
     if not index.get("depth") and not index.get("size"):
         raise ExportError(f"{index_path} names neither a depth nor a size policy: nothing to export")
     root = run_root(run_dir)
     trace = Path(trace) if trace else find_trace(root)
+    if trace is not None:
+        from specpilot.envs.replay import load_trace
+
+        load_trace(trace)  # readable before any work (FileNotFoundError / InputFileError name the file)
     identity = _pair_identity(root, pair, trace)
+    grid_best, grid_path = _grid_best(root, grid)  # read before any work: a bad grid result fails here
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_FILE).unlink(missing_ok=True)  # a half-written export must not look valid
 
@@ -276,7 +326,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     sb3, actors, specs = {}, {}, {}
     for kind in ("depth", "size"):
         if index.get(kind):
-            policies[kind], sb3[kind], actors[kind], specs[kind] = _export_policy(kind, index[kind], run_dir,
+            policies[kind], sb3[kind], actors[kind], specs[kind] = _export_policy(kind, index[kind], run_dir, root,
                                                                                   out_dir, onnx, log)
     size_actions = policies["size"]["actions"] if policies["size"] else None
     fb = index.get("fallback") or {}
@@ -294,11 +344,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     recorder, measured = _measure(exported, sb3_controller, sb3, actors, specs, tree, trace=trace, pair=pair,
                                   identity=identity, root=root, measure_live=measure_live, num_prompts=num_prompts,
                                   max_new_tokens=max_new_tokens, num_random=num_random, seed=seed, log=log)
-    grid_best, grid_path = _grid_best(root, grid)
-    draft_gen = pair.draft.generation_config.to_diff_dict() if pair is not None else None
-    engines = write_engine_configs(out_dir, draft=identity.get("draft", "draft"), width=tree.width,
-                                   grid_best=grid_best, choices=recorder.choices() if recorder else {},
-                                   fallback=(fb_depth, fb_size), draft_generation_config=draft_gen)
+    draft_gen = (pair.draft.generation_config.to_diff_dict()
+                 if pair is not None and getattr(pair, "draft", None) is not None else None)
+    engines = write_engine_configs(out_dir, pair=identity, width=tree.width, grid_best=grid_best,
+                                   choices=recorder.choices() if recorder else {}, fallback=(fb_depth, fb_size),
+                                   draft_generation_config=draft_gen, tokenizer=_tokenizer_folder(pair, identity))
     engines["grid"] = grid_path
     meta = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "name": "exported",
@@ -312,6 +362,19 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     }
     write_json(out_dir / CONFIG_FILE, meta)
     return meta
+
+
+def _tokenizer_folder(pair, identity: dict) -> str | None:
+    """Where the target's tokenizer lives when the target folder has none (engines need it: vLLM --tokenizer)."""
+    from specpilot.drafting.pair import DEFAULT_PAIR_DIR, TOKENIZER_FILES
+
+    folder = getattr(getattr(pair, "tokenizer", None), "name_or_path", None)
+    if folder is None and str(identity.get("name", "")).startswith("specpilot-default"):
+        folder = str(DEFAULT_PAIR_DIR / "tokenizer")
+    target = Path(str(identity.get("target", "")))
+    if folder and not any((target / name).exists() for name in TOKENIZER_FILES):
+        return str(Path(folder).resolve()) if Path(folder).exists() else str(folder)
+    return None
 
 
 def _summary_lines(meta: dict, out_dir: Path) -> list[str]:
@@ -334,33 +397,34 @@ def _summary_lines(meta: dict, out_dir: Path) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specpilot.drafting.cliargs import add_pair_arguments, output_dir, positive_int
+
     parser.add_argument("--run", required=True, help="training run directory (holds policies.json)")
-    parser.add_argument("--out", required=True, help="output directory for decoder.json, weights and engine configs")
+    parser.add_argument("--out", required=True, type=output_dir,
+                        help="output folder for decoder.json, weights and engine configs (checked before exporting)")
     parser.add_argument("--onnx", action="store_true", help="also write ONNX actors (needs the optional onnx extra)")
-    parser.add_argument("--target", help="target model the run was trained on (default: from the run's manifest)")
-    parser.add_argument("--draft", help="draft model the run was trained on")
-    parser.add_argument("--default-pair", action="store_true", help="the run used the embedded default pair")
+    add_pair_arguments(parser, dtype_option=False, what="the run was trained on",
+                       target_default="none: the identity comes from the run's manifest, and the recorded pair is "
+                                      "loaded when its paths exist here")
+    parser.add_argument("--default-pair", action="store_true",
+                        help="load the embedded default pair (the run was trained on it) instead of reading the "
+                             "pair from the run's manifest")
     parser.add_argument("--trace", help="recorded trace to measure the policies' choices on (default: the run's "
                                         "validation trace, RUN/traces/validation)")
     parser.add_argument("--grid", help="grid-search result JSON with best {depth, size, width} (default: "
                                        "RUN/grid.json when present)")
-    parser.add_argument("--prompts", type=int, default=4, help="live generations when no trace is available")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--device", default=None, help="device for the live generations")
+    parser.add_argument("--prompts", type=positive_int, default=4, help="live generations when no trace is available")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens per live generation")
 
 
 def run(args: argparse.Namespace) -> int:
-    pair = None
-    if args.target or args.draft or args.default_pair:
-        from specpilot.drafting.pair import ModelPair
+    from specpilot.drafting.cliargs import load_pair, pair_given
 
-        pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device)
-    try:
-        meta = export_run(args.run, args.out, pair=pair, onnx=args.onnx, trace=args.trace, grid=args.grid,
-                          num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
-    except ExportError as err:
-        print(f"specpilot export: {err}", file=sys.stderr)
-        return 2
+    if args.default_pair and args.target is not None:
+        raise ValueError("--default-pair and --target name two different pairs: give one")
+    pair = load_pair(args) if pair_given(args) or args.default_pair else None
+    meta = export_run(args.run, args.out, pair=pair, onnx=args.onnx, trace=args.trace, grid=args.grid,
+                      num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
     for line in _summary_lines(meta, Path(args.out)):
         print(line)
     return 0

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -33,6 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from specpilot.drafting.control import FixedController
+from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.oracle import replay_oracle
 from specpilot.envs.record import Trace
@@ -187,6 +187,8 @@ def grid_search(
         cannot rank cells for sampled decoding); the best per temperature goes to `best_by_temperature`.
     out: path of grid.json; the heat map goes next to it as <stem>.png (heatmap=False skips it).
     """
+    if out is not None:
+        check_writable(out, kind="file", what="grid result")  # before the sweep, not after it
     started = time.perf_counter()
     table: list[dict] = []
     oracle: dict[str, dict] = {}
@@ -237,10 +239,9 @@ def grid_search(
     }
     if out is not None:
         out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         if heatmap:
             result["meta"]["heatmap"] = str(plot_heatmap(result, out.with_suffix(".png")).name)
-        out.write_text(json.dumps(result, indent=1, default=float))
+        atomic_write_text(out, json.dumps(result, indent=1, default=float))
     return result
 
 
@@ -280,8 +281,8 @@ def plot_heatmap(result: dict, path: str | Path) -> Path:
                                        fill=False, edgecolor="red", linewidth=2))
         fig.colorbar(im, ax=ax, label="tokens/s")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return path
 
@@ -301,9 +302,10 @@ def resolve_train_trace(path: str | Path) -> Path:
                             "(record one with `specpilot record --suite train --out DIR`)")
 
 
-def int_list(text: str | None) -> list[int] | None:
-    if not text:
-        return None
+def int_list(text: str | list[int] | None) -> list[int] | None:
+    """"0-12" / "2,4,6" -> a list of ints (a list, already parsed by the CLI, is returned as it is)."""
+    if not text or isinstance(text, list):
+        return text or None
     out: list[int] = []
     for part in text.split(","):
         if "-" in part:
@@ -315,42 +317,43 @@ def int_list(text: str | None) -> list[int] | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specpilot.drafting.cliargs import (add_pair_arguments, int_list as ints, non_negative_int, output_file,
+                                            positive_int)
+
     parser.add_argument("--traces", nargs="+", required=True,
                         help="trace dir(s) of the training task, one per beam width (or RUN/traces with train/)")
-    parser.add_argument("--out", required=True, help="grid.json path (the heat map is written next to it)")
-    parser.add_argument("--depths", default=None, help="depths to sweep, e.g. 0-12 or 2,4,6 (default: 0..max_depth; 0 = plain target steps)")
-    parser.add_argument("--sizes", default=None, help="sizes to sweep, e.g. 1,2,4,8 (default: 1 + size actions)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="replay budget (default: the trace's)")
-    parser.add_argument("--live-top", type=int, default=3, help="re-measure the top K cells live (0: replay only)")
-    parser.add_argument("--live-repeats", type=int, default=1, help="passes over the validation prompts")
+    parser.add_argument("--out", required=True, type=output_file,
+                        help="grid.json path (the heat map is written next to it; checked before the sweep)")
+    parser.add_argument("--depths", type=ints(0), default=None,
+                        help="depths to sweep, e.g. 0-12 or 2,4,6 (default: 0..max_depth; 0 = plain target steps)")
+    parser.add_argument("--sizes", type=ints(1), default=None,
+                        help="sizes to sweep, e.g. 1,2,4,8 (default: 1 + the size actions)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
+                        help="replay budget (default: the trace's)")
+    parser.add_argument("--live-top", type=non_negative_int, default=3,
+                        help="re-measure the top K cells live (0: replay only)")
+    parser.add_argument("--live-repeats", type=positive_int, default=1, help="passes over the validation prompts")
     parser.add_argument("--val-suite", default="validation", help="prompts for the live phase (never held-out)")
-    parser.add_argument("--val-limit", type=int, default=None, help="use only the first N validation prompts")
-    parser.add_argument("--target", default=None, help="target model (default: the embedded pair)")
-    parser.add_argument("--draft", default=None, help="draft model (with --target)")
-    parser.add_argument("--device", default=None, help="cpu / cuda")
-    parser.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16")
+    parser.add_argument("--val-limit", type=positive_int, default=None,
+                        help="use only the first N validation prompts (default: all)")
+    add_pair_arguments(parser, what="(live phase)")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        traces = [resolve_train_trace(t) for t in args.traces]
-    except FileNotFoundError as err:
-        print(f"specpilot grid: {err}", file=sys.stderr)
-        return 2
+    from specpilot.drafting.cliargs import load_pair
+
+    traces = [resolve_train_trace(t) for t in args.traces]
+    for trace in traces:  # every trace (and its profile) readable before the sweep starts
+        load_profile(None, load_trace(trace))
     pair = prompts = None
     if args.live_top > 0:
-        from specpilot.drafting.pair import ModelPair
         from specpilot.eval.suites import load_suite
 
-        try:
-            prompts = [p.prompt for p in load_suite(args.val_suite)][: args.val_limit or None]
-            pair = ModelPair.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype)
-        except (FileNotFoundError, ValueError) as err:
-            print(f"specpilot grid: {err}", file=sys.stderr)
-            return 2
-    result = grid_search(traces, depths=int_list(args.depths), sizes=int_list(args.sizes),
-                         max_new_tokens=args.max_new_tokens, pair=pair, val_prompts=prompts, live_top=args.live_top,
-                         live_repeats=args.live_repeats, out=args.out, progress=True)
+        prompts = [p.prompt for p in load_suite(args.val_suite)][: args.val_limit or None]
+        pair = load_pair(args)
+    result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
+                         pair=pair, val_prompts=prompts, live_top=args.live_top, live_repeats=args.live_repeats,
+                         out=args.out, progress=True)
     best = result["best"]
     print(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
           f"replay {best['replay_tokens_per_s']:.1f} tok/s ({best['replay_speedup']:.2f}x AR)"

@@ -36,6 +36,15 @@ from specpilot.train.logging import CycleMetricsCallback, RunLogger
 PROGRESS_FILE = "progress.json"
 
 
+class StageExistsError(FileExistsError):
+    """A stage directory already has checkpoints and resuming was not asked for (`stage_dir` says which)."""
+
+    def __init__(self, stage_dir: Path) -> None:
+        self.stage_dir = Path(stage_dir)
+        super().__init__(f"stage {stage_dir} already has checkpoints: pass resume=True to continue it, or use "
+                         "another stage name / delete the directory to start over")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from (corrupted, or trained with different settings/spaces)."""
 
@@ -233,10 +242,14 @@ def read_progress(stage_dir: str | Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        progress = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} is corrupted ({err}); delete {path.parent} to restart the stage, or restore "
                               "the file") from err
+    if not isinstance(progress, dict):
+        raise CheckpointError(f"{path} is corrupted (not a JSON object); delete {path.parent} to restart the stage, "
+                              "or restore the file")
+    return progress
 
 
 class _StageCallback(BaseCallback):
@@ -417,8 +430,7 @@ def train_policy(
     ckpt_dir = stage_dir / "checkpoints"
     progress = read_progress(stage_dir)
     if progress is not None and not resume:
-        raise FileExistsError(f"stage {stage_dir} already has checkpoints: pass resume=True to continue it, or use "
-                              "another stage name / delete the directory to start over")
+        raise StageExistsError(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
     venv = venv_factory() if venv_factory is not None else _make_venv(env_factory, settings.n_envs)
 

@@ -1,0 +1,243 @@
+"""What every `specpilot` command shares on the command line: the parser class (one-line errors, defaults shown in
+--help), argument types that validate at parse time (so nothing runs on a bad value), and the model-pair options.
+
+    positive_int, non_negative_int, finite_float, positive_float, non_negative_float, probability
+    utf8_text                  refuses invalid UTF-8 in argv (Python hands it over as lone surrogates)
+    device, dtype              names this machine can load on / the dtypes ModelPair knows
+    output_dir, output_file    refuse a read-only location, or a file where a folder belongs, before any work
+    int_list, float_list       comma lists of the same checked values ("4,12", "0,0.7")
+    add_pair_arguments(p)      --target / --draft / --eagle / --device / --dtype;  load_pair(args) loads them
+
+Every type raises argparse.ArgumentTypeError with a message that names the accepted range; the parser turns it into
+`specpilot <command>: argument --x: <message>` on one line, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Argparse's defaults formatter, minus a second "(default: ...)" where the help text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.required:  # nothing to default to
+            return text if "required" in text.lower() else f"{text} (required)"
+        if "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (`PROG: MESSAGE`, exit 2) and whose help shows every
+    option's default. Sub-parsers made with add_subparsers() are Parsers too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+
+# -- numbers ------------------------------------------------------------------------------------------------------
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int_at_least_{minimum}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def float_in(low: float | None = None, high: float | None = None, *, open_low: bool = False,
+             describe: str | None = None) -> Callable[[str], float]:
+    """A finite float in [low, high] ((low, high] with open_low)."""
+    from specpilot.drafting.checks import check_float, float_range
+
+    accepted = describe or float_range(low, high, open_low=open_low)
+
+    def parse(text: str) -> float:
+        try:
+            return check_float("value", float(text), minimum=low, maximum=high, open_low=open_low)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}") from None
+
+    parse.__name__ = "number"
+    return parse
+
+
+finite_float = float_in()
+positive_float = float_in(0.0, open_low=True)
+non_negative_float = float_in(0.0)
+probability = float_in(0.0, 1.0, open_low=True, describe="a probability in (0, 1]")
+
+
+def _comma_list(item: Callable[[str], object], what: str) -> Callable[[str], list]:
+    def parse(text: str) -> list:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
+        return [item(p) for p in parts]
+
+    parse.__name__ = "list"
+    return parse
+
+
+def int_list(minimum: int = 0) -> Callable[[str], list[int]]:
+    """"4,12" -> [4, 12] (each >= minimum); "2-5" ranges expand to 2,3,4,5."""
+    one = int_at_least(minimum)
+
+    def item(part: str) -> list[int]:
+        if "-" in part and not part.startswith("-"):
+            lo, hi = part.split("-", 1)
+            values = list(range(one(lo), one(hi) + 1))
+            if not values:
+                raise argparse.ArgumentTypeError(f"empty range {part!r}: write LOW-HIGH with LOW <= HIGH")
+            return values
+        return [one(part)]
+
+    inner = _comma_list(item, f"integers >= {minimum}")
+
+    def parse(text: str) -> list[int]:
+        return [v for chunk in inner(text) for v in chunk]
+
+    parse.__name__ = "int_list"
+    return parse
+
+
+def float_list(item: Callable[[str], float] = non_negative_float) -> Callable[[str], tuple[float, ...]]:
+    inner = _comma_list(item, "numbers")
+
+    def parse(text: str) -> tuple[float, ...]:
+        return tuple(inner(text))
+
+    parse.__name__ = "float_list"
+    return parse
+
+
+# -- text, devices, paths -------------------------------------------------------------------------------------------
+
+def utf8_text(text: str) -> str:
+    """Text that is valid UTF-8 (invalid bytes in argv arrive as lone surrogates) and not empty."""
+    from specpilot.drafting.pair import check_text
+
+    try:
+        check_text("the text", text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("the text ", "", 1)) from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected non-empty text, got an empty string")
+    return text
+
+
+def device(text: str) -> str:
+    from specpilot.drafting.pair import check_device
+
+    try:
+        return check_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def dtype(text: str) -> str:
+    from specpilot.drafting.pair import DTYPES
+
+    if text.strip().lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(f"dtype {text!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return text.strip().lower()
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer >= 0 (numpy's generators refuse negative seeds)."""
+    return non_negative_int(text)
+
+
+def stage_name(text: str) -> str:
+    """A folder name (a stage under the run): no path separators, not '.' or '..'."""
+    if not text.strip() or "/" in text or "\\" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a folder name without '/', got {text!r}")
+    return text
+
+
+def _output(kind: str) -> Callable[[str], str]:
+    from specpilot.drafting.errors import OutputPathError
+    from specpilot.drafting.files import check_writable
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("expected a path, got an empty string")
+        try:
+            check_writable(text, kind=kind)
+        except OutputPathError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    parse.__name__ = f"output_{kind}"
+    return parse
+
+
+output_dir = _output("dir")    # a folder that can be created/written (checked before any work starts)
+output_file = _output("file")  # a file that can be written (its folder exists or can be created)
+
+
+# -- the model pair -------------------------------------------------------------------------------------------------
+
+def add_pair_arguments(parser, *, dtype_option: bool = True, what: str = "",
+                       target_default: str = "the embedded target") -> None:
+    """--target / --draft / --eagle / --device (/ --dtype) as every command that loads a pair takes them."""
+    suffix = f" {what}" if what else ""
+    parser.add_argument("--target", default=None,
+                        help=f"target model{suffix}: a local folder or hub id (default: {target_default})")
+    parser.add_argument("--draft", default=None,
+                        help="draft model: a causal LM sharing the target's vocabulary (folder or hub id), or "
+                             "'embedded' (default: the embedded pair's drafter)")
+    parser.add_argument("--eagle", default=None, metavar="PATH",
+                        help="EAGLE-3 head folder (released layout) drafting from the target's hidden states, or "
+                             "'embedded' (default: none; give --draft or --eagle, not both)")
+    parser.add_argument("--device", type=device, default=None,
+                        help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
+    if dtype_option:
+        parser.add_argument("--dtype", type=dtype, default=None,
+                            help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+
+
+def pair_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, k, None) is not None for k in ("target", "draft", "eagle"))
+
+
+def check_pair_arguments(args: argparse.Namespace) -> None:
+    """--draft and --eagle exclude each other, and --target needs one of them."""
+    draft, eagle = getattr(args, "draft", None), getattr(args, "eagle", None)
+    if draft is not None and eagle is not None:
+        raise ValueError("give --draft (a separate draft LM) or --eagle (an EAGLE-3 head), not both")
+    if getattr(args, "target", None) is not None and draft is None and eagle is None:
+        raise ValueError("--target needs its drafter: add --draft PATH (a draft LM) or --eagle PATH (an EAGLE-3 "
+                         "head)")
+
+
+def load_pair(args: argparse.Namespace):
+    """The ModelPair the pair options name (the embedded pair when none is given)."""
+    from specpilot.drafting.pair import ModelPair
+
+    check_pair_arguments(args)
+    draft, eagle = getattr(args, "draft", None), getattr(args, "eagle", None)
+    extra = {"eagle": eagle} if eagle is not None else {}
+    return ModelPair.from_pretrained(getattr(args, "target", None), draft, device=getattr(args, "device", None),
+                                     dtype=getattr(args, "dtype", None), **extra)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,105 @@
+"""Files in and out: output locations checked before any work starts, results written atomically, JSON inputs read
+with errors that name the file.
+
+    check_writable(path, kind="dir")      refuse a read-only folder, or a file where a folder belongs (and the
+                                          reverse), before a command measures anything
+    atomic_path(path) / atomic_write_text  write to a temporary sibling, then os.replace: a crash or Ctrl-C never
+                                          leaves a half-written report, trace or config behind
+    read_json(path, what=..., fix=...)    a JSON object, or FileNotFoundError / InputFileError naming the file
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from specpilot.drafting.errors import InputFileError, OutputPathError
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(".")
+
+
+def _probe(folder: Path, label: str) -> None:
+    """Create and delete a temporary file in `folder`: the only test that holds for root and read-only mounts."""
+    try:
+        with tempfile.TemporaryFile(dir=folder, prefix=".specpilot-probe-"):
+            pass
+    except OSError as err:
+        raise OutputPathError(f"{label}: cannot write in {folder} ({err.strerror or err}); choose a writable "
+                              "location") from None
+
+
+def check_writable(path: str | Path, *, kind: str = "dir", what: str | None = None) -> Path:
+    """`path` as a Path when it can take output of `kind` ("dir": a folder, created later if missing; "file": a
+    file, replaced if it exists); else OutputPathError naming `what` (e.g. "--out") and the path. Creates nothing."""
+    if kind not in ("dir", "file"):
+        raise ValueError(f"kind must be 'dir' or 'file', got {kind!r}")
+    path = Path(path).expanduser()
+    label = f"{what} {path}" if what else str(path)
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise OutputPathError(f"{label} is an existing file, not a folder: give a folder path (it is created if "
+                              "missing)")
+    if kind == "file" and path.is_dir():
+        raise OutputPathError(f"{label} is a folder: give a file path")
+    folder = path if kind == "dir" else path.parent
+    existing = _nearest_existing(folder)
+    if not existing.is_dir():
+        raise OutputPathError(f"{label}: {existing} is a file, so no folder can be created below it")
+    _probe(existing, label)
+    return path
+
+
+def _temporary_sibling(path: Path) -> Path:
+    # the suffix stays last: numpy appends .npz and matplotlib picks the format from it
+    return path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path` to write to; on success it replaces `path` in one step (os.replace),
+    on an exception (or Ctrl-C) it is deleted and `path` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_sibling(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding=encoding)
+    return Path(path)
+
+
+def atomic_write_json(path: str | Path, data, **dump_kwargs) -> Path:
+    return atomic_write_text(path, json.dumps(data, **{"indent": 1, **dump_kwargs}) + "\n")
+
+
+def read_json(path: str | Path, *, what: str, fix: str, kind: type = dict):
+    """The JSON value in `path` (a `kind`, default an object). A missing file raises FileNotFoundError, a truncated
+    or garbage one InputFileError; both name the file, say it is the `what`, and end with `fix`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: {what} not found; {fix}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        detail = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
+        raise InputFileError(f"{path} is not a readable {what} ({detail}): the file is truncated or corrupted; "
+                             f"{fix}") from None
+    except OSError as err:
+        raise InputFileError(f"{path}: cannot read the {what} ({err.strerror or err}); {fix}") from None
+    if not isinstance(data, kind):
+        raise InputFileError(f"{path} is not a {what}: it holds a JSON {type(data).__name__}, not a JSON "
+                             f"{'object' if kind is dict else kind.__name__}; {fix}")
+    return data

@@ -1,0 +1,291 @@
+"""Bad input on the command line: one line on stderr (`specpilot <command>: <message>`), exit code 2, no traceback,
+nothing measured or written; real bugs keep their traceback, and `--debug` shows it for bad input too."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specpilot.cli import main
+from specpilot.drafting.errors import is_user_error
+from specpilot.drafting.pair import DEFAULT_PAIR_DIR
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit code, stderr) of `specpilot ARGV` run in this process (argparse refusals raise SystemExit)."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line(code: int, err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and lines[0].startswith("specpilot"), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(scope="module")
+def paths(saved_pair, tmp_path_factory):
+    """The saved tiny pair, an existing file, a draft folder without tokenizer files, a broken export dir."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("cli_errors")
+    (root / "file.txt").write_text("not a folder")
+    bare = root / "bare_draft"
+    AutoModelForCausalLM.from_pretrained(saved_pair / "draft").save_pretrained(bare)  # no tokenizer files
+    return {"target": str(saved_pair / "target"), "draft": str(saved_pair / "draft"), "file": str(root / "file.txt"),
+            "bare": str(bare), "root": root}
+
+
+def _pair(p):
+    return ["--target", p["target"], "--draft", p["draft"]]
+
+
+# (argv builder, fragments of the one line) -- parse-time refusals and library validation alike
+CASES = {
+    "width 0": (lambda p: ["generate", "--prompt", "x", "--width", "0"], ["--width", ">= 1"]),
+    "non-integer max-new-tokens": (lambda p: ["generate", "--prompt", "x", "--max-new-tokens", "2.5"],
+                                   ["--max-new-tokens", "integer"]),
+    "nan temperature": (lambda p: ["generate", "--prompt", "x", "--temperature", "nan"], ["--temperature", "finite"]),
+    "inf temperature": (lambda p: ["generate", "--prompt", "x", "--temperature", "inf"], ["--temperature"]),
+    "top-p 0": (lambda p: ["generate", "--prompt", "x", "--top-p", "0"], ["--top-p", "(0, 1]"]),
+    "negative top-k": (lambda p: ["generate", "--prompt", "x", "--top-k", "-1"], ["--top-k", ">= 0"]),
+    "max-depth 0": (lambda p: ["generate", "--prompt", "x", "--max-depth", "0"], ["--max-depth"]),
+    "unknown device": (lambda p: ["generate", "--prompt", "x", "--device", "gpu"], ["--device", "cpu, cuda"]),
+    "unknown dtype": (lambda p: ["generate", "--prompt", "x", "--dtype", "int8"], ["--dtype", "float32"]),
+    "invalid utf-8 prompt": (lambda p: ["generate", "--prompt", "ab\udcff\udcfe"], ["--prompt", "UTF-8"]),
+    "empty prompt": (lambda p: ["generate", "--prompt", " "], ["--prompt", "empty"]),
+    "threads 0": (lambda p: ["--threads", "0", "generate", "--prompt", "x"], ["--threads"]),
+    "missing target path": (lambda p: ["generate", "--prompt", "x", "--target", "/no/such/target", "--draft",
+                                       p["draft"]], ["/no/such/target", "does not exist"]),
+    "missing relative path": (lambda p: ["generate", "--prompt", "x", "--target", "runs/nosuchmodel", "--draft",
+                                         p["draft"]], ["runs/nosuchmodel", "no local path"]),
+    "target without drafter": (lambda p: ["generate", "--prompt", "x", "--target", p["target"]],
+                               ["--target needs its drafter"]),
+    "draft and eagle": (lambda p: ["generate", "--prompt", "x", *_pair(p), "--eagle", p["draft"]],
+                        ["--draft", "--eagle", "not both"]),
+    "embedded draft with a target": (lambda p: ["generate", "--prompt", "x", "--target", p["target"], "--draft",
+                                                "embedded"], ["--draft embedded", "--target"]),
+    "config with depth": (lambda p: ["generate", "--prompt", "x", "--config", str(p["root"]), "--depth", "7"],
+                          ["--depth", "conflict", "--config"]),
+    "width over vocabulary": (lambda p: ["generate", "--prompt", "x", *_pair(p), "--width", "5000",
+                                         "--max-new-tokens", "4"], ["width=5000", "vocabulary"]),
+    "over-long prompt": (lambda p: ["generate", "--prompt", "return x + 1\n" * 400, *_pair(p), "--width", "2",
+                                    "--max-new-tokens", "4"], ["context", "shorten the prompt"]),
+    "record out is a file": (lambda p: ["record", "--out", p["file"]], ["--out", "not a folder"]),
+    "record width 0": (lambda p: ["record", "--out", str(p["root"] / "r"), "--width", "0"], ["--width"]),
+    "grid out is a folder": (lambda p: ["grid", "--traces", "x", "--out", str(p["root"])], ["--out", "is a folder"]),
+    "grid missing traces": (lambda p: ["grid", "--traces", str(p["root"] / "none"), "--out",
+                                       str(p["root"] / "g.json")], ["no trace under"]),
+    "eval out is a file": (lambda p: ["eval", "--out", p["file"]], ["--out", "not a folder"]),
+    "eval nan temperature": (lambda p: ["eval", "--temperatures", "0,nan"], ["--temperatures"]),
+    "eval unknown method": (lambda p: ["eval", "--methods", "fixed,warp"], ["unknown method(s) warp"]),
+    "eval ltd without run": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--methods", "ltd"],
+                             ["ltd needs a trained run", "--run"]),
+    "eval grid missing": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--grid", str(p["root"] / "g.json")],
+                          ["g.json", "not found"]),
+    "train no stage": (lambda p: ["train"], ["choose a stage"]),
+    "train steps 0": (lambda p: ["train", "size", "--run", str(p["root"] / "t"), "--steps", "0"], ["--steps"]),
+    "train static one value": (lambda p: ["train", "size", "--run", str(p["root"] / "t"), "--static", "4"],
+                               ["--static", "DEPTH,SIZE"]),
+    "train no traces": (lambda p: ["train", "size", "--run", str(p["root"] / "t")], ["no trace at"]),
+    "train run is a file": (lambda p: ["train", "size", "--run", p["file"]], ["--run", "not a folder"]),
+    "export missing run": (lambda p: ["export", "--run", str(p["root"] / "nope"), "--out", str(p["root"] / "x")],
+                           ["policies.json", "not found"]),
+    "export out is a file": (lambda p: ["export", "--run", "x", "--out", p["file"]], ["--out", "not a folder"]),
+    "models build without out": (lambda p: ["models", "build"], ["--out is required"]),
+    "models build threads 0": (lambda p: ["models", "build", "--threads", "0"], ["--threads"]),
+    "demo out is a file": (lambda p: ["demo", "--out", p["file"]], ["--out", "not a folder"]),
+    "negative seed": (lambda p: ["record", "--out", str(p["root"] / "r"), "--seed", "-1"], ["--seed", ">= 0"]),
+    "stage with a path": (lambda p: ["train", "size", "--run", str(p["root"] / "t"), "--stage", "../x"],
+                          ["--stage", "folder name"]),
+    "eval decide one method": (lambda p: ["eval", "--decide", "ltd"], ["--decide", "METHOD,BASELINE"]),
+    "eval min rounds above max": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--min-rounds", "5",
+                                             "--max-rounds", "3"], ["min_rounds=5 exceeds max_rounds=3"]),
+    "eval grid without a result": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--methods", "grid"],
+                                      ["grid needs a grid-search result"]),
+    "train gamma above 1": (lambda p: ["train", "size", "--run", str(p["root"] / "t"), "--gamma", "1.5"],
+                            ["--gamma", "(0, 1]"]),
+    "train unknown reward": (lambda p: ["train", "ablation", "--run", str(p["root"] / "t"), "--rewards", "speed"],
+                             ["unknown reward(s) speed"]),
+    "grid depths range": (lambda p: ["grid", "--traces", "x", "--out", str(p["root"] / "g.json"), "--depths", "5-2"],
+                          ["--depths", "empty range"]),
+    "workers 0": (lambda p: ["record", "--out", str(p["root"] / "r"), "--ray", "local", "--workers", "0"],
+                  ["--workers"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_exit_2(case, paths, capsys):
+    build, fragments = CASES[case]
+    code, err = run_cli(build(paths), capsys)
+    assert_one_line(code, err, *fragments)
+
+
+@pytest.mark.skipif((DEFAULT_PAIR_DIR / "eagle" / "config.json").exists(), reason="the package ships a head")
+def test_embedded_eagle_when_none_is_shipped(capsys):
+    code, err = run_cli(["generate", "--prompt", "x", "--eagle", "embedded"], capsys)
+    assert_one_line(code, err, "ships no EAGLE-3 head", "--draft embedded")
+
+
+def test_tokenizerless_draft_folder_is_not_a_mismatch(paths, capsys):
+    """transformers builds an empty tokenizer for a folder without tokenizer files: that is a missing tokenizer
+    (the target's is used), not a vocabulary mismatch."""
+    code = main(["generate", "--prompt", "def f(x):", "--target", paths["target"], "--draft", paths["bare"],
+                 "--width", "2", "--depth", "2", "--size", "3", "--max-new-tokens", "4"])
+    assert code == 0, capsys.readouterr().err
+
+
+def test_debug_shows_the_traceback(paths):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(["--debug", "generate", "--prompt", "x", "--target", "/no/such/target", "--draft", paths["draft"]])
+
+
+def test_a_real_bug_keeps_its_traceback(monkeypatch):
+    import specpilot.drafting.cli as gen
+
+    def buggy(args):
+        return {}["missing"]  # a KeyError from our own code is a bug, not bad input
+
+    monkeypatch.setattr(gen, "run", buggy)
+    with pytest.raises(KeyError):
+        main(["generate", "--prompt", "x"])
+
+
+def test_console_exit_code_and_single_line():
+    """The real console script: exit status 2, one stderr line, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "specpilot.cli", "generate", "--prompt", "x", "--target",
+                           "/no/such/target", "--draft", "/no/such/draft"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("specpilot generate: ")
+
+
+def test_invalid_utf8_argv_from_the_shell():
+    """Invalid UTF-8 bytes in argv reach Python as lone surrogates (surrogateescape): refused on one line."""
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"specpilot.cli", b"generate", b"--prompt", b"ab\xff\xfe"],
+                          capture_output=True, timeout=300)
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2 and err.count("\n") == 1 and "UTF-8" in err and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what counts as bad input
+
+
+def _raise(err):
+    raise err
+
+
+@pytest.mark.parametrize("make, user", [
+    (lambda: _raise(ValueError("raised outside the package")), False),  # tests are not package code
+    (lambda: __import__("numpy").zeros(-1), False),                       # a ValueError inside numpy: our bug
+    (lambda: {}["x"], False),                                             # KeyError: a bug
+    (lambda: open("/no/such/file"), True),                                # OSError: about the paths given
+])
+def test_user_error_classification(make, user):
+    with pytest.raises(Exception) as info:
+        make()
+    assert is_user_error(info.value) is user
+
+
+def test_package_validation_errors_count_as_bad_input():
+    from specpilot.drafting.types import TreeConfig
+    from specpilot.eval.suites import SuiteError
+
+    for make in (lambda: TreeConfig(width=2.5), lambda: TreeConfig(max_depth=0)):
+        with pytest.raises((TypeError, ValueError)) as info:
+            make()
+        assert is_user_error(info.value)
+    assert is_user_error(SuiteError("any package error class, wherever raised"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train: Ctrl-C and an existing stage name the CLI flag
+
+
+@pytest.fixture
+def fake_traces(tmp_path):
+    run = tmp_path / "run"
+    for split in ("train", "validation"):
+        (run / "traces" / split).mkdir(parents=True)
+        (run / "traces" / split / "trace.npz").write_bytes(b"")
+    return run
+
+
+def _interrupting_train_size(interrupt_at):
+    """train_size replaced by a real train_policy on a tiny env that raises KeyboardInterrupt at step N."""
+    import gymnasium as gym
+    import numpy as np
+
+    from specpilot.train.ppo import settings_for, train_policy
+
+    class Env(gym.Env):
+        observation_space = gym.spaces.Box(0.0, 1.0, shape=(2,), dtype=np.float32)
+        action_space = gym.spaces.Discrete(2)
+        steps = 0
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return np.zeros(2, dtype=np.float32), {}
+
+        def step(self, action):
+            Env.steps += 1
+            if interrupt_at is not None and Env.steps >= interrupt_at:
+                raise KeyboardInterrupt
+            return np.zeros(2, dtype=np.float32), float(action), True, False, {}
+
+    def train_size(run_dir, traces, *, options, stage, **_):
+        settings = settings_for("size", total_timesteps=256, n_steps=64, batch_size=32, n_epochs=1, pi_arch=[8],
+                                vf_arch=[8], seed=0, checkpoint_every=64, eval_every=10_000)
+        train_policy(Env, None, settings, run_dir, stage, resume=options.resume)
+
+        class Result:
+            def to_dict(self):
+                return {"stage": stage}
+        return Result()
+
+    return train_size
+
+
+def test_ctrl_c_prints_checkpoint_and_resume_command(fake_traces, monkeypatch, capsys):
+    import specpilot.train.pipeline as pipeline
+
+    argv = ["train", "size", "--run", str(fake_traces), "--wandb", "disabled"]
+    monkeypatch.setattr(pipeline, "train_size", _interrupting_train_size(interrupt_at=150))
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "interrupted" in err
+    manifest = json.loads((fake_traces / "manifest.json").read_text())
+    checkpoint = manifest["stages"]["size_s1"]["checkpoint"]
+    assert checkpoint in err
+    resume = err.strip().splitlines()[-1].strip()
+    assert resume.startswith("specpilot train size --run") and resume.endswith("--resume")
+
+    # the same command without --resume is refused, naming the CLI flag (not the API's resume=True)
+    code, err = run_cli(argv, capsys)
+    assert_one_line(code, err, "already has checkpoints", "--resume")
+    assert "resume=True" not in err
+
+    # the printed command resumes it
+    monkeypatch.setattr(pipeline, "train_size", _interrupting_train_size(interrupt_at=None))
+    assert main(resume.split()[1:]) == 0
+    assert json.loads((fake_traces / "manifest.json").read_text())["stages"]["size_s1"]["status"] == "done"
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--ray", "local"], "--ray"),                      # replay training stays local: refused, not ignored
+    (["--target", "t", "--draft", "d"], "--backend live"),  # pair options only load the live backend's pair
+    (["--static", "4,12", "--grid", "g.json"], "give one"),
+])
+def test_train_refuses_options_it_would_ignore(fake_traces, extra, fragment, capsys):
+    code, err = run_cli(["train", "size", "--run", str(fake_traces), *extra], capsys)
+    assert_one_line(code, err, fragment)
