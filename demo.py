@@ -73,7 +73,7 @@ class DemoBudget:
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
     check_rounds: int = 3
-    sampled_depth_steps: int = 2048
+    sampled_depth_steps: int = 4096
     sampled_size_steps: int = 1024
 
     @classmethod
@@ -81,7 +81,7 @@ class DemoBudget:
         return cls(train_prompts=10, val_prompts=4, heldout_prompts=12, max_new_tokens=48, size_steps=3_000,
                    depth_steps=4_000, coadapt_steps=2_000, rounds=3, n_steps=512, batch_size=128, n_epochs=5,
                    vf_arch=(256, 256), live_top=2, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
-                   eval_budget_s=150.0, sampled_depth_steps=512, sampled_size_steps=256)
+                   eval_budget_s=150.0, sampled_depth_steps=1024, sampled_size_steps=256)
 
 
 STAGES = ("record", "grid", "train", "eval", "export")

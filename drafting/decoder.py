@@ -23,7 +23,7 @@ from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.drafters import make_drafter, target_features
 from specpilot.drafting.pair import ModelPair
-from specpilot.drafting.sampling import sampling_probs
+from specpilot.drafting.sampling import sample, sampling_probs
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
@@ -239,6 +239,8 @@ class DecodingSession:
             raise RuntimeError("the generation is finished; start a new session")
         size = self._check_verify_size(size)
         tree = self.drafter.tree
+        if tree is None:
+            return self._plain_step()
         with torch.inference_mode():
             t0 = self.clock.now()
             cache_len = cache_length(self.target_cache)
@@ -259,6 +261,25 @@ class DecodingSession:
             self.new_tokens.extend(emitted)
             now = self.clock.now()
         return self._finish_cycle(tree, size, len(path), emitted, now - t0, now)
+
+    def _plain_step(self) -> CycleRecord:
+        """One target step on the root, as autoregressive decoding takes it (no block, mask or cache compaction)."""
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            root = torch.tensor([[self.committed[-1]]], dtype=torch.long, device=self.device)
+            out = self.pair.target(input_ids=root, cache=self.target_cache, use_cache=True, logits_to_keep=1,
+                                   output_hidden_states=self.needs_features)
+            logits = out.logits[0, -1]
+            if self.sampling is None:
+                token = int(logits.argmax())
+            else:
+                token = sample(sampling_probs(logits, *self.sampling), self.generator)
+            self._keep_features(out, None, len(self.committed) - 1)
+            emitted = self._truncate([token])
+            self.committed.extend(emitted)
+            self.new_tokens.extend(emitted)
+            now = self.clock.now()
+        return self._finish_cycle(None, 0, 0, emitted, now - t0, now)
 
     def _accept(self, tree, block, logits) -> tuple[list[int], int]:
         if self.sampling is None:

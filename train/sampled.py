@@ -1,10 +1,11 @@
 """Policies for sampled decoding: the depth and size policies fine-tuned on the LIVE decoder at a temperature > 0.
 
 Replay models greedy decoding only (under sampling the emitted text depends on the decisions), so a run's
-temperature-T policies start from its greedy (co-adapted) policies and train on live environments at T: the depth
-policy first (it may learn to skip drafting where sampled speculation does not pay), against the static size; then
-the size policy against that frozen depth policy. No replay validation exists at T > 0, so each stage keeps its
-final policy. Written to RUN/sampled/T<t>/policies.json, which evaluation uses at that temperature.
+temperature-T policies train on live environments at T: the depth policy first, from a fresh initialisation (the
+greedy policy never skips drafting and has stopped exploring it, while at T > 0 a plain step may be the better
+choice), against the static size of the grid at T; then the size policy, from the greedy one, against that frozen
+depth policy. No replay validation exists at T > 0, so each stage keeps its final policy. Written to
+RUN/sampled/T<t>/policies.json, which evaluation uses at that temperature.
 """
 from __future__ import annotations
 
@@ -47,8 +48,7 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
     try:
         size_partner = as_size_controller(static[1])
         depth = train_stage(StageSpec("depth", f"{tag}_depth", depth_steps, partner=size_partner,
-                                      val_partner=size_partner, init_from=run_dir / final["depth"]["path"]),
-                            run_dir, traces, options, log)
+                                      val_partner=size_partner), run_dir, traces, options, log)
         frozen = load_partner("depth", depth.best, depth.spec, fallback=FixedController(*static))
         size = train_stage(StageSpec("size", f"{tag}_size", size_steps, partner=frozen, val_partner=frozen,
                                      size_actions=final["size"]["size_actions"],
