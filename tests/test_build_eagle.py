@@ -125,3 +125,13 @@ def test_quick_build_with_eagle_then_eagle_only(tmp_path: Path):
     assert {n: _digest(tmp_path / n / "model.safetensors") for n in ("target", "draft")} == kept
     assert again["target"]["train"]["reused_from_previous_build"]
     assert again["eagle"]["train"]["steps"] == metrics["eagle"]["train"]["steps"]
+
+
+def test_init_from_target_copies_the_draft_vocabulary_rows(target):
+    from specpilot.train.build_eagle import init_from_target
+
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=5), target)
+    head.set_draft_vocab(torch.tensor([7, 1, 30, 2, 95]))
+    init_from_target(head, target)
+    assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[[1, 2, 7, 30, 95]])
+    assert torch.equal(head.norm.weight, target.model.norm.weight)

@@ -6,8 +6,8 @@ Recipe (EAGLE-3 "training-time test", sized for a 2-core CPU):
    windows and target-written text; corpus frequency breaks ties), so the head's output layer stays cheap;
 2. features: a frozen bf16 copy of the target runs with `output_hidden_states` under inference mode; the head
    fuses the states entering layers (2, L//2, L-3);
-3. data: every batch is half standard-library corpus windows and half text the target wrote itself (greedy and
-   sampled at T=1, shared with the separate draft), mixed from the first step;
+3. data: every batch mixes standard-library corpus windows with text the target wrote itself (greedy and sampled
+   at T=1, shared with the separate draft; `pool_share` of the rows), from the first step;
 4. training-time test: the head is unrolled `ttt_steps` times on its own output hidden states with the attention
    mask inference uses (`ttt_mask`); the loss at every step is the cross-entropy to the target's next-token
    distribution restricted to the draft vocabulary, plus `hard_weight` x cross-entropy to the target's argmax,
@@ -35,7 +35,8 @@ class EagleBudget:
     """Hyper-parameters and step budget of the head's training (weights depend on these and the seed only)."""
 
     tokens: int = 600_000            # head positions trained (each unrolled ttt_steps times)
-    batch: int = 8                   # windows per step: half corpus, half target-written
+    batch: int = 8                   # windows per step
+    pool_share: float = 0.5          # fraction of each batch's windows that the target wrote itself
     seq: int = 128                   # head positions per window (the window holds seq + ttt_steps tokens)
     ttt_steps: int = 5               # training-time-test unroll depth
     lr: float = 3e-3
@@ -43,6 +44,7 @@ class EagleBudget:
     vocab_windows: int = 256         # corpus windows whose target argmax is counted for the draft vocabulary
     hard_weight: float = 0.1         # weight of the cross-entropy to the target's argmax
     step_decay: float = 0.8          # loss weight of unroll step k is step_decay ** (k - 1)
+    init_from_target: bool = True    # lm_head / norm start as the target's (see init_from_target)
     max_minutes: float = 60.0        # safety cap only
 
     @classmethod
@@ -124,7 +126,8 @@ def train_eagle_head(head: Eagle3Head, teacher, stream: torch.Tensor, pool: torc
                      seed: int, device: str) -> dict:
     """Training-time-test training of `head` (see the module docstring) for ceil(tokens / (batch*seq)) steps."""
     gen = torch.Generator().manual_seed(seed + 3)
-    K, n, half = budget.ttt_steps, budget.seq, max(1, budget.batch // 2)
+    K, n = budget.ttt_steps, budget.seq
+    corpus_rows = min(budget.batch - 1, max(1, round(budget.batch * (1.0 - budget.pool_share))))
     if pool.shape[1] < n + K:
         raise ValueError(f"target-written windows have {pool.shape[1]} tokens; the head needs seq + ttt_steps = "
                          f"{n + K}: lower EagleBudget.seq or raise the build's window length")
@@ -137,9 +140,9 @@ def train_eagle_head(head: Eagle3Head, teacher, stream: torch.Tensor, pool: torc
     head.train()
     t0, last_log, ema, step, capped = time.time(), 0.0, None, 0, False
     for step in range(1, steps_total + 1):
-        rows = torch.randint(0, pool.shape[0], (budget.batch - half,), generator=gen)
+        rows = torch.randint(0, pool.shape[0], (budget.batch - corpus_rows,), generator=gen)
         starts = torch.randint(0, pool.shape[1] - (n + K) + 1, (1,), generator=gen).item()
-        x = torch.cat([_batch(stream, gen, half, n + K - 1, device),
+        x = torch.cat([_batch(stream, gen, corpus_rows, n + K - 1, device),
                        pool[rows, starts:starts + n + K].to(device)])        # [batch, n + K]
         feats, t_logits = teacher_pass(teacher, x, head.aux_layer_ids)
         outs = unroll(head, head.fc(feats[:, :n].to(head.fc.weight.dtype)), x, steps=K)
@@ -167,6 +170,16 @@ def train_eagle_head(head: Eagle3Head, teacher, stream: torch.Tensor, pool: torc
             "stopped_by_time_cap": capped, **asdict(budget)}
 
 
+@torch.no_grad()
+def init_from_target(head: Eagle3Head, target) -> None:
+    """Start the head's output side as the target's: `norm` from the target's final norm and `lm_head` from the
+    target's output rows of the draft vocabulary. The head's output hidden state then begins in the space the
+    target's own last hidden state lives in, which it is trained to imitate."""
+    ids = torch.nonzero(head.t2d).reshape(-1)
+    head.lm_head.weight.copy_(target.get_output_embeddings().weight[ids].to(head.lm_head.weight.dtype))
+    head.norm.weight.copy_(target.model.norm.weight.to(head.norm.weight.dtype))
+
+
 def build_eagle_head(out_dir: str | Path, target, draft, train_stream: torch.Tensor, held: dict[str, torch.Tensor],
                      *, pool: torch.Tensor, seed: int, device: str, budget: EagleBudget) -> dict:
     """Choose the draft vocabulary, train the head against `target`, save it to out_dir (released layout, bf16)
@@ -183,6 +196,8 @@ def build_eagle_head(out_dir: str | Path, target, draft, train_stream: torch.Ten
     config = Eagle3Config.for_target(target.config, draft_vocab_size=budget.draft_vocab_size)
     head = Eagle3Head(config, target).to(device)
     head.set_draft_vocab(vocab_ids)
+    if budget.init_from_target:
+        init_from_target(head, target)
     log(f"eagle head {sum(p.numel() for p in head.parameters()) / 1e6:.2f}M params, aux layers "
         f"{config.aux_layer_ids}, draft vocabulary {config.draft_vocab_size}")
     train = train_eagle_head(head, teacher, train_stream, pool, budget=budget, seed=seed, device=device)

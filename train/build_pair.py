@@ -449,13 +449,15 @@ def _model_summary(model, train: dict | None, held: dict[str, torch.Tensor], *, 
 
 def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: int = 0, device: str | None = None,
                quick: bool = False, threads: int | None = None, target_only: bool = False,
-               reuse_target: bool = False, eagle: bool = False, eagle_only: bool = False) -> dict:
+               reuse_target: bool = False, eagle: bool = False, eagle_only: bool = False,
+               eagle_budget: "EagleBudget | None" = None) -> dict:
     """Build, evaluate and save the pair under out_dir; returns (and writes) the metrics.
 
     Stages: tokenizer + target, then the separate draft, then (eagle=True) the EAGLE-3 head in out_dir/eagle.
     target_only: stop after saving the tokenizer and target (a later call can reuse them).
     reuse_target: keep the tokenizer and target an earlier build saved in out_dir (same corpus required).
-    eagle_only: keep tokenizer, target and draft; train and measure only the head (implies eagle)."""
+    eagle_only: keep tokenizer, target and draft; train and measure only the head (implies eagle).
+    eagle_budget: the head's specpilot.train.build_eagle.EagleBudget (default: its defaults, or quick())."""
     out = Path(out_dir)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     budget = budget or (BuildBudget.quick() if quick else BuildBudget())
@@ -519,7 +521,7 @@ def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: 
         t0 = time.time()
         metrics["eagle"] = build_eagle_head(
             out / "eagle", target, metrics["_draft_model"], train_stream, held, pool=metrics["_pool"], seed=seed,
-            device=device, budget=EagleBudget.quick() if quick else EagleBudget())
+            device=device, budget=eagle_budget or (EagleBudget.quick() if quick else EagleBudget()))
         timings["eagle_minutes"] = round((time.time() - t0) / 60, 2)
     elif "draft" in metrics and (out / "eagle" / "config.json").exists():
         # a head trained earlier against this target: re-measure it beside the new draft
