@@ -34,7 +34,7 @@ from specpilot.train.optim import MasterWeightsAdamW, lr_at, use_bf16
 class EagleBudget:
     """Hyper-parameters and step budget of the head's training (weights depend on these and the seed only)."""
 
-    tokens: int = 600_000            # head positions trained (each unrolled ttt_steps times)
+    tokens: int = 1_200_000          # head positions trained (each unrolled ttt_steps times)
     batch: int = 8                   # windows per step
     pool_share: float = 0.5          # fraction of each batch's windows that the target wrote itself
     seq: int = 128                   # head positions per window (the window holds seq + ttt_steps tokens)
@@ -45,7 +45,7 @@ class EagleBudget:
     hard_weight: float = 0.1         # weight of the cross-entropy to the target's argmax
     step_decay: float = 0.8          # loss weight of unroll step k is step_decay ** (k - 1)
     init_from_target: bool = True    # lm_head / norm start as the target's (see init_from_target)
-    max_minutes: float = 60.0        # safety cap only
+    max_minutes: float = 120.0       # safety cap only
 
     @classmethod
     def quick(cls) -> "EagleBudget":

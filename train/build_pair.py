@@ -6,13 +6,19 @@ setuptools wheels that `ensurepip` bundles. The steps:
 
 1. collect the corpus and write a manifest (file list + sha256) so the build is auditable;
 2. train a byte-level BPE tokenizer (exact round-trip of any text, one EOS token);
-3. train a deep, narrow Llama target on a wall-clock budget;
-4. distil a one-layer draft towards the target (KL to the target's logits on corpus text and on text the
-   target itself generates greedily, which is the distribution speculative decoding sees);
-5. measure on held-out code (the standard library's `test/` files, never trained on): target accuracy and
-   perplexity, draft/target argmax agreement along the target's own greedy generations, and the cost of one
-   cached decode step of each model (fp32, inference_mode, batch 1, the way the CPU decoder runs them);
-6. save tokenizer/, target/, draft/ (bf16 safetensors), metrics.json and corpus_manifest.json.
+3. train a deep, narrow Llama target (8x384) for a fixed token budget, bf16 weights with fp32 masters;
+4. have the target write text from corpus prompts (greedy and sampled at T=1): speculative acceptance is decided
+   on such text, so both drafters train on it;
+5. distil a one-layer draft towards the target (KL to the target's logits on that text and on corpus text);
+6. optionally (--eagle) train an EAGLE-3 head on the target's features (specpilot.train.build_eagle);
+7. measure on held-out code (the standard library's `test/` and `idlelib/` files, never trained on): target
+   accuracy and perplexity, draft/target argmax agreement along the target's own greedy generations, the head's
+   metrics beside the draft's, and the cost of one cached decode step (fp32, inference_mode, batch 1, 1 and 2
+   threads, the way the CPU decoder runs them);
+8. save tokenizer/, target/, draft/, eagle/ (bf16 safetensors), metrics.json and corpus_manifest.json.
+
+Every stage is step-budgeted and seeded (BuildBudget, EagleBudget): the weights depend on the seed, the budgets
+and the thread count, not on machine speed; wall-clock caps are only a safety net, and a capped stage says so.
 """
 from __future__ import annotations
 
@@ -243,7 +249,7 @@ def greedy_generate(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tens
 
 
 def target_text_pool(target, stream: torch.Tensor, *, sequences: int, seq: int, seed: int, device: str,
-                     prompt_len: int = 32, batch: int = 16) -> torch.Tensor:
+                     prompt_len: int = 32, batch: int = 64) -> torch.Tensor:
     """[sequences, seq + 1] token windows of text the target writes itself: corpus prompts of `prompt_len`
     tokens continued by the target (fp32, as it decodes at run time), alternately greedy and sampled at T=1.
     Speculative acceptance is decided on such text, so draft models trained on it match what they will see."""
@@ -402,18 +408,19 @@ def _dir_mb(path: Path) -> float:
 class BuildBudget:
     """Step budgets of `specpilot models build`. The weights depend on these and the seed only (and on the thread
     count through floating-point summation order); the minute figures are safety caps, not schedules.
-    Defaults are sized for under an hour on 2 quiet cores of the reference CPU (target ~30 min, draft ~8,
-    EAGLE head ~15, measurements ~3)."""
+    Defaults are sized for under an hour on 2 quiet cores of the reference CPU: measured there (2 threads, quiet)
+    the target trains at ~2250 tokens/s (~25 min), then target text ~2 min, draft ~4, EAGLE head ~10, measurements
+    ~4. On a machine shared with other jobs pass threads=1 (see build_pair) and expect 2-3x longer."""
 
     seq: int = 256                    # training window length (tokens)
-    target_tokens: int = 1_200_000    # next-token training tokens of the target
+    target_tokens: int = 3_000_000    # next-token training tokens of the target
     target_batch: int = 8
     target_lr: float = 2e-3
-    pool_sequences: int = 256         # target-written windows shared by the draft and the EAGLE head
-    draft_tokens: int = 400_000       # distillation tokens of the separate draft (half target-written)
+    pool_sequences: int = 512         # target-written windows shared by the draft and the EAGLE head
+    draft_tokens: int = 800_000       # distillation tokens of the separate draft (half target-written)
     draft_batch: int = 8
-    target_max_minutes: float = 90.0
-    draft_max_minutes: float = 30.0
+    target_max_minutes: float = 240.0
+    draft_max_minutes: float = 90.0
 
     @classmethod
     def quick(cls) -> "BuildBudget":
