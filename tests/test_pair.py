@@ -120,6 +120,15 @@ def test_quick_build_smoke(tmp_path: Path):
     assert pair.eos_token_id == pair.tokenizer.eos_token_id
 
 
+def test_quick_target_build_is_deterministic(tmp_path: Path):
+    """Same seed and step budget: byte-identical weights, however long each step took."""
+    for name in ("a", "b"):
+        build_pair(tmp_path / name, quick=True, target_only=True)
+    assert (tmp_path / "a" / "target" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "target" / "model.safetensors").read_bytes()
+    assert not (tmp_path / "a" / "draft").exists()
+
+
 def test_draft_init_from_target():
     from specpilot.train.build_pair import init_draft_from_target
     from transformers import LlamaConfig, LlamaForCausalLM
