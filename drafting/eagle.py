@@ -38,6 +38,8 @@ from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, Ll
                                                       apply_rotary_pos_emb)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The head trained for the embedded default pair's target (`specpilot models build --eagle`).
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parent / "default_pair" / "eagle"
 WEIGHT_FILES = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
 # Keys some released heads carry that this loader does not need (checked, then ignored).
 HARMLESS_EXTRA_KEYS = ("embed_tokens.weight",)

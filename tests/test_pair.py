@@ -55,8 +55,11 @@ def test_embedded_tokenizer_round_trips_exactly():
 def test_default_pair_loads_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    pair = ModelPair.from_pretrained(device="cpu")
-    assert pair.name == "specpilot-default"
+    default = ModelPair.from_pretrained(device="cpu")
+    assert default.name == "specpilot-default" and default.drafter_kind == "eagle3"  # the faster embedded drafter
+    assert default.eagle.config.draft_vocab_size < default.vocab_size
+    pair = ModelPair.from_pretrained(draft="embedded", device="cpu")
+    assert pair.name == "specpilot-default+draft" and pair.drafter_kind == "draft_lm"
     assert pair.dtype == torch.float32  # stored bf16, run in fp32 on CPU
     assert pair.eos_token_id == pair.tokenizer.eos_token_id
     assert pair.draft.config.num_hidden_layers < pair.target.config.num_hidden_layers
@@ -107,15 +110,26 @@ def test_corpus_exclusions():
 
 
 def test_quick_build_smoke(tmp_path: Path):
-    metrics = build_pair(tmp_path, quick=True, target_minutes=0.05, draft_minutes=0.03)
+    metrics = build_pair(tmp_path, quick=True)
     for sub in ("tokenizer", "target", "draft"):
         assert (tmp_path / sub).is_dir()
     assert (tmp_path / "metrics.json").exists() and (tmp_path / "corpus_manifest.json").exists()
-    assert 0.0 <= metrics["agreement_on_target_greedy"]["agreement"] <= 1.0
-    assert metrics["decode_cost"]["ratio"] > 0
+    assert set(metrics["agreement_on_target_greedy"]) == {"test", "idlelib"}
+    assert 0.0 <= metrics["agreement_on_target_greedy"]["test"]["agreement"] <= 1.0
+    assert metrics["decode_cost"]["threads_1"]["ratio"] > 0
+    assert metrics["target"]["train"]["steps"] == metrics["target"]["train"]["steps_planned"]
     pair = ModelPair.from_pretrained(target=tmp_path / "target", draft=tmp_path / "draft",
                                      tokenizer=tmp_path / "tokenizer", device="cpu")
     assert pair.eos_token_id == pair.tokenizer.eos_token_id
+
+
+def test_quick_target_build_is_deterministic(tmp_path: Path):
+    """Same seed and step budget: byte-identical weights, however long each step took."""
+    for name in ("a", "b"):
+        build_pair(tmp_path / name, quick=True, target_only=True)
+    assert (tmp_path / "a" / "target" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "target" / "model.safetensors").read_bytes()
+    assert not (tmp_path / "a" / "draft").exists()
 
 
 def test_draft_init_from_target():
