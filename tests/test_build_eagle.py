@@ -125,6 +125,10 @@ def test_quick_build_with_eagle_then_eagle_only(tmp_path: Path):
     assert {n: _digest(tmp_path / n / "model.safetensors") for n in ("target", "draft")} == kept
     assert again["target"]["train"]["reused_from_previous_build"]
     assert again["eagle"]["train"]["steps"] == metrics["eagle"]["train"]["steps"]
+    head_bytes = _digest(tmp_path / "eagle" / "model.safetensors")
+    redraft = build_pair(tmp_path, quick=True, reuse_target=True)  # new draft; the head is kept and re-measured
+    assert _digest(tmp_path / "eagle" / "model.safetensors") == head_bytes
+    assert redraft["eagle"]["reused_from_previous_build"] and "target_greedy" in redraft["eagle"]
 
 
 def test_init_from_target_copies_the_draft_vocabulary_rows(target):

@@ -493,26 +493,11 @@ def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: 
     t_cfg, d_cfg = model_configs(len(tokenizer), tokenizer.eos_token_id, quick=quick)
 
     if previous is None:
-        target = _new_model(t_cfg, seed).to(device)
-        log(f"target {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M params "
-            f"({t_cfg.num_hidden_layers} layers x {t_cfg.hidden_size})")
-        t0 = time.time()
-        target_train = train_target(target, train_stream, tokens=budget.target_tokens, seed=seed, device=device,
-                                    batch=budget.target_batch, seq=budget.seq, lr=budget.target_lr,
-                                    max_minutes=budget.target_max_minutes)
-        timings["target_minutes"] = round((time.time() - t0) / 60, 2)
-        out.mkdir(parents=True, exist_ok=True)
-        tokenizer.save_pretrained(out / "tokenizer")
-        target.to(torch.bfloat16).save_pretrained(out / "target")  # bf16 on disk; loading casts to fp32 on CPU
-        target.float()
-        (out / "corpus_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        if (out / "eagle").exists() and not eagle:
-            shutil.rmtree(out / "eagle")  # a head trained on the old target's features would be silently wrong
-            log(f"removed {out / 'eagle'}: it was trained for the previous target (rebuild it with --eagle-only)")
+        target, target_train = _target_stage(out, tokenizer, train_stream, t_cfg, manifest, budget=budget, seed=seed,
+                                             device=device, keep_head=eagle, timings=timings)
     else:
         target_train = dict(previous["target"]["train"], reused_from_previous_build=True)
-        timings.update({k: v for k, v in previous.get("build_minutes_by_stage", {}).items()
-                        if k == "target_minutes"})
+        timings.update(previous.get("build_minutes_by_stage", {}))  # stages run again below overwrite theirs
     metrics = {"target": _model_summary(target, target_train, held, device=device, quick=quick),
                "tokenizer": {"vocab_size": len(tokenizer), "eos_token": EOS, "eos_token_id": tokenizer.eos_token_id,
                              "train_bytes_per_token": round(bytes_per_token, 3)},
@@ -522,27 +507,57 @@ def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: 
     if not target_only:
         metrics.update(_draft_stage(out, target, train_stream, held, previous, d_cfg, budget=budget, seed=seed,
                                     device=device, quick=quick, reuse=eagle_only, timings=timings))
-    if eagle or eagle_only:
-        from specpilot.train.build_eagle import EagleBudget, build_eagle_head
-
-        t0 = time.time()
-        metrics["eagle"] = build_eagle_head(
-            out / "eagle", target, metrics["_draft_model"], train_stream, held, pool=metrics["_pool"], seed=seed,
-            device=device, budget=eagle_budget or (EagleBudget.quick() if quick else EagleBudget()))
-        timings["eagle_minutes"] = round((time.time() - t0) / 60, 2)
-    elif "draft" in metrics and (out / "eagle" / "config.json").exists():
-        # a head trained earlier against this target: re-measure it beside the new draft
-        from specpilot.drafting.eagle import Eagle3Head
-        from specpilot.train.eagle_metrics import eagle_metrics
-
-        head = Eagle3Head.from_pretrained(out / "eagle", target)
-        kept = {k: previous["eagle"][k] for k in ("config", "params", "vocabulary", "train")} if previous and \
-            "eagle" in previous else {}
-        metrics["eagle"] = dict(kept, **eagle_metrics(head, target, metrics["_draft_model"], held, device=device,
-                                                      quick=quick, seed=seed), reused_from_previous_build=True)
+    if "draft" in metrics and (eagle or eagle_only or (out / "eagle" / "config.json").exists()):
+        metrics["eagle"] = _eagle_stage(out, target, metrics, train_stream, held, previous, train=eagle or eagle_only,
+                                        budget=eagle_budget, seed=seed, device=device, quick=quick, timings=timings)
     metrics.pop("_draft_model", None)
     metrics.pop("_pool", None)
     return _finish(out, metrics, timings, t_start)
+
+
+def _target_stage(out: Path, tokenizer, train_stream: torch.Tensor, t_cfg, manifest: dict, *, budget: BuildBudget,
+                  seed: int, device: str, keep_head: bool, timings: dict):
+    """Train a new target; save it with the tokenizer and manifest. Returns (target, training stats)."""
+    target = _new_model(t_cfg, seed).to(device)
+    log(f"target {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M params "
+        f"({t_cfg.num_hidden_layers} layers x {t_cfg.hidden_size})")
+    t0 = time.time()
+    stats = train_target(target, train_stream, tokens=budget.target_tokens, seed=seed, device=device,
+                         batch=budget.target_batch, seq=budget.seq, lr=budget.target_lr,
+                         max_minutes=budget.target_max_minutes)
+    timings["target_minutes"] = round((time.time() - t0) / 60, 2)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out / "tokenizer")
+    target.to(torch.bfloat16).save_pretrained(out / "target")  # bf16 on disk; loading casts to fp32 on CPU
+    target.float()
+    (out / "corpus_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    if (out / "eagle").exists() and not keep_head:
+        shutil.rmtree(out / "eagle")  # a head trained on the old target's features would be silently wrong
+        log(f"removed {out / 'eagle'}: it was trained for the previous target (rebuild it with --eagle-only)")
+    return target, stats
+
+
+def _eagle_stage(out: Path, target, metrics: dict, train_stream: torch.Tensor, held: dict[str, torch.Tensor],
+                 previous: dict | None, *, train: bool, budget, seed: int, device: str, quick: bool,
+                 timings: dict) -> dict:
+    """Train the EAGLE-3 head (train=True), or re-measure the one an earlier build trained against this same
+    target beside the new draft. Returns its metrics."""
+    from specpilot.drafting.eagle import Eagle3Head
+    from specpilot.train.build_eagle import EagleBudget, build_eagle_head
+    from specpilot.train.eagle_metrics import eagle_metrics
+
+    if train:
+        t0 = time.time()
+        result = build_eagle_head(out / "eagle", target, metrics["_draft_model"], train_stream, held,
+                                  pool=metrics["_pool"], seed=seed, device=device,
+                                  budget=budget or (EagleBudget.quick() if quick else EagleBudget()))
+        timings["eagle_minutes"] = round((time.time() - t0) / 60, 2)
+        return result
+    head = Eagle3Head.from_pretrained(out / "eagle", target)
+    kept = {k: previous["eagle"][k] for k in ("config", "params", "vocabulary", "train")
+            if previous and k in previous.get("eagle", {})}
+    return dict(kept, **eagle_metrics(head, target, metrics["_draft_model"], held, device=device, quick=quick,
+                                      seed=seed), reused_from_previous_build=True)
 
 
 def _draft_stage(out: Path, target, train_stream: torch.Tensor, held: dict[str, torch.Tensor], previous: dict | None,
