@@ -6,7 +6,8 @@ For each drafter, on held-out code prompts, greedy:
 1. a trace (W=4, D=6) of the prompts: tau of every static (depth, size) under replay, and calibration: every drafted
    candidate's cumulative draft probability, binned, against how often it lies on the target's greedy path;
 2. the three best static configs under that replay, then every drafter's configs and our AR measured live,
-   interleaved (methods rotated per prompt and repeat): tokens/s over AR, tau, and identical tokens;
+   interleaved (methods rotated per prompt and repeat): tokens/s over AR with a paired bootstrap interval, tau,
+   identical tokens, and the best head config over the best draft-LM config;
 3. step costs: the mean drafter level time and the AR target step, from the same live runs.
 Prints model, precision, sampling, hardware and prompt mix with the numbers; writes DIR/drafters.json.
 """
@@ -26,6 +27,7 @@ from specpilot.envs.oracle import replay_oracle
 from specpilot.envs.profile import measure_profile
 from specpilot.envs.record import record_trace
 from specpilot.envs.replay import ReplayModel
+from specpilot.eval.stats import paired_ratio_interval
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
 
@@ -84,7 +86,8 @@ def main(argv=None) -> int:
                                                                 FixedController(row["depth"], row["size"]))
     ar_pair = pairs["eagle3"]
     names = ["ar", *methods]
-    totals = {n: {"tokens": 0, "time": 0.0, "cycles": 0, "levels": [], "identical": 0} for n in names}
+    totals = {n: {"tokens": 0, "time": 0.0, "cycles": 0, "levels": [], "identical": 0, "unit_tokens": [],
+                  "unit_time": []} for n in names}
     for name in names:  # warm-up
         run(name, methods, ar_pair, prompts[0], 16)
     turn = 0
@@ -95,8 +98,11 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 out = run(name, methods, ar_pair, prompt, args.max_new_tokens)
                 t = totals[name]
-                t["time"] += time.perf_counter() - t0
+                elapsed = time.perf_counter() - t0
+                t["time"] += elapsed
                 t["tokens"] += out.num_tokens
+                t["unit_time"].append(elapsed)
+                t["unit_tokens"].append(out.num_tokens)
                 t["cycles"] += len(out.cycles) or out.num_tokens
                 t["levels"] += [s for c in out.cycles for s in c.level_s[1:]]
                 tokens[name] = out.tokens
@@ -111,15 +117,26 @@ def main(argv=None) -> int:
           f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}; greedy; "
           f"{len(prompts)} held-out code prompts x {args.repeats}, {args.max_new_tokens} new tokens; "
           f"AR {ar['tokens'] / ar['time']:.1f} tok/s ({1e3 * ar_step:.2f} ms per target step)")
-    print(f"{'method':<24} {'speedup':>8} {'tau':>6} {'level/target step':>18} {'identical':>10}")
+    print(f"{'method':<24} {'speedup [95% CI]':>22} {'tau':>6} {'level/target step':>18} {'identical':>10}")
     for name in methods:
         t = totals[name]
-        row = {"speedup": (t["tokens"] / t["time"]) / (ar["tokens"] / ar["time"]), "tau": t["tokens"] / t["cycles"],
+        ci = paired_ratio_interval(t["unit_tokens"], t["unit_time"], ar["unit_tokens"], ar["unit_time"])
+        row = {"speedup": ci.ratio, "speedup_ci": ci.ci(), "tau": t["tokens"] / t["cycles"],
                "level_step_ratio": float(np.mean(t["levels"])) / ar_step if t["levels"] else None,
                "identical": f"{t['identical']}/{len(prompts)}"}
         result["live"][name] = row
         ratio = f"{row['level_step_ratio']:.3f}" if row["level_step_ratio"] else "-"
-        print(f"{name:<24} {row['speedup']:>7.2f}x {row['tau']:>6.2f} {ratio:>18} {row['identical']:>10}")
+        print(f"{name:<24} {row['speedup']:>6.2f}x [{ci.low:.2f}, {ci.high:.2f}] {row['tau']:>6.2f} {ratio:>18} "
+              f"{row['identical']:>10}")
+    # the two drafters' best live configs against each other, paired by (prompt, repeat)
+    best = {kind: max((n for n in methods if n.startswith(kind)), key=lambda n: result["live"][n]["speedup"])
+            for kind in pairs}
+    a, b = totals[best["eagle3"]], totals[best["draft_lm"]]
+    ci = paired_ratio_interval(a["unit_tokens"], a["unit_time"], b["unit_tokens"], b["unit_time"])
+    result["eagle_vs_draft_lm"] = {"eagle3": best["eagle3"], "draft_lm": best["draft_lm"], "ratio": ci.ratio,
+                                   "ci": ci.ci()}
+    print(f"best eagle3 ({best['eagle3']}) / best draft_lm ({best['draft_lm']}): {ci.ratio:.3f}x "
+          f"[{ci.low:.3f}, {ci.high:.3f}] (paired bootstrap over prompt x repeat)")
     for kind, info in result["drafters"].items():
         print(f"calibration, {kind} (cumulative draft probability -> share on the greedy path):")
         for b in info["calibration"]:

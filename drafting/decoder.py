@@ -21,7 +21,7 @@ from specpilot.drafting.cache import cache_length, keep_positions, new_cache
 from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
-from specpilot.drafting.drafters import make_drafter, target_features
+from specpilot.drafting.drafters import aux_states, fuse_aux, make_drafter
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sample, sampling_probs
 from specpilot.drafting.timing import Clock
@@ -90,8 +90,10 @@ class DecodingSession:
                                    sample=self.sampling is not None and tree.sampled_children)
         self.needs_features = self.drafter.drafter.needs_features
         self.target_cache = new_cache(pair.target)
-        self._features: torch.Tensor | None = None  # EAGLE: target features of positions _features_at.. (fused)
-        self._features_at = 0
+        # EAGLE: the target's aux hidden states of positions _features_at.., kept unfused: the fc runs once per cycle
+        # over the rows the head reads, so a streak of plain steps costs no head work (~4% of a step on CPU)
+        self._features: list[torch.Tensor] = []
+        self._features_len = self._features_at = 0
         self._draft_s = self._policy_s = 0.0
         self._level_s: list[float] = []
         self._fed = 0
@@ -112,15 +114,15 @@ class DecodingSession:
 
     # -- target features for an EAGLE drafter ---------------------------------------------------------------------
     def _keep_features(self, out, rows, position: int) -> None:
-        """Append the fused features of the target forward's `rows` (all when None), the first at `position`."""
+        """Append the aux states of the target forward's `rows` (all when None), the first at `position`."""
         if not self.needs_features:
             return
-        new = target_features(self.pair, out.hidden_states, rows)
-        if self._features is None:
-            self._features, self._features_at = new, position
-        else:
-            assert position == self._features_at + self._features.shape[0], "features must stay contiguous"
-            self._features = torch.cat([self._features, new])
+        new = aux_states(self.pair, out.hidden_states, rows)
+        if not self._features:
+            self._features_at = position
+        assert position == self._features_at + self._features_len, "features must stay contiguous"
+        self._features.append(new)  # joined when the drafter reads them: no copy per plain step
+        self._features_len += new.shape[0]
 
     def _features_for(self, tokens: list[int]) -> torch.Tensor | None:
         """Features the drafter needs to feed these next committed tokens (each entry reads the feature of the
@@ -131,9 +133,11 @@ class DecodingSession:
         # reads end - 1, the first of the n with an entry reads end - n; the next token will read `end`
         end = self.drafter.committed + len(tokens) - 1
         at = self._features_at
-        rows = self._features[end - self.drafter.entries(tokens) - at: end - at]
-        self._features, self._features_at = self._features[end - at:], end
-        return rows
+        kept = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
+        rows = kept[end - self.drafter.entries(tokens) - at: end - at]
+        rest = kept[end - at:]
+        self._features, self._features_len, self._features_at = [rest], rest.shape[0], end
+        return fuse_aux(self.pair, rows)
 
     # -- state -------------------------------------------------------------------------------------------------
     @property

@@ -14,7 +14,8 @@ The tree drafter (`drafting/tree.py`) only ever calls:
     drafter.vocab_size                            V_draft
 
 `target_features(pair, hidden_states, rows)` turns a target forward's `output_hidden_states` into what an EAGLE
-drafter consumes (None for an LM drafter, which needs nothing from the target).
+drafter consumes (None for an LM drafter, which needs nothing from the target); `aux_states` + `fuse_aux` are its two
+halves, so a session can keep the cheap half and fuse only what the head reads.
 """
 from __future__ import annotations
 
@@ -79,10 +80,25 @@ def make_drafter(pair):
     return EagleDrafter(pair.eagle) if getattr(pair, "eagle", None) is not None else LMDrafter(pair.draft)
 
 
-def target_features(pair, hidden_states, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
-    """Fused EAGLE features [k, H] of the target forward's rows `rows` (all when None), or None without a head."""
+def aux_states(pair, hidden_states, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
+    """The target forward's aux-layer hidden states of rows `rows` (all when None), concatenated: [k, 3 * H_target].
+    None without a head. No matmul: the decoder keeps these and fuses them only when the head reads them, so a plain
+    target step (depth 0) pays nothing for the head."""
     head = getattr(pair, "eagle", None)
     if head is None:
         return None
-    fused = head.fuse(hidden_states)[0]               # [n, H]
-    return fused if rows is None else fused[rows]
+    if rows is None:
+        return torch.cat([hidden_states[i][0] for i in head.aux_layer_ids], dim=-1)
+    return torch.cat([hidden_states[i][0, rows] for i in head.aux_layer_ids], dim=-1)
+
+
+def fuse_aux(pair, aux: torch.Tensor) -> torch.Tensor:
+    """[k, 3 * H_target] aux states -> the head's fused features fc(aux) [k, H]."""
+    fc = pair.eagle.fc
+    return fc(aux.to(fc.weight.dtype))
+
+
+def target_features(pair, hidden_states, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
+    """Fused EAGLE features [k, H] of the target forward's rows `rows` (all when None), or None without a head."""
+    aux = aux_states(pair, hidden_states, rows)
+    return None if aux is None else fuse_aux(pair, aux)
