@@ -1,8 +1,9 @@
 """Separate draft LM vs EAGLE-3 head on the embedded target, side by side in one run (not a test).
 
-    .venv/bin/python benchmarks/bench_drafters.py [--prompts 8] [--max-new-tokens 96] [--repeats 2] [--out DIR]
+    .venv/bin/python benchmarks/bench_drafters.py [--prompts 8] [--max-new-tokens 96] [--repeats 2] [--tasks code|all|a,b]
+        [--out DIR]
 
-For each drafter, on held-out code prompts, greedy:
+For each drafter, on held-out prompts (code by default), greedy:
 1. a trace (W=4, D=6) of the prompts: tau of every static (depth, size) under replay, and calibration: every drafted
    candidate's cumulative draft probability, binned, against how often it lies on the target's greedy path;
 2. the three best static configs under that replay, then every drafter's configs and our AR measured live,
@@ -61,9 +62,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--max-depth", type=int, default=6)
+    ap.add_argument("--tasks", default="code", help="held-out task groups, comma-separated, or 'all'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    prompts = [p.prompt for p in load_suite("heldout") if p.task == "code"][: args.prompts]
+    suite = [p for p in load_suite("heldout") if args.tasks == "all" or p.task in args.tasks.split(",")]
+    prompts = [p.prompt for p in suite[:: max(1, len(suite) // args.prompts)]][: args.prompts]  # spread over groups
     tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=32)
     sizes = [2, 4, 6, 8, 12, 16, 24, 32]
     result, methods = {"drafters": {}}, {}
@@ -115,7 +118,7 @@ def main(argv=None) -> int:
     result["live"] = {}
     print(f"embedded target {ar_pair.identity()['target_hash']}, cpu {str(ar_pair.dtype).replace('torch.', '')}, "
           f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}; greedy; "
-          f"{len(prompts)} held-out code prompts x {args.repeats}, {args.max_new_tokens} new tokens; "
+          f"{len(prompts)} held-out prompts ({args.tasks}) x {args.repeats}, {args.max_new_tokens} new tokens; "
           f"AR {ar['tokens'] / ar['time']:.1f} tok/s ({1e3 * ar_step:.2f} ms per target step)")
     print(f"{'method':<24} {'speedup [95% CI]':>22} {'tau':>6} {'level/target step':>18} {'identical':>10}")
     for name in methods:
