@@ -71,21 +71,25 @@ def pair():
     return tiny_pair()
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, pair):
+def write_run(run: Path, pair, depth_model: PPO | None = None) -> Path:
     """A run directory in train/ppo.py's layout: <stage>/best.zip + policies.json + manifest.json."""
-    run = tmp_path_factory.mktemp("run")
+    run.mkdir(parents=True, exist_ok=True)
     depth_spec = ObservationSpec.for_depth(WIDTH, MAX_DEPTH)
     size_spec = ObservationSpec.for_size(WIDTH, MAX_DEPTH, SIZE_ACTIONS)
     (run / "depth_s0").mkdir()
     (run / "size_s0").mkdir()
-    make_policy(depth_spec, 2, [64], seed=0).save(run / "depth_s0" / "best.zip")
+    (depth_model or make_policy(depth_spec, 2, [64], seed=0)).save(run / "depth_s0" / "best.zip")
     make_policy(size_spec, len(SIZE_ACTIONS), [64, 16], seed=1, activation=torch.nn.ReLU).save(
         run / "size_s0" / "best.zip")
     write_policies_index(run, run / "depth_s0" / "best.zip", run / "size_s0" / "best.zip", depth_spec=depth_spec,
                          size_spec=size_spec, size_actions=SIZE_ACTIONS, fallback_depth=3, fallback_size=4)
     update_manifest(run, pair=pair.identity())
     return run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, pair):
+    return write_run(tmp_path_factory.mktemp("run"), pair)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +145,22 @@ def test_exported_decoder_is_lossless(export_dir, pair):
         ref = autoregressive_generate(pair, prompt, max_new_tokens=48)
         assert out.tokens == ref.tokens
         assert len(out.cycles) < len(out.tokens)  # it did speculate
+
+
+def test_exported_decoder_can_choose_depth_zero(tmp_path, pair):
+    """A depth policy that answers "stop" before drafting exports to a decoder that runs plain target steps (depth 0,
+    one token a cycle), still token-identical to target-only decoding."""
+    depth_model = make_policy(ObservationSpec.for_depth(WIDTH, MAX_DEPTH), 2, [64], seed=0)
+    with torch.no_grad():
+        depth_model.policy.action_net.weight.zero_()
+        depth_model.policy.action_net.bias.copy_(torch.tensor([-10.0, 10.0]))  # action 1 = stop, everywhere
+    run = write_run(tmp_path / "run", pair, depth_model)
+    export_run(run, tmp_path / "export", pair=pair, num_prompts=1, max_new_tokens=8, num_random=200,
+               log=lambda *a: None)
+    decoder = SpeculativeDecoder.from_config(tmp_path / "export", pair=pair)
+    out = decoder.generate(PROMPTS[0], controller=decoder.default_controller, max_new_tokens=24)
+    assert out.tokens == autoregressive_generate(pair, PROMPTS[0], max_new_tokens=24).tokens
+    assert [c.depth for c in out.cycles] == [0] * 24 and all(c.emitted == 1 for c in out.cycles)
 
 
 def test_loading_needs_neither_sb3_nor_pickle(export_dir):
