@@ -69,7 +69,7 @@ class DemoBudget:
     live_top: int = 3
     temperatures: tuple[float, ...] = (0.0, 1.0)
     sampled_methods: tuple[str, ...] = ("hf_generate", "hf_assisted", "grid", "ltd", "svip")
-    eval_budget_s: float = 600.0
+    eval_budget_s: float = 840.0
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
     check_rounds: int = 3

@@ -39,6 +39,7 @@ from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
 from specpilot.eval.metrics import RunRecord, aggregate, pooled_tau
+from specpilot.eval.stats import paired_ratio_interval
 from specpilot.eval.rounds import Measurer, MemoryMonitor, RoundPlan, run_rounds, timed
 from specpilot.eval.methods import (METHODS, ARMethod, ControllerMethod, EvalContext, Method,  # noqa: F401
                                     MethodUnavailable, build_methods)
@@ -108,12 +109,13 @@ def _build(ctx: EvalContext, methods: list[str] | None, controllers: dict[str, C
 
 def measure_controllers(pair: ModelPair, controllers: dict, prompts, *, tree: TreeConfig, max_new_tokens: int = 64,
                         repeats: int = 1, warmup: int = 1, seed: int = 0, temperature: float = 0.0,
-                        progress: bool = False) -> dict[str, dict]:
+                        progress: bool = False, baseline: str = "ar") -> dict[str, dict]:
     """Live throughput (at `temperature`, greedy by default) of each controller (a Controller, or a (Controller, TreeConfig) pair) and of `ar` on
     `prompts` (strings or token-id lists), measured by `evaluate`'s interleaved rounds and clock: the grid search's
     live re-measure and training-time live evaluation use this, so their numbers are the report's quantity.
     Returns {name: {tokens, time_s, tokens_per_s, speedup, mean_accepted_length, policy_s, policy_overhead,
-    depth_mean, size_mean}}."""
+    depth_mean, size_mean, vs_baseline}}: vs_baseline is the throughput ratio over `baseline` ("ar" or one of the
+    controllers) with its paired 95% bootstrap interval over (prompt, round) units."""
     items = [getattr(p, "prompt", p) for p in prompts]
     if not items:
         raise ValueError("measure_controllers needs at least one prompt")
@@ -124,9 +126,18 @@ def measure_controllers(pair: ModelPair, controllers: dict, prompts, *, tree: Tr
                       progress=(lambda msg: print(f"  live: {msg}", flush=True)) if progress else None)
     if result.meta.get("skipped"):
         raise RuntimeError(f"live measurement failed: {result.meta['skipped']}")
-    out = {name: _throughput([r for r in result.records if r.method == name]) for name in ["ar", *controllers]}
-    for row in out.values():
+    names = ["ar", *controllers]
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} is neither 'ar' nor one of the controllers {list(controllers)}")
+    out = {name: _throughput([r for r in result.records if r.method == name]) for name in names}
+    units = {name: {(r.repeat, r.prompt_id): (r.n_tokens, r.wall_s) for r in result.records if r.method == name}
+             for name in names}
+    for name, row in out.items():
         row["speedup"] = row["tokens_per_s"] / out["ar"]["tokens_per_s"]
+        keys = sorted(units[name].keys() & units[baseline].keys())  # the (round, prompt) units both ran
+        a, b = [units[name][k] for k in keys], [units[baseline][k] for k in keys]
+        ci = paired_ratio_interval([u[0] for u in a], [u[1] for u in a], [u[0] for u in b], [u[1] for u in b])
+        row["vs_baseline"] = {"baseline": baseline, "ratio": ci.ratio, "ci": ci.ci()}
     return out
 
 

@@ -78,9 +78,22 @@ def _read_index(run_dir: Path) -> dict:
         raise PolicyLoadError(str(err)) from None
 
 
+class PlainSteps(FixedController):
+    """What a policy set's off-switch gives: never draft (every cycle a plain target step), under the policies' name,
+    with the measurement that switched them off in `describe()`."""
+
+    def __init__(self, name: str, off_switch: dict) -> None:
+        super().__init__(0, 0)
+        self.name, self.off_switch = name, dict(off_switch)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "off_switch": self.off_switch}
+
+
 def load_run_controllers(run_dir: str | Path, device: str = "cpu") -> dict[str, Controller]:
     """{"ltd": both policies, "depth_only": depth policy + fixed size, "size_only": fixed depth + size policy},
-    from run_dir/policies.json; entries whose policies are absent are left out."""
+    from run_dir/policies.json; entries whose policies are absent are left out. An index whose `off_switch` says
+    "plain_steps" (train/sampled.py) gives `PlainSteps` controllers under the same names."""
     run_dir = Path(run_dir)
     index = _read_index(run_dir)
     fb = index.get("fallback") or {}
@@ -114,4 +127,7 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu") -> dict[str, 
         out["size_only"] = make(False, True, "size_only")
     if not out:
         raise PolicyLoadError(f"{run_dir / 'policies.json'} names neither a depth nor a size policy")
+    switch = index.get("off_switch") or {}
+    if switch.get("plain_steps"):  # measured no faster than plain target steps (train/sampled.py)
+        return {name: PlainSteps(name, switch) for name in out}
     return out

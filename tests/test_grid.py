@@ -11,7 +11,7 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.envs.profile import LatencyProfile
 from specpilot.envs.record import record_trace
 from specpilot.envs.oracle import replay_static
-from specpilot.train.grid import grid_search, resolve_train_trace
+from specpilot.train.grid import grid_search, pick_sampled, resolve_train_trace
 
 from tiny import tiny_pair
 
@@ -76,3 +76,18 @@ def test_grid_rejects_two_traces_of_one_width(recorded):
     _, _, root = recorded
     with pytest.raises(ValueError, match="one trace per width"):
         grid_search([root / "train", root / "train"])
+
+
+def _cell(depth: int, tokens_per_s: float, low: float) -> dict:
+    return {"width": 4, "depth": depth, "size": 4 * depth, "tokens_per_s": tokens_per_s, "speedup": 1.0,
+            "vs_baseline": {"baseline": "cell0", "ratio": 1.0, "ci": [low, low + 0.1]}}
+
+
+@pytest.mark.parametrize("cells, picked", [
+    ([_cell(0, 100, 1.0), _cell(1, 101, 0.97), _cell(2, 103, 0.99)], 0),   # within noise of plain: plain steps
+    ([_cell(0, 100, 1.0), _cell(1, 104, 1.01), _cell(2, 110, 1.03)], 2),   # proven faster: the fastest proven
+    ([_cell(0, 100, 1.0), _cell(1, 104, 1.01), _cell(2, 110, 0.95)], 1),   # the fastest point estimate is noise
+    ([_cell(1, 90, float("nan")), _cell(2, 95, float("nan"))], 2),          # no plain cell measured: the fastest
+])
+def test_sampled_pick_speculates_only_where_it_measurably_pays(cells, picked):
+    assert pick_sampled(cells)["depth"] == picked

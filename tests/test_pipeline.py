@@ -147,3 +147,29 @@ def test_live_backend_fine_tunes_a_replay_policy(traces, tmp_path):
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["stage_setup"]["size_live"]["backend"] == "live"
     assert manifest["stage_setup"]["size_live"]["init_from"] == str(replayed.best)
+
+
+def test_off_switch_is_measured_and_loaders_honour_it(traces, tmp_path):
+    """check_off_switch measures the policies against plain steps and writes its verdict; an index whose verdict is
+    "plain steps" loads as controllers that never draft, under the same names, with the evidence attached."""
+    from specpilot.policies.ppo import PlainSteps
+    from specpilot.train.sampled import check_off_switch
+
+    run = tmp_path / "run"
+    P.run_pipeline(run, traces, size_steps=64, depth_steps=64, coadapt_steps=64, rounds=0, **_kw())
+    pair = tiny_pair(noise=0.2, eos=None)
+    verdict = check_off_switch(run / "policies.json", pair, [[1, 2, 3], [4, 5, 6]], tree=TREE, temperature=1.0,
+                               repeats=2, max_new_tokens=8)
+    assert set(verdict) >= {"plain_steps", "ratio", "ci", "temperature", "units", "rule"}
+    assert verdict["units"] == 4 and verdict["plain_steps"] == (not verdict["ci"][0] > 1.0)
+    assert json.loads((run / "policies.json").read_text())["off_switch"] == verdict
+    index = json.loads((run / "policies.json").read_text())
+    index["off_switch"]["plain_steps"] = True
+    (run / "policies.json").write_text(json.dumps(index))
+    controllers = load_run_controllers(run)
+    assert set(controllers) == {"ltd", "depth_only", "size_only"}
+    assert all(isinstance(c, PlainSteps) and c.depth == 0 for c in controllers.values())
+    assert controllers["ltd"].describe()["off_switch"]["plain_steps"] is True
+    index["off_switch"]["plain_steps"] = False
+    (run / "policies.json").write_text(json.dumps(index))
+    assert not any(isinstance(c, PlainSteps) for c in load_run_controllers(run).values())

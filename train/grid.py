@@ -148,12 +148,30 @@ def _sampled_phase(table: list[dict], sources: list[dict], pair, val_prompts, te
     controllers = {f"cell{k}": (FixedController(r["depth"], r["size"]),
                                 TreeConfig(width=r["width"], max_depth=max_dims[r["width"]][0],
                                            max_size=max_dims[r["width"]][1])) for k, r in enumerate(cells)}
+    plain = next((f"cell{k}" for k, r in enumerate(cells) if r["depth"] == 0), "ar")
     res = measure_controllers(pair, controllers, val_prompts, tree=next(iter(controllers.values()))[1],
                               max_new_tokens=max_new_tokens or sources[0]["max_new_tokens"], repeats=repeats,
-                              warmup=warmup, temperature=temperature, progress=progress)
+                              warmup=warmup, temperature=temperature, progress=progress, baseline=plain)
     rows = [{**{key: r[key] for key in ("width", "depth", "size")}, **res[f"cell{k}"]} for k, r in enumerate(cells)]
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    return {key: best[key] for key in ("width", "depth", "size", "tokens_per_s", "speedup")}, rows
+    best = pick_sampled(rows)
+    return {**{key: best[key] for key in ("width", "depth", "size", "tokens_per_s", "speedup")},
+            "rule": SAMPLED_RULE}, rows
+
+
+SAMPLED_RULE = "fastest cell whose paired 95% interval over plain steps lies above 1, else plain steps"
+
+
+def pick_sampled(rows: list[dict]) -> dict:
+    """The cell to use at a sampling temperature: speculation only where it measurably beats plain target steps.
+
+    Each row's `vs_baseline` is its paired ratio over the plain-step cell (depth 0). Picking the fastest point
+    estimate would pick noise when every cell is within a few percent of plain decoding (as at T=1 on a small
+    target), and a user who turns speculation on must never end up slower than without it."""
+    plain = next((r for r in rows if r["depth"] == 0), None)
+    proven = [r for r in rows if r["depth"] > 0 and (r.get("vs_baseline") or {}).get("ci", [float("nan")])[0] > 1.0]
+    if proven or plain is None:
+        return max(proven or rows, key=lambda r: r["tokens_per_s"])
+    return plain
 
 
 def grid_search(

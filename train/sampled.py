@@ -6,6 +6,11 @@ greedy policy never skips drafting and has stopped exploring it, while at T > 0 
 choice), against the static size of the grid at T; then the size policy, from the greedy one, against that frozen
 depth policy. No replay validation exists at T > 0, so each stage keeps its final policy. Written to
 RUN/sampled/T<t>/policies.json, which evaluation uses at that temperature.
+
+The off-switch: the fine-tuned policies are then measured live on the validation prompts at T against plain target
+steps (depth 0), interleaved. Unless they are measurably faster (the paired 95% interval lies above 1), the index
+records `off_switch` and loaders give controllers that never draft at that temperature: speculation that does not
+pay switches itself off, as serving engines do per batch size, instead of costing the user a few percent.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from specpilot.drafting.control import FixedController
+from specpilot.drafting.files import atomic_write_json
+from specpilot.drafting.types import TreeConfig
 from specpilot.envs.environments import as_size_controller
 from specpilot.train.coadapt import write_index
 from specpilot.train.stages import (StageSpec, TaskTraces, TrainOptions, load_partner, make_logger, static_config,
@@ -35,8 +42,9 @@ def _static_at(run_dir: Path, temperature: float, options: TrainOptions) -> tupl
 
 
 def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperature: float, *, depth_steps: int,
-                  size_steps: int, options: TrainOptions, wandb: str | None = None) -> Path:
-    """Fine-tune the run's final policies live at `temperature`; returns the written policies.json."""
+                  size_steps: int, options: TrainOptions, wandb: str | None = None, guard_repeats: int = 2) -> Path:
+    """Fine-tune the run's final policies live at `temperature`, then decide the off-switch (`check_off_switch`,
+    `guard_repeats` interleaved rounds over the validation prompts; 0 skips it); returns the written policies.json."""
     if temperature <= 0:
         raise ValueError(f"train_sampled is for temperatures > 0 (greedy policies train on replay), got {temperature}")
     run_dir, traces = Path(run_dir), TaskTraces.resolve(traces)
@@ -57,5 +65,38 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
     finally:
         if owned:
             log.close()
-    return write_index(sampled_dir(run_dir, temperature), depth, size, static, copy=True)
+    index = write_index(sampled_dir(run_dir, temperature), depth, size, static, copy=True)
+    if guard_repeats > 0 and options.pair is not None:
+        from specpilot.envs.replay import load_trace
+
+        val = load_trace(traces.validation)  # its prompts, tree and length: the setting the policies were made for
+        check_off_switch(index, options.pair, [val.prompt(i) for i in range(val.num_prompts)],
+                         tree=TreeConfig(width=val.width, max_depth=val.max_depth, max_size=val.max_size),
+                         temperature=temperature, repeats=guard_repeats, seed=options.seed,
+                         max_new_tokens=val.max_new_tokens)
+    return index
+
+
+def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int = 2,
+                     seed: int = 0, max_new_tokens: int = 64) -> dict:
+    """Measure the index's "ltd" controller against plain target steps live at `temperature` and write the verdict
+    into the index (`off_switch`: {"plain_steps": bool, "ratio", "ci", ...}); returns it."""
+    from specpilot.eval.runner import measure_controllers
+    from specpilot.policies.ppo import load_run_controllers
+
+    index = Path(index)
+    data = json.loads(index.read_text())
+    data.pop("off_switch", None)
+    atomic_write_json(index, data, indent=2)  # measure the policies themselves, not a previous verdict
+    ltd = load_run_controllers(index.parent)["ltd"]
+    res = measure_controllers(pair, {"ltd": ltd, "plain": FixedController(0)}, prompts, tree=tree,
+                              max_new_tokens=max_new_tokens, repeats=repeats, temperature=temperature, seed=seed,
+                              baseline="plain")
+    low = res["ltd"]["vs_baseline"]["ci"][0]
+    verdict = {"plain_steps": not low > 1.0, "ratio": res["ltd"]["vs_baseline"]["ratio"],
+               "ci": res["ltd"]["vs_baseline"]["ci"], "temperature": temperature, "units": repeats * len(prompts),
+               "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1"}
+    data["off_switch"] = verdict
+    atomic_write_json(index, data, indent=2)
+    return verdict
 
