@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     result["tiny_sampled"] = tiny_sampled_law(device, args.sampled_n)
     code = [p.prompt for p in load_suite("heldout") if p.task == "code"]
     prompts = code[: args.prompts]
-    say(f"2. embedded pair on CUDA: {len(prompts)} held-out code prompts x {args.repeats}, "
+    say(f"2. embedded pair on {args.device}: {len(prompts)} held-out code prompts x {args.repeats}, "
         f"{args.max_new_tokens} new tokens, greedy")
     for drafter in ("eagle3", "draft_lm"):
         for dtype in (torch.bfloat16, torch.float32):
