@@ -128,6 +128,20 @@ def float_list(item: Callable[[str], float] = non_negative_float) -> Callable[[s
     return parse
 
 
+def name_list(choices, what: str) -> Callable[[str], list[str]]:
+    """"a,b" -> ["a", "b"], each one of `choices` (`what`: the plural noun the error names, e.g. "method")."""
+    def parse(text: str) -> list[str]:
+        names = [m.strip() for m in text.split(",") if m.strip()]
+        unknown = [m for m in names if m not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {', '.join(unknown) or repr(text)}; choose from "
+                                             f"{', '.join(choices)}")
+        return names
+
+    parse.__name__ = f"{what}_list"
+    return parse
+
+
 # -- text, devices, paths -------------------------------------------------------------------------------------------
 
 def utf8_text(text: str) -> str:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from specpilot.drafting.cliargs import (add_pair_arguments, float_list, load_pair, non_negative_float, non_negative_int,
-                               output_dir, positive_float, positive_int, probability, say, seed)
+from specpilot.drafting.cliargs import (add_pair_arguments, float_list, load_pair, name_list, non_negative_float,
+                               non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
 from specpilot.eval.runner import METHODS
+
+_methods = name_list(METHODS, "method")
 
 
 def _rounds(text: str) -> int | str:
@@ -28,15 +30,6 @@ def _rounds(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of rounds or \"auto\", got {text!r}")
     return value
-
-
-def _methods(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in METHODS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {', '.join(unknown) or repr(text)}; choose from "
-                                         f"{', '.join(METHODS)}")
-    return names
 
 
 def _decide(text: str) -> tuple[str, str]:

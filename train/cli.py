@@ -23,8 +23,9 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, non_negative_float,
-                                        output_dir, positive_float, positive_int, seed, stage_name)
+from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, name_list,
+                                        non_negative_float, output_dir, positive_float, positive_int, seed,
+                                        stage_name)
 from specpilot.train.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
@@ -44,15 +45,6 @@ def _depth_range(text: str) -> list[int]:
     if len(values) != 2 or values[0] > values[1]:
         raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
     return values
-
-
-def _rewards(text: str) -> list[str]:
-    names = [r.strip() for r in text.split(",") if r.strip()]
-    unknown = [r for r in names if r not in REWARDS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown reward(s) {', '.join(unknown) or repr(text)}; choose from "
-                                         f"{', '.join(REWARDS)}")
-    return names
 
 
 def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
@@ -124,7 +116,8 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--rounds", type=positive_int, default=3, help="stages: size, depth, size, ...")
     elif name == "ablation":
         p.add_argument("--kind", default="size", choices=["size", "depth"], help="which policy to train")
-        p.add_argument("--rewards", type=_rewards, default=list(REWARDS), help="comma list of reward modes")
+        p.add_argument("--rewards", type=name_list(REWARDS, "reward"), default=list(REWARDS),
+                       help="comma list of reward modes")
     else:
         p.add_argument("--size-steps", type=positive_int, default=20_000, help="size stage budget (env steps)")
         p.add_argument("--depth-steps", type=positive_int, default=40_000, help="depth stage budget (env steps)")
