@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from specpilot.drafting.control import FixedController
 from specpilot.envs.replay import ReplayModel
-from specpilot.train.stages import (REWARD_MODES, TaskTraces, TrainOptions, make_logger, static_config, train_depth,
+from specpilot.train.stages import (REWARD_MODES, TaskTraces, TrainOptions, run_logger, static_config, train_depth,
                                     train_size)
 from specpilot.train.validation import evaluate_replay, replay_ar
 
@@ -48,8 +48,7 @@ def reward_ablation(run_dir: str | Path, traces: TaskTraces | str | Path, *, kin
     val_model = ReplayModel(traces.validation)
     ar = replay_ar(val_model)
     rows: list[dict[str, Any]] = []
-    log, owned = make_logger(ab_dir, logger, wandb, {"ablation": kind, "rewards": list(rewards), "steps": steps})
-    try:
+    with run_logger(ab_dir, logger, wandb, {"ablation": kind, "rewards": list(rewards), "steps": steps}) as log:
         for reward in rewards:
             stage = f"{kind}_{reward}"
             train = train_size if kind == "size" else train_depth
@@ -60,9 +59,6 @@ def reward_ablation(run_dir: str | Path, traces: TaskTraces | str | Path, *, kin
             rows.append({"reward": reward, "stage": stage, "steps": int(progress["timesteps_done"]),
                          "final": _policy_row(final_zip, res, kind, static, val_model, ar),
                          "best": _policy_row(res.best, res, kind, static, val_model, ar)})
-    finally:
-        if owned:
-            log.close()
     result = {"kind": kind, "steps": steps, "static": list(static), "rows": rows, "ar": ar,
               "notes": "replay on the validation trace; 'final' = policy at the end of training, 'best' = "
                        "checkpoint with the best validation throughput"}

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from specpilot.drafting.control import FixedController
-from specpilot.train.stages import (StageResult, StageSpec, TaskTraces, TrainOptions, load_partner, make_logger,
+from specpilot.train.stages import (StageResult, StageSpec, TaskTraces, TrainOptions, load_partner, run_logger,
                                     stage_result, static_config, train_stage)
 
 
@@ -59,9 +59,8 @@ def coadapt(run_dir: str | Path, traces: TaskTraces | str | Path, *, rounds: int
     if len(budgets) != rounds:
         raise ValueError(f"steps has {len(budgets)} budgets for {rounds} rounds")
     latest = {"size": stage_result(run_dir, size_stage), "depth": stage_result(run_dir, depth_stage)}
-    log, owned = make_logger(run_dir, logger, wandb, {"stage": "coadapt", "rounds": rounds, "steps": budgets})
     results: list[StageResult] = []
-    try:
+    with run_logger(run_dir, logger, wandb, {"stage": "coadapt", "rounds": rounds, "steps": budgets}) as log:
         for i in range(rounds):
             kind = "size" if i % 2 == 0 else "depth"
             other = latest["depth" if kind == "size" else "size"]
@@ -73,9 +72,6 @@ def coadapt(run_dir: str | Path, traces: TaskTraces | str | Path, *, rounds: int
             latest[kind] = train_stage(spec, run_dir, traces, options, log)
             results.append(latest[kind])
         index = write_index(run_dir, latest["depth"], latest["size"], static, copy=False)
-    finally:
-        if owned:
-            log.close()
     update_manifest(run_dir, coadapt={"rounds": [r.to_dict() for r in results], "static": list(static),
                                       "final": {"depth": str(latest["depth"].best), "size": str(latest["size"].best)}})
     return {"rounds": [r.to_dict() for r in results], "policies": index, "depth": latest["depth"].best,

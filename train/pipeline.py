@@ -25,7 +25,7 @@ from specpilot.envs.replay import ReplayModel
 from specpilot.train.ablation import reward_ablation  # noqa: F401 (part of the pipeline's API)
 from specpilot.train.coadapt import coadapt, write_index, write_stage1_index
 from specpilot.train.stages import (StageResult, TaskTraces, TrainOptions, budget_settings,  # noqa: F401
-                                    make_logger, static_config, train_depth, train_size)
+                                    run_logger, static_config, train_depth, train_size)
 from specpilot.train.traces import record_traces  # noqa: F401
 from specpilot.train.validation import evaluate_replay, replay_ar
 
@@ -37,10 +37,9 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
     """Stage 1 (size, depth) + RUN/stage1/policies.json, then `rounds` of co-adaptation (0: stage 1 only, in
     which case RUN/policies.json points at the stage-1 policies). Returns the StageResults and index paths."""
     run_dir, options = Path(run_dir), options or TrainOptions()
-    log, _ = make_logger(run_dir, None, wandb, {"pipeline": True, "size_steps": size_steps,
-                                                "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
-                                                "rounds": rounds, "reward": options.reward, "seed": options.seed})
-    try:
+    config = {"pipeline": True, "size_steps": size_steps, "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
+              "rounds": rounds, "reward": options.reward, "seed": options.seed}
+    with run_logger(run_dir, None, wandb, config) as log:
         size1 = train_size(run_dir, traces, steps=size_steps, size_actions=size_actions, depth_range=depth_range,
                            options=options, logger=log)
         depth1 = train_depth(run_dir, traces, steps=depth_steps, options=options, logger=log)
@@ -51,8 +50,6 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
             policies = final["policies"]
         else:
             policies = write_index(run_dir, depth1, size1, static_config(run_dir, options.static), copy=False)
-    finally:
-        log.close()
     return {"size_s1": size1.to_dict(), "depth_s1": depth1.to_dict(), "stage1_policies": stage1,
             "coadapt": final, "policies": policies}
 

@@ -23,7 +23,7 @@ from specpilot.drafting.files import atomic_write_json
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.environments import as_size_controller
 from specpilot.train.coadapt import write_index
-from specpilot.train.stages import (StageSpec, TaskTraces, TrainOptions, load_partner, make_logger, static_config,
+from specpilot.train.stages import (StageSpec, TaskTraces, TrainOptions, load_partner, run_logger, static_config,
                                     train_stage)
 
 
@@ -52,8 +52,7 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
     final = json.loads((run_dir / "policies.json").read_text())
     static = _static_at(run_dir, temperature, options)
     tag = f"T{temperature:g}"
-    log, owned = make_logger(run_dir, None, wandb, {"stage": f"sampled_{tag}", "temperature": temperature})
-    try:
+    with run_logger(run_dir, None, wandb, {"stage": f"sampled_{tag}", "temperature": temperature}) as log:
         size_partner = as_size_controller(static[1])
         depth = train_stage(StageSpec("depth", f"{tag}_depth", depth_steps, partner=size_partner,
                                       val_partner=size_partner), run_dir, traces, options, log)
@@ -62,9 +61,6 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
                                      size_actions=final["size"]["size_actions"],
                                      init_from=run_dir / final["size"]["path"], seed_offset=1),
                            run_dir, traces, options, log)
-    finally:
-        if owned:
-            log.close()
     index = write_index(sampled_dir(run_dir, temperature), depth, size, static, copy=True)
     if guard_repeats > 0 and options.pair is not None:
         from specpilot.envs.replay import load_trace

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -306,13 +307,20 @@ def _keep_init_if_better(result: StageResult, spec: StageSpec, val, run_dir: Pat
     return result
 
 
-def make_logger(run_dir, logger, wandb: str | None, config: dict):
-    """(logger, owned): an explicit logger is used as is; otherwise a RunLogger the caller closes."""
+@contextmanager
+def run_logger(run_dir, logger, wandb: str | None, config: dict):
+    """`with run_logger(...) as log:` an explicit logger is used as is (its owner closes it); otherwise a RunLogger
+    for `run_dir`, closed when the block ends, however it ends."""
     if logger is not None:
-        return logger, False
+        yield logger
+        return
     from specpilot.train.logging import RunLogger
 
-    return RunLogger(run_dir, config, mode=wandb), True
+    log = RunLogger(run_dir, config, mode=wandb)
+    try:
+        yield log
+    finally:
+        log.close()
 
 
 def train_size(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: int = 20_000,
@@ -334,12 +342,8 @@ def train_size(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: i
     spec = StageSpec("size", stage, steps, partner=as_depth_controller(depth_partner),
                      val_partner=FixedController(depth=min(depth, max_depth), size=1), size_actions=size_actions,
                      init_from=init_from)
-    log, owned = make_logger(run_dir, logger, wandb, {"stage": stage, "kind": "size", "steps": steps})
-    try:
+    with run_logger(run_dir, logger, wandb, {"stage": stage, "kind": "size", "steps": steps}) as log:
         return train_stage(spec, run_dir, traces, options, log)
-    finally:
-        if owned:
-            log.close()
 
 
 def train_depth(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: int = 40_000,
@@ -353,9 +357,5 @@ def train_depth(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: 
     _, size = static_config(run_dir, options.static)
     partner = as_size_controller(size_partner if size_partner is not None else size)
     spec = StageSpec("depth", stage, steps, partner=partner, val_partner=partner, init_from=init_from)
-    log, owned = make_logger(run_dir, logger, wandb, {"stage": stage, "kind": "depth", "steps": steps})
-    try:
+    with run_logger(run_dir, logger, wandb, {"stage": stage, "kind": "depth", "steps": steps}) as log:
         return train_stage(spec, run_dir, traces, options, log)
-    finally:
-        if owned:
-            log.close()
