@@ -2,7 +2,6 @@
 cycle, the sampled law, and loading a head saved in the released layout through ModelPair."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from specpilot.drafting.cache import new_cache
 from specpilot.drafting.cycle import run_cycle
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head, WEIGHT_FILES
 from specpilot.policies import FixedController
-from tiny import tiny_model
+from tiny import sampled_tv, target_law, tiny_model
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 PROMPTS = [[7], [1, 2, 3, 4, 5], list(range(10, 43))]
@@ -95,29 +94,15 @@ def test_single_token_prompt_starts_with_a_plain_step(pair):
 
 
 def test_sampled_output_follows_the_target_law():
-    import itertools
-
-    from specpilot.drafting.sampling import sampling_probs
-
     vocab, steps, n = 6, 2, 2000
     target = tiny_model(vocab=vocab, hidden=16, layers=4, eos=None, sharpness=4.0, seed=3)
     pair = ModelPair(target, eagle=random_head(target, draft_vocab=4, seed=5))
     prompt, sampling = [1, 2], (1.0, 0, 1.0)
-    law = {}
-    with torch.inference_mode():
-        for seq in itertools.product(range(vocab), repeat=steps):
-            logits = target(input_ids=torch.tensor([prompt + list(seq)])).logits[0]
-            law[seq] = math.prod(float(sampling_probs(logits[len(prompt) - 1 + i], *sampling)[t])
-                                 for i, t in enumerate(seq))
+    law = target_law(target, prompt, steps, sampling)
     for width in (1, 3):
         decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=3, max_size=12))
-        counts = dict.fromkeys(law, 0)
-        for seed in range(n):
-            out = decoder.generate(prompt, controller=FixedController(3, 12), max_new_tokens=steps, temperature=1.0,
-                                   seed=seed)
-            counts[tuple(out.tokens)] += 1
-        tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
-        assert tv < 0.5 * math.sqrt(len(law) / n) + 0.035, (width, tv)
+        tv, bound = sampled_tv(decoder, prompt, law, FixedController(3, 12), sampling, n)
+        assert tv < bound, (width, tv)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])

@@ -1,8 +1,5 @@
 """Sampled speculative output follows the target's law: exact math on the seed article's example, Monte Carlo
 on the decoder (total-variation distance against the enumerated target law, with a concentration bound)."""
-import itertools
-import math
-
 import pytest
 import torch
 
@@ -10,7 +7,7 @@ from specpilot.drafting import SpeculativeDecoder, TreeConfig
 from specpilot.drafting.sampling import (accept_or_correct, naive_resample_law, residual_distribution,
                                          sampling_probs, speculative_law)
 from specpilot.policies import FixedController
-from tiny import noisy_copy, tiny_model
+from tiny import noisy_copy, sampled_tv, target_law, tiny_model
 from specpilot.drafting import ModelPair
 
 P, Q = [0.5, 0.3, 0.2], [0.2, 0.5, 0.3]
@@ -52,21 +49,6 @@ def test_sampling_probs_top_k_top_p():
     assert sampling_probs(logits, 1.0, top_p=0.5).tolist() == pytest.approx([1, 0, 0, 0])
 
 
-def _target_law(target, prompt, steps, sampling):
-    """Exact probability of every continuation of `steps` tokens under the target's sampler."""
-    vocab = target.config.vocab_size
-    law = {}
-    with torch.inference_mode():
-        for seq in itertools.product(range(vocab), repeat=steps):
-            ids = torch.tensor([prompt + list(seq)])
-            logits = target(input_ids=ids).logits[0]
-            prob = 1.0
-            for i, tok in enumerate(seq):
-                prob *= float(sampling_probs(logits[len(prompt) - 1 + i], *sampling)[tok])
-            law[seq] = prob
-    return law
-
-
 class _AlternateSkip(FixedController):
     """Skips drafting every other cycle: plain target steps interleaved with speculative ones."""
 
@@ -86,19 +68,10 @@ def _tv_against_target_law(width, depth, size, sampling, *, controller=None, n=3
     target = tiny_model(vocab=vocab, hidden=16, layers=1, eos=None, sharpness=4.0, seed=3)
     pair = ModelPair(target, noisy_copy(target, 2.0, seed=4))
     prompt = [1, 2]
-    law = _target_law(target, prompt, steps, sampling)
+    law = target_law(target, prompt, steps, sampling)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size,
                                                   sampled_children=sampled))
-    controller = controller or FixedController(depth, size)
-    counts = dict.fromkeys(law, 0)
-    temperature, top_k, top_p = sampling
-    for seed in range(n):
-        out = decoder.generate(prompt, controller=controller, max_new_tokens=steps, temperature=temperature,
-                               top_k=top_k, top_p=top_p, seed=seed)
-        counts[tuple(out.tokens)] += 1
-    tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
-    # E[TV] <= 0.5 * sqrt(K / n) (Jensen), and TV concentrates: P(TV - E[TV] > t) <= exp(-2 n t^2) (McDiarmid).
-    return tv, 0.5 * math.sqrt(len(law) / n) + 0.035
+    return sampled_tv(decoder, prompt, law, controller or FixedController(depth, size), sampling, n)
 
 
 @pytest.mark.parametrize("width,depth,size,sampling,sampled", [

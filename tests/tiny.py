@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import itertools
+import math
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -38,3 +40,33 @@ def noisy_copy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaFor
 def tiny_pair(noise: float = 0.3, **kwargs) -> ModelPair:
     target = tiny_model(**kwargs)
     return ModelPair(target, noisy_copy(target, noise))
+
+
+def target_law(target, prompt: list[int], steps: int, sampling: tuple[float, int, float]) -> dict:
+    """Exact probability of every continuation of `steps` tokens under the target's sampler (temperature, top_k,
+    top_p), by enumeration: for tiny vocabularies only."""
+    from specpilot.drafting.sampling import sampling_probs
+
+    law = {}
+    with torch.inference_mode():
+        for seq in itertools.product(range(target.config.vocab_size), repeat=steps):
+            logits = target(input_ids=torch.tensor([prompt + list(seq)])).logits[0]
+            law[seq] = math.prod(float(sampling_probs(logits[len(prompt) - 1 + i], *sampling)[tok])
+                                 for i, tok in enumerate(seq))
+    return law
+
+
+def sampled_tv(decoder, prompt: list[int], law: dict, controller, sampling: tuple[float, int, float],
+               n: int) -> tuple[float, float]:
+    """(total-variation distance of n seeded generations from `law`, its concentration bound).
+
+    E[TV] <= 0.5 * sqrt(K / n) (Jensen), and TV concentrates: P(TV - E[TV] > t) <= exp(-2 n t^2) (McDiarmid)."""
+    temperature, top_k, top_p = sampling
+    steps = len(next(iter(law)))
+    counts = dict.fromkeys(law, 0)
+    for seed in range(n):
+        out = decoder.generate(prompt, controller=controller, max_new_tokens=steps, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=seed)
+        counts[tuple(out.tokens)] += 1
+    tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
+    return tv, 0.5 * math.sqrt(len(law) / n) + 0.035
