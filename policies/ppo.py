@@ -90,10 +90,12 @@ class PlainSteps(FixedController):
         return {**super().describe(), "off_switch": self.off_switch}
 
 
-def load_run_controllers(run_dir: str | Path, device: str = "cpu") -> dict[str, Controller]:
+def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
+                         off_switch: bool = True) -> dict[str, Controller]:
     """{"ltd": both policies, "depth_only": depth policy + fixed size, "size_only": fixed depth + size policy},
     from run_dir/policies.json; entries whose policies are absent are left out. An index whose `off_switch` says
-    "plain_steps" (train/sampled.py) gives `PlainSteps` controllers under the same names."""
+    "plain_steps" (train/sampled.py) gives `PlainSteps` controllers under the same names, unless `off_switch` is
+    False (the policies themselves, as the off-switch check measures them)."""
     run_dir = Path(run_dir)
     index = _read_index(run_dir)
     fb = index.get("fallback") or {}
@@ -128,6 +130,6 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu") -> dict[str, 
     if not out:
         raise PolicyLoadError(f"{run_dir / 'policies.json'} names neither a depth nor a size policy")
     switch = index.get("off_switch") or {}
-    if switch.get("plain_steps"):  # measured no faster than plain target steps (train/sampled.py)
+    if off_switch and switch.get("plain_steps"):  # measured no faster than plain target steps (train/sampled.py)
         return {name: PlainSteps(name, switch) for name in out}
     return out

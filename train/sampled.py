@@ -81,10 +81,7 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
     from specpilot.policies.ppo import load_run_controllers
 
     index = Path(index)
-    data = json.loads(index.read_text())
-    data.pop("off_switch", None)
-    atomic_write_json(index, data, indent=2)  # measure the policies themselves, not a previous verdict
-    ltd = load_run_controllers(index.parent)["ltd"]
+    ltd = load_run_controllers(index.parent, off_switch=False)["ltd"]  # the policies, not a previous verdict
     res = measure_controllers(pair, {"ltd": ltd, "plain": FixedController(0)}, prompts, tree=tree,
                               max_new_tokens=max_new_tokens, repeats=repeats, temperature=temperature, seed=seed,
                               baseline="plain")
@@ -92,7 +89,6 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
     verdict = {"plain_steps": not low > 1.0, "ratio": res["ltd"]["vs_baseline"]["ratio"],
                "ci": res["ltd"]["vs_baseline"]["ci"], "temperature": temperature, "units": repeats * len(prompts),
                "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1"}
-    data["off_switch"] = verdict
-    atomic_write_json(index, data, indent=2)
+    atomic_write_json(index, {**json.loads(index.read_text()), "off_switch": verdict}, indent=2)
     return verdict
 
