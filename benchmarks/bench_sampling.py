@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
+from specpilot.drafting.cycle_math import num_candidates
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
 
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     methods = {"ar": None}
     for width, depth in configs:
-        size = width + (depth - 1) * width * width
+        size = num_candidates(width, depth)
         for sampled in (True, False):
             tree = TreeConfig(width=width, max_depth=depth, max_size=size, sampled_children=sampled)
             methods[f"W{width} D{depth} {'sampled' if sampled else 'top-W'}"] = (SpeculativeDecoder(pair, tree),

@@ -4,8 +4,11 @@ A session is one prompt's generation advanced step by step. `DecodingSession` (l
 `ReplaySession` (a recorded trace and a latency profile, envs/replay.py) implement the same protocol:
 
     session.done                  the generation finished (EOS or max_new_tokens)
-    session.can_draft             (optional, default True) False when nothing can be drafted this cycle (an EAGLE
-                                  head before the target has produced any feature): a plain step, no questions
+    session.finished_by           "eos" | "length" once done, else None
+    session.prompt_len            tokens of the prompt
+    session.tokens_emitted        new tokens emitted so far
+    session.can_draft             False when nothing can be drafted this cycle (an EAGLE head before the target has
+                                  produced any feature): a plain step, no questions
     session.max_depth             most draft levels in one cycle
     session.clock.now()           the clock decisions are timed with
     session.cycle_state()         the DraftState before drafting (depth 0)
@@ -13,7 +16,8 @@ A session is one prompt's generation advanced step by step. `DecodingSession` (l
     session.rank_candidates()     sort the candidates for verification (timed as drafting)
     session.verify(size)          one target forward over the top-`size` candidates -> CycleRecord; size 0 with
                                   nothing drafted is a plain target step (one token, no draft forward)
-    session.add_policy_time(s)    charge decision time to the current cycle
+    session.add_policy_time(s)    charge decision time to the current cycle (CycleRecord.policy_s; the cycle time
+                                  CycleRecord.cycle_s = draft_s + verify_s excludes it)
 
 `cycle_steps(session)` is the cycle as a generator of questions: ("skip", state) before drafting (answer True to
 skip drafting: the target takes one plain step), ("stop", state) after every level below max_depth (answer True to
@@ -23,7 +27,7 @@ the Gymnasium environments answer the agent's questions with its actions and the
 """
 from __future__ import annotations
 
-from typing import Any, Generator, Protocol
+from typing import Any, Generator, Protocol, runtime_checkable
 
 from specpilot.drafting.types import CycleRecord, DraftState
 
@@ -31,10 +35,27 @@ SKIP, STOP, SIZE = "skip", "stop", "size"
 Question = tuple[str, DraftState]
 
 
+@runtime_checkable
 class Session(Protocol):
-    done: bool
+    """The step protocol (see the module docstring); DecodingSession and ReplaySession implement all of it."""
+
     max_depth: int
     clock: Any
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def finished_by(self) -> str | None: ...
+
+    @property
+    def prompt_len(self) -> int: ...
+
+    @property
+    def tokens_emitted(self) -> int: ...
+
+    @property
+    def can_draft(self) -> bool: ...
 
     def cycle_state(self) -> DraftState: ...
 
@@ -57,7 +78,7 @@ def check_size(size: Any, who: str = "the controller") -> int:
 
 def cycle_steps(session: Session) -> Generator[Question, Any, CycleRecord]:
     """One cycle as questions (see the module docstring); returns the cycle's CycleRecord."""
-    if not getattr(session, "can_draft", True) or (yield SKIP, session.cycle_state()):
+    if not session.can_draft or (yield SKIP, session.cycle_state()):
         return session.verify(0)
     state = session.draft_level()
     while state.depth < session.max_depth:

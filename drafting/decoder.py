@@ -21,6 +21,7 @@ from specpilot.drafting.cache import cache_length, keep_positions, new_cache
 from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
+from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, update_acceptance
 from specpilot.drafting.drafters import aux_states, fuse_aux, make_drafter
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sample, sampling_probs
@@ -57,9 +58,6 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item()))
     return gen
-
-
-ACCEPTANCE_RATE = 0.25  # EMA rate of DraftState.acceptance
 
 
 class DecodingSession:
@@ -165,8 +163,7 @@ class DecodingSession:
         scores = None
         level_start = 0
         if tree is not None:
-            width = self.tree_config.width
-            level_start = 0 if depth == 1 else width + (depth - 2) * width * width
+            level_start = level_bounds(self.tree_config.width, depth)[0]
             view = tree.scores_view if tree.scores_view is not None else tree.scores
             scores = view[: tree.size]
         return DraftState(
@@ -233,7 +230,7 @@ class DecodingSession:
             return 0
         if size < 1:
             raise ValueError(f"verification size must be >= 1, got {size}")
-        return min(size, tree.size, self.tree_config.max_size)
+        return clip_size(size, tree.size, self.tree_config.max_size)
 
     def verify(self, size: int) -> CycleRecord:
         """Verify the top-`size` candidates (clipped to those drafted) in one target forward; emit 1..accepted+1
@@ -300,8 +297,7 @@ class DecodingSession:
                              draft_s=self._draft_s, verify_s=verify_s, policy_s=self._policy_s,
                              context_len=len(self.committed) - len(emitted), level_s=tuple(self._level_s),
                              fed=self._fed if depth else 0)
-        if depth:
-            self.acceptance += ACCEPTANCE_RATE * (accepted / depth - self.acceptance)
+        self.acceptance = update_acceptance(self.acceptance, accepted, depth)
         self.cycles.append(record)
         self._draft_s = self._policy_s = 0.0
         self._level_s, self._fed = [], 0
@@ -309,14 +305,13 @@ class DecodingSession:
 
     def _truncate(self, emitted: list[int]) -> list[int]:
         """Never emit past EOS or max_new_tokens; mark the session finished when either is hit."""
-        room = self.max_new_tokens - len(self.new_tokens)
-        if self.eos is not None and self.eos in emitted[:room]:
+        left = self.max_new_tokens - len(self.new_tokens)
+        if self.eos is not None and self.eos in emitted[:left]:
             self.finished_by = "eos"
-            return emitted[: emitted.index(self.eos) + 1]
-        if len(emitted) >= room:
+            left = emitted.index(self.eos) + 1
+        elif len(emitted) >= left:
             self.finished_by = "length"
-            return emitted[:room]
-        return emitted
+        return emitted[: emitted_count(len(emitted) - 1, left)]  # accepted drafts + the bonus token, within `left`
 
     def output(self) -> GenerationOutput:
         total = self.token_times[-1] if self.token_times else 0.0

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting.cache import crop_to
+from specpilot.drafting.cycle_math import num_candidates
 from specpilot.drafting.sampling import sampling_probs
 
 
@@ -144,7 +145,7 @@ class TreeDrafter:
         self.cache = drafter.new_cache()
         self.device = None
         self.committed = 0
-        self.capacity = width + (max_depth - 1) * width * width
+        self.capacity = num_candidates(width, max_depth)
         self.tree: DraftTree | None = None
         self.root_position = 0
         self._fed: torch.Tensor | None = None  # node ids fed to the drafter this cycle, in cache order

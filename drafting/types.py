@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting.checks import check_int
+from specpilot.drafting.cycle_math import num_candidates
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class TreeConfig:
 
     def num_candidates(self, depth: int) -> int:
         """Candidates in a tree of `depth` levels: W at level 1, W*W at each later level."""
-        return self.width + (depth - 1) * self.width * self.width if depth > 0 else 0
+        return num_candidates(self.width, depth)
 
 
 def _to_numpy(scores) -> np.ndarray:
@@ -164,7 +165,8 @@ class CycleRecord:
     Acceptance length tau counts the bonus: emitted.
     Times in seconds, measured with perf_counter after device synchronisation:
     draft_s: draft forwards and tree bookkeeping (ranking included); verify_s: target forward, acceptance and cache
-    compaction; policy_s: time spent inside the controller's decisions.
+    compaction; cycle_s = draft_s + verify_s: the cycle time (what rewards, replay and the oracle count);
+    policy_s: decision time, the controller's calls, kept apart from the cycle time (replay charges none).
     level_s: draft time of each level (the first includes catching the drafter up on `fed` committed tokens);
     fed: committed tokens the cycle's first draft forward fed (0 for a plain step).
     """
@@ -181,8 +183,9 @@ class CycleRecord:
     fed: int = 0
 
     @property
-    def total_s(self) -> float:
-        return self.draft_s + self.verify_s + self.policy_s
+    def cycle_s(self) -> float:
+        """The cycle time: drafting + verification, decision time (policy_s) excluded."""
+        return self.draft_s + self.verify_s
 
 
 @dataclass

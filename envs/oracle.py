@@ -14,6 +14,7 @@ import numpy as np
 
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.cycle import run_cycle, run_generation
+from specpilot.drafting.cycle_math import FED_AT_START, emitted_count, next_fed
 from specpilot.envs.profile import LatencyProfile
 from specpilot.envs.record import Trace
 from specpilot.envs.replay import ReplayModel, ReplaySession
@@ -43,7 +44,7 @@ def replay_controller(trace: str | Path | Trace | ReplayModel, profile: str | Pa
     for i in range(model.num_prompts) if prompts is None else prompts:
         records = run_generation(ReplaySession(model, i), controller)
         tokens += sum(r.emitted for r in records)
-        time_s += sum(r.draft_s + r.verify_s for r in records)
+        time_s += sum(r.cycle_s for r in records)
         cycles += len(records)
     return summary(tokens, time_s, cycles)
 
@@ -61,19 +62,17 @@ def _cell_tables(model: ReplayModel, index: int, depths: np.ndarray, sizes: np.n
     """(emitted [n, nd, nv], verify time [n, nd, nv]) of every (depth, size) cell at every position."""
     tab = model.tables(index)
     n = tab.n
-    clipped = np.minimum(sizes[None, :], np.array([model.num_candidates[d] for d in depths])[:, None])
-    clipped = np.minimum(clipped, model.trace.max_size) * (depths[:, None] > 0)         # depth 0 verifies 0
+    clipped = model.clip_size(depths[:, None], sizes[None, :])                      # [nd, nv]; depth 0 verifies 0
     acc = tab.acc[:, np.maximum(depths, 1) - 1, :] * (depths[None, :, None] > 0)        # [n, nd, max_size+1]
     index_ = np.broadcast_to(clipped, (n,) + clipped.shape)
-    emitted = np.minimum(np.take_along_axis(acc, index_, axis=2).astype(np.int64) + 1,
-                         (n - np.arange(n))[:, None, None])
+    emitted = emitted_count(np.take_along_axis(acc, index_, axis=2).astype(np.int64),
+                            (n - np.arange(n))[:, None, None])
     return emitted, tab.verify[:, clipped]
 
 
 def _next_fed(depths: np.ndarray, fed: np.ndarray, emitted: np.ndarray, k_max: int) -> np.ndarray:
-    """Tokens the drafter must catch up next: the emitted ones after a speculative cycle, accumulated after plain
-    steps (the drafter did not run)."""
-    return np.where(depths > 0, emitted, np.minimum(fed + emitted, k_max))
+    """`cycle_math.next_fed`, capped at k_max (larger counts cost like the largest: the DP's state space)."""
+    return np.minimum(next_fed(depths, fed, emitted), k_max)
 
 
 def _hindsight(model: ReplayModel, emitted: np.ndarray, verify: np.ndarray, depths: np.ndarray
@@ -96,7 +95,7 @@ def _hindsight(model: ReplayModel, emitted: np.ndarray, verify: np.ndarray, dept
         cost[t, 1:] = total[np.arange(len(ks)), d_i, v_i]
         e_best = e[d_i, v_i]
         cycles[t, 1:] = 1 + cycles[t + e_best, nxt[np.arange(len(ks)), d_i, v_i]]
-    return float(cost[0, 1]), int(cycles[0, 1])
+    return float(cost[0, FED_AT_START]), int(cycles[0, FED_AT_START])
 
 
 def _static_sweep(model: ReplayModel, emitted: np.ndarray, verify: np.ndarray, depths: np.ndarray
@@ -108,7 +107,7 @@ def _static_sweep(model: ReplayModel, emitted: np.ndarray, verify: np.ndarray, d
     d = depths[di]
     tokens, time_s, cycles = np.zeros(grid), np.zeros(grid), np.zeros(grid, dtype=np.int64)
     t = np.zeros(grid, dtype=np.int64)
-    fed = np.ones(grid, dtype=np.int64)
+    fed = np.full(grid, FED_AT_START, dtype=np.int64)
     while (active := t < n).any():
         tt = np.minimum(t, n - 1)
         e = emitted[tt, di, vi]
@@ -127,15 +126,15 @@ class _HindsightGreedy(Controller):
 
     name = "greedy_oracle"
 
-    def __init__(self, session: ReplaySession, depths: np.ndarray, sizes: np.ndarray) -> None:
+    def __init__(self, model: ReplayModel, index: int, session: ReplaySession, depths: np.ndarray,
+                 sizes: np.ndarray) -> None:
         self.session, self.depths, self.sizes = session, depths, sizes
-        self.emitted, self.verify = _cell_tables(session.model, session.index, depths, sizes)
+        self.emitted, self.verify = _cell_tables(model, index, depths, sizes)
         self.choice = (1, 1)
 
     def skip_drafting(self, state) -> bool:
-        s = self.session
-        draft = s.model.draft[min(s.n_new, s.model.trace.max_depth + 1), self.depths][:, None]
-        ratio = self.emitted[s.t] / (draft + self.verify[s.t])
+        t = self.session.tokens_emitted
+        ratio = self.emitted[t] / (self.session.draft_time(self.depths)[:, None] + self.verify[t])
         d_i, v_i = np.unravel_index(int(ratio.argmax()), ratio.shape)
         self.choice = (int(self.depths[d_i]), int(self.sizes[v_i]))
         return self.choice[0] == 0
@@ -151,10 +150,10 @@ def _greedy_oracle(model: ReplayModel, indices: list[int], depths: np.ndarray, s
     tokens = time_s = cycles = 0
     for i in indices:
         session = ReplaySession(model, i)
-        controller = _HindsightGreedy(session, depths, sizes)
+        controller = _HindsightGreedy(model, i, session, depths, sizes)
         while not session.done:
             record = run_cycle(session, controller)
-            tokens, time_s, cycles = tokens + record.emitted, time_s + record.draft_s + record.verify_s, cycles + 1
+            tokens, time_s, cycles = tokens + record.emitted, time_s + record.cycle_s, cycles + 1
     return summary(tokens, time_s, cycles)
 
 

@@ -39,19 +39,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable, read_json
 
 TRACE_VERSION = 1
 NO_RANK = np.iinfo(np.int16).max
-
-
-def level_bounds(width: int, depth: int) -> tuple[int, int]:
-    """Node-id range [start, end) of level `depth` (1-based)."""
-    if depth == 1:
-        return 0, width
-    start = width + (depth - 2) * width * width
-    return start, start + width * width
 
 
 @dataclass
@@ -85,8 +78,7 @@ class Trace:
         return len(self.arrays["prompt_offsets"]) - 1
 
     def num_candidates(self, depth: int) -> int:
-        w = self.width
-        return w + (depth - 1) * w * w if depth > 0 else 0
+        return num_candidates(self.width, depth)
 
     def prompt(self, i: int) -> list[int]:
         off = self.arrays["prompt_offsets"]
@@ -114,7 +106,7 @@ class Trace:
     def accepted(self, i: int, t: int, depth: int, size: int) -> int:
         """Accepted draft tokens when the cycle at position t of prompt i drafts `depth` levels and verifies the
         top `size` candidates (size is clipped like the decoder clips it)."""
-        size = min(size, self.num_candidates(depth), self.max_size)
+        size = clip_size(size, self.num_candidates(depth), self.max_size)
         ranks = self.arrays["onpath_rank"][self.positions(i).start + t, depth - 1]
         return int(np.count_nonzero(ranks < size))
 
@@ -171,7 +163,7 @@ def _check_trace(head: dict, arrays: dict, header: Path, npz: Path) -> None:
     if missing:
         raise InputFileError(f"{npz} lacks the array(s) {', '.join(missing)}; {RECORD_AGAIN}")
     rows = int(arrays["scores"].shape[0]) if arrays["scores"].ndim == 2 else -1
-    candidates = width + (max_depth - 1) * width * width
+    candidates = num_candidates(width, max_depth)
     offsets = arrays["position_offsets"]
     problems = []
     if arrays["scores"].ndim != 2 or arrays["scores"].shape[1] != candidates:
@@ -237,7 +229,7 @@ def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int) ->
     w, d_max = tree_config.width, tree_config.max_depth
     cont, eos_at = greedy_continuation(pair, prompt, max_new_tokens, d_max)
     n = eos_at + 1 if eos_at >= 0 else min(max_new_tokens, len(cont))
-    cap = w + (d_max - 1) * w * w
+    cap = num_candidates(w, d_max)
     depth_of = np.concatenate([np.ones(w, dtype=np.int64)] +
                               [np.full(w * w, d, dtype=np.int64) for d in range(2, d_max + 1)])
     scores = np.zeros((n, cap), dtype=np.float32)

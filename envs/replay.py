@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from specpilot.drafting.decoder import ACCEPTANCE_RATE
+from specpilot.drafting.cycle_math import (FED_AT_START, clip_size, emitted_count, level_bounds, next_fed,
+                                           num_candidates, update_acceptance)
 from specpilot.drafting.types import CycleRecord, DraftState
 from specpilot.envs.profile import LatencyProfile
-from specpilot.envs.record import Trace, level_bounds
+from specpilot.envs.record import Trace
 
 _TRACES: dict[tuple[str, float], Trace] = {}
 
@@ -85,7 +86,7 @@ class PromptTables:
     def emitted(self, t: int, depth: int, size: int) -> tuple[int, int]:
         """(accepted, emitted) of a cycle at position t drafting `depth` levels and verifying `size` (clipped)."""
         accepted = int(self.acc[t, depth - 1, size]) if depth > 0 else 0
-        return accepted, min(accepted + 1, self.n - t)
+        return accepted, emitted_count(accepted, self.n - t)
 
 
 class ReplayModel:
@@ -101,7 +102,6 @@ class ReplayModel:
         self.max_new_tokens = self.trace.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         self.trace.budget(0, self.max_new_tokens)  # validates the budget
         self.draft = self.profile.draft_table()[: self.trace.max_depth + 2, : self.trace.max_depth + 1]
-        self.num_candidates = [self.trace.num_candidates(d) for d in range(self.trace.max_depth + 1)]
         self._tables: dict[int, PromptTables] = {}
 
     @property
@@ -115,12 +115,14 @@ class ReplayModel:
         return tab
 
     def clip_size(self, depth: int, size: int) -> int:
-        """The size the decoder actually verifies: min(size, candidates drafted, max_size)."""
-        return min(int(size), self.num_candidates[depth], self.trace.max_size)
+        """The size the decoder actually verifies (`cycle_math.clip_size`): int or, elementwise, arrays."""
+        return clip_size(size, num_candidates(self.trace.width, depth), self.trace.max_size)
 
-    def draft_time(self, n_new: int, depth: int) -> float:
-        """Modelled time of `depth` draft levels whose first forward feeds `n_new` tokens."""
-        return float(self.draft[min(n_new, self.trace.max_depth + 1), depth])
+    def draft_time(self, n_new: int, depth):
+        """Modelled time of `depth` draft levels (an int, or an array of depths) whose first forward feeds
+        `n_new` tokens (counts past max_depth + 1 cost like max_depth + 1)."""
+        times = self.draft[min(n_new, self.trace.max_depth + 1), depth]
+        return float(times) if np.ndim(times) == 0 else times
 
 
 class _NoClock:
@@ -144,7 +146,7 @@ class ReplaySession:
         self.model, self.tables, self.index = model, model.tables(index), index
         self.max_depth = model.trace.max_depth
         self.rng, self.time_noise = rng, float(time_noise)
-        self.t, self.n_new, self.depth = 0, 1, 0
+        self.t, self.n_new, self.depth = 0, FED_AT_START, 0
         self.prev, self.acceptance = (0, 0), 1.0
         self.cycles: list[CycleRecord] = []
 
@@ -171,6 +173,10 @@ class ReplaySession:
     def prompt_len(self) -> int:
         return self.tables.prompt_len
 
+    def draft_time(self, depth):
+        """Modelled time of drafting `depth` levels (an int or an array of depths) in the cycle starting now."""
+        return self.model.draft_time(self.n_new, depth)
+
     def _state(self) -> DraftState:
         return self.tables.state(self.t, self.depth, *self.prev, acceptance=self.acceptance)
 
@@ -190,7 +196,7 @@ class ReplaySession:
         pass
 
     def _times(self, depth: int, size: int) -> tuple[float, float]:
-        draft_s = self.model.draft_time(self.n_new, depth) if depth else 0.0
+        draft_s = self.draft_time(depth) if depth else 0.0
         verify_s = float(self.tables.verify[self.t, size])
         if self.time_noise and self.rng is not None:
             noise = self.rng.normal(size=2) * self.time_noise
@@ -201,17 +207,14 @@ class ReplaySession:
 
     def verify(self, size: int) -> CycleRecord:
         depth = self.depth
-        size = self.model.clip_size(depth, size) if depth else 0
+        size = self.model.clip_size(depth, size)
         accepted, emitted = self.tables.emitted(self.t, depth, size)
         draft_s, verify_s = self._times(depth, size)
         record = CycleRecord(depth, size, accepted, emitted, draft_s, verify_s, 0.0, self.prompt_len + self.t,
                              fed=self.n_new if depth else 0)
         self.t += emitted
-        if depth:
-            self.n_new = emitted
-            self.acceptance += ACCEPTANCE_RATE * (accepted / depth - self.acceptance)
-        else:
-            self.n_new += emitted  # the drafter has not seen these tokens either
+        self.n_new = next_fed(depth, self.n_new, emitted)
+        self.acceptance = update_acceptance(self.acceptance, accepted, depth)
         self.prev, self.depth = (accepted, depth), 0
         self.cycles.append(record)
         return record

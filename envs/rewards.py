@@ -1,10 +1,10 @@
 """Per-cycle rewards for the depth and size environments (live and replay share them).
 
 Each reward is a small object: `reward(record) -> float` scores one finished draft-and-verify cycle (a
-`CycleRecord`), `reset()` is called at the start of every episode. Cycle time is `record.draft_s + record.verify_s`
-(controller time excluded, as in the paper). Tokens are `record.emitted`: what the cycle appended to the output,
-bonus token included (the paper's L_A counts accepted tokens; the bonus is output too and is what throughput
-counts).
+`CycleRecord`), `reset()` is called at the start of every episode. Cycle time is `record.cycle_s` = draft_s +
+verify_s (decision time, `record.policy_s`, excluded, as in the paper). Tokens are `record.emitted`: what the
+cycle appended to the output, bonus token included (the paper's L_A counts accepted tokens; the bonus is output
+too and is what throughput counts).
 
     throughput   emitted / time                         the paper's reward (tokens per second of this cycle)
     dinkelbach   (emitted - lambda * time) / scale      lambda = running throughput estimate; optimises the
@@ -31,7 +31,7 @@ class Reward(Protocol):
 
 def _cycle_time(record: CycleRecord) -> float:
     # a clock can read 0 for a very fast cycle on a coarse timer: keep the ratio finite
-    return max(record.draft_s + record.verify_s, 1e-9)
+    return max(record.cycle_s, 1e-9)
 
 
 class ThroughputReward:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot.drafting.cycle_math import num_candidates
 from specpilot.drafting.files import atomic_write_text
 
 DEFAULT_CONFIDENCE_THRESHOLD = 0.4  # transformers' default assistant_confidence_threshold
@@ -74,10 +75,6 @@ def fit_confidence_threshold(top_probs: list[float], stops: list[bool]) -> tuple
     return best_t, best_agree
 
 
-def max_candidates(width: int, depth: int) -> int:
-    return width + (depth - 1) * width * width if depth > 0 else 0
-
-
 def hf_generation_config(num_tokens: int, threshold: float, base: dict | None = None) -> dict:
     """The draft's generation_config.json for assisted generation (base: the draft's own config, kept)."""
     config = {k: v for k, v in (base or {}).items() if k != "_from_model_config"}  # a saved file, not derived
@@ -99,7 +96,7 @@ def sglang_args(draft: str, depth: int, width: int, size: int, algorithm: str = 
     STANDALONE = a separate small draft LM; EAGLE3 = an EAGLE-3 head. With topk 1 (a chain) every drafted token
     is verified: num_draft_tokens = num_steps + 1."""
     depth, width = int(max(1, depth)), int(max(1, width))
-    size = int(min(max(1, size), max_candidates(width, depth)))
+    size = int(min(max(1, size), num_candidates(width, depth)))
     if width == 1:
         size = depth  # a chain has exactly `depth` drafted tokens
     return {"speculative_algorithm": algorithm, "speculative_draft_model_path": str(draft),

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting.control import Controller
+from specpilot.drafting.cycle_math import clip_size
 from specpilot.drafting.types import DraftState, TreeConfig
 from specpilot.envs.spaces import observation_space
 from specpilot.eval.suites import load_suite
@@ -73,7 +74,7 @@ class RecordingController(Controller):
         self._keep(state)
         size = int(self.inner.choose_size(state))
         self.depths.append(int(state.depth))
-        self.sizes.append(min(size, state.num_candidates, self.max_size))
+        self.sizes.append(clip_size(size, state.num_candidates, self.max_size))
         return size
 
     def observe(self, record) -> None:
