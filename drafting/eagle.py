@@ -10,7 +10,7 @@ Layout (as released by SafeAILab/EAGLE and loaded by vLLM / SGLang as `LlamaForC
     logits = lm_head(norm(h''))                                    # over the reduced draft vocabulary
 
 `hidden_states` are the target's `output_hidden_states` (index i = the state entering decoder layer i); the
-default feature layers are (2, L//2, L-3). `embed_tokens` is the target's own embedding module (frozen, never
+default feature layers are (2, L//2, L-3) (see `engine_layer_fields` for how config.json names them). `embed_tokens` is the target's own embedding module (frozen, never
 stored in the head's files). Draft id i means target id i + d2t[i]; t2d[j] says whether target id j is drafted.
 
 Sequence alignment (the contract drafters rely on): for committed tokens c_0..c_n and target features f_j (the
@@ -20,7 +20,7 @@ token = the drafted token). The forward appends K/V to a transformers `DynamicCa
 (`crop` works) and takes explicit position ids and 4-D boolean masks (True = may attend) for tree attention.
 
 Files: `config.json` (`"architectures": ["LlamaForCausalLMEagle3"]`, `num_hidden_layers: 1`, `vocab_size`,
-`draft_vocab_size`, `target_hidden_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`) and
+`draft_vocab_size`, `target_hidden_size`, `eagle_config`, the feature layers as `engine_layer_fields` writes them) and
 `model.safetensors` or `pytorch_model.bin` with keys `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
 `d2t`, `t2d`. Loading refuses missing or misshapen keys and heads that do not fit the target (EagleHeadError).
 """
@@ -50,8 +50,32 @@ class EagleHeadError(ValueError):
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
-    """The feature layers EAGLE-3 and vLLM use by default: states entering layers 2, L//2 and L-3."""
+    """The feature layers EAGLE-3, vLLM and SGLang use by default: states entering layers 2, L//2 and L-3."""
     return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+def engine_layer_fields(aux_layer_ids, num_target_layers: int | None = None) -> dict:
+    """The config.json fields that name the feature layers so that vLLM and SGLang both capture `aux_layer_ids`
+    (HF `hidden_states` indices: the state entering layer i). The engines read them differently:
+
+    vLLM (v1/worker/gpu_model_runner.py `_get_eagle3_aux_layers_from_config`, gpu/spec_decode/eagle/eagle3_utils.py)
+        reads the top-level `eagle_aux_hidden_state_layer_ids` (some versions fall back to `eagle_config`'s) and
+        captures the state entering each layer id (models/interfaces.py `_maybe_add_hidden_state`); without ids it
+        uses the model's default (2, L//2, L-3).
+    SGLang 0.5.x (model_runner_components/spec_aux_hidden_state.py) reads only
+        `eagle_config.eagle_aux_hidden_state_layer_ids` and, for Llama (srt/models/llama.py
+        `set_eagle3_layers_to_capture`), captures the state entering layer id + 1; without ids it captures the
+        states entering [2, L//2, L-3] (no + 1). Later SGLang (PR #25454) adds 1 only when the first id is 1.
+
+    So a head on the default layers names none (both engines' defaults are exactly its layers, and every SGLang
+    version agrees); other layers are written top-level as they are for vLLM and shifted by -1 in `eagle_config`
+    for SGLang (right for every SGLang version when the first layer is 2, EAGLE-3's usual low layer).
+    `num_target_layers` None (unknown) writes the explicit form."""
+    ids = [int(i) for i in aux_layer_ids]
+    if num_target_layers is not None and tuple(ids) == default_aux_layer_ids(num_target_layers):
+        return {"eagle_config": {"use_aux_hidden_state": True}}
+    return {"eagle_aux_hidden_state_layer_ids": ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}}
 
 
 @dataclass(frozen=True)
@@ -94,8 +118,9 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, cfg: dict, *, num_target_layers: int) -> "Eagle3Config":
-        """Read a released config.json. Aux layer ids come from `eagle_aux_hidden_state_layer_ids` (top level or
-        inside `eagle_config`), else the defaults for a target of `num_target_layers` layers."""
+        """Read a released config.json. Aux layer ids come from `eagle_aux_hidden_state_layer_ids` (top level, else
+        inside `eagle_config`, both read as vLLM reads them), else the defaults for a target of `num_target_layers`
+        layers (what `engine_layer_fields` leaves unnamed)."""
         archs = cfg.get("architectures") or []
         if not any("eagle3" in str(a).lower() for a in archs):
             raise EagleHeadError(f"config.json architectures {archs} is not an EAGLE-3 head "
@@ -126,9 +151,8 @@ class Eagle3Config:
                    rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) != "default"
                    else None, hidden_act=str(cfg.get("hidden_act", "silu")))
 
-    def to_dict(self) -> dict:
-        """The released config.json layout."""
-        ids = list(self.aux_layer_ids)
+    def to_dict(self, *, num_target_layers: int | None = None) -> dict:
+        """The released config.json layout; feature layers as `engine_layer_fields(..., num_target_layers)`."""
         return {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
                 "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                 "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
@@ -137,8 +161,7 @@ class Eagle3Config:
                 "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
                 "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
                 "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-                "eagle_aux_hidden_state_layer_ids": ids,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
+                **engine_layer_fields(self.aux_layer_ids, num_target_layers)}
 
     def llama_config(self) -> LlamaConfig:
         """A one-layer LlamaConfig with this head's shapes (for the RoPE module, the MLP and caches)."""
@@ -198,6 +221,7 @@ class Eagle3Head(nn.Module):
         super().__init__()
         check_fits_target(config, target)
         self.config = config
+        self.num_target_layers = int(target.config.num_hidden_layers)
         self._llama = config.llama_config()
         object.__setattr__(self, "_embed", target.get_input_embeddings())  # a reference, not a submodule
         self.fc = nn.Linear(3 * config.target_hidden_size, config.hidden_size, bias=False)
@@ -288,7 +312,8 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"format must be one of {sorted(WEIGHT_FILES)}, got {format!r}")
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        cfg = dict(self.config.to_dict(), torch_dtype=str(self.fc.weight.dtype).removeprefix("torch."))
+        cfg = dict(self.config.to_dict(num_target_layers=self.num_target_layers),
+                   torch_dtype=str(self.fc.weight.dtype).removeprefix("torch."))
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.released_state_dict().items()}
         for other in WEIGHT_FILES.values():

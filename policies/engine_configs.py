@@ -9,7 +9,11 @@ the closest static approximations of what the policies do. Which files depend on
     hf/generation_config.json     the DRAFT's generation config: transformers' AssistedCandidateGenerator reads
                                   num_assistant_tokens (K = the depth policy's median depth), the "constant" schedule
                                   and assistant_confidence_threshold (fitted to the depth policy's STOP decisions)
-                                  from `assistant_model.generation_config`, never from generate()'s arguments
+                                  from `assistant_model.generation_config`, never from generate()'s arguments.
+                                  With scikit-learn installed, transformers re-fits that threshold online within
+                                  each generate() call (generation/candidate_generator.py: an ROC cost over the
+                                  drafted tokens' probabilities and matches, once it has > 5 of them with at least
+                                  one match and one miss), so the exported value holds only for the first rounds
     vllm/speculative_config.json  {"method": "draft_model", "model": <draft>, "num_speculative_tokens": K, ...}
     sglang/sglang_args.json       STANDALONE: --speculative-num-steps D / -eagle-topk W / -num-draft-tokens V + 1
     sglang/config.yaml            the same as `sglang.launch_server --config` reads it (dashed keys, + model-path)
@@ -236,7 +240,12 @@ def engines_readme(out: Path, files: dict, skipped: dict, *, target: str, tokeni
                   "`hf/generation_config.json` into the draft's folder before loading it, or:", "",
                   "    from transformers import GenerationConfig",
                   f"    assistant.generation_config = GenerationConfig.from_pretrained(\"{root / 'hf'}\")",
-                  "    target.generate(**inputs, assistant_model=assistant)"]
+                  "    target.generate(**inputs, assistant_model=assistant)", "",
+                  "With scikit-learn installed, transformers re-fits `assistant_confidence_threshold` online in "
+                  "every generate() call (`AssistedCandidateGenerator`, generation/candidate_generator.py: once more "
+                  "than 5 drafted tokens have been judged, with at least one accepted and one rejected, it takes the "
+                  "threshold minimising an ROC cost), so the exported value holds only for the first few rounds of "
+                  "each call; without scikit-learn it stays as exported."]
     parts += ["", "## vLLM", "",
               f"    vllm serve {target}{tok} --speculative-config \"$(cat {root / ENGINE_FILES['vllm']})\"", "",
               "(Python: `LLM(model=..., tokenizer=..., speculative_config=json.load(open(...)))`.) "

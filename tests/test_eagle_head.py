@@ -70,7 +70,8 @@ def test_released_layout(tmp_path, target):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1
     assert (cfg["vocab_size"], cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (VOCAB, DRAFT_VOCAB, HIDDEN)
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(default_aux_layer_ids(LAYERS))
+    # default feature layers are left unnamed: vLLM's and SGLang's defaults are exactly them (test_engine_layer_ids)
+    assert cfg["eagle_config"] == {"use_aux_hidden_state": True} and "eagle_aux_hidden_state_layer_ids" not in cfg
     from safetensors.torch import load_file
 
     keys = set(load_file(str(tmp_path / "model.safetensors")))
@@ -85,7 +86,7 @@ def test_released_layout(tmp_path, target):
 def test_aux_layer_ids_from_config(tmp_path, target, where):
     random_head(target).save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg.pop("eagle_aux_hidden_state_layer_ids", None)
     cfg.pop("eagle_config")
     if where == "top":
         cfg["eagle_aux_hidden_state_layer_ids"] = [1, 2, 5]

@@ -92,6 +92,7 @@ def test_readme_documents_tokenizer_and_local_paths(tmp_path):
     readme = (tmp_path / "engines" / "README.md").read_text()
     assert "--tokenizer /models/tokenizer" in readme and "local to the machine" in readme
     assert "GenerationConfig.from_pretrained" in readme and "--config" in readme
+    assert "scikit-learn" in readme and "re-fits `assistant_confidence_threshold`" in readme
 
 
 # ---------------------------------------------------------------------------------------------------------------
