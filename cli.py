@@ -49,26 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name, help_text in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_label=f"specpilot {name}")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if not (err.name or "").startswith("specpilot"):
-                raise
-            p.set_defaults(_handler=_not_built(name))
-            continue
+        module = importlib.import_module(module_name)  # a broken import is a bug: it raises with its traceback
         module.add_arguments(p)
         if name in CLUSTER_COMMANDS:  # --ray ADDRESS --workers N; Ray is imported only when --ray is given
             add_cluster_arguments(p)
         p.set_defaults(_handler=with_cluster(name, module.run))
     return parser
-
-
-def _not_built(name: str):
-    def handler(args) -> int:
-        print(f"specpilot {name}: not built yet in this version", file=sys.stderr)
-        return 2
-
-    return handler
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ Layout (as released by SafeAILab/EAGLE and loaded by vLLM / SGLang as `LlamaForC
     logits = lm_head(norm(h''))                                    # over the reduced draft vocabulary
 
 `hidden_states` are the target's `output_hidden_states` (index i = the state entering decoder layer i); the
-default feature layers are (2, L//2, L-3) (see `engine_layer_fields` for how config.json names them). `embed_tokens` is the target's own embedding module (frozen, never
-stored in the head's files). Draft id i means target id i + d2t[i]; t2d[j] says whether target id j is drafted.
+default feature layers are (2, L//2, L-3) (`engine_layer_fields`: how config.json names them for vLLM and SGLang).
+`embed_tokens` is the target's own embedding module (frozen, never stored in the head's files). Draft id i means
+target id i + d2t[i]; t2d[j] says whether target id j is drafted.
 
 Sequence alignment (the contract drafters rely on): for committed tokens c_0..c_n and target features f_j (the
 features the target used to predict c_{j+1}), head position j takes (h = fc(f_j), token c_{j+1}) and its output

@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the deciding pair METHOD,BASELINE (default: ltd,grid)")
     parser.add_argument("--full-rounds", type=positive_int, default=1,
                         help="rounds in which every method runs; later rounds run ar and the deciding pair")
-    parser.add_argument("--repeats", type=positive_int, default=None,
-                        help="old name of a fixed --rounds N (default: unset)")
+    parser.add_argument("--repeats", dest="rounds", type=positive_int, default=argparse.SUPPRESS,
+                        help="old name of a fixed --rounds N (default: unset, --rounds applies)")
     parser.add_argument("--replay-dir", type=output_dir, default=None,
                         help="record (or reuse) greedy traces of the prompts here and report exact replay beside "
                              "live (default: no replay)")
@@ -122,8 +122,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     for path in args.check_profile:
         LatencyProfile.load(path)
     # the round plan's own checks (e.g. --min-rounds above --max-rounds) before the replay recording, not after it
-    RoundPlan.make(args.repeats if args.repeats is not None else args.rounds, min_rounds=args.min_rounds,
-                   max_rounds=args.max_rounds, time_budget_s=args.time_budget,
+    RoundPlan.make(args.rounds, min_rounds=args.min_rounds, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
                    target_half_width=args.target_half_width, decide=tuple(args.decide), full_rounds=args.full_rounds)
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
@@ -144,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
     SpeculativeDecoder(pair, plan.tree)  # the tree fits the drafter (width <= its vocabulary)
     methods = plan.methods
     if pair.drafter_kind == "eagle3":
-        check_methods(list(dict.fromkeys([*(methods or []), *(plan.sampled or [])])), drafter_kind="eagle3")
+        # prepare() checked the --run / --grid methods; the loaded pair only adds whether the drafter is a draft LM
+        asked = dict.fromkeys([*(methods or []), *(plan.sampled or [])])
+        check_methods([m for m in asked if m == "hf_assisted"], drafter_kind="eagle3")
         if methods is None:  # all available: transformers' assisted generation needs a draft LM
             methods = [m for m in METHODS if m != "hf_assisted"]
     say(f"evaluating {len(plan.prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype}), tree {plan.tree}")
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
                       min_rounds=args.min_rounds, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
                       target_half_width=args.target_half_width, decide=plan.decide, full_rounds=args.full_rounds,
-                      repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency, tree=plan.tree,
+                      warmup=args.warmup, concurrency=args.concurrency, tree=plan.tree,
                       grid=args.grid, run_dir=args.run_dir, seed=args.seed, encode=ids.__getitem__,
                       progress=say, sampled_methods=plan.sampled)
     if trace is not None:
@@ -186,7 +187,8 @@ def _run_on_ray(args: argparse.Namespace, plan: EvalPlan) -> int:
     with open_pool(args) as pool:
         result = evaluate_sharded(pool, plan.prompts, methods=plan.methods, temperatures=args.temperatures,
                                   top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                  repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency,
+                                  rounds=args.rounds if isinstance(args.rounds, int) else 1, warmup=args.warmup,
+                                  concurrency=args.concurrency,
                                   tree=plan.tree, grid=args.grid, run_dir=args.run_dir, seed=args.seed,
                                   sampled_methods=plan.sampled, progress=print)
     paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)

@@ -1,4 +1,4 @@
-"""Dynamic-depth heuristics the LTD paper compares against, as Controllers (thresholds from peer-decoders.md).
+"""Dynamic-depth heuristics the LTD paper compares against, as Controllers.
 
 Each heuristic decides *depth* only (when to stop drafting); the verification size is a constructor argument
 (`size`, default: the CPU default of `default_static_config()`), which the decoder clips to the candidates drafted.

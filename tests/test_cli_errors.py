@@ -159,6 +159,15 @@ def test_a_real_bug_keeps_its_traceback(monkeypatch):
         main(["generate", "--prompt", "x"])
 
 
+def test_a_broken_internal_import_raises(monkeypatch):
+    """A command module that fails to import is a bug: it raises, it is not reported as "not built"."""
+    import specpilot.cli as cli
+
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, ("broken", "specpilot.no_such_module", "a broken import")])
+    with pytest.raises(ModuleNotFoundError, match="specpilot.no_such_module"):
+        main(["generate", "--help"])
+
+
 def test_console_exit_code_and_single_line():
     """The real console script: exit status 2, one stderr line, no traceback."""
     proc = subprocess.run([sys.executable, "-m", "specpilot.cli", "generate", "--prompt", "x", "--target",

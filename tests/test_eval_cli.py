@@ -18,6 +18,11 @@ def test_defaults_and_lists():
     assert _parse([]).temperatures == (0.0, 1.0)
 
 
+def test_repeats_is_only_another_name_for_a_fixed_rounds():
+    assert _parse([]).rounds == "auto" and _parse(["--repeats", "3"]).rounds == 3
+    assert not hasattr(_parse(["--rounds", "2"]), "repeats")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--suite", "no_such_suite"], "unknown suite"),
     (["--methods", "fixed,warp"], "unknown method(s) warp"),

@@ -143,6 +143,38 @@ def test_eval_cli_uses_the_runs_tree(run_dir, tmp_path, monkeypatch, capsys):
     assert {r["method"] for r in report["results"]} == {"ar", "ltd"}
 
 
+def tiny_eagle_pair():
+    from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
+
+    target = tiny_model(vocab=VOCAB, eos=None, layers=4, seed=0)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=VOCAB), target).eval()
+    return ModelPair(target, tokenizer=_ByteTokenizer(), name="tiny-eagle", eagle=head)
+
+
+def test_eval_run_grid_methods_on_an_eagle_pair(run_dir, tmp_path, monkeypatch, capsys):
+    """--run and --grid given: grid and ltd run with an EAGLE-3 drafter (the drafter check must not re-ask for
+    them)."""
+    monkeypatch.setattr(ModelPair, "from_pretrained", classmethod(lambda cls, *a, **k: tiny_eagle_pair()))
+    suite = tmp_path / "mine.txt"
+    suite.write_text("def f(x):\n")
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"best": {"depth": 3, "size": 5, "width": WIDTH}}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(["eval", "--suite", str(suite), "--run", str(run_dir), "--grid", str(grid), "--methods",
+                     "ar,grid,ltd", "--temperatures", "0", "--max-new-tokens", "4", "--warmup", "0", "--repeats", "1",
+                     "--no-plots", "--out", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert {r["method"] for r in report["results"]} == {"ar", "grid", "ltd"}
+    code, err = _eval(["--run", str(run_dir), "--grid", str(grid), "--methods", "hf_assisted", "--temperatures", "0"],
+                      tmp_path, capsys)
+    assert code == 2 and "hf_assisted needs a draft LM" in err
+
+
 def test_check_methods_for_an_eagle_pair():
     with pytest.raises(EvalInputError, match="hf_assisted needs a draft LM"):
         check_methods(["hf_assisted"], drafter_kind="eagle3")
