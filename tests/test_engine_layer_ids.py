@@ -23,35 +23,27 @@ from specpilot.drafting.eagle import (DEFAULT_HEAD_DIR, Eagle3Config, Eagle3Head
                                       engine_layer_fields)
 
 
-def vllm_v1_layers(cfg: dict, num_layers: int, *, eagle_config_fallback: bool) -> tuple[int, ...]:
+def vllm_layers(cfg: dict, num_layers: int, *, eagle_config_key: str | None) -> tuple[int, ...]:
+    """eagle_config_key: the `eagle_config` entry a version falls back to (None: no fallback)."""
     layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if not layer_ids and eagle_config_fallback:
+    if not layer_ids and eagle_config_key:
         eagle_config = cfg.get("eagle_config")
         if eagle_config and isinstance(eagle_config, dict):
-            layer_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
-    if layer_ids and isinstance(layer_ids, (list, tuple)):
-        return tuple(layer_ids)
-    return (2, num_layers // 2, num_layers - 3)
-
-
-def vllm_v2_layers(cfg: dict, num_layers: int) -> tuple[int, ...]:
-    layer_ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if not layer_ids:
-        drafter_config = cfg.get("eagle_config")
-        if drafter_config and isinstance(drafter_config, dict):
-            layer_ids = drafter_config.get("layer_ids")
+            layer_ids = eagle_config.get(eagle_config_key)
     if layer_ids and isinstance(layer_ids, (list, tuple)):
         return tuple(layer_ids)
     return (2, num_layers // 2, num_layers - 3)
 
 
 def sglang_layers(cfg: dict, num_layers: int, *, shift_only_first_one: bool) -> tuple[int, ...]:
+    use_aux = True
     try:
         eagle_config = cfg.get("eagle_config")
-        assert eagle_config.get("use_aux_hidden_state", True)
+        use_aux = eagle_config.get("use_aux_hidden_state", True)
         layer_ids = eagle_config["eagle_aux_hidden_state_layer_ids"]
     except Exception:  # SGLang: "if there is no aux layer, set to None"
         layer_ids = None
+    assert use_aux, "SGLang would not capture the target's features at all"
     if layer_ids is None:
         return (2, num_layers // 2, num_layers - 3)
     if shift_only_first_one and layer_ids[0] != 1:
@@ -60,9 +52,10 @@ def sglang_layers(cfg: dict, num_layers: int, *, shift_only_first_one: bool) -> 
 
 
 def engine_captures(cfg: dict, num_layers: int) -> dict[str, tuple[int, ...]]:
-    return {"vllm v1": vllm_v1_layers(cfg, num_layers, eagle_config_fallback=False),
-            "vllm v1 (eagle_config fallback)": vllm_v1_layers(cfg, num_layers, eagle_config_fallback=True),
-            "vllm v2": vllm_v2_layers(cfg, num_layers),
+    return {"vllm v1": vllm_layers(cfg, num_layers, eagle_config_key=None),
+            "vllm v1 (eagle_config fallback)": vllm_layers(cfg, num_layers,
+                                                           eagle_config_key="eagle_aux_hidden_state_layer_ids"),
+            "vllm v2": vllm_layers(cfg, num_layers, eagle_config_key="layer_ids"),
             "sglang 0.5": sglang_layers(cfg, num_layers, shift_only_first_one=False),
             "sglang after #25454": sglang_layers(cfg, num_layers, shift_only_first_one=True)}
 
