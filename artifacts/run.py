@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specpilot.artifacts.common import load_object, save_object
+from specpilot.artifacts.trace import AR_FILE  # noqa: F401 (RUN/traces/<split>/ar.json)
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import read_json
 
@@ -26,7 +27,6 @@ MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 TRACES_DIR = "traces"
 SPLITS = ("train", "validation")
-AR_FILE = "ar.json"
 BEST_ZIP = "best.zip"
 BEST_JSON = "best.json"
 CHECKPOINTS_DIR = "checkpoints"

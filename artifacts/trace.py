@@ -16,6 +16,7 @@ ARRAYS_FILE = "trace.npz"
 HEADER_FILE = "trace.json"
 TRACE_VERSION = 1  # the header's own "version" key (traces were versioned before the other artifacts)
 RECORD_AGAIN = "record it again with `specpilot record --out DIR`"
+AR_FILE = "ar.json"  # live autoregressive timing of the trace's prompts (`specpilot.train.traces.measure_ar`)
 
 
 def trace_dir(path: str | Path) -> Path:
@@ -74,3 +75,24 @@ class TraceHeader:
 
     def save(self, out_dir: str | Path) -> Path:
         return atomic_write_json(Path(out_dir) / HEADER_FILE, self.data)
+
+
+def read_ar(trace: str | Path) -> dict | None:
+    """The trace's ar.json ({"seconds_per_token", "tokens_per_s", ...}), None when it has none; errors name the
+    file when it is unreadable or lacks a positive seconds_per_token."""
+    path = trace_dir(trace) / AR_FILE
+    if not path.is_file():
+        return None
+    fix = "delete it (replay then times plain steps from the profile) or record the traces again"
+    data = read_json(path, what="autoregressive timing (ar.json)", fix=fix)
+    try:
+        if not float(data["seconds_per_token"]) > 0:
+            raise ValueError("not positive")
+    except (KeyError, TypeError, ValueError) as err:
+        raise InputFileError(f"{path} lacks a positive seconds_per_token ({type(err).__name__}: {err}); {fix}") \
+            from None
+    return data
+
+
+def write_ar(trace: str | Path, data: dict) -> Path:
+    return atomic_write_json(trace_dir(trace) / AR_FILE, data)

@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from specpilot.artifacts.grid import GRID_FIX, GridResult  # noqa: F401 (GRID_FIX re-exported)
+from specpilot.artifacts.contract import RunContract, check_pair
 from specpilot.artifacts.policies import TRAIN_FIX, PoliciesIndex
+from specpilot.artifacts.run import run_root
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.types import TreeConfig
 
@@ -87,6 +89,25 @@ def check_methods(names: list[str], *, grid: str | Path | None = None, run_dir: 
         raise EvalInputError(f"method(s) asked for cannot run: {'; '.join(problems)}")
     if run_dir is not None and any(n in TRAINED_METHODS for n in names):
         load_run_policies(run_dir)
+
+
+def check_inputs_pair(pair, *, run_dir: str | Path | None = None, grid: str | Path | None = None) -> None:
+    """ContractError (one line naming both pairs) when the trained run or the grid result was made on another
+    pair than the one loaded for the evaluation: its policies / static config would be measured on models they
+    were never chosen for."""
+    if run_dir is None and grid is None:
+        return
+    identity = pair.identity()
+    loaded = f"the pair loaded for evaluation ({pair.name})"
+    if run_dir is not None:
+        contract = RunContract.of_run(run_root(run_dir))
+        if contract is not None:
+            check_pair(contract.pair, identity, expected_from=f"run {run_dir}", got_from=loaded,
+                       fix="evaluate with the pair the run was trained on (--target/--draft/--eagle), or drop --run")
+    if grid is not None:
+        for recorded in GridResult.load(grid).trace_pairs():
+            check_pair(recorded, identity, expected_from=f"grid result {grid}", got_from=loaded,
+                       fix="evaluate with the pair the grid was searched on, or drop --grid")
 
 
 def load_run_policies(run_dir: str | Path) -> None:

@@ -46,6 +46,7 @@ class TrainOptions:
     skip_decisions: the depth policy also decides, before drafting, whether to draft at all.
     resume: continue interrupted stages; finished stages are skipped. seed: base seed of every stage.
     max_context: context length mapped to 1.0 in the observations. ppo: changes to the paper's PPO settings.
+    allow_partial: later stages may start from an earlier stage that did not finish (interrupted); refused otherwise.
     """
 
     reward: str = "dinkelbach"
@@ -60,6 +61,7 @@ class TrainOptions:
     seed: int = 0
     max_context: int = 4096
     ppo: PPOOverrides = field(default_factory=PPOOverrides)
+    allow_partial: bool = False
 
     def __post_init__(self) -> None:
         if self.reward not in REWARD_MODES:
