@@ -226,12 +226,15 @@ def test_export_refuses_a_trace_of_another_pair_or_tree(tmp_path, trace_kwargs, 
 # ---- unfinished stages -------------------------------------------------------------------------------------------------------
 
 def _interrupted_run(run: Path) -> Path:
+    from specpilot.policies.observation import ObservationSpec
+
     _run_with_contract(run)
     _trace(run / "traces" / "validation")
+    specs = {"size": ObservationSpec.for_size(4, 6, size_actions=[4, 8]), "depth": ObservationSpec.for_depth(4, 6)}
     for stage, kind, status in (("size_s1", "size", "interrupted"), ("depth_s1", "depth", "done")):
         (run / stage).mkdir(parents=True)
         (run / stage / "best.zip").write_bytes(b"zip")
-        RunManifest.update(run, stage_setup={stage: {"kind": kind, "spec": {**SPEC, "kind": kind},
+        RunManifest.update(run, stage_setup={stage: {"kind": kind, "spec": specs[kind].to_dict(),
                                                      "size_actions": [4, 8] if kind == "size" else None}},
                            stages={stage: {"status": status, "timesteps_done": 64,
                                            "settings": {"total_timesteps": 256}}})
