@@ -232,7 +232,7 @@ def _grid(*, run_dir, pair, budget, val, cluster=None, **_) -> dict:
     result = grid_search(run_dir / "traces" / "train", pair=pair, val_prompts=[p.prompt for p in val],
                          live_top=budget.live_top, live_max_new_tokens=budget.max_new_tokens,
                          sampled_temperatures=[t for t in budget.temperatures if t > 0],
-                         out=run_dir / "grid.json", progress=True)
+                         out=run_dir / GRID_FILE, progress=True)
     return {"best": result["best"], "oracle": result.get("oracle"), "cost_check": check}
 
 
@@ -244,11 +244,11 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
                        pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
-    options = TrainOptions(reward=budget.reward, static=run_dir / "grid.json", resume=True, seed=seed, ppo=ppo)
+    options = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed, ppo=ppo)
     out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
                        coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, options=options, wandb=wandb)
     # sampling is part of training: the policies evaluated at T > 0 are fine-tuned live at T
-    live = TrainOptions(reward=budget.reward, static=run_dir / "grid.json", resume=True, seed=seed,
+    live = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed,
                         ppo=PPOOverrides(**{**vars(ppo), "n_steps": 256, "batch_size": 128}), backend="live",
                         pair=pair, train_prompts=[p.prompt for p in train])
     out["sampled"] = {f"{t:g}": train_sampled(run_dir, traces, t, depth_steps=budget.sampled_depth_steps,
@@ -279,7 +279,7 @@ def _eval(*, run_dir, pair, tree, budget, seed, heldout, cluster=None, **_) -> d
                        read_json(run_dir / PROFILE_CHECK, what="profile check", fix="run the demo's grid stage again")}
                       if (run_dir / PROFILE_CHECK).is_file() else None),
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
-        temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / "grid.json",
+        temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
         progress=lambda msg: tqdm.write(f"  {msg}"))
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),

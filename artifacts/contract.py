@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specpilot.artifacts.run import FINISHED, RunManifest
+from specpilot.artifacts.run import FINISHED, RunManifest, read_progress
 
 TREE_KEYS = ("width", "max_depth")
 
@@ -145,6 +145,9 @@ def check_stage_finished(run_dir: str | Path, stage: str, *, allow_partial: bool
     for it passes. `allow_partial` accepts an interrupted or running stage's best checkpoint."""
     status = RunManifest.load(run_dir).stage(stage)
     if status is None or status.finished or allow_partial:
+        return
+    progress = read_progress(Path(run_dir) / stage)  # a stage killed after its last checkpoint did finish
+    if progress and int(progress.get("timesteps_done", 0)) >= int(progress.get("total_timesteps") or 1 << 62):
         return
     steps = f"{status.timesteps_done}" + (f"/{status.total_timesteps}" if status.total_timesteps else "")
     raise ContractError(f"stage {stage!r} of {run_dir} is {status.status} ({steps} steps), not {FINISHED}: finish it "
