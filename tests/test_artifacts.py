@@ -257,3 +257,14 @@ def test_train_coadapt_after_an_interrupted_stage_is_one_line_exit_2(tmp_path, c
     code = main(["--threads", "1", "train", "coadapt", "--run", str(run), "--steps", "64", "--static", "3,8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "size_s1" in err[0] and "--allow-partial" in err[0]
+
+
+def test_export_refuses_a_grid_of_another_tree(tmp_path):
+    from specpilot.train.export import _check_contract
+
+    run = _run_with_contract(tmp_path / "run")
+    PoliciesIndex(PolicyEntry("d.zip", SPEC)).save(run)
+    save_grid(tmp_path / "w2.json", _grid(width=2))
+    grid = str(tmp_path / "w2.json")
+    msg = _refused(lambda: _check_contract(run, PoliciesIndex.load(run), None, None, False, grid=grid))
+    assert "W=2" in msg and "w2.json" in msg

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from specpilot.artifacts.contract import RunContract, check_pair, check_tree
+from specpilot.artifacts.contract import RunContract, check_grid, check_pair, check_tree
 from specpilot.artifacts.decoder import write_decoder_config
-from specpilot.artifacts.grid import GRID_FILE
+from specpilot.artifacts.grid import GRID_FILE, GridResult
 from specpilot.artifacts.policies import POLICIES_FILE, PoliciesIndex
 from specpilot.artifacts.run import (BEST_JSON, CHECKPOINTS_DIR, MANIFEST_FILE, TRACES_DIR, RunManifest,  # noqa: F401
                                      owning_run, read_progress, run_root)
@@ -308,9 +308,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
         from specpilot.envs.replay import load_trace
 
         load_trace(trace)  # readable before any work (FileNotFoundError / InputFileError name the file)
-    _check_contract(root, typed, pair, trace, given_trace)
     identity = _pair_identity(root, pair, trace)
     grid_best, grid_path = _grid_best(root, grid)  # read before any work: a bad grid result fails here
+    _check_contract(root, typed, pair, trace, given_trace, grid=grid_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_FILE).unlink(missing_ok=True)  # a half-written export must not look valid
 
@@ -356,11 +356,15 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     return meta
 
 
-def _check_contract(root: Path, index: PoliciesIndex, pair, trace: Path | None, given_trace: bool) -> None:
-    """Refuse (ContractError naming both sides) a pair or a trace that is not the run's: decoder.json would name the
-    wrong pair, or the choices would be measured on another tree."""
+def _check_contract(root: Path, index: PoliciesIndex, pair, trace: Path | None, given_trace: bool, *,
+                    grid: str | None = None) -> None:
+    """Refuse (ContractError naming both sides) a pair, a trace or a grid result that is not the run's:
+    decoder.json would name the wrong pair, or the choices / engine configs would come from another tree."""
     contract = RunContract.of_run(root)
     run = f"run {root} (its manifest)"
+    if grid is not None and contract is not None:
+        check_grid(GridResult.load(grid), contract, grid_from=f"grid result {grid}", run=run,
+                   fix="export with the run's own grid result (drop --grid) or one searched for this run")
     if pair is not None and contract is not None:
         check_pair(contract.pair, pair.identity(), expected_from=run, got_from="the pair given (--target/--draft)",
                    fix="export with the pair the run was trained on (or without --target: the run records it)")
