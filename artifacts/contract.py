@@ -151,7 +151,8 @@ def check_stage_finished(run_dir: str | Path, stage: str, *, allow_partial: bool
         return
     steps = f"{status.timesteps_done}" + (f"/{status.total_timesteps}" if status.total_timesteps else "")
     raise ContractError(f"stage {stage!r} of {run_dir} is {status.status} ({steps} steps), not {FINISHED}: finish it "
-                        f"(the same command with --resume), or pass {option} to build on its best checkpoint so far")
+                        f"first (the command that trained it, with --resume), or pass {option} to build on its best "
+                        "checkpoint so far")
 
 
 def check_grid(grid, contract: RunContract, *, grid_from: str, run: str, fix: str) -> None:

@@ -98,7 +98,7 @@ def check_inputs_pair(pair, *, run_dir: str | Path | None = None, grid: str | Pa
     if run_dir is None and grid is None:
         return
     identity = pair.identity()
-    loaded = f"the pair loaded for evaluation ({pair.name})"
+    loaded = "the pair loaded for evaluation"
     if run_dir is not None:
         contract = RunContract.of_run(run_root(run_dir))
         if contract is not None:

@@ -224,7 +224,7 @@ def grid_search(
         identity = pair.identity()  # the live phase must measure the pair the replay table was recorded with
         for source in sources:
             check_pair(source["pair"], identity, expected_from=f"trace {source['trace']}",
-                       got_from=f"the live phase's pair ({pair.name})",
+                       got_from="the live phase's pair",
                        fix="give traces recorded with this pair, or load the traces' pair for the live phase")
     live_rows, live_ar = [], None
     if pair is not None and val_prompts and live_top > 0:
