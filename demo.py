@@ -21,6 +21,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specpilot.artifacts.grid import GRID_FILE, GridResult
+from specpilot.artifacts.profile import profile_path
+from specpilot.artifacts.report import read_report
+from specpilot.drafting.files import atomic_write_json, read_json
+
+PROFILE_CHECK = "profile_check.json"  # the demo's check of the profile behind the grid search and training
+
 
 @dataclass
 class DemoBudget:
@@ -103,7 +110,8 @@ class DemoState:
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / "demo_state.json"
-        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.data = read_json(self.path, what="demo state", fix="delete it to run every stage again") \
+            if self.path.exists() else {}
 
     def done(self, stage: str, key: str) -> dict | None:
         entry = self.data.get(stage)
@@ -111,7 +119,7 @@ class DemoState:
 
     def finish(self, stage: str, key: str, result: dict, seconds: float) -> None:
         self.data[stage] = {"key": key, "result": result, "seconds": round(seconds, 1)}
-        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+        atomic_write_json(self.path, self.data, default=str)
 
     def invalidate_after(self, stage: str) -> None:
         for later in STAGES[STAGES.index(stage) + 1:]:
@@ -179,7 +187,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         state.finish(stage, key, results[stage], timings[stage])
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
     summary = summarise(run_dir, results, timings, time.perf_counter() - started, identity, budget)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    atomic_write_json(run_dir / "summary.json", summary, default=str)
     print(format_summary(summary))
     return summary
 
@@ -217,14 +225,14 @@ def _grid(*, run_dir, pair, budget, val, cluster=None, **_) -> dict:
 
     # the latency profile behind the grid search and training, checked against live first (re-measured if stale)
     traces = run_dir / "traces"
-    check = check_and_refresh(pair, traces / "train", traces / "train" / "profile.json",
-                              also=[traces / "validation" / "profile.json"], prompts=2, rounds=budget.check_rounds,
+    check = check_and_refresh(pair, traces / "train", profile_path(traces / "train"),
+                              also=[profile_path(traces / "validation")], prompts=2, rounds=budget.check_rounds,
                               log=lambda msg: tqdm.write(f"  {msg}"))
-    (run_dir / "profile_check.json").write_text(json.dumps(check, indent=1, default=str))
+    atomic_write_json(run_dir / PROFILE_CHECK, check, default=str)
     result = grid_search(run_dir / "traces" / "train", pair=pair, val_prompts=[p.prompt for p in val],
                          live_top=budget.live_top, live_max_new_tokens=budget.max_new_tokens,
                          sampled_temperatures=[t for t in budget.temperatures if t > 0],
-                         out=run_dir / "grid.json", progress=True)
+                         out=run_dir / GRID_FILE, progress=True)
     return {"best": result["best"], "oracle": result.get("oracle"), "cost_check": check}
 
 
@@ -236,11 +244,11 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
                        pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
-    options = TrainOptions(reward=budget.reward, static=run_dir / "grid.json", resume=True, seed=seed, ppo=ppo)
+    options = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed, ppo=ppo)
     out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
                        coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, options=options, wandb=wandb)
     # sampling is part of training: the policies evaluated at T > 0 are fine-tuned live at T
-    live = TrainOptions(reward=budget.reward, static=run_dir / "grid.json", resume=True, seed=seed,
+    live = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed,
                         ppo=PPOOverrides(**{**vars(ppo), "n_steps": 256, "batch_size": 128}), backend="live",
                         pair=pair, train_prompts=[p.prompt for p in train])
     out["sampled"] = {f"{t:g}": train_sampled(run_dir, traces, t, depth_steps=budget.sampled_depth_steps,
@@ -266,12 +274,12 @@ def _eval(*, run_dir, pair, tree, budget, seed, heldout, cluster=None, **_) -> d
 
     result, paths = full_evaluation(
         heldout, pair=pair, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
-        check_profiles={"grid search and training": run_dir / "traces" / "train" / "profile.json"},
+        check_profiles={"grid search and training": profile_path(run_dir / "traces" / "train")},
         prior_checks=({"profile behind grid search and training, checked before the grid search":
-                       json.loads((run_dir / "profile_check.json").read_text())}
-                      if (run_dir / "profile_check.json").is_file() else None),
+                       read_json(run_dir / PROFILE_CHECK, what="profile check", fix="run the demo's grid stage again")}
+                      if (run_dir / PROFILE_CHECK).is_file() else None),
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
-        temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / "grid.json",
+        temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
         progress=lambda msg: tqdm.write(f"  {msg}"))
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
@@ -295,8 +303,8 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
     checks (before the grid search and at evaluation), the grid's best config and the training trace's oracle."""
     from specpilot.eval.summary import summarise_report
 
-    report = json.loads((run_dir / "eval" / "report.json").read_text())
-    grid_json = json.loads((run_dir / "grid.json").read_text()) if (run_dir / "grid.json").exists() else {}
+    report = read_report(run_dir / "eval")
+    grid_json = GridResult.load(run_dir / GRID_FILE).data if (run_dir / GRID_FILE).exists() else {}
     summary = summarise_report(report)
     return {
         "run_dir": str(run_dir), "wall_s": round(wall_s, 1), "stage_s": {k: round(v, 1) for k, v in timings.items()},

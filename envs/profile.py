@@ -34,7 +34,7 @@ import numpy as np
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import atomic_write_text, read_json
 
-PROFILE_VERSION = 1
+from specpilot.artifacts.profile import PROFILE_VERSION  # noqa: E402 (one definition, beside the file name)
 
 
 def _stats(samples: dict) -> dict:

@@ -41,9 +41,11 @@ import torch
 
 from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates
 from specpilot.drafting.errors import InputFileError
-from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable, read_json
+from specpilot.artifacts.profile import profile_path
+from specpilot.artifacts.trace import (ARRAYS_FILE, HEADER_FILE, RECORD_AGAIN, TRACE_VERSION,  # noqa: F401
+                                       TraceHeader)
+from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable
 
-TRACE_VERSION = 1
 NO_RANK = np.iinfo(np.int16).max
 
 
@@ -114,9 +116,9 @@ class Trace:
     def save(self, out_dir: str | Path) -> Path:
         """Write out_dir/trace.npz then trace.json, each atomically (a crash never leaves a half-written file)."""
         out_dir = Path(out_dir)
-        with atomic_path(out_dir / "trace.npz") as tmp:
+        with atomic_path(out_dir / ARRAYS_FILE) as tmp:
             np.savez_compressed(tmp, **self.arrays)
-        atomic_write_text(out_dir / "trace.json", json.dumps(self.header, indent=1))
+        atomic_write_text(out_dir / HEADER_FILE, json.dumps(self.header, indent=1))
         self.path = out_dir
         return out_dir
 
@@ -126,14 +128,11 @@ class Trace:
         missing, truncated, garbage or inconsistent with its header."""
         path = Path(path)
         out_dir = path if path.is_dir() else path.parent
-        npz, header = out_dir / "trace.npz", out_dir / "trace.json"
+        npz, header = out_dir / ARRAYS_FILE, out_dir / HEADER_FILE
         if not npz.is_file() or not header.is_file():
             raise FileNotFoundError(f"no trace at {path}: expected trace.npz and trace.json (write them with "
                                     "`specpilot record --out DIR`)")
-        head = read_json(header, what="trace header (trace.json)", fix=RECORD_AGAIN)
-        if head.get("version") != TRACE_VERSION:
-            raise InputFileError(f"{header}: trace version {head.get('version')!r} is not {TRACE_VERSION}; "
-                                 f"{RECORD_AGAIN}")
+        head = TraceHeader.load(out_dir).data  # read and checked: version, tree, budget
         try:
             with np.load(npz, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in data.files}
@@ -144,7 +143,6 @@ class Trace:
         return cls(head, arrays, out_dir)
 
 
-RECORD_AGAIN = "record it again with `specpilot record --out DIR`"
 ARRAYS = ("prompt_tokens", "prompt_offsets", "continuation", "continuation_offsets", "eos_at", "position_offsets",
           "scores", "top_prob", "entropy", "onpath_rank")
 
@@ -347,5 +345,4 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     profile = measure_profile(pair, tree_config, [getattr(p, "prompt", p) for p in chosen],
                               max_new_tokens=max_new_tokens, seed=seed, progress=progress)
     profile.meta["pair"] = trace.header["pair"]
-    profile_path = profile.save(out_dir / "profile.json")
-    return out_dir, profile_path
+    return out_dir, profile.save(profile_path(out_dir))

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot.artifacts.profile import profile_path
+from specpilot.artifacts.trace import ARRAYS_FILE
 from specpilot.drafting.cycle_math import (FED_AT_START, clip_size, emitted_count, level_bounds, next_fed,
                                            num_candidates, update_acceptance)
 from specpilot.drafting.types import CycleRecord, DraftState
@@ -27,7 +29,7 @@ def load_trace(trace: str | Path | Trace) -> Trace:
     if isinstance(trace, Trace):
         return trace
     path = Path(trace)
-    npz = path if path.suffix == ".npz" else path / "trace.npz"
+    npz = path if path.suffix == ".npz" else path / ARRAYS_FILE
     key = (str(npz.resolve()), npz.stat().st_mtime if npz.exists() else 0.0)
     if key not in _TRACES:
         _TRACES[key] = Trace.load(path)
@@ -38,10 +40,10 @@ def load_profile(profile: str | Path | LatencyProfile | None, trace: Trace) -> L
     if isinstance(profile, LatencyProfile):
         return profile
     if profile is None:
-        if trace.path is None or not (trace.path / "profile.json").is_file():
+        if trace.path is None or not profile_path(trace.path).is_file():
             raise FileNotFoundError("no latency profile: pass profile= (a LatencyProfile or profile.json path) or "
                                     "keep profile.json next to trace.npz (`specpilot record` writes both)")
-        profile = trace.path / "profile.json"
+        profile = profile_path(trace.path)
     return LatencyProfile.load(profile)
 
 

@@ -132,7 +132,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
 
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
-    from specpilot.eval.inputs import check_methods
+    from specpilot.eval.inputs import check_inputs_pair, check_methods
     from specpilot.eval.report import write_report
     from specpilot.eval.runner import evaluate
 
@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "ray", None):
         return _run_on_ray(args, plan)
     pair = load_pair(args)
+    check_inputs_pair(pair, run_dir=args.run_dir, grid=args.grid)  # the run / grid were made on this pair
     SpeculativeDecoder(pair, plan.tree)  # the tree fits the drafter (width <= its vocabulary)
     methods = plan.methods
     if pair.drafter_kind == "eagle3":
@@ -168,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
 
         from specpilot.eval.full import attach_replay
 
-        attach_replay(result, trace, profile, plan.prompts, profile_path=Path(args.replay_dir) / "profile.json",
+        from specpilot.artifacts.profile import profile_path
+
+        attach_replay(result, trace, profile, plan.prompts, profile_path=profile_path(args.replay_dir),
                       check_profiles={p: p for p in args.check_profile}, seed=args.seed, progress=say)
     paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots, analysis=result.analysis())
     for name, reason in result.meta["skipped"].items():
@@ -198,10 +201,8 @@ def _run_on_ray(args: argparse.Namespace, plan: EvalPlan) -> int:
 
 
 def _print_summary(report_json: str) -> None:
-    import json
-    from pathlib import Path
-
+    from specpilot.artifacts.report import read_report
     from specpilot.eval.summary import format_summary_lines, summarise_report
 
-    report = json.loads(Path(report_json).read_text())
+    report = read_report(report_json)
     print("\n".join(format_summary_lines(summarise_report(report))))

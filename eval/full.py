@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from specpilot.artifacts.profile import profile_path as profile_file
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.costcheck import check_records, profile_age_s
 from specpilot.eval.report import write_report
@@ -56,7 +57,7 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_di
                       tree=tree, grid=grid, run_dir=run_dir, seed=seed, encode=lookup.__getitem__, progress=say,
                       sampled_methods=sampled_methods)
     if replay:
-        attach_replay(result, trace, profile, prompts, profile_path=Path(trace_dir) / "profile.json"
+        attach_replay(result, trace, profile, prompts, profile_path=profile_file(trace_dir)
                       if trace_dir else None, check_profiles=check_profiles, tolerance=tolerance, seed=seed,
                       progress=say)
     if prior_checks:
@@ -109,7 +110,7 @@ def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str 
     t1 = time.perf_counter()
     profile = measure_with_ar(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed)
     if trace_dir is not None:
-        profile.save(Path(trace_dir) / "profile.json")
+        profile.save(profile_file(trace_dir))
     say = progress or (lambda msg: None)
     say(f"greedy trace of {len(ids)} prompts ({t1 - t0:.0f}s), latency profile re-measured on "
         f"{min(len(ids), max(1, profile_prompts))} of them ({time.perf_counter() - t1:.0f}s)")

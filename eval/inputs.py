@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpilot.drafting.files import read_json
+from specpilot.artifacts.grid import GRID_FIX, GridResult  # noqa: F401 (GRID_FIX re-exported)
+from specpilot.artifacts.contract import RunContract, check_pair
+from specpilot.artifacts.policies import TRAIN_FIX, PoliciesIndex
+from specpilot.artifacts.run import run_root
+from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.types import TreeConfig
 
 TRAINED_METHODS = {"ltd": ("depth", "size"), "depth_only": ("depth",), "size_only": ("size",)}
-GRID_FIX = "give the grid.json that `specpilot grid --out FILE` wrote"
-TRAIN_FIX = "train the run first (`specpilot train ... --run RUN`) or fix its policies.json"
 
 
 class EvalInputError(ValueError):
@@ -25,45 +27,19 @@ class EvalInputError(ValueError):
 
 
 def read_grid_best(path: str | Path) -> dict:
-    """{"depth", "size"[, "width"]} of a grid.json's best cell; InputFileError / FileNotFoundError /
-    EvalInputError name the file."""
-    path = Path(path)
-    data = read_json(path, what="grid-search result", fix=GRID_FIX)
-    best = data.get("best")
-    if not isinstance(best, dict):
-        raise EvalInputError(f"{path} has no best {{depth, size[, width]}} entry; {GRID_FIX}")
-    try:
-        out = {k: int(best[k]) for k in ("width", "depth", "size") if k in best}
-    except (TypeError, ValueError) as err:
-        raise EvalInputError(f"{path}: 'best' must hold integer depth/size/width ({err}); {GRID_FIX}") from None
-    if "depth" not in out or "size" not in out:
-        raise EvalInputError(f"{path} has no best {{depth, size[, width]}} entry; {GRID_FIX}")
-    return out
-
-
-def _policies_index(run_dir: Path) -> dict:
-    return read_json(run_dir / "policies.json", what="policies index of a trained run", fix=TRAIN_FIX)
+    """{"depth", "size"[, "width"]} of a grid.json's best cell; InputFileError / FileNotFoundError name the file."""
+    best = GridResult.load(path).best
+    return {k: best[k] for k in ("width", "depth", "size") if k in best}
 
 
 def run_tree(run_dir: str | Path) -> dict:
     """{"width", "max_depth", "max_size" (None without a size policy), "policies": ["depth", "size"]} of the tree
     the run's policies were trained on, from RUN/policies.json."""
-    run_dir = Path(run_dir)
-    index = _policies_index(run_dir)
-    where = run_dir / "policies.json"
-    entries = {kind: index.get(kind) for kind in ("depth", "size") if index.get(kind)}
-    if not entries:
-        raise EvalInputError(f"{where} names neither a depth nor a size policy; {TRAIN_FIX}")
+    index = PoliciesIndex.load(Path(run_dir), fix=TRAIN_FIX)
     try:
-        shapes = {(int(e["spec"]["width"]), int(e["spec"]["max_depth"])) for e in entries.values()}
-        max_size = max(int(v) for v in entries["size"]["size_actions"]) if "size" in entries else None
-    except (KeyError, TypeError, ValueError) as err:
-        raise EvalInputError(f"{where}: a policy entry lacks its spec (width, max_depth) or size_actions "
-                             f"({type(err).__name__}: {err}); {TRAIN_FIX}") from None
-    if len(shapes) != 1:
-        raise EvalInputError(f"{where}: the depth and size policies were trained on different trees {sorted(shapes)}")
-    (width, max_depth), = shapes
-    return {"width": width, "max_depth": max_depth, "max_size": max_size, "policies": sorted(entries)}
+        return index.tree()
+    except InputFileError as err:
+        raise EvalInputError(str(err)) from None
 
 
 def resolve_tree(run_dir: str | Path | None, *, width: int | None = None, max_depth: int | None = None,
@@ -113,6 +89,25 @@ def check_methods(names: list[str], *, grid: str | Path | None = None, run_dir: 
         raise EvalInputError(f"method(s) asked for cannot run: {'; '.join(problems)}")
     if run_dir is not None and any(n in TRAINED_METHODS for n in names):
         load_run_policies(run_dir)
+
+
+def check_inputs_pair(pair, *, run_dir: str | Path | None = None, grid: str | Path | None = None) -> None:
+    """ContractError (one line naming both pairs) when the trained run or the grid result was made on another
+    pair than the one loaded for the evaluation: its policies / static config would be measured on models they
+    were never chosen for."""
+    if run_dir is None and grid is None:
+        return
+    identity = pair.identity()
+    loaded = "the pair loaded for evaluation"
+    if run_dir is not None:
+        contract = RunContract.of_run(run_root(run_dir))
+        if contract is not None:
+            check_pair(contract.pair, identity, expected_from=f"run {run_dir}", got_from=loaded,
+                       fix="evaluate with the pair the run was trained on (--target/--draft/--eagle), or drop --run")
+    if grid is not None:
+        for recorded in GridResult.load(grid).trace_pairs():
+            check_pair(recorded, identity, expected_from=f"grid result {grid}", got_from=loaded,
+                       fix="evaluate with the pair the grid was searched on, or drop --grid")
 
 
 def load_run_policies(run_dir: str | Path) -> None:

@@ -7,11 +7,12 @@ the same way. Methods whose requirements are missing raise `MethodUnavailable` w
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpilot.artifacts.grid import GridResult
+from specpilot.artifacts.run import sampled_indexes
 from specpilot.drafting.control import Controller, FixedController, default_static_config
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
@@ -114,9 +115,9 @@ def _grid(ctx: EvalContext):
     if ctx.grid is None:
         raise MethodUnavailable("no grid-search result given (--grid GRID.json from `specpilot grid`)")
     try:
-        best = json.loads(Path(ctx.grid).read_text())["best"]
-        depth, size, width = int(best["depth"]), int(best["size"]), int(best.get("width", ctx.tree.width))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        best = GridResult.load(ctx.grid).best
+        depth, size, width = best["depth"], best["size"], int(best.get("width", ctx.tree.width))
+    except (OSError, ValueError) as err:
         raise MethodUnavailable(f"{ctx.grid}: not a grid result with best.depth/size/width ({err})") from err
     # the best static configuration may use another width or a deeper tree than the evaluation default
     tree = TreeConfig(width=width, max_depth=max(ctx.tree.max_depth, depth), max_size=max(ctx.tree.max_size, size))
@@ -126,7 +127,7 @@ def _grid(ctx: EvalContext):
 def _grid_by_temperature(ctx: EvalContext) -> dict:
     """The grid's best per sampling temperature (`best_by_temperature`: measured live at that temperature)."""
     out = {}
-    for t, cell in (json.loads(Path(ctx.grid).read_text()).get("best_by_temperature") or {}).items():
+    for t, cell in GridResult.load(ctx.grid).best_by_temperature.items():
         depth, size, width = int(cell["depth"]), int(cell["size"]), int(cell.get("width", ctx.tree.width))
         tree = TreeConfig(width=width, max_depth=max(ctx.tree.max_depth, depth, 1),
                           max_size=max(ctx.tree.max_size, size, 1))
@@ -169,10 +170,10 @@ def _trained_by_temperature(ctx: EvalContext, key: str) -> dict:
     from specpilot.policies.ppo import load_run_controllers
 
     out = {}
-    for index in sorted(Path(ctx.run_dir).glob("sampled/T*/policies.json")):
-        controllers = load_run_controllers(index.parent, device="cpu")
+    for temperature, folder in sampled_indexes(ctx.run_dir):
+        controllers = load_run_controllers(folder, device="cpu")
         if key in controllers:
-            out[float(index.parent.name[1:])] = (copy.deepcopy(controllers[key]), ctx.tree)
+            out[temperature] = (copy.deepcopy(controllers[key]), ctx.tree)
     return out
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot.artifacts.trace import is_trace
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import DECIDE, HEURISTICS, LEARNED, task_groups
 from specpilot.eval.metrics import RunRecord
@@ -39,7 +40,7 @@ def heldout_trace(pair, tree: TreeConfig, ids: Sequence[Sequence[int]], out_dir:
     from specpilot.envs.record import Trace, record_trace
 
     want = {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size}
-    if out_dir is not None and (Path(out_dir) / "trace.npz").is_file():
+    if out_dir is not None and is_trace(out_dir):
         try:
             trace = Trace.load(out_dir)
             same = (trace.header.get("tree") == want and trace.max_new_tokens == max_new_tokens

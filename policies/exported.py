@@ -27,25 +27,20 @@ torch.argmax and SB3's deterministic predict both do), computed in float32 on th
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specpilot.artifacts.decoder import (DECODER_FILE, DECODER_VERSION, FORMAT_NAME, ExportedConfigError,  # noqa: F401
+                                         read_decoder_config)
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.types import DraftState, TreeConfig
 from specpilot.policies.actor import Actor, ActorError
 from specpilot.policies.learned import DEPTH_ACTIONS, LearnedController  # noqa: F401 (DEPTH_ACTIONS re-exported)
 from specpilot.policies.observation import ObservationSpec, depth_observation, size_observation
 
-FORMAT_NAME = "specpilot-decoder"
-FORMAT_VERSION = 2  # 2: observation spec v3 (skip decisions before drafting); 1 refused: re-export
-CONFIG_FILE = "decoder.json"
-
-
-class ExportedConfigError(RuntimeError):
-    """An exported decoder directory cannot be used: the message names the file and says what to do."""
+CONFIG_FILE, FORMAT_VERSION = DECODER_FILE, DECODER_VERSION  # the names export and older callers use
 
 
 def file_sha256(path: str | Path) -> str:
@@ -86,35 +81,9 @@ def probe_observation(spec: ObservationSpec) -> np.ndarray:
     return depth_observation(state, spec) if spec.kind == "depth" else size_observation(state, spec)
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ExportedConfigError(f"{path} not found: export a trained run with `specpilot export --run RUN_DIR "
-                                  f"--out {path.parent}` (or point at the directory that holds decoder.json)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ExportedConfigError(f"{path} is not valid JSON ({err}); it is corrupted: re-export the run") from err
-    if not isinstance(data, dict):
-        raise ExportedConfigError(f"{path} does not hold a JSON object; re-export the run")
-    return data
-
-
 def read_config(config_dir: str | Path) -> dict:
     """decoder.json of an export directory (or the file itself), with its format checked."""
-    path = Path(config_dir)
-    if path.is_dir() or path.suffix != ".json":
-        path = path / CONFIG_FILE
-    meta = _read_json(path)
-    if meta.get("format") != FORMAT_NAME:
-        raise ExportedConfigError(f"{path} is not a specpilot decoder config (format {meta.get('format')!r}, "
-                                  f"expected {FORMAT_NAME!r}); export a run with `specpilot export`")
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ExportedConfigError(
-            f"{path} has format_version {version!r} but this specpilot reads version {FORMAT_VERSION}: re-export the "
-            "run with this specpilot version, or load it with the specpilot version that exported it")
-    meta["_path"] = str(path)
-    return meta
+    return read_decoder_config(config_dir)
 
 
 def _load_tensors(path: Path, expected_sha256: str | None) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+from specpilot.artifacts.policies import POLICIES_FILE, PoliciesIndex
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.policies.actor import Actor
 from specpilot.policies.learned import CONTINUE, STOP, LearnedController  # noqa: F401 (re-exported)
@@ -65,16 +66,15 @@ def load_sb3_policy(path: str | Path, device: str = "cpu"):
     return _eval_mode(model.policy)
 
 
-def _read_index(run_dir: Path) -> dict:
+def _read_index(run_dir: Path) -> PoliciesIndex:
     from specpilot.drafting.errors import InputFileError
-    from specpilot.drafting.files import read_json
 
-    index_path = run_dir / "policies.json"
+    index_path = run_dir / POLICIES_FILE
     if not index_path.is_file():
         raise PolicyLoadError(f"{index_path} not found: this run has no final policies yet (train it first)")
     try:
-        return read_json(index_path, what="policies index", fix="rewrite it with write_policies_index")
-    except InputFileError as err:  # truncated, binary, or not a JSON object
+        return PoliciesIndex.load(index_path, fix="rewrite it with write_policies_index")
+    except InputFileError as err:  # truncated, binary, not a JSON object, or an entry without path / spec
         raise PolicyLoadError(str(err)) from None
 
 
@@ -98,19 +98,18 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
     False (the policies themselves, as the off-switch check measures them)."""
     run_dir = Path(run_dir)
     index = _read_index(run_dir)
-    fb = index.get("fallback") or {}
+    fb = index.fallback
     fallback = FixedController(fb.get("depth"), fb.get("size"))
     parts: dict[str, tuple] = {}
     try:
-        if index.get("depth"):
-            parts["depth"] = (load_sb3_policy(run_dir / index["depth"]["path"], device),
-                              ObservationSpec.from_dict(index["depth"]["spec"]), None)
-        if index.get("size"):
-            parts["size"] = (load_sb3_policy(run_dir / index["size"]["path"], device),
-                             ObservationSpec.from_dict(index["size"]["spec"]),
-                             [int(v) for v in index["size"]["size_actions"]])
+        if index.depth:
+            parts["depth"] = (load_sb3_policy(run_dir / index.depth.path, device),
+                              ObservationSpec.from_dict(index.depth.spec), None)
+        if index.size:
+            parts["size"] = (load_sb3_policy(run_dir / index.size.path, device),
+                             ObservationSpec.from_dict(index.size.spec), list(index.size.size_actions))
     except (KeyError, TypeError, ValueError) as err:
-        raise PolicyLoadError(f"{run_dir / 'policies.json'}: {err}") from err
+        raise PolicyLoadError(f"{run_dir / POLICIES_FILE}: {err}") from err
 
     def make(use_depth: bool, use_size: bool, name: str) -> PPOController:
         d, s = parts["depth"] if use_depth else None, parts["size"] if use_size else None
@@ -118,7 +117,7 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
             return PPOController(d[0] if d else None, s[0] if s else None, d[1] if d else None, s[1] if s else None,
                                  s[2] if s else None, fallback=fallback, name=name)
         except ValueError as err:
-            raise PolicyLoadError(f"{run_dir / 'policies.json'}: {err}") from err
+            raise PolicyLoadError(f"{run_dir / POLICIES_FILE}: {err}") from err
 
     out: dict[str, Controller] = {}
     if "depth" in parts and "size" in parts:
@@ -128,8 +127,8 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
     if "size" in parts:
         out["size_only"] = make(False, True, "size_only")
     if not out:
-        raise PolicyLoadError(f"{run_dir / 'policies.json'} names neither a depth nor a size policy")
-    switch = index.get("off_switch") or {}
+        raise PolicyLoadError(f"{run_dir / POLICIES_FILE} names neither a depth nor a size policy")
+    switch = index.off_switch or {}
     if off_switch and switch.get("plain_steps"):  # measured no faster than plain target steps (train/sampled.py)
         return {name: PlainSteps(name, switch) for name in out}
     return out

@@ -391,7 +391,8 @@ def test_generate_cli_with_exported_config(run_dir, tmp_path, capsys):
         model.save_pretrained(tmp_path / name)
         fast.save_pretrained(tmp_path / name)
     disk_pair = ModelPair.from_pretrained(tmp_path / "target", tmp_path / "draft", device="cpu")
-    export_run(run_dir, tmp_path / "export", pair=disk_pair, num_prompts=1, max_new_tokens=8, num_random=0,
+    disk_run = write_run(tmp_path / "disk_run", disk_pair)  # a run of this pair: the run contract refuses another
+    export_run(disk_run, tmp_path / "export", pair=disk_pair, num_prompts=1, max_new_tokens=8, num_random=0,
                log=lambda *a: None)
     meta = json.loads((tmp_path / "export" / "decoder.json").read_text())
     assert "validation prompts" in meta["measured"]["choices_source"]

@@ -1,4 +1,4 @@
-"""Imports only look down: drafting < policies < envs < eval < train < demo and the cli modules.
+"""Imports only look down: drafting < artifacts < policies < envs < eval < train < demo and the cli modules.
 
 Every `import specpilot.X` / `from specpilot.X import` in the package (lazy ones inside functions included) is
 checked; the one upward import allowed is `SpeculativeDecoder.from_config` loading an exported policy.
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"drafting": 0, "policies": 1, "envs": 2, "eval": 3, "train": 4}
-TOP = 5  # demo.py, cli.py and every package's cli.py: they wire commands and may import anything
+LAYERS = {"drafting": 0, "artifacts": 1, "policies": 2, "envs": 3, "eval": 4, "train": 5}
+TOP = 6  # demo.py, cli.py and every package's cli.py: they wire commands and may import anything
 ALLOWED_UPWARD = {("drafting/decoder.py", "specpilot.policies.exported")}
 
 
@@ -73,6 +73,9 @@ def test_no_upward_imports():
     ("train/grid.py", "specpilot.eval.runner", False),
     ("envs/cli.py", "specpilot.eval.suites", False),
     ("drafting/decoder.py", "specpilot.policies.exported", True),
+    ("artifacts/grid.py", "specpilot.policies.observation", True),
+    ("policies/ppo.py", "specpilot.artifacts.policies", False),
+    ("drafting/pair.py", "specpilot.artifacts.run", True),
 ])
 def test_the_checker_sees_direction(rel, module, upward):
     """The checker itself can fail: upward edges are classified as such."""
@@ -88,3 +91,13 @@ def test_exported_decoder_loads_without_gymnasium_or_sb3():
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+ARTIFACTS_MAY_IMPORT = {"specpilot.drafting.files", "specpilot.drafting.errors", "specpilot.drafting.checks"}
+
+
+def test_artifacts_import_only_files_errors_and_checks():
+    """The run-file layer stays light: besides itself, only drafting's files / errors / checks (no torch models)."""
+    bad = [(rel, m) for rel in package_files() if rel.startswith("artifacts/") for m in _imports(ROOT / rel)
+           if m.startswith("specpilot.") and not m.startswith("specpilot.artifacts") and m not in ARTIFACTS_MAY_IMPORT]
+    assert bad == []

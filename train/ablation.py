@@ -1,12 +1,12 @@
 """The reward ablation (LTD Table 2): the same policy trained once per reward mode, compared on validation replay."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from specpilot.drafting.control import FixedController
+from specpilot.drafting.files import atomic_write_json
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.stages import (REWARD_MODES, TaskTraces, TrainOptions, run_logger, static_config, train_depth,
                                     train_size)
@@ -63,7 +63,6 @@ def reward_ablation(run_dir: str | Path, traces: TaskTraces | str | Path, *, kin
               "notes": "replay on the validation trace; 'final' = policy at the end of training, 'best' = "
                        "checkpoint with the best validation throughput"}
     path = Path(out) if out is not None else ab_dir / "ablation.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=float))
+    atomic_write_json(path, result, default=float)
     result["path"] = str(path)
     return result

@@ -23,6 +23,8 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from specpilot.artifacts.grid import GRID_FILE
+from specpilot.artifacts.run import RunManifest
 from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, name_list,
                                         non_negative_float, output_dir, positive_float, positive_int, seed,
                                         stage_name)
@@ -114,6 +116,9 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--stage", type=stage_name, default="depth_s1", help="stage directory name under RUN")
     elif name == "coadapt":
         p.add_argument("--rounds", type=positive_int, default=3, help="stages: size, depth, size, ...")
+        p.add_argument("--allow-partial", action="store_true",
+                       help="start from stage-1 policies whose stage was interrupted (default: refused; finish it "
+                            "with --resume)")
     elif name == "ablation":
         p.add_argument("--kind", default="size", choices=["size", "depth"], help="which policy to train")
         p.add_argument("--rewards", type=name_list(REWARDS, "reward"), default=list(REWARDS),
@@ -133,7 +138,8 @@ def _options(args, static, pair, cluster=None):
                        pi_arch=args.pi_arch, vf_arch=args.vf_arch, gamma=args.gamma, learning_rate=args.lr,
                        ent_coef=args.ent_coef, eval_every=args.eval_every)
     return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, cluster=cluster, static=static,
-                        resume=args.resume, seed=args.seed, ppo=ppo)
+                        resume=args.resume, seed=args.seed, ppo=ppo,
+                        allow_partial=bool(getattr(args, "allow_partial", False)))
 
 
 def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
@@ -153,7 +159,7 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
     if args.static is not None and args.grid is not None:
         raise ValueError("--static and --grid both fix the static partner config: give one")
     traces = TaskTraces.resolve(args.traces or run_dir / "traces")
-    grid = args.grid if args.grid is not None else (run_dir / "grid.json" if (run_dir / "grid.json").is_file()
+    grid = args.grid if args.grid is not None else (run_dir / GRID_FILE if (run_dir / GRID_FILE).is_file()
                                                      else None)
     if grid is not None:
         read_grid_best(grid)
@@ -201,9 +207,8 @@ def interrupted_message(args: argparse.Namespace, run_dir: Path) -> str:
     command that resumes it."""
     checkpoints = []
     try:
-        stages = json.loads((run_dir / "manifest.json").read_text()).get("stages") or {}
-        checkpoints = [f"{name}: {entry['checkpoint']}" for name, entry in stages.items()
-                       if isinstance(entry, dict) and entry.get("status") == "interrupted" and entry.get("checkpoint")]
+        checkpoints = [f"{name}: {stage.checkpoint}" for name, stage in RunManifest.load(run_dir).stages.items()
+                       if stage.status == "interrupted" and stage.checkpoint]
     except (OSError, ValueError):
         pass
     where = (f"checkpoint saved ({'; '.join(checkpoints)})" if checkpoints

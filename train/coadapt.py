@@ -58,7 +58,8 @@ def coadapt(run_dir: str | Path, traces: TaskTraces | str | Path, *, rounds: int
     budgets = [int(steps)] * rounds if isinstance(steps, (int, np.integer)) else [int(s) for s in steps]
     if len(budgets) != rounds:
         raise ValueError(f"steps has {len(budgets)} budgets for {rounds} rounds")
-    latest = {"size": stage_result(run_dir, size_stage), "depth": stage_result(run_dir, depth_stage)}
+    latest = {kind: stage_result(run_dir, stage, allow_partial=options.allow_partial)
+              for kind, stage in (("size", size_stage), ("depth", depth_stage))}
     results: list[StageResult] = []
     with run_logger(run_dir, logger, wandb, {"stage": "coadapt", "rounds": rounds, "steps": budgets}) as log:
         for i in range(rounds):

@@ -34,15 +34,22 @@ from pathlib import Path
 
 import torch
 
+from specpilot.artifacts.contract import RunContract, check_grid, check_pair, check_tree
+from specpilot.artifacts.decoder import write_decoder_config
+from specpilot.artifacts.grid import GRID_FILE, GridResult
+from specpilot.artifacts.policies import POLICIES_FILE, PoliciesIndex
+from specpilot.artifacts.run import (BEST_JSON, CHECKPOINTS_DIR, MANIFEST_FILE, TRACES_DIR, RunManifest,  # noqa: F401
+                                     owning_run, read_progress, run_root)
+from specpilot.artifacts.trace import TraceHeader, is_trace
 from specpilot.drafting.control import FixedController, default_static_config
-from specpilot.drafting.files import atomic_path, check_writable, read_json
+from specpilot.drafting.files import atomic_path, check_writable
 from specpilot.drafting.types import TreeConfig
 from specpilot.policies.actor import Actor
 from specpilot.policies.engine_configs import write_engine_configs
 from specpilot.policies.exported import (CONFIG_FILE, DEPTH_ACTIONS, FORMAT_NAME, FORMAT_VERSION, ExportedController,
                                          file_sha256, probe_observation)
 from specpilot.policies.observation import ObservationSpec
-from specpilot.train.ppo import library_versions, write_json
+from specpilot.train.ppo import library_versions
 from specpilot.train.export_checks import (agreement, decision_latency_us, record_choices_live, record_choices_replay,
                                            synthetic_states)
 
@@ -55,16 +62,15 @@ def _obs_norm(stage_dir: Path, prefix: str) -> tuple[dict | None, dict[str, torc
     """Observation-normalisation statistics, if the stage trained with VecNormalize(norm_obs=True). train/ppo.py
     normalises rewards only, so this is normally (None, {}). Reading SB3's VecNormalize file needs pickle: that
     happens here, at export, never at load."""
-    progress = stage_dir / "checkpoints" / "progress.json"
-    if not progress.is_file():
+    progress = read_progress(stage_dir)
+    if progress is None:
         return None, {}
-    name = read_json(progress, what="checkpoint progress record", fix="retrain the stage or restore the file"
-                     ).get("vecnormalize")
-    if not name or not (stage_dir / "checkpoints" / name).is_file():
+    name = progress.get("vecnormalize")
+    if not name or not (stage_dir / CHECKPOINTS_DIR / name).is_file():
         return None, {}
     import pickle
 
-    with open(stage_dir / "checkpoints" / name, "rb") as fh:
+    with open(stage_dir / CHECKPOINTS_DIR / name, "rb") as fh:
         vec = pickle.load(fh)
     if not getattr(vec, "norm_obs", False):
         return None, {}
@@ -75,21 +81,7 @@ def _obs_norm(stage_dir: Path, prefix: str) -> tuple[dict | None, dict[str, torc
              "clip": float(vec.clip_obs)}, tensors)
 
 
-def run_root(run_dir: Path) -> Path:
-    """The run directory that holds manifest.json / grid.json / traces/: run_dir itself, or its parent for a
-    sub-index such as RUN/stage1/policies.json."""
-    for root in (run_dir, run_dir.parent):
-        if (root / "manifest.json").is_file():
-            return root
-    return run_dir
-
-
-def _owning_run(path: Path) -> Path | None:
-    """The run folder (one holding manifest.json) that `path` lies in, if any."""
-    for folder in path.resolve().parents:
-        if (folder / "manifest.json").is_file():
-            return folder
-    return None
+_owning_run = owning_run  # the run folder (one holding manifest.json) that a path lies in, if any
 
 
 def run_local(recorded: str | Path, *roots: Path) -> Path | None:
@@ -113,10 +105,7 @@ def run_local(recorded: str | Path, *roots: Path) -> Path | None:
 
 def read_manifest(root: Path) -> dict:
     """RUN/manifest.json ({} when the run has none); a garbage file is an error naming it."""
-    path = root / "manifest.json"
-    if not path.exists():
-        return {}
-    return read_json(path, what="run manifest", fix="restore it, or delete it to export from policies.json alone")
+    return RunManifest.load(root).data
 
 
 def find_trace(root: Path) -> Path | None:
@@ -128,10 +117,10 @@ def find_trace(root: Path) -> Path | None:
     named = [(k, v) for k, v in config.items() if "trace" in str(k).lower() and isinstance(v, str)]
     named.sort(key=lambda kv: 0 if "val" in kv[0].lower() else 1)  # prefer the validation trace
     recorded = [traces.get("validation"), traces.get("train"), *(v for _, v in named)]
-    candidates = [root / "traces" / "validation", root / "traces" / "train",
+    candidates = [root / TRACES_DIR / "validation", root / TRACES_DIR / "train",
                   *(run_local(v, root) for v in recorded if isinstance(v, str) and v)]
     for path in candidates:
-        if path is not None and ((path / "trace.npz").is_file() or (path.suffix == ".npz" and path.is_file())):
+        if path is not None and is_trace(path):
             return path
     return None
 
@@ -143,22 +132,21 @@ def _grid_best(run_dir: Path, grid: str | Path | None) -> tuple[dict | None, str
 
     if grid:
         return read_grid_best(grid), str(grid)
-    for path in (run_dir / "grid.json", run_dir / "grid" / "grid.json", run_dir / "grid" / "best.json"):
+    for path in (run_dir / GRID_FILE, run_dir / "grid" / GRID_FILE, run_dir / "grid" / BEST_JSON):
         if path.is_file():
             return read_grid_best(path), str(path)
     return None, None
 
 
 def _pair_identity(run_dir: Path, pair, trace: Path | None) -> dict:
-    """The pair's identity: from `pair`, else the manifest ("pair"/"models"), else the trace header."""
+    """The pair's identity: from `pair`, else the run's contract, else the manifest ("pair"/"models"), else the
+    trace header."""
     if pair is not None:
         return pair.identity()
     manifest = read_manifest(run_dir)
-    header = None
-    if trace is not None:
-        header_path = (trace.parent if trace.suffix == ".npz" else trace) / "trace.json"
-        header = read_json(header_path, what="trace header (trace.json)", fix="record the trace again")
-    for entry in (manifest.get("pair"), manifest.get("models"), (header or {}).get("pair")):
+    contract = manifest.get("contract") if isinstance(manifest.get("contract"), dict) else {}
+    header = TraceHeader.load(trace).pair if trace is not None else None
+    for entry in (contract.get("pair"), manifest.get("pair"), manifest.get("models"), header):
         if isinstance(entry, dict) and "target_hash" in entry and "draft_hash" in entry:
             return entry
     raise ExportError(f"neither {run_dir / 'manifest.json'} nor the run's trace records the model pair's identity "
@@ -172,7 +160,7 @@ def _recorded_pair(identity: dict, run_dir: Path, log):
     from specpilot.policies.exported import ExportedConfigError, resolve_pair
 
     try:
-        return resolve_pair({"pair": identity, "_path": str(run_dir / "manifest.json")})
+        return resolve_pair({"pair": identity, "_path": str(run_dir / MANIFEST_FILE)})
     except (ExportedConfigError, OSError, ValueError) as err:
         log(f"specpilot export: no live measurement of the policies' choices ({err})")
         return None
@@ -202,7 +190,7 @@ def _export_onnx(actor: Actor, path: Path) -> str | None:
 
 def _policy_zip(entry: dict, kind: str, run_dir: Path, root: Path) -> Path:
     """The policy zip policies.json names, inside this run (see `run_local`)."""
-    index = run_dir / "policies.json"
+    index = run_dir / POLICIES_FILE
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or "spec" not in entry:
         raise ExportError(f"{index}: the {kind} entry lacks 'path' or 'spec'; rewrite it with "
                           "specpilot.train.ppo.write_policies_index")
@@ -231,7 +219,7 @@ def _export_policy(kind: str, entry: dict, run_dir: Path, root: Path, out_dir: P
     try:
         spec = ObservationSpec.from_dict(entry["spec"])
     except (KeyError, TypeError, ValueError) as err:
-        raise ExportError(f"{run_dir / 'policies.json'}: the {kind} entry's spec is unreadable ({err})") from err
+        raise ExportError(f"{run_dir / POLICIES_FILE}: the {kind} entry's spec is unreadable ({err})") from err
     try:
         policy = load_sb3_policy(zip_path)
     except PolicyLoadError as err:
@@ -306,12 +294,15 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     from specpilot.policies.ppo import PPOController
 
     run_dir, out_dir = Path(run_dir), check_writable(out_dir, kind="dir", what="export folder")
-    index_path = run_dir / "policies.json"
-    index = read_json(index_path, what="policies index", fix="train the run first (it is written by "
-                      "specpilot.train.ppo.write_policies_index)")
+    index_path = run_dir / POLICIES_FILE
+    typed = PoliciesIndex.load(index_path, fix="train the run first (it is written by "
+                               "specpilot.train.ppo.write_policies_index)")
+    index = {kind: e.to_dict() for kind, e in typed.entries().items()}
+    index["fallback"] = typed.fallback
     if not index.get("depth") and not index.get("size"):
         raise ExportError(f"{index_path} names neither a depth nor a size policy: nothing to export")
     root = run_root(run_dir)
+    given_trace = bool(trace)
     trace = Path(trace) if trace else find_trace(root)
     if trace is not None:
         from specpilot.envs.replay import load_trace
@@ -319,6 +310,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
         load_trace(trace)  # readable before any work (FileNotFoundError / InputFileError name the file)
     identity = _pair_identity(root, pair, trace)
     grid_best, grid_path = _grid_best(root, grid)  # read before any work: a bad grid result fails here
+    _check_contract(root, typed, pair, trace, given_trace, grid=grid_path)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / CONFIG_FILE).unlink(missing_ok=True)  # a half-written export must not look valid
 
@@ -360,8 +352,31 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
         "pair": identity, "policies": policies, "engine_configs": engines, "versions": library_versions(),
         "measured": measured,
     }
-    write_json(out_dir / CONFIG_FILE, meta)
+    write_decoder_config(out_dir, meta)
     return meta
+
+
+def _check_contract(root: Path, index: PoliciesIndex, pair, trace: Path | None, given_trace: bool, *,
+                    grid: str | None = None) -> None:
+    """Refuse (ContractError naming both sides) a pair, a trace or a grid result that is not the run's:
+    decoder.json would name the wrong pair, or the choices / engine configs would come from another tree."""
+    contract = RunContract.of_run(root)
+    run = f"run {root} (its manifest)"
+    if grid is not None and contract is not None:
+        check_grid(GridResult.load(grid), contract, grid_from=f"grid result {grid}", run=run,
+                   fix="export with the run's own grid result (drop --grid) or one searched for this run")
+    if pair is not None and contract is not None:
+        check_pair(contract.pair, pair.identity(), expected_from=run, got_from="the pair given (--target/--draft)",
+                   fix="export with the pair the run was trained on (or without --target: the run records it)")
+    if trace is None:
+        return
+    header = TraceHeader.load(trace)
+    what = f"trace {trace}" + ("" if given_trace else " (found in the run)")
+    fix = "drop --trace (the run's own validation trace is used) or give a trace recorded for this run"
+    if contract is not None:
+        check_pair(contract.pair, header.pair, expected_from=run, got_from=what, fix=fix)
+    policies = index.tree()
+    check_tree(policies, header.tree, expected_from=f"the run's policies ({index.path})", got_from=what, fix=fix)
 
 
 def _tokenizer_folder(pair, identity: dict) -> str | None:

@@ -24,15 +24,17 @@ tokens/s over live autoregressive tokens/s on the same prompts. `specpilot eval 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from specpilot.artifacts.contract import check_pair
+from specpilot.artifacts.grid import save_grid
+from specpilot.artifacts.trace import ARRAYS_FILE, is_trace
 from specpilot.drafting.control import FixedController
-from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable
+from specpilot.drafting.files import atomic_path, check_writable
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.oracle import replay_oracle
 from specpilot.envs.record import Trace
@@ -218,6 +220,12 @@ def grid_search(
         table += rows
         oracle[str(source["width"])], sources = oracle_w, sources + [source]
     table.sort(key=lambda r: -r["tokens_per_s"])
+    if pair is not None and val_prompts and (live_top > 0 or any(t > 0 for t in sampled_temperatures)):
+        identity = pair.identity()  # the live phase must measure the pair the replay table was recorded with
+        for source in sources:
+            check_pair(source["pair"], identity, expected_from=f"trace {source['trace']}",
+                       got_from="the live phase's pair",
+                       fix="give traces recorded with this pair, or load the traces' pair for the live phase")
     live_rows, live_ar = [], None
     if pair is not None and val_prompts and live_top > 0:
         live_rows, live_ar = _live_phase(table, sources, pair, val_prompts, live_top=live_top,
@@ -259,7 +267,7 @@ def grid_search(
         out = Path(out)
         if heatmap:
             result["meta"]["heatmap"] = str(plot_heatmap(result, out.with_suffix(".png")).name)
-        atomic_write_text(out, json.dumps(result, indent=1, default=float))
+        save_grid(out, result)
     return result
 
 
@@ -312,11 +320,11 @@ def plot_heatmap(result: dict, path: str | Path) -> Path:
 def resolve_train_trace(path: str | Path) -> Path:
     """A trace directory, or a traces directory holding `train/` (as `specpilot train` lays out RUN/traces)."""
     path = Path(path)
-    if (path / "trace.npz").is_file() or path.suffix == ".npz":
+    if is_trace(path) or path.suffix == ".npz":
         return path
-    if (path / "train" / "trace.npz").is_file():
+    if is_trace(path / "train"):
         return path / "train"
-    raise FileNotFoundError(f"no trace under {path}: expected trace.npz there or in {path / 'train'} "
+    raise FileNotFoundError(f"no trace under {path}: expected {ARRAYS_FILE} there or in {path / 'train'} "
                             "(record one with `specpilot record --suite train --out DIR`)")
 
 

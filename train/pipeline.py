@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from specpilot.artifacts.policies import POLICIES_FILE
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.ablation import reward_ablation  # noqa: F401 (part of the pipeline's API)
@@ -72,7 +73,7 @@ def evaluate_run(run_dir: str | Path, traces: TaskTraces | str | Path, *, split:
     sets = [("", run_dir)] + ([("s1_", run_dir / "stage1")] if include_stage1 else [])
     size_actions = None
     for prefix, d in sets:
-        if (d / "policies.json").is_file():
+        if (d / POLICIES_FILE).is_file():
             for name, ctrl in load_run_controllers(d).items():
                 out[prefix + name] = evaluate_replay(ctrl, model, ar["tokens_per_s"])
                 size_actions = size_actions or getattr(ctrl, "size_actions", None)

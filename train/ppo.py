@@ -15,8 +15,6 @@ Run directory layout (shared with `specpilot.policies.ppo.load_run_controllers` 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,10 +28,14 @@ from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
+from specpilot.artifacts.policies import PoliciesIndex, PolicyEntry
+from specpilot.artifacts.run import (BEST_JSON, BEST_ZIP, PROGRESS_FILE, RunManifest, read_best,  # noqa: F401
+                                     write_record)
+from specpilot.artifacts.run import read_progress as artifact_progress
+from specpilot.drafting.errors import InputFileError
 from specpilot.policies.observation import ObservationSpec
 from specpilot.train.logging import CycleMetricsCallback, RunLogger
 
-PROGRESS_FILE = "progress.json"
 
 
 class StageExistsError(FileExistsError):
@@ -172,25 +174,13 @@ def library_versions() -> dict[str, str]:
 
 def write_json(path: Path, data: dict) -> None:
     """Atomic write: a crash mid-write never leaves a truncated JSON file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    write_record(path, data)
 
 
 def update_manifest(run_dir: str | Path, **sections: Any) -> dict:
     """Merge sections into run_dir/manifest.json (dict sections merge one level deep); always records versions.
     Typical sections: config=..., seeds=..., models={"target": {"name":..., "sha256":...}, ...}."""
-    path = Path(run_dir) / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.is_file() else {"created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(manifest.get(key), dict):
-            manifest[key].update(value)
-        else:
-            manifest[key] = value
-    manifest["versions"] = library_versions()
-    write_json(path, manifest)
-    return manifest
+    return RunManifest.update(run_dir, **sections, versions=library_versions()).data
 
 
 def write_policies_index(
@@ -217,19 +207,16 @@ def write_policies_index(
         except ValueError:
             return str(p.resolve())
 
-    index: dict[str, Any] = {"depth": None, "size": None,
-                             "fallback": {"depth": fallback_depth, "size": fallback_size}}
+    index = PoliciesIndex(fallback={"depth": fallback_depth, "size": fallback_size})
     if depth is not None:
         if depth_spec is None or depth_spec.kind != "depth":
             raise ValueError("write_policies_index: a depth policy needs its depth ObservationSpec")
-        index["depth"] = {"path": rel(depth), "spec": depth_spec.to_dict()}
+        index.depth = PolicyEntry(rel(depth), depth_spec.to_dict())
     if size is not None:
         if size_spec is None or size_spec.kind != "size" or not size_actions:
             raise ValueError("write_policies_index: a size policy needs its size ObservationSpec and size_actions")
-        index["size"] = {"path": rel(size), "spec": size_spec.to_dict(), "size_actions": [int(v) for v in size_actions]}
-    path = run_dir / "policies.json"
-    write_json(path, index)
-    return path
+        index.size = PolicyEntry(rel(size), size_spec.to_dict(), [int(v) for v in size_actions])
+    return index.save(run_dir)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,18 +225,10 @@ def write_policies_index(
 
 def read_progress(stage_dir: str | Path) -> dict | None:
     """The latest checkpoint's progress record of a stage, or None when it has none."""
-    path = Path(stage_dir) / "checkpoints" / PROGRESS_FILE
-    if not path.is_file():
-        return None
     try:
-        progress = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is corrupted ({err}); delete {path.parent} to restart the stage, or restore "
-                              "the file") from err
-    if not isinstance(progress, dict):
-        raise CheckpointError(f"{path} is corrupted (not a JSON object); delete {path.parent} to restart the stage, "
-                              "or restore the file")
-    return progress
+        return artifact_progress(stage_dir)
+    except InputFileError as err:  # truncated, garbage, or not a JSON object
+        raise CheckpointError(str(err)) from None
 
 
 class _StageCallback(BaseCallback):
@@ -301,8 +280,8 @@ class _StageCallback(BaseCallback):
             self._save_best(score)
 
     def _save_best(self, score: float | None) -> None:
-        self.model.save(self.stage_dir / "best.zip")
-        write_json(self.stage_dir / "best.json", {"score": score, "timesteps": self.num_timesteps,
+        self.model.save(self.stage_dir / BEST_ZIP)
+        write_json(self.stage_dir / BEST_JSON, {"score": score, "timesteps": self.num_timesteps,
                                                    "stage": self.stage, "time": time.time()})
 
     def save_checkpoint(self) -> Path:
@@ -339,13 +318,7 @@ class _StageCallback(BaseCallback):
 
 
 def _read_best(stage_dir: Path) -> dict | None:
-    path = stage_dir / "best.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None  # best.json is advisory; a fresh validation rewrites it
+    return read_best(stage_dir)  # best.json is advisory (None when unreadable); a fresh validation rewrites it
 
 
 def _make_venv(env_factory: Callable[[], gym.Env], n_envs: int) -> DummyVecEnv:
@@ -468,7 +441,7 @@ def train_policy(
             env.close()
     else:
         env.close()
-    best = stage_dir / "best.zip"
+    best = stage_dir / BEST_ZIP
     if val_fn is None or not best.is_file():
         if stage_cb.model is None:  # nothing left to train: the callback never ran
             stage_cb.init_callback(model)

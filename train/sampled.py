@@ -14,12 +14,13 @@ pay switches itself off, as serving engines do per batch size, instead of costin
 """
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from specpilot.drafting.control import FixedController
-from specpilot.drafting.files import atomic_write_json
+from specpilot.artifacts.grid import GRID_FILE, GridResult
+from specpilot.artifacts.policies import PoliciesIndex
+from specpilot.artifacts.run import sampled_dir  # noqa: F401 (re-exported: RUN/sampled/T<t>)
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.environments import as_size_controller
 from specpilot.train.coadapt import write_index
@@ -27,15 +28,10 @@ from specpilot.train.stages import (StageSpec, TaskTraces, TrainOptions, load_pa
                                     train_stage)
 
 
-def sampled_dir(run_dir: str | Path, temperature: float) -> Path:
-    return Path(run_dir) / "sampled" / f"T{temperature:g}"
-
-
 def _static_at(run_dir: Path, temperature: float, options: TrainOptions) -> tuple[int, int]:
     """The grid's drafting config at `temperature` (best_by_temperature, when it drafts), else the greedy one."""
-    grid = Path(options.static) if isinstance(options.static, (str, Path)) else run_dir / "grid.json"
-    cell = (json.loads(grid.read_text()).get("best_by_temperature") or {}).get(f"{temperature:g}") \
-        if grid.is_file() else None
+    grid = Path(options.static) if isinstance(options.static, (str, Path)) else run_dir / GRID_FILE
+    cell = GridResult.load(grid).at_temperature(temperature) if grid.is_file() else None
     if cell and int(cell["depth"]) >= 1:
         return int(cell["depth"]), int(cell["size"])
     return static_config(run_dir, options.static)
@@ -49,7 +45,7 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
         raise ValueError(f"train_sampled is for temperatures > 0 (greedy policies train on replay), got {temperature}")
     run_dir, traces = Path(run_dir), TaskTraces.resolve(traces)
     options = replace(options, backend="live", temperature=float(temperature))
-    final = json.loads((run_dir / "policies.json").read_text())
+    final = PoliciesIndex.load(run_dir)
     static = _static_at(run_dir, temperature, options)
     tag = f"T{temperature:g}"
     with run_logger(run_dir, None, wandb, {"stage": f"sampled_{tag}", "temperature": temperature}) as log:
@@ -58,8 +54,8 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
                                       val_partner=size_partner), run_dir, traces, options, log)
         frozen = load_partner("depth", depth.best, depth.spec, fallback=FixedController(*static))
         size = train_stage(StageSpec("size", f"{tag}_size", size_steps, partner=frozen, val_partner=frozen,
-                                     size_actions=final["size"]["size_actions"],
-                                     init_from=run_dir / final["size"]["path"], seed_offset=1),
+                                     size_actions=final.size.size_actions,
+                                     init_from=final.resolve("size", run_dir), seed_offset=1),
                            run_dir, traces, options, log)
     index = write_index(sampled_dir(run_dir, temperature), depth, size, static, copy=True)
     if guard_repeats > 0 and options.pair is not None:
@@ -89,6 +85,8 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
     verdict = {"plain_steps": not low > 1.0, "ratio": res["ltd"]["vs_baseline"]["ratio"],
                "ci": res["ltd"]["vs_baseline"]["ci"], "temperature": temperature, "units": repeats * len(prompts),
                "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1"}
-    atomic_write_json(index, {**json.loads(index.read_text()), "off_switch": verdict}, indent=2)
+    updated = PoliciesIndex.load(index)
+    updated.off_switch = verdict
+    updated.save(index)
     return verdict
 

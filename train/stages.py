@@ -8,7 +8,6 @@ replay cannot model). Validation is always replay on the trace of the *validatio
 """
 from __future__ import annotations
 
-import json
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -17,6 +16,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from specpilot.artifacts.contract import RunContract, check_grid, check_pair, check_stage_finished, record_contract
+from specpilot.artifacts.grid import GRID_FILE, GridResult
+from specpilot.artifacts.run import BEST_ZIP, MANIFEST_FILE, RunManifest, read_best
+from specpilot.artifacts.trace import TraceHeader
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.replay import ReplayModel
@@ -43,6 +46,7 @@ class TrainOptions:
     skip_decisions: the depth policy also decides, before drafting, whether to draft at all.
     resume: continue interrupted stages; finished stages are skipped. seed: base seed of every stage.
     max_context: context length mapped to 1.0 in the observations. ppo: changes to the paper's PPO settings.
+    allow_partial: later stages may start from an earlier stage that did not finish (interrupted); refused otherwise.
     """
 
     reward: str = "dinkelbach"
@@ -57,6 +61,7 @@ class TrainOptions:
     seed: int = 0
     max_context: int = 4096
     ppo: PPOOverrides = field(default_factory=PPOOverrides)
+    allow_partial: bool = False
 
     def __post_init__(self) -> None:
         if self.reward not in REWARD_MODES:
@@ -119,10 +124,9 @@ def static_config(run_dir: str | Path, static: tuple[int, int] | str | Path | No
         if int(static[0]) < 1 or int(static[1]) < 1:
             raise ValueError(f"static={tuple(static)}: the static partner config must draft (depth >= 1, size >= 1)")
         return int(static[0]), int(static[1])
-    path = Path(static) if static is not None else Path(run_dir) / "grid.json"
+    path = Path(static) if static is not None else Path(run_dir) / GRID_FILE
     if path.is_file():
-        grid = json.loads(path.read_text())
-        best = grid["best"] if int(grid["best"]["depth"]) >= 1 else grid.get("best_drafting") or STATIC_FALLBACK_DICT
+        best = GridResult.load(path).static_cell() or STATIC_FALLBACK_DICT
         return int(best["depth"]), int(best["size"])
     if static is not None:
         raise FileNotFoundError(f"grid result {path} not found: run `specpilot grid` or pass static=(depth, size)")
@@ -131,20 +135,21 @@ def static_config(run_dir: str | Path, static: tuple[int, int] | str | Path | No
     return STATIC_FALLBACK
 
 
-def stage_result(run_dir: str | Path, stage: str) -> StageResult:
-    """A finished stage's StageResult, rebuilt from the manifest (kind, spec, size actions) and best.json."""
+def stage_result(run_dir: str | Path, stage: str, *, allow_partial: bool = False) -> StageResult:
+    """A finished stage's StageResult, rebuilt from the manifest (kind, spec, size actions) and best.json; an
+    interrupted or running stage is refused (ContractError) unless `allow_partial`."""
     run_dir = Path(run_dir)
-    best = run_dir / stage / "best.zip"
+    best = run_dir / stage / BEST_ZIP
     if not best.is_file():
         raise FileNotFoundError(f"{best} not found: train stage {stage!r} first (stage 1: `specpilot train size` "
                                 "and `specpilot train depth`)")
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    setup = (manifest.get("stage_setup") or {}).get(stage)
+    manifest = RunManifest.load(run_dir)
+    setup = manifest.stage_setup(stage)
     if setup is None:
-        raise FileNotFoundError(f"{run_dir / 'manifest.json'} has no setup for stage {stage!r}: was it trained by "
+        raise FileNotFoundError(f"{run_dir / MANIFEST_FILE} has no setup for stage {stage!r}: was it trained by "
                                 "specpilot.train?")
-    best_json = run_dir / stage / "best.json"
-    info = json.loads(best_json.read_text()) if best_json.is_file() else {}
+    check_stage_finished(run_dir, stage, allow_partial=allow_partial)
+    info = read_best(run_dir / stage) or {}
     return StageResult(stage, setup["kind"], best, ObservationSpec.from_dict(setup["spec"]), setup.get("size_actions"),
                        info.get("score"))
 
@@ -235,17 +240,31 @@ def _finished(run_dir: Path, spec: StageSpec, obs_spec, actions, total: int) -> 
 
     stage_dir = run_dir / spec.stage
     progress = read_progress(stage_dir) if (stage_dir / "checkpoints").is_dir() else None
-    best = stage_dir / "best.json"
-    if not (progress and int(progress["timesteps_done"]) >= total and (stage_dir / "best.zip").is_file()
-            and best.is_file()):
+    best = read_best(stage_dir)
+    if not (progress and int(progress["timesteps_done"]) >= total and (stage_dir / BEST_ZIP).is_file()
+            and best is not None):
         return None
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    chosen = (manifest.get("stage_selection") or {}).get(spec.stage) or {}
+    chosen = RunManifest.load(run_dir).stage_selection(spec.stage)
     if chosen.get("final") and Path(chosen["final"]).is_file():
         return StageResult(spec.stage, spec.kind, Path(chosen["final"]), obs_spec, actions, chosen.get("score"),
                            skipped=True, validation=chosen)
-    return StageResult(spec.stage, spec.kind, stage_dir / "best.zip", obs_spec, actions,
-                       json.loads(best.read_text()).get("score"), skipped=True)
+    return StageResult(spec.stage, spec.kind, stage_dir / BEST_ZIP, obs_spec, actions, best.get("score"),
+                       skipped=True)
+
+
+def _record_contract(run_dir: Path, traces: TaskTraces, size_actions, static) -> None:
+    """Refuse traces (and a grid result) that do not belong to the run (ContractError naming both sides); record the
+    run's contract when it has none yet."""
+    train, val = TraceHeader.load(traces.train), TraceHeader.load(traces.validation)
+    fix = "use the run's own traces / grid, or train into a new --run folder"
+    check_pair(train.pair, val.pair, expected_from=f"the training trace {traces.train}",
+               got_from=f"the validation trace {traces.validation}", fix="record both splits with one pair")
+    contract = RunContract.from_traces(train, val, size_actions=size_actions,
+                                       paths={"train": traces.train, "validation": traces.validation})
+    recorded = record_contract(run_dir, contract, given=f"traces {traces.train}", fix=fix)
+    grid = Path(static) if isinstance(static, (str, Path)) else Path(run_dir) / GRID_FILE
+    if grid.is_file():
+        check_grid(GridResult.load(grid), recorded, grid_from=f"grid result {grid}", run=f"run {run_dir}", fix=fix)
 
 
 def _describe(partner: Any) -> Any:
@@ -272,6 +291,7 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     # replay validation models greedy decoding only: a stage trained at T > 0 keeps its final policy
     val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
                         size_actions=actions, logger=logger, stage=spec.stage) if options.temperature == 0 else None
+    _record_contract(run_dir, traces, actions if spec.kind == "size" else None, options.static)
     update_manifest(run_dir, traces={"train": str(traces.train), "validation": str(traces.validation),
                                      "train_pair": trace.header.get("pair")},
                     seeds={spec.stage: settings.seed},
@@ -284,7 +304,7 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     make_env, make_venv = _env_factories(spec, traces, model, actions, options)
     best = train_policy(make_env, val, settings, run_dir, spec.stage, resume=options.resume, logger=logger,
                         init_from=spec.init_from, venv_factory=make_venv)
-    info = json.loads((run_dir / spec.stage / "best.json").read_text())
+    info = read_best(run_dir / spec.stage) or {}
     result = StageResult(spec.stage, spec.kind, best, obs_spec, actions, info.get("score"))
     if spec.init_from is not None and spec.keep_init_if_better and val is not None:
         result = _keep_init_if_better(result, spec, val, run_dir)

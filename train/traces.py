@@ -5,16 +5,15 @@
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from specpilot.artifacts.trace import AR_FILE, is_trace, write_ar  # noqa: F401 (AR_FILE re-exported)
 from specpilot.drafting.types import TreeConfig
 from specpilot.policies.observation import default_size_actions
 
-AR_FILE = "ar.json"
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class TaskTraces:
         root = Path(traces)
         out = cls(root / "train", root / "validation")
         for part in (out.train, out.validation):
-            if not (part / "trace.npz").is_file():
+            if not is_trace(part):
                 raise FileNotFoundError(f"no trace at {part}: record the train and validation traces first "
                                         "(`record_traces(...)` or `specpilot record --suite train|validation`)")
         return out
@@ -73,5 +72,5 @@ def record_traces(pair, out_dir: str | Path, *, train_prompts: Sequence, val_pro
         record_task(pair, tree, prompts, path, max_new_tokens=max_new_tokens, profile_prompts=profile_prompts,
                     seed=seed, progress=progress)
         ar = measure_ar(pair, prompts, max_new_tokens=max_new_tokens)
-        (path / AR_FILE).write_text(json.dumps(ar, indent=1))
+        write_ar(path, ar)
     return out

@@ -7,7 +7,6 @@ when recorded, else the profile's plain-step time.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,7 +16,7 @@ from specpilot.drafting.control import Controller, DecisionLog
 from specpilot.envs.oracle import replay_controller
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import ObservationSpec
-from specpilot.train.traces import AR_FILE
+from specpilot.artifacts.trace import read_ar
 
 
 def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
@@ -27,9 +26,9 @@ def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
     trace = model.trace
     indices = range(trace.num_prompts) if prompts is None else prompts
     tokens = sum(model.tables(i).n for i in indices)
-    ar_path = trace.path / AR_FILE if trace.path is not None else None
-    if ar_path is not None and ar_path.is_file():
-        s_per_token = float(json.loads(ar_path.read_text())["seconds_per_token"])
+    ar = read_ar(trace.path) if trace.path is not None else None
+    if ar is not None:
+        s_per_token = float(ar["seconds_per_token"])
         return {"tokens": tokens, "time_s": tokens * s_per_token, "tokens_per_s": 1.0 / s_per_token,
                 "source": "live"}
     time_s = float(sum(model.tables(i).verify[:, 0].sum() for i in indices))

@@ -1,0 +1,19 @@
+"""A trace's latency profile file: profile.json beside trace.npz.
+
+The profile's class, its fields, checked `load` and atomic `save` are `specpilot.envs.profile.LatencyProfile`
+(versioned by its own "version" key, `PROFILE_VERSION`); this module holds the file's name and where it lives, so
+no caller spells the name.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specpilot.artifacts.trace import trace_dir
+
+PROFILE_FILE = "profile.json"
+PROFILE_VERSION = 1
+
+
+def profile_path(trace: str | Path) -> Path:
+    """The profile.json of the trace at `trace` (its folder or its trace.npz)."""
+    return trace_dir(trace) / PROFILE_FILE
