@@ -185,7 +185,7 @@ class LatencyProfile:
         for v, c, s in verify:
             if v == 0:
                 plain_steps[int(c)].append(s)
-        if plain_steps:
+        if plain_steps and any(v != 0 for v, _, _ in verify):  # (plain steps alone: m(V) is their mean, as before)
             verify = [x for x in verify if x[0] != 0]
         sizes = defaultdict(list)
         for v, _, s in verify:

@@ -199,7 +199,8 @@ def _cost_lines(cost: dict | None) -> list[str]:
     if not cost:
         return []
     lines = ["## Cost model check", "",
-             "Replay's predicted tokens/s of static configs against live tokens/s (decode time) on the same prompts. "
+             "Replay's predicted tokens/s of static configs against live tokens/s (decode time) on the same prompts; "
+             "the plain step (d0_s0: replay's autoregressive decoding) against live ar. "
              "A profile is stale when a prediction misses the live value by more than the live measurement's own "
              "spread plus the tolerance.", ""]
     for key, entry in cost.items():

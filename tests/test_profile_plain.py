@@ -98,3 +98,9 @@ def test_cost_check_measures_depth_0_against_live_ar():
     rows = {c["config"]: c for c in out["configs"]}
     assert rows[PLAIN_NAME]["method"] == "ar" and rows[PLAIN_NAME]["error"] == pytest.approx(0.04)
     assert "method" not in rows["d2_s4"] and rows["d2_s4"]["error"] == pytest.approx(0.0)
+
+
+def test_a_profile_of_plain_steps_alone_still_prices_every_size():
+    profile = _profile(PLAIN)
+    assert profile.verify_time(0, 100) == pytest.approx(float(plain_true(100)))
+    assert profile.verify_time(4, 100) > 0  # m(V) falls back to the plain steps' mean rather than failing
