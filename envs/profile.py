@@ -1,16 +1,23 @@
 """Latency profile: what draft levels and verifications cost on this hardware, for the replay environments.
 
 Measured with the decoder's own steps (`session.draft_level()`, `session.verify(size)`) on live generations whose
-depth and size are drawn at random each cycle, so every level index and a spread of sizes and contexts is seen.
+depth and size are drawn at random each cycle, so every level index and a spread of sizes and contexts is seen;
+a drawn depth 0 starts a streak of 1..max_depth+1 plain steps, as a policy that stops drafting runs them.
 
 Model of one cycle's time (seconds) with depth d, verified size V, context length L, n tokens caught up:
 
     draft(d, n)  = first(n) + sum_{l=2..d} level(l)
-        first(n)  time of a cycle's first draft forward when it feeds n new tokens (catch-up + root)
+        first(n)  time of a cycle's first draft forward when it feeds n new tokens (catch-up + root): the tokens
+                  emitted by plain steps are caught up here, charged to the next cycle that drafts
         level(l)  time of the l-th draft forward (it attends to (l-1)*W fed tree nodes)
-    verify(V, L) = m(V) + o(bucket(L))
+    verify(V, L) = m(V) + o(bucket(L))               V >= 1: one target forward over the root and V candidates
         m(V)      verify time at size V pooled over contexts
         o(b)      mean residual of the samples in context bucket b (edges `context_edges`); 0 for empty buckets
+    verify(0, L) = plain(L)                          a plain step (depth 0): one target forward on the root alone
+        plain(L)  fitted on plain steps only, over context length (`plain`): the decoder takes them on the
+                  autoregressive path (no tree block, mask or cache compaction), so they are not a point on the
+                  m(V) line (on CPU a plain step costs well below the line's intercept); constant outside the
+                  measured contexts. Profiles saved without `plain` fall back to m(0) + o(bucket(L)).
 
 Each curve (first over n, level over l, m over V) is a weighted least-squares line through the per-key means plus
 each key's residual shrunk by count / (count + `shrink`): keys seen often keep their own mean (GPU kernels have
@@ -73,6 +80,7 @@ class LatencyProfile:
     verify_size: dict            # keys: verified size V (pooled over contexts)
     context_edges: list[int]     # bucket b covers [edges[b], edges[b+1]); the last bucket is open
     context_offset: list[float]  # o(b) per bucket
+    plain: dict = field(default_factory=dict)  # keys: context length of plain steps; {} = m(0) + o (old profiles)
     meta: dict = field(default_factory=dict)
     shrink: float = 10.0         # pseudo-count of the line in each key's estimate
     version: int = PROFILE_VERSION
@@ -99,12 +107,26 @@ class LatencyProfile:
         edges = np.asarray(self.context_edges)
         return np.clip(np.searchsorted(edges, context_len, side="right") - 1, 0, len(edges) - 1)
 
+    def plain_time(self, context_lens: np.ndarray | int) -> np.ndarray | None:
+        """plain(L): a plain step's time at each context length (None when the profile has no plain model)."""
+        if not self.plain or not self.plain.get("keys"):
+            return None
+        keys = self.plain["keys"]
+        # no extrapolation of the context slope: a few noisy plain steps must not make long contexts free or dear
+        at = np.clip(np.asarray(context_lens, dtype=float), keys[0], keys[-1])
+        return np.maximum(_curve(self.plain, at, self.shrink), 1e-9)
+
     def verify_table(self, max_size: int, context_lens: np.ndarray) -> np.ndarray:
         """[len(context_lens), max_size + 1] verify time by (context, V); V = 0 is a plain target step (the root
-        alone: one token, no draft)."""
+        alone: one token, no draft), priced by `plain_time` when the profile has a plain model."""
+        context_lens = np.asarray(context_lens)
         m = _curve(self.verify_size, np.arange(max_size + 1), self.shrink)
-        offset = np.asarray(self.context_offset)[self.bucket(np.asarray(context_lens))]
-        return np.maximum(m[None, :] + offset[:, None], 1e-9)
+        offset = np.asarray(self.context_offset)[self.bucket(context_lens)]
+        table = np.maximum(m[None, :] + offset[:, None], 1e-9)
+        plain = self.plain_time(context_lens)
+        if plain is not None:
+            table[:, 0] = plain
+        return table
 
     def verify_time(self, size: int, context_len: int) -> float:
         return float(self.verify_table(size, np.array([context_len]))[0, size])
@@ -141,6 +163,9 @@ class LatencyProfile:
         curves = ("first_level", "levels", "verify_size")
         bad = [k for k in curves if k in data and not (isinstance(data[k], dict)
                                                         and {"keys", "mean", "std", "count"} <= set(data[k]))]
+        if data.get("plain") and not (isinstance(data["plain"], dict)
+                                      and {"keys", "mean", "std", "count"} <= set(data["plain"])):
+            bad.append("plain")
         if missing or bad:
             raise InputFileError(f"{path} is not a complete latency profile (missing {missing or 'nothing'}, "
                                  f"malformed {bad or 'nothing'}); {fix}")
@@ -150,17 +175,26 @@ class LatencyProfile:
     def from_samples(cls, first: dict, levels: dict, verify: list[tuple[int, int, float]], *, max_depth: int,
                      width: int, context_edges: list[int] | None = None, meta: dict | None = None,
                      shrink: float = 10.0) -> "LatencyProfile":
-        """Aggregate raw samples: first {n_new: [s]}, levels {level: [s]}, verify [(size, context_len, s)]."""
+        """Aggregate raw samples: first {n_new: [s]}, levels {level: [s]}, verify [(size, context_len, s)]; size 0
+        entries are plain steps: they make the plain model and stay out of m(V) and the context offsets (with
+        no size-0 entry the profile has no plain model and prices V = 0 as m(0) + o)."""
         if context_edges is None:
             top = max([c for _, c, _ in verify] + [1])
             context_edges = [0] + [2 ** k for k in range(6, max(7, int(np.ceil(np.log2(top + 1))) + 1))]
+        plain_steps = defaultdict(list)
+        for v, c, s in verify:
+            if v == 0:
+                plain_steps[int(c)].append(s)
+        if plain_steps and any(v != 0 for v, _, _ in verify):  # (plain steps alone: m(V) is their mean, as before)
+            verify = [x for x in verify if x[0] != 0]
         sizes = defaultdict(list)
         for v, _, s in verify:
             sizes[v].append(s)
         by_size = _stats(sizes)
         profile = cls(max_depth=max_depth, width=width, first_level=_stats(first), levels=_stats(levels),
                       verify_size=by_size, context_edges=[int(e) for e in context_edges],
-                      context_offset=[0.0] * len(context_edges), meta=dict(meta or {}), shrink=float(shrink))
+                      context_offset=[0.0] * len(context_edges), plain=_stats(plain_steps) if plain_steps else {},
+                      meta=dict(meta or {}), shrink=float(shrink))
         if verify:
             v = np.array([x[0] for x in verify])
             c = np.array([x[1] for x in verify])
@@ -191,19 +225,29 @@ class ProfileSamples:
 
 
 class _RandomConfigs:
-    """Profiling controller: each cycle a depth ~ U{0..max_depth} (0: a plain target step) and a size drawn from
-    `sizes`, so every level index, plain steps and a spread of sizes and contexts are timed."""
+    """Profiling controller: each cycle a depth ~ U{0..max_depth} and a size drawn from `sizes`, so every level
+    index and a spread of sizes and contexts are timed. Depth 0 starts a streak of U{1..max_depth+1} plain target
+    steps: plain steps come in streaks when a policy stops drafting (and a FixedController(0) takes nothing else),
+    the streak's tokens are caught up by the next cycle's first draft forward (first(n) for larger n), and the
+    plain model gets enough samples."""
 
     def __init__(self, rng: np.random.Generator, max_depth: int, sizes: list[int]) -> None:
         self.rng, self.max_depth, self.sizes = rng, max_depth, sizes
         self.depth = self.size = 1
+        self.plain_left = 0
 
     def reset(self) -> None:
         pass
 
     def skip_drafting(self, state) -> bool:
+        if self.plain_left > 0:
+            self.plain_left -= 1
+            self.depth = 0
+            return True
         self.depth = int(self.rng.integers(0, self.max_depth + 1))
         self.size = int(self.rng.choice(self.sizes))
+        if self.depth == 0:
+            self.plain_left = int(self.rng.integers(0, self.max_depth + 1))  # this step + 0..max_depth more
         return self.depth == 0
 
     def should_stop(self, state) -> bool:

@@ -10,16 +10,26 @@ Comparisons the report makes, per temperature:
   (the heuristic with the highest pooled speedup over `ar` at that temperature);
 - the deciding pair per task x language group and per task, flagged `too_small` below
   `stats.MIN_PROMPTS_TO_CONCLUDE` distinct prompts.
+
+A comparison's verdict comes from its interval alone (faster / slower / indistinguishable). Flags sit beside it
+and explain a difference, never replace it: "same decisions" when the two chose the same (depth, size) on every
+cycle of every unit. Identical decisions do not make identical speed (each method pays its own controller's
+decision time on every cycle), so such a comparison also carries the decision time per generation of both, the
+ratio with decision time taken out of both, and `cause`: "decision time" (the verdict is faster / slower but
+without decision time the interval contains 1), "timing noise" (the interval contains 1) or "timing beyond
+decision time" (the difference remains without decision time).
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from specpilot.eval.metrics import RunRecord
-from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, paired_ratio_interval, same_decisions, verdict
+from specpilot.eval.stats import (MIN_PROMPTS_TO_CONCLUDE, Interval, paired_ratio_interval, same_decisions,
+                                  verdict)
 
 LEARNED = ("ltd", "depth_only", "size_only")
 HEURISTICS = ("ddd", "svip", "confidence", "hf_heuristic")
@@ -48,8 +58,9 @@ def common_units(by_method: dict[str, dict[UnitKey, RunRecord]], method: str, ba
 
 def compare(by_method: dict[str, dict[UnitKey, RunRecord]], method: str, baseline: str, *, temperature: float,
             prompt_ids: Iterable[str] | None = None, seed: int = 0) -> dict | None:
-    """`method` over `baseline`: pooled throughput ratio, paired 95% interval, same_decisions and verdict
-    (None when the two share no unit). Time is the runner's wall time around each call."""
+    """`method` over `baseline`: pooled throughput ratio, paired 95% interval, the verdict from the interval,
+    same_decisions and the flags (module docstring; None when the two share no unit). Time is the runner's wall
+    time around each call."""
     keys = common_units(by_method, method, baseline, prompt_ids)
     if not keys:
         return None
@@ -58,10 +69,96 @@ def compare(by_method: dict[str, dict[UnitKey, RunRecord]], method: str, baselin
     interval = paired_ratio_interval([r.n_tokens for r in a], [r.wall_s for r in a],
                                      [r.n_tokens for r in b], [r.wall_s for r in b], seed=seed)
     same = same_decisions([r.cycles for r in a], [r.cycles for r in b])
-    return {"method": method, "baseline": baseline, "temperature": float(temperature),
-            "ratio": interval.ratio, "ci": interval.ci(), "same_decisions": same,
-            "verdict": verdict(interval, same=same), "n_units": interval.n_units,
-            "n_prompts": len({k[0] for k in keys}), "half_width": interval.half_width}
+    out = {"method": method, "baseline": baseline, "temperature": float(temperature),
+           "ratio": interval.ratio, "ci": interval.ci(), "same_decisions": same,
+           "verdict": verdict(interval), "flags": ["same decisions"] if same else [], "n_units": interval.n_units,
+           "n_prompts": len({k[0] for k in keys}), "half_width": interval.half_width}
+    if same:
+        out.update(decision_cost(a, b, out["verdict"], seed=seed))
+    return out
+
+
+def decision_cost(a: Sequence[RunRecord], b: Sequence[RunRecord], verdict_: str, *, seed: int = 0) -> dict:
+    """Where a difference between two methods with the same decisions comes from: each one's controller time
+    per generation (ms, mean over the paired units), the difference as a share of A's time, the pooled ratio
+    with decision time taken out of both (paired interval) and the `cause` (module docstring)."""
+    pol_a = np.array([r.policy_s for r in a], dtype=np.float64)
+    pol_b = np.array([r.policy_s for r in b], dtype=np.float64)
+    wall_a = np.array([r.wall_s for r in a], dtype=np.float64)
+    wall_b = np.array([r.wall_s for r in b], dtype=np.float64)
+    without = paired_ratio_interval([r.n_tokens for r in a], wall_a - pol_a, [r.n_tokens for r in b],
+                                    wall_b - pol_b, seed=seed)
+    if verdict_ == "indistinguishable":
+        cause = "timing noise"
+    elif verdict(without) == "indistinguishable":
+        cause = "decision time"
+    else:
+        cause = "timing beyond decision time"
+    return {"decision_ms_per_generation": {"method": 1e3 * float(pol_a.mean()), "baseline": 1e3 * float(pol_b.mean()),
+                                           "difference": 1e3 * float((pol_a - pol_b).mean())},
+            "decision_share": float((pol_a.sum() - pol_b.sum()) / wall_a.sum()) if wall_a.sum() > 0 else math.nan,
+            "without_decision": {"ratio": without.ratio, "ci": without.ci()}, "cause": cause}
+
+
+def _ci_text(ci) -> str:
+    low, high = ci if ci is not None else (None, None)
+    ok = all(isinstance(x, (int, float)) and math.isfinite(x) for x in (low, high))
+    return f"[{low:.3f}, {high:.3f}]" if ok else "[no interval]"
+
+
+CAUSES = {"decision time": "the difference is decision time",
+          "timing noise": "the difference is within timing noise",
+          "timing beyond decision time": "decision time does not explain the whole difference"}
+
+
+def flag_text(comparison: dict) -> str:
+    """The flags of a comparison as one clause ("" without flags): "same decisions on every cycle: the
+    difference is decision time (ltd 0.61 vs grid 0.19 ms deciding per generation, +1.9% of ltd's time;
+    without decision time 1.002x [0.990, 1.013])"."""
+    same = comparison.get("same_decisions") or "same decisions" in (comparison.get("flags") or [])
+    if not same:
+        return ""
+    text = "same decisions on every cycle"
+    cause = comparison.get("cause")
+    if cause:
+        text += f": {CAUSES.get(cause, cause)}"
+    ms = comparison.get("decision_ms_per_generation")
+    if ms:
+        share = comparison.get("decision_share")
+        share_text = (f", {100 * share:+.1f}% of {comparison['method']}'s time"
+                      if isinstance(share, (int, float)) and math.isfinite(share) else "")
+        without = comparison.get("without_decision") or {}
+        ratio = without.get("ratio")
+        without_text = (f"; without decision time {ratio:.3f}x {_ci_text(without.get('ci'))}"
+                        if isinstance(ratio, (int, float)) and math.isfinite(ratio) else "")
+        text += (f" ({comparison['method']} {ms['method']:.2f} vs {comparison['baseline']} {ms['baseline']:.2f} ms "
+                 f"deciding per generation{share_text}{without_text})")
+    return text
+
+
+def interval_verdict(comparison: dict) -> str:
+    """The verdict from the comparison's interval alone (also for dicts written before flags existed, whose
+    verdict could read "same decisions")."""
+    if comparison.get("verdict") in ("faster", "slower", "indistinguishable"):
+        return comparison["verdict"]
+    low, high = comparison.get("ci") or (None, None)
+    fin = [x if isinstance(x, (int, float)) else math.nan for x in (comparison.get("ratio"), low, high)]
+    return verdict(Interval(*fin, comparison.get("n_units") or 0))
+
+
+def describe(comparison: dict) -> str:
+    """One line for a summary: "ltd vs grid (T=1): 0.981x (-1.9%) [0.970, 0.992], slower, 34 units; flag: same
+    decisions on every cycle: the difference is decision time (...)". The ratio and its interval are always
+    printed; a flag only explains them."""
+    head = f"{comparison['method']} vs {comparison['baseline']} (T={comparison['temperature']:g})"
+    ratio = comparison.get("ratio")
+    if isinstance(ratio, (int, float)) and math.isfinite(ratio):
+        value = f"{ratio:.3f}x ({100.0 * (ratio - 1.0):+.1f}%) {_ci_text(comparison.get('ci'))}"
+    else:
+        value = "no ratio"
+    flag = flag_text(comparison)
+    return (f"{head}: {value}, {interval_verdict(comparison)}, {comparison['n_units']} units"
+            + (f"; flag: {flag}" if flag else ""))
 
 
 def best_heuristic(by_method: dict[str, dict[UnitKey, RunRecord]], *, temperature: float) -> str | None:

@@ -12,6 +12,9 @@ on a stale cost model. The check:
 3. error = predicted / measured - 1 per config; a config is off when |error| > spread + tolerance (default 25%:
    beyond the noise by more than the tolerance), and the profile is `stale` when any config is off.
 
+The plain step is checked too: depth 0 (`PLAIN`, "d0_s0") under replay is replay's autoregressive decoding, so its
+prediction is measured against the live `ar` runs of the same loop (the row's `method` is "ar").
+
 `check_and_refresh` re-measures a stale profile (`measure_profile`), saves it (the old one kept as
 profile.stale.json), and re-checks the new profile against the same live numbers. The profile's age comes from
 its meta["created"] (else the file's modification time).
@@ -27,6 +30,8 @@ from pathlib import Path
 from specpilot.eval.metrics import RunRecord
 
 DEFAULT_TOLERANCE = 0.25
+PLAIN = (0, 0)   # depth 0: plain target steps only; measured against live `ar`
+AR = "ar"
 
 
 def profile_age_s(profile, path: str | Path | None = None) -> tuple[float | None, str | None]:
@@ -49,13 +54,17 @@ def profile_age_s(profile, path: str | Path | None = None) -> tuple[float | None
 
 
 def default_configs(trace) -> list[tuple[int, int]]:
-    """Three static configs spanning the trace's tree: shallow and narrow, middle, deepest and widest."""
+    """The plain step (depth 0, against live ar) and three static configs spanning the trace's tree: shallow and
+    narrow, middle, deepest and widest."""
     d, s, w = trace.max_depth, trace.max_size, trace.width
-    return sorted({(1, min(w, s)), (max(1, d // 2), max(1, s // 2)), (d, s)})
+    return sorted({PLAIN, (1, min(w, s)), (max(1, d // 2), max(1, s // 2)), (d, s)})
 
 
 def config_name(depth: int, size: int) -> str:
     return f"d{depth}_s{size}"
+
+
+PLAIN_NAME = config_name(*PLAIN)
 
 
 def predicted(trace, profile, configs: Sequence[tuple[int, int]], prompts: Sequence[int]) -> dict[str, float]:
@@ -69,13 +78,14 @@ def predicted(trace, profile, configs: Sequence[tuple[int, int]], prompts: Seque
 def measure_live(pair, trace, configs: Sequence[tuple[int, int]], prompts: Sequence[int], *, rounds: int = 3,
                  warmup: int = 1, seed: int = 0, progress: Callable[[str], None] | None = None) -> list[RunRecord]:
     """Live greedy runs of each config (FixedController) on trace prompts `prompts`, `rounds` interleaved rounds
-    of the evaluation loop with the trace's tree; returns the records (`ar` included, as in every evaluation)."""
+    of the evaluation loop with the trace's tree; returns the records (`ar` included, as in every evaluation: it
+    is what depth-0 configs are measured against, so they are not run themselves)."""
     from specpilot.drafting.types import TreeConfig
     from specpilot.eval.runner import evaluate
     from specpilot.eval.suites import Prompt
     from specpilot.policies import FixedController
 
-    controllers = {config_name(d, s): FixedController(d, s) for d, s in configs}
+    controllers = {config_name(d, s): FixedController(d, s) for d, s in configs if d > 0}
     items = [Prompt(id=str(i), task="trace", language="-", split="trace", prompt=str(i)) for i in prompts]
     tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
     result = evaluate(items, pair=pair, controllers=controllers, temperatures=(0.0,), rounds=rounds, warmup=warmup,
@@ -85,12 +95,15 @@ def measure_live(pair, trace, configs: Sequence[tuple[int, int]], prompts: Seque
 
 
 def compare_rates(predicted_tps: dict[str, float], records: Sequence[RunRecord], *,
-                  tolerance: float = DEFAULT_TOLERANCE) -> dict:
+                  tolerance: float = DEFAULT_TOLERANCE, measured_as: dict[str, str] | None = None) -> dict:
     """Predicted vs measured per config (module docstring, step 3). `records`: live runs whose `method` is the
-    config name and `repeat` the round."""
+    config name and `repeat` the round; `measured_as` maps a config to the live method it is measured against
+    (default: the plain step "d0_s0" against `ar`; such a row carries that `method`)."""
+    measured_as = {PLAIN_NAME: AR} if measured_as is None else measured_as
     rows = []
     for name, pred in predicted_tps.items():
-        recs = [r for r in records if r.method == name]
+        live = measured_as.get(name, name)
+        recs = [r for r in records if r.method == live]
         if not recs:
             continue
         decode = lambda rs: sum(r.wall_s - r.prefill_s for r in rs)  # noqa: E731 - what replay models
@@ -101,7 +114,7 @@ def compare_rates(predicted_tps: dict[str, float], records: Sequence[RunRecord],
         error = pred / measured - 1.0
         rows.append({"config": name, "predicted_tokens_per_s": pred, "measured_tokens_per_s": measured,
                      "measured_by_round": per_round, "spread": spread, "error": error,
-                     "off": bool(abs(error) > spread + tolerance)})
+                     "off": bool(abs(error) > spread + tolerance), **({"method": live} if live != name else {})})
     return {"configs": rows, "tolerance": tolerance, "stale": any(r["off"] for r in rows),
             "max_abs_error": max((abs(r["error"]) for r in rows), default=None)}
 
@@ -184,7 +197,8 @@ def check_and_refresh(pair, trace, profile_path: str | Path, *, also: Sequence[s
 
 def summary_line(check: dict) -> str:
     """'predicted/measured tokens/s d1_s4 120/118 (+2%), ...; age 3.2 min; ok' (or 'STALE')."""
-    parts = [f"{c['config']} {c['predicted_tokens_per_s']:.1f}/{c['measured_tokens_per_s']:.1f} "
+    parts = [f"{c['config']}{' (vs ' + c['method'] + ')' if c.get('method') else ''} "
+             f"{c['predicted_tokens_per_s']:.1f}/{c['measured_tokens_per_s']:.1f} "
              f"({100 * c['error']:+.0f}%, live spread +-{100 * c['spread']:.0f}%)" for c in check["configs"]]
     age = check.get("age_s")
     age_text = f"; profile age {age / 60:.1f} min" if age is not None else "; profile age unknown"
@@ -200,8 +214,14 @@ def check_records(trace, profile, records: Sequence[RunRecord], configs: dict[st
                   prompt_index: dict[str, int], *, tolerance: float = DEFAULT_TOLERANCE) -> dict:
     """The check without extra generations: an evaluation's own live greedy runs of fixed-config methods
     (`configs`: method name -> (depth, size)) against replay of the same configs on the trace of the same prompts
-    (`prompt_index`: prompt id -> trace index). Per method, predicted over the prompts the method ran."""
+    (`prompt_index`: prompt id -> trace index). Per method, predicted over the prompts the method ran; first the
+    plain step (replay at depth 0) against the live `ar` runs."""
     rows = []
+    ar = [r for r in records if r.method == AR and r.temperature == 0.0 and r.concurrency == 1]
+    ar_idx = sorted({prompt_index[r.prompt_id] for r in ar if r.prompt_id in prompt_index})
+    if ar_idx:
+        ar = [r for r in ar if r.prompt_id in prompt_index]
+        rows += compare_rates(predicted(trace, profile, [PLAIN], ar_idx), ar, tolerance=tolerance)["configs"]
     for name, (depth, size) in configs.items():
         recs = [r for r in records if r.method == name and r.temperature == 0.0 and r.concurrency == 1]
         idx = sorted({prompt_index[r.prompt_id] for r in recs if r.prompt_id in prompt_index})
@@ -209,7 +229,7 @@ def check_records(trace, profile, records: Sequence[RunRecord], configs: dict[st
             continue
         pred = predicted(trace, profile, [(min(depth, trace.max_depth), size)], idx)
         renamed = [RunRecord(**{**r.__dict__, "method": next(iter(pred))}) for r in recs]
-        row = compare_rates(pred, renamed, tolerance=tolerance)["configs"][0]
+        row = compare_rates(pred, renamed, tolerance=tolerance, measured_as={})["configs"][0]
         rows.append({**row, "method": name})
     return {"configs": rows, "tolerance": tolerance, "stale": any(r["off"] for r in rows),
             "max_abs_error": max((abs(r["error"]) for r in rows), default=None)}

@@ -2,7 +2,9 @@
 
 report.json: {"meta", "summary", "comparisons", "groups", "decisions", "replay", "cost_check", "results"}:
 summary and results carry every speedup with its 95% paired interval `speedup_ci`; comparisons are method pairs
-per temperature {"method", "baseline", "temperature", "ratio", "ci", "same_decisions", "verdict", ...}.
+per temperature {"method", "baseline", "temperature", "ratio", "ci", "verdict", "flags", "same_decisions", ...}:
+the verdict comes from the interval alone; a flag ("same decisions", with the decision time of both and its
+`cause`) explains a difference beside it (`specpilot.eval.compare`).
 report.md leads with the verdicts, then speedups with intervals, the deciding pair by task group, replay beside
 live, the cost-model check, decision statistics and the per-group tables.
 
@@ -17,7 +19,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from specpilot.drafting.files import atomic_write_text
-from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, describe
+from specpilot.eval.compare import describe, interval_verdict
+from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
 
 REQUIRED_ROW_KEYS = ("task", "language", "split", "method", "temperature", "speedup", "tau", "tokens_per_s",
                      "ttft_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "peak_mem_mb", "policy_overhead",
@@ -141,9 +144,11 @@ def _group_lines(groups: list[dict]) -> list[str]:
              "only cover timing noise on those few prompts.", "",
              "| T | task | language | ratio [95% CI] | verdict | prompts | units |", "|---|---|---|---|---|---|---|"]
     for g in groups:
-        v = "same decisions" if g["same_decisions"] else (
-            f"too small to conclude ({g['verdict']})" if g["too_small"] else g["verdict"])
-        ratio = "-" if g["same_decisions"] else _with_ci(g["ratio"], g["ci"], ".3f")
+        v = interval_verdict(g)
+        v = f"too small to conclude ({v})" if g["too_small"] else v
+        if g.get("same_decisions"):  # a flag beside the verdict, never instead of it
+            v += f"; flag: same decisions ({g['cause']})" if g.get("cause") else "; flag: same decisions"
+        ratio = _with_ci(g["ratio"], g["ci"], ".3f")
         lines.append(f"| {g['temperature']:g} | {g['task']} | {g['language']} | {ratio} | {v} | {g['n_prompts']} |"
                      f" {g['n_units']} |")
     return lines + [""]
@@ -194,7 +199,8 @@ def _cost_lines(cost: dict | None) -> list[str]:
     if not cost:
         return []
     lines = ["## Cost model check", "",
-             "Replay's predicted tokens/s of static configs against live tokens/s (decode time) on the same prompts. "
+             "Replay's predicted tokens/s of static configs against live tokens/s (decode time) on the same prompts; "
+             "the plain step (d0_s0: replay's autoregressive decoding) against live ar. "
              "A profile is stale when a prediction misses the live value by more than the live measurement's own "
              "spread plus the tolerance.", ""]
     for key, entry in cost.items():
@@ -285,7 +291,9 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
         "- policy_overhead / draft_frac: controller / draft time over the wall time of the generations.",
         "- identical_to_ar: at temperature 0, every run's tokens equal `ar`'s; not defined when sampling.",
         "- verdicts: faster / slower when the 95% interval of the ratio excludes 1, indistinguishable when it "
-        "contains 1, same decisions when both made the same (depth, size) on every cycle of every unit.", ""]
+        "contains 1. Flag \"same decisions\": both made the same (depth, size) on every cycle of every unit; "
+        "the ratio still differs by each controller's decision time and by timing noise, so the flag gives both "
+        "methods' decision time per generation, the ratio without it, and the cause of the difference.", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)

@@ -1,15 +1,16 @@
 """A short verdict-first summary of a report.json, for the demo's last screen and `specpilot eval`'s output.
 
 `summarise_report(report)` keeps what a reader needs to answer "does the learned policy beat the grid config?":
-greedy speedups over ar with their intervals, the verdicts of the compared pairs (no percentage when two methods
-made the same decisions), how many rounds and units were used, which task groups can be concluded on, replay
-beside live, and the cost-model checks. `format_summary_lines(summary)` prints it.
+greedy speedups over ar with their intervals, the verdicts of the compared pairs (always the ratio and its interval;
+"same decisions" is a flag beside them that names where the difference comes from), how many rounds and units
+were used, which task groups can be concluded on, replay beside live, and the cost-model checks.
+`format_summary_lines(summary)` prints it.
 """
 from __future__ import annotations
 
 import math
 
-from specpilot.eval.stats import describe
+from specpilot.eval.compare import describe
 
 
 def _ok(x) -> bool:

@@ -27,7 +27,7 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     methods = summary["methods"]
     assert {"ar", "grid", "ltd", "depth_only", "size_only", "fixed"} <= set(methods)
     assert all(m["identical_to_ar"] for m in methods.values())
-    assert summary["ltd_vs_grid"]["verdict"] in ("faster", "slower", "indistinguishable", "same decisions")
+    assert summary["ltd_vs_grid"]["verdict"] in ("faster", "slower", "indistinguishable")
     assert summary["rounds"]["by_temperature"]["0"]["rounds"] >= 2
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["replay"]["methods"] and report["replay"]["oracle"]["speedup"] > 0

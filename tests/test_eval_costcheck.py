@@ -69,6 +69,7 @@ def test_check_profile_measures_live_configs(recorded):
     from specpilot.envs.record import Trace
 
     assert [c["config"] for c in out["configs"]] == [f"d{d}_s{s}" for d, s in default_configs(Trace.load(trace_dir))]
+    assert out["configs"][0]["config"] == "d0_s0" and out["configs"][0]["method"] == "ar"  # plain steps vs live ar
     assert all(len(c["measured_by_round"]) == 2 for c in out["configs"])
     assert out["prompts"] == [0, 1] and out["age_s"] is not None and out["live"]
 
@@ -76,7 +77,7 @@ def test_check_profile_measures_live_configs(recorded):
 def test_stale_profile_is_re_measured_and_saved(recorded, tmp_path):
     pair, trace_dir, profile_path = recorded
     data = json.loads(profile_path.read_text())
-    for key in ("first_level", "levels", "verify_size"):  # a tenfold slower machine than the live one
+    for key in ("first_level", "levels", "verify_size", "plain"):  # a tenfold slower machine than the live one
         data[key]["mean"] = [10 * m for m in data[key]["mean"]]
     data["context_offset"] = [10 * o for o in data["context_offset"]]
     stale = tmp_path / "train" / "profile.json"

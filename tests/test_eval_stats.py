@@ -116,11 +116,12 @@ def _records(ltd_cycles, grid_cycles, n_prompts=6, rounds=2, ltd_speed=1.0):
     return out
 
 
-def test_identical_decision_logs_give_same_decisions_verdict():
+def test_identical_decision_logs_are_a_flag_beside_the_interval_verdict():
     cycles = [(2, 8, 3), (2, 8, 4), (2, 8, 1)]
     by = unit_records(_records(cycles, list(cycles)), temperature=0.0)
     c = compare(by, "ltd", "grid", temperature=0.0)
-    assert c["same_decisions"] is True and c["verdict"] == "same decisions" and c["n_units"] == 12
+    assert c["same_decisions"] is True and c["flags"] == ["same decisions"] and c["n_units"] == 12
+    assert c["verdict"] == verdict(Interval(c["ratio"], *c["ci"], c["n_units"]))
 
 
 def test_different_decisions_get_a_numeric_verdict():

@@ -1,14 +1,15 @@
 """The verdict-first summary (demo and `specpilot eval`) and the report's markdown: what is printed for each
-verdict, and that "same decisions" prints no percentage at all."""
+verdict, and that "same decisions" is a flag beside the ratio and its interval, never a verdict instead of them."""
 import re
 
 from specpilot.eval.report import write_report
 from specpilot.eval.summary import format_summary_lines, summarise_report
 
 
-def _comparison(method, baseline, verdict, ratio=1.0, ci=(0.98, 1.02), role="decide", same=False):
+def _comparison(method, baseline, verdict, ratio=1.0, ci=(0.98, 1.02), role="decide", same=False, **extra):
     return {"method": method, "baseline": baseline, "temperature": 0.0, "ratio": ratio, "ci": list(ci),
-            "same_decisions": same, "verdict": verdict, "n_units": 24, "n_prompts": 12, "baseline_role": role}
+            "same_decisions": same, "verdict": verdict, "flags": ["same decisions"] if same else [], "n_units": 24,
+            "n_prompts": 12, "baseline_role": role, **extra}
 
 
 REPORT = {
@@ -17,7 +18,10 @@ REPORT = {
     "summary": [{"method": m, "temperature": 0.0, "speedup": sp, "speedup_ci": [sp - 0.05, sp + 0.05], "tau": 2.5,
                  "policy_overhead": 0.01, "identical_to_ar": True, "n_units": 24} for m, sp in
                 [("ar", 1.0), ("grid", 1.19), ("ltd", 1.2), ("svip", 1.1)]],
-    "comparisons": [_comparison("ltd", "grid", "same decisions", ratio=1.039, same=True),
+    "comparisons": [_comparison("ltd", "grid", "slower", ratio=0.981, ci=(0.970, 0.992), same=True,
+                                cause="decision time", decision_share=0.019,
+                                decision_ms_per_generation={"method": 0.61, "baseline": 0.19, "difference": 0.42},
+                                without_decision={"ratio": 1.001, "ci": [0.990, 1.012]}),
                     _comparison("ltd", "svip", "faster", 1.09, (1.04, 1.14), role="best heuristic")],
     "groups": [{"task": "qa", "language": "en", "temperature": 0.0, "too_small": True, "ratio": 1.1,
                 "ci": [0.9, 1.3], "verdict": "indistinguishable", "same_decisions": False, "n_prompts": 1,
@@ -26,10 +30,12 @@ REPORT = {
 }
 
 
-def test_same_decisions_prints_no_percentage():
+def test_same_decisions_is_a_flag_beside_the_ratio():
     lines = format_summary_lines(summarise_report(REPORT))
     decide = next(line for line in lines if "ltd vs grid" in line)
-    assert "same decisions" in decide and "%" not in decide and "1.039" not in decide
+    assert "0.981x (-1.9%) [0.970, 0.992], slower, 24 units" in decide
+    assert ("flag: same decisions on every cycle: the difference is decision time (ltd 0.61 vs grid 0.19 ms "
+            "deciding per generation, +1.9% of ltd's time; without decision time 1.001x [0.990, 1.012])") in decide
     heuristic = next(line for line in lines if "ltd vs svip" in line)
     assert "+9.0%" in heuristic and "[1.040, 1.140]" in heuristic and "faster" in heuristic
     assert "best heuristic" in heuristic
@@ -52,5 +58,5 @@ def test_markdown_leads_with_verdicts(tmp_path):
     write_report(rows, REPORT["meta"], tmp_path, plots=False, analysis=analysis)
     md = (tmp_path / "report.md").read_text()
     assert md.index("## Verdicts") < md.index("speedup over ar (pooled") < md.index("by task group")
-    assert "ltd vs grid (T=0): same decisions on every cycle of 24 units" in md
+    assert "ltd vs grid (T=0): 0.981x (-1.9%) [0.970, 0.992], slower, 24 units; flag: same decisions" in md
     assert "too small to conclude" in md and "1.00 [0.90, 1.10]" in md
