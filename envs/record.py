@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.executor import ShardTask
 from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable, read_json
 
 TRACE_VERSION = 1
@@ -341,19 +342,41 @@ def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progr
 
 
 def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_tokens: int = 128,
-                profile_prompts: int | None = None, seed: int = 0, progress: bool = False) -> tuple[Path, Path]:
-    """Write out_dir/trace.npz + trace.json and out_dir/profile.json; return (trace dir, profile path).
+                profile_prompts: int | None = None, seed: int = 0, progress: bool = False, executor=None,
+                ar: bool = False, shard_size: int | None = None) -> tuple[Path, Path]:
+    """Write out_dir/trace.npz + trace.json and out_dir/profile.json (and ar.json when `ar`: the live
+    autoregressive timing of the prompts); return (trace dir, profile path).
 
-    The latency profile is measured on the first `profile_prompts` prompts (default: all) with random
-    (depth, size) per cycle (see `specpilot.envs.profile.measure_profile`)."""
-    from specpilot.envs.profile import measure_profile
+    Runs on `pair` in this process, or on `executor` (`specpilot.drafting.executor`: e.g. a Ray WorkerPool), in
+    resumable shards (`specpilot.envs.shards`); out_dir/cluster.json says which worker recorded which shard. The
+    latency profile is measured on the first `profile_prompts` prompts (default: all) with random (depth, size)
+    per cycle (`specpilot.envs.profile.collect_samples`), each shard seeding its draws with (seed, shard)."""
+    from specpilot.drafting.executor import as_executor, shard_ranges
+    from specpilot.envs import shards as sh
 
     out_dir = check_writable(out_dir, kind="dir", what="trace folder")  # before minutes of recording
-    trace = record_trace(pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
-    trace.save(out_dir)
-    chosen = list(prompts)[: profile_prompts] if profile_prompts else list(prompts)
-    profile = measure_profile(pair, tree_config, [getattr(p, "prompt", p) for p in chosen],
-                              max_new_tokens=max_new_tokens, seed=seed, progress=progress)
-    profile.meta["pair"] = trace.header["pair"]
-    profile_path = profile.save(out_dir / "profile.json")
-    return out_dir, profile_path
+    executor = as_executor(pair, executor)
+    items = [getattr(p, "prompt", p) for p in prompts]
+    ranges = shard_ranges(len(items), len(executor), shard_size)
+    n_profile = len(items) if not profile_prompts else min(int(profile_prompts), len(items))
+    tree = {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size}
+    key = sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed, ar=ar,
+                      ranges=ranges, pair=executor.workers[0]["pair"])
+    started = time.perf_counter()
+    dirs = [out_dir / sh.SHARDS_DIR / f"shard-{i:04d}" for i in range(len(ranges))]
+    finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key) is not None]
+    tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
+                           "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
+                           "progress": progress}, list(range(lo, hi)))
+             for i, (lo, hi) in enumerate(ranges) if i not in finished]
+    say = (lambda msg: print(f"  {msg}", flush=True)) if progress else None
+    if say and finished:
+        say(f"resuming: {len(finished)} of {len(ranges)} shards already recorded under {out_dir / sh.SHARDS_DIR}")
+    executor.map(sh.record_shard, tasks, progress=say,
+                 on_done=lambda task, outcome: sh.write_shard(dirs[task.shard], outcome, key, ranges[task.shard]))
+    summary = sh.merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed)
+    summary.update(workers=executor.workers, wall_s=time.perf_counter() - started)
+    atomic_write_text(out_dir / sh.CLUSTER_FILE, json.dumps(summary, indent=1, default=str))
+    if say and summary["retried_prompts"]:
+        say(f"retried prompts (their shard failed once): {summary['retried_prompts']}")
+    return out_dir, out_dir / "profile.json"
