@@ -16,6 +16,8 @@ accepted(t, d, V) = #{k <= d : rank_d(on-path node at depth k) < V} (verificatio
 on-path nodes form a chain). emitted = min(accepted + 1, tokens left up to and including EOS / max_new_tokens).
 
 Files: trace.npz (arrays below) + trace.json (header) + profile.json (`specpilot.envs.profile.LatencyProfile`).
+`record_task` records in shards of prompts on an executor (this process, or Ray workers) and merges them: the
+trace equals a recording of all prompts at once; OUT/shards/ keeps the finished shards, so a re-run resumes.
 
     trace.npz
       prompt_tokens [sum P_i] int32, prompt_offsets [P+1]      the prompts' token ids
@@ -35,13 +37,15 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from specpilot.drafting.errors import InputFileError
-from specpilot.drafting.executor import ShardTask
-from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable, read_json
+from specpilot.drafting.executor import ShardTask, as_executor, shard_ranges
+from specpilot.drafting.files import atomic_path, atomic_write_json, atomic_write_text, check_writable, read_json
+from specpilot.envs import shards as sh
 
 TRACE_VERSION = 1
 NO_RANK = np.iinfo(np.int16).max
@@ -351,9 +355,6 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     resumable shards (`specpilot.envs.shards`); out_dir/cluster.json says which worker recorded which shard. The
     latency profile is measured on the first `profile_prompts` prompts (default: all) with random (depth, size)
     per cycle (`specpilot.envs.profile.collect_samples`), each shard seeding its draws with (seed, shard)."""
-    from specpilot.drafting.executor import as_executor, shard_ranges
-    from specpilot.envs import shards as sh
-
     out_dir = check_writable(out_dir, kind="dir", what="trace folder")  # before minutes of recording
     executor = as_executor(pair, executor)
     items = [getattr(p, "prompt", p) for p in prompts]
@@ -372,11 +373,107 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     say = (lambda msg: print(f"  {msg}", flush=True)) if progress else None
     if say and finished:
         say(f"resuming: {len(finished)} of {len(ranges)} shards already recorded under {out_dir / sh.SHARDS_DIR}")
-    executor.map(sh.record_shard, tasks, progress=say,
-                 on_done=lambda task, outcome: sh.write_shard(dirs[task.shard], outcome, key, ranges[task.shard]))
-    summary = sh.merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed)
+    executor.map(record_shard, tasks, progress=say,
+                 on_done=lambda task, outcome: write_shard(dirs[task.shard], outcome, key, ranges[task.shard]))
+    summary = merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed)
     summary.update(workers=executor.workers, wall_s=time.perf_counter() - started)
     atomic_write_text(out_dir / sh.CLUSTER_FILE, json.dumps(summary, indent=1, default=str))
     if say and summary["retried_prompts"]:
         say(f"retried prompts (their shard failed once): {summary['retried_prompts']}")
     return out_dir, out_dir / "profile.json"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# shards of a recording (`record_task` on an executor)
+
+
+def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, profile_prompts: list, seed: list[int],
+                 ar: bool, progress: bool = False) -> dict:
+    """The work unit: the trace of `prompts`, profile samples of `profile_prompts` and (ar) the live AR timing."""
+    from specpilot.drafting.types import TreeConfig
+    from specpilot.envs.profile import collect_samples
+
+    tree_config = TreeConfig(**tree)
+    trace = record_trace(worker.pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
+    if profile_prompts:
+        samples = collect_samples(worker.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
+                                  rng=np.random.default_rng(seed), warmup_cycles=16 if worker.first("profile") else 0)
+        out["samples"] = sh.samples_to_dict(samples)
+    if ar:
+        out["ar"] = sh.measure_ar(worker.pair, prompts, max_new_tokens=max_new_tokens,
+                               warmup=1 if worker.first("ar") else 0)
+    return out
+
+
+def merge_traces(traces: Sequence[Trace]) -> Trace:
+    """One Trace from shard traces in prompt order: per-prompt arrays concatenated, `*_offsets` re-based."""
+    if not traces:
+        raise ValueError("no shard traces to merge")
+    first = traces[0].header
+    for t in traces[1:]:
+        for key in ("version", "tree", "max_new_tokens", "eos_token_id", "temperature"):
+            if t.header.get(key) != first.get(key):
+                raise ValueError(f"shard traces differ in {key!r} ({first.get(key)} vs {t.header.get(key)})")
+        if {k: v for k, v in t.header["pair"].items()} != first["pair"]:
+            raise ValueError(f"shard traces come from different pairs ({first['pair']} vs {t.header['pair']})")
+    arrays: dict[str, np.ndarray] = {}
+    for key in traces[0].arrays:
+        parts = [t.arrays[key] for t in traces]
+        if key.endswith("_offsets"):
+            lengths = np.concatenate([np.diff(p) for p in parts])
+            arrays[key] = np.concatenate([[0], np.cumsum(lengths)]).astype(parts[0].dtype)
+        else:
+            arrays[key] = np.concatenate(parts)
+    header = dict(first)
+    header["prompts"] = [p for t in traces for p in t.header["prompts"]]
+    header["positions"] = int(arrays["scores"].shape[0])
+    header["recorded_s"] = float(sum(t.header.get("recorded_s", 0.0) for t in traces))
+    header["sharded"] = {"shards": len(traces), "devices": sorted({str(t.header.get("device")) for t in traces})}
+    return Trace(header, arrays)
+
+
+def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int]) -> None:
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    res = outcome.result
+    Trace(res["header"], res["arrays"]).save(shard_dir)
+    if res["samples"] is not None:
+        atomic_write_json(shard_dir / "samples.json", res["samples"], indent=None)
+    if res["ar"] is not None:
+        atomic_write_json(shard_dir / sh.AR_FILE, res["ar"])
+    done = {"key": key, "prompts": list(range(*prompts)), "worker": outcome.worker, "attempts": outcome.attempts,
+            "retried": outcome.retried}
+    atomic_write_json(shard_dir / sh.DONE_FILE, done)  # last: its presence means the shard is complete
+
+
+def merge_shards(out_dir: Path, dirs: list[Path], ranges, key: str, *, resumed: list[int], ar: bool,
+                 seed: int) -> dict:
+    """Merge the shard folders into out_dir's trace, profile (and ar.json); describe the shards."""
+    traces = [Trace.load(d) for d in dirs]
+    trace = merge_traces(traces)
+    trace.save(out_dir)
+    shards, samples, ar_parts, retried = [], [], [], []
+    fix = "delete the shard folder to record it again"
+    for i, d in enumerate(dirs):
+        done = sh.read_done(d, key)
+        device = traces[i].header.get("device")
+        if (d / "samples.json").is_file():
+            data = read_json(d / "samples.json", what="profile samples of a shard", fix=fix)
+            samples.append((str(device), sh.samples_from_dict(data)))
+        if ar:
+            ar_parts.append(read_json(d / sh.AR_FILE, what="AR timing of a shard", fix=fix))
+        if done.get("retried"):
+            retried.extend(range(*ranges[i]))
+        shards.append({"shard": i, "prompts": list(range(*ranges[i])), "device": device,
+                       "worker": (done.get("worker") or {}).get("worker"), "attempts": done.get("attempts"),
+                       "retried": done.get("retried"), "resumed": i in resumed})
+    if samples:
+        pooled = sh.merge_samples(samples)
+        pooled.meta["seed"] = seed
+        profile = pooled.profile()
+        profile.meta["pair"] = trace.header["pair"]
+        profile.save(out_dir / "profile.json")
+    if ar:
+        atomic_write_json(out_dir / sh.AR_FILE, sh.merge_ar(ar_parts))
+    return {"out": str(out_dir), "shards": shards, "retried_prompts": retried, "resumed_shards": resumed,
+            "positions": trace.header["positions"]}

@@ -1,12 +1,9 @@
-"""The shards of a recording (`specpilot.envs.record.record_task`): the work unit, resumable shard folders, the merge.
+"""What the shards of a recording (`specpilot.envs.record.record_task`) carry besides their traces, and its files.
 
-Prompts are cut into contiguous shards (`specpilot.drafting.executor.shard_ranges`); `record_shard` runs
-`record_trace` (and `collect_samples` on the prompts the profile covers, and `measure_ar` when asked) on a worker
-of the executor. A finished shard is written to OUT/shards/shard-XXXX/ (trace.npz, trace.json, samples.json,
-ar.json, then done.json last); a re-run of the same plan skips shards whose done.json exists, so an interrupted
-run resumes. The merge concatenates the per-prompt arrays in prompt order with re-based offsets: the trace equals
-a recording of all prompts at once in every token and tree table (float scores equal up to the workers'
-kernels), and profile.json pools every shard's samples with the device of each recorded in its meta.
+A shard's profile samples travel and are stored as plain data (`samples_to_dict`) and pool into one profile
+(`merge_samples`, the device of every sample kept); its live autoregressive timing (`measure_ar`) pools into
+ar.json (`merge_ar`). OUT/shards/shard-XXXX/done.json marks a finished shard of one recording plan (`plan_key`,
+`read_done`); OUT/cluster.json says which worker recorded which shard.
 """
 from __future__ import annotations
 
@@ -17,13 +14,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 from specpilot.drafting.errors import InputFileError
-from specpilot.drafting.executor import ShardOutcome
-from specpilot.drafting.files import atomic_write_json, read_json
+from specpilot.drafting.files import read_json
 from specpilot.envs.profile import ProfileSamples
-from specpilot.envs.record import Trace
 
 SHARDS_DIR = "shards"
 DONE_FILE = "done.json"
@@ -47,55 +40,8 @@ def measure_ar(pair, prompts: Sequence, *, max_new_tokens: int, warmup: int = 1)
             "max_new_tokens": max_new_tokens, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, profile_prompts: list, seed: list[int],
-                 ar: bool, progress: bool = False) -> dict:
-    """The work unit: the trace of `prompts`, profile samples of `profile_prompts` and (ar) the live AR timing."""
-    from specpilot.drafting.types import TreeConfig
-    from specpilot.envs.profile import collect_samples
-    from specpilot.envs.record import record_trace
-
-    tree_config = TreeConfig(**tree)
-    trace = record_trace(worker.pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
-    out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
-    if profile_prompts:
-        samples = collect_samples(worker.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
-                                  rng=np.random.default_rng(seed), warmup_cycles=16 if worker.first("profile") else 0)
-        out["samples"] = samples_to_dict(samples)
-    if ar:
-        out["ar"] = measure_ar(worker.pair, prompts, max_new_tokens=max_new_tokens,
-                               warmup=1 if worker.first("ar") else 0)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # merging
-
-
-def merge_traces(traces: Sequence[Trace]) -> Trace:
-    """One Trace from shard traces in prompt order: per-prompt arrays concatenated, `*_offsets` re-based."""
-    if not traces:
-        raise ValueError("no shard traces to merge")
-    first = traces[0].header
-    for t in traces[1:]:
-        for key in ("version", "tree", "max_new_tokens", "eos_token_id", "temperature"):
-            if t.header.get(key) != first.get(key):
-                raise ValueError(f"shard traces differ in {key!r} ({first.get(key)} vs {t.header.get(key)})")
-        if {k: v for k, v in t.header["pair"].items()} != first["pair"]:
-            raise ValueError(f"shard traces come from different pairs ({first['pair']} vs {t.header['pair']})")
-    arrays: dict[str, np.ndarray] = {}
-    for key in traces[0].arrays:
-        parts = [t.arrays[key] for t in traces]
-        if key.endswith("_offsets"):
-            lengths = np.concatenate([np.diff(p) for p in parts])
-            arrays[key] = np.concatenate([[0], np.cumsum(lengths)]).astype(parts[0].dtype)
-        else:
-            arrays[key] = np.concatenate(parts)
-    header = dict(first)
-    header["prompts"] = [p for t in traces for p in t.header["prompts"]]
-    header["positions"] = int(arrays["scores"].shape[0])
-    header["recorded_s"] = float(sum(t.header.get("recorded_s", 0.0) for t in traces))
-    header["sharded"] = {"shards": len(traces), "devices": sorted({str(t.header.get("device")) for t in traces})}
-    return Trace(header, arrays)
 
 
 def samples_to_dict(samples: ProfileSamples) -> dict:
@@ -161,19 +107,6 @@ def plan_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def write_shard(shard_dir: Path, outcome: ShardOutcome, key: str, prompts: tuple[int, int]) -> None:
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    res = outcome.result
-    Trace(res["header"], res["arrays"]).save(shard_dir)
-    if res["samples"] is not None:
-        atomic_write_json(shard_dir / "samples.json", res["samples"], indent=None)
-    if res["ar"] is not None:
-        atomic_write_json(shard_dir / AR_FILE, res["ar"])
-    done = {"key": key, "prompts": list(range(*prompts)), "worker": outcome.worker, "attempts": outcome.attempts,
-            "retried": outcome.retried}
-    atomic_write_json(shard_dir / DONE_FILE, done)  # last: its presence means the shard is complete
-
-
 def read_done(shard_dir: Path, key: str) -> dict | None:
     """The shard's done.json, None when the shard is not finished; refuses a shard of another recording."""
     if not (shard_dir / DONE_FILE).is_file():
@@ -184,36 +117,3 @@ def read_done(shard_dir: Path, key: str) -> dict | None:
         raise InputFileError(f"{shard_dir} belongs to another recording (other prompts, tree or settings): use "
                              f"another --out, or delete {shard_dir.parent} to record again")
     return done
-
-
-def merge_shards(out_dir: Path, dirs: list[Path], ranges, key: str, *, resumed: list[int], ar: bool,
-                 seed: int) -> dict:
-    """Merge the shard folders into out_dir's trace, profile (and ar.json); describe the shards."""
-    traces = [Trace.load(d) for d in dirs]
-    trace = merge_traces(traces)
-    trace.save(out_dir)
-    shards, samples, ar_parts, retried = [], [], [], []
-    fix = "delete the shard folder to record it again"
-    for i, d in enumerate(dirs):
-        done = read_done(d, key)
-        device = traces[i].header.get("device")
-        if (d / "samples.json").is_file():
-            data = read_json(d / "samples.json", what="profile samples of a shard", fix=fix)
-            samples.append((str(device), samples_from_dict(data)))
-        if ar:
-            ar_parts.append(read_json(d / AR_FILE, what="AR timing of a shard", fix=fix))
-        if done.get("retried"):
-            retried.extend(range(*ranges[i]))
-        shards.append({"shard": i, "prompts": list(range(*ranges[i])), "device": device,
-                       "worker": (done.get("worker") or {}).get("worker"), "attempts": done.get("attempts"),
-                       "retried": done.get("retried"), "resumed": i in resumed})
-    if samples:
-        pooled = merge_samples(samples)
-        pooled.meta["seed"] = seed
-        profile = pooled.profile()
-        profile.meta["pair"] = trace.header["pair"]
-        profile.save(out_dir / "profile.json")
-    if ar:
-        atomic_write_json(out_dir / AR_FILE, merge_ar(ar_parts))
-    return {"out": str(out_dir), "shards": shards, "retried_prompts": retried, "resumed_shards": resumed,
-            "positions": trace.header["positions"]}

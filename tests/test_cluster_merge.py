@@ -14,7 +14,8 @@ from specpilot.envs.profile import ProfileSamples
 from specpilot.envs.record import record_trace
 from specpilot.eval.suites import Prompt
 from specpilot.drafting.executor import assign_groups, shard_ranges
-from specpilot.envs.shards import merge_samples, merge_traces, samples_from_dict, samples_to_dict
+from specpilot.envs.record import merge_traces
+from specpilot.envs.shards import merge_samples, samples_from_dict, samples_to_dict
 from specpilot.eval.runner import merge_meta
 
 from tiny import tiny_pair
