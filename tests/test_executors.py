@@ -123,3 +123,20 @@ def test_local_executor_runs_tasks_in_order_with_one_worker(local):
     assert as_executor(None, local) is local and as_executor(None, None) is None
     with pytest.raises(ValueError, match="not both"):
         as_executor(local.pair, local)
+
+
+@pytest.mark.slow
+def test_demo_on_ray_writes_the_files_of_the_demo_without_it(ray_pool, saved_pair, tmp_path):
+    """`run_demo(executor=pool)` (what `specpilot demo --ray local --workers 2` runs) on the tiny pair: the same
+    files as `run_demo()`, grid.json and report.json with the same keys."""
+    from specpilot.demo import run_demo
+
+    from test_demo import TINY
+
+    pair = dict(target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY, wandb="disabled")
+    run_demo(tmp_path / "local", **pair)
+    run_demo(tmp_path / "ray", executor=ray_pool, **pair)
+    local, ray = tmp_path / "local", tmp_path / "ray"
+    assert files(local) == files(ray)
+    for name in ("grid.json", "eval/report.json", "traces/train/trace.json", "traces/train/profile.json"):
+        assert keys(read(local / name)) == keys(read(ray / name)), name

@@ -200,8 +200,9 @@ class PairWorker:
 
 class WorkerPool:
     """N PairWorker actors in one placement group (one bundle each: 1 GPU + `threads` CPUs on GPU clusters,
-    `threads` CPUs otherwise; the actors themselves request no CPU, so the pool's replay tasks can use the bundle's
-    cores between shards). Call `connect()` first. Use as a context manager, or call close().
+    `threads` CPUs otherwise, reserved by the bundle: the actors themselves request no CPU): the Ray executor of
+    `specpilot.drafting.executor` (`map`, `workers`, `device`). Call `connect()` first. Use as a context manager,
+    or call close().
 
     gpus: True / False, or None = use GPUs when the cluster has at least `workers` of them.
     inject_fault: test hook {"shard": i, "mode": "exit" | "raise"}: shard i's first attempt kills its worker
