@@ -173,3 +173,27 @@ def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path)
     for name in ("trace.npz", "trace.json", "profile.json", CLUSTER_FILE):
         assert (out / name).is_file(), name
     assert "2 workers" in proc.stderr and Trace.load(out).num_prompts == 3
+
+
+def test_cli_eval_with_ray_local_keeps_every_option(saved_pair, tmp_path):
+    """`specpilot eval --ray local --workers 2` runs the same evaluation as without Ray: --rounds 3 runs 3 rounds,
+    --replay-dir adds replay and the cost-model check, --decide sets the deciding pair of the verdicts."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'specpilot[ray]'")
+    import os
+    import subprocess
+    import sys
+
+    suite = tmp_path / "prompts.txt"
+    suite.write_text("\n".join(PROMPTS[:2]) + "\n")
+    cmd = [sys.executable, "-m", "specpilot.cli", "eval", "--suite", str(suite), "--out", str(tmp_path / "eval"),
+           "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--device", "cpu",
+           "--methods", "fixed", "--temperatures", "0", "--rounds", "3", "--decide", "fixed,ar",
+           "--max-new-tokens", "6", "--width", "2", "--max-depth", "3", "--max-size", "6", "--no-plots",
+           "--replay-dir", str(tmp_path / "replay"), "--ray", "local", "--workers", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["meta"]["rounds"]["by_temperature"]["0"]["rounds"] == 3
+    assert report["replay"] and report["cost_check"] and (tmp_path / "replay" / "trace.npz").is_file()
+    assert [(c["method"], c["baseline"]) for c in report["comparisons"]] == [("fixed", "ar")]
+    assert report["comparisons"][0]["verdict"] and "2 workers" in proc.stderr

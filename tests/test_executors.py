@@ -5,6 +5,7 @@ included), report.json (comparisons and verdicts included). Only values and the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,9 +39,15 @@ def keys(value, path: str = "") -> set[str]:
 
 
 def files(root) -> set[str]:
-    """File names under root, shard folders folded into one (the shard count follows the worker count)."""
-    return {str(p.relative_to(root)).replace(p.parent.name, "shard-N") if p.parent.name.startswith("shard-")
-            else str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    """File names under root, shard folders folded into one (the shard count follows the worker count), and
+    TensorBoard event files (named by time and pid) under one name."""
+    out = set()
+    for p in (p for p in root.rglob("*") if p.is_file()):
+        name = str(p.relative_to(root))
+        if p.parent.name.startswith("shard-"):
+            name = name.replace(p.parent.name, "shard-N")
+        out.add(str(Path(name).with_name("events.out.tfevents")) if ".tfevents." in p.name else name)
+    return out
 
 
 def read(path) -> dict:
@@ -137,6 +144,9 @@ def test_demo_on_ray_writes_the_files_of_the_demo_without_it(ray_pool, saved_pai
     run_demo(tmp_path / "local", **pair)
     run_demo(tmp_path / "ray", executor=ray_pool, **pair)
     local, ray = tmp_path / "local", tmp_path / "ray"
-    assert files(local) == files(ray)
+    # profile.stale.json is kept only when the cost-model check (in the driver) finds the profile stale: an outcome
+    # of the measurement on this noisy machine, not of the executor
+    assert sorted(f for f in files(local) ^ files(ray) if not f.endswith(".stale.json")) == []
     for name in ("grid.json", "eval/report.json", "traces/train/trace.json", "traces/train/profile.json"):
         assert keys(read(local / name)) == keys(read(ray / name)), name
+    print("\n".join(sorted(files(ray))))  # the list of files, for the record
