@@ -4,16 +4,16 @@ on held-out tasks, export, summarise — in one run directory, reusing finished 
     specpilot demo [--quick] [--out runs/demo] [--target T --draft D] [--ray auto --workers 8]
 
 Budgets (`DemoBudget`) are sized for the embedded pair on a 2-core CPU: the full run aims at <= 25 minutes,
-`--quick` at <= 6 minutes with every stage still present. With `cluster` (a `specpilot.train.cluster.WorkerPool`,
-`--ray`), recording, the grid's live phase and the evaluation run sharded on the Ray workers; training (replay)
-and the export stay in this process.
+`--quick` at <= 6 minutes with every stage still present. With `executor` (a `specpilot.train.cluster.WorkerPool`,
+`--ray`), recording, the grid's live phases and the evaluation run on the Ray workers, through the same
+orchestrators and into the same files (plus which worker ran what); the cost-model check, training (replay) and
+the export stay in this process.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -148,9 +148,10 @@ def _limit(items: list, n: int) -> list:
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
              draft: str | None = None, eagle: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
-             wandb: str | None = None, device: str | None = None, cluster=None) -> dict:
+             wandb: str | None = None, device: str | None = None, executor=None) -> dict:
     """Run (or resume) every stage; return the summary dict (also written to RUN/summary.json)."""
     from specpilot.drafting import ModelPair, TreeConfig
+    from specpilot.drafting.executor import LocalExecutor
     from specpilot.eval.suites import load_suite
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
@@ -159,6 +160,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     state = DemoState(run_dir)
     started = time.perf_counter()
     pair = ModelPair.from_pretrained(target, draft, device=device, **({"eagle": eagle} if eagle else {}))
+    executor = executor or LocalExecutor(pair)
     identity = pair.identity()
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
@@ -182,7 +184,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         t0 = time.perf_counter()
         results[stage] = STAGE_FUNCTIONS[stage](run_dir=run_dir, pair=pair, tree=tree, budget=budget, seed=seed,
                                                 train=train, val=val, heldout=heldout, wandb=wandb,
-                                                cluster=cluster)
+                                                executor=executor)
         timings[stage] = time.perf_counter() - t0
         state.finish(stage, key, results[stage], timings[stage])
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
@@ -194,34 +196,18 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
 
 # -- stages --------------------------------------------------------------------------------------------------------
 
-def _record(*, run_dir, pair, tree, budget, seed, train, val, cluster=None, **_) -> dict:
+def _record(*, run_dir, tree, budget, seed, train, val, executor, **_) -> dict:
     from specpilot.train.pipeline import record_traces
 
-    if cluster is not None:  # the same files as record_traces: trace, profile and ar.json per split
-        from specpilot.train.sharded import record_sharded
-
-        for split, prompts in (("train", train), ("validation", val)):
-            record_sharded(cluster, tree, [p.prompt for p in prompts], run_dir / "traces" / split,
-                           max_new_tokens=budget.max_new_tokens, profile_prompts=min(8, len(train)), seed=seed,
-                           ar=True, progress=tqdm.write)
-        return {"train": str(run_dir / "traces" / "train"), "validation": str(run_dir / "traces" / "validation")}
-    traces = record_traces(pair, run_dir / "traces", tree=tree, train_prompts=[p.prompt for p in train],
+    traces = record_traces(None, run_dir / "traces", tree=tree, train_prompts=[p.prompt for p in train],
                            val_prompts=[p.prompt for p in val], max_new_tokens=budget.max_new_tokens,
-                           profile_prompts=min(8, len(train)), seed=seed, progress=True)
+                           profile_prompts=min(8, len(train)), seed=seed, progress=True, executor=executor)
     return {"train": str(traces.train), "validation": str(traces.validation)}
 
 
-def _grid(*, run_dir, pair, budget, val, cluster=None, **_) -> dict:
-    from specpilot.train.grid import grid_search
-
-    if cluster is not None:
-        from specpilot.train.cluster_grid import grid_search_sharded
-
-        result = grid_search_sharded(cluster, run_dir / "traces" / "train", val_prompts=[p.prompt for p in val],
-                                     live_top=budget.live_top, live_max_new_tokens=budget.max_new_tokens,
-                                     out=run_dir / "grid.json", progress=tqdm.write)
-        return {"best": result["best"], "oracle": result.get("oracle")}
+def _grid(*, run_dir, pair, budget, val, executor, **_) -> dict:
     from specpilot.eval.costcheck import check_and_refresh
+    from specpilot.train.grid import grid_search
 
     # the latency profile behind the grid search and training, checked against live first (re-measured if stale)
     traces = run_dir / "traces"
@@ -229,7 +215,7 @@ def _grid(*, run_dir, pair, budget, val, cluster=None, **_) -> dict:
                               also=[profile_path(traces / "validation")], prompts=2, rounds=budget.check_rounds,
                               log=lambda msg: tqdm.write(f"  {msg}"))
     atomic_write_json(run_dir / PROFILE_CHECK, check, default=str)
-    result = grid_search(run_dir / "traces" / "train", pair=pair, val_prompts=[p.prompt for p in val],
+    result = grid_search(run_dir / "traces" / "train", executor=executor, val_prompts=[p.prompt for p in val],
                          live_top=budget.live_top, live_max_new_tokens=budget.max_new_tokens,
                          sampled_temperatures=[t for t in budget.temperatures if t > 0],
                          out=run_dir / GRID_FILE, progress=True)
@@ -257,23 +243,11 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
-def _eval(*, run_dir, pair, tree, budget, seed, heldout, cluster=None, **_) -> dict:
-    if cluster is not None:  # (task, language) groups over the workers, all methods interleaved on each
-        from specpilot.eval.report import write_report
-        from specpilot.train.sharded import evaluate_sharded
-
-        result = evaluate_sharded(cluster, heldout, temperatures=budget.temperatures,
-                                  max_new_tokens=budget.max_new_tokens, rounds=budget.eval_rounds,
-                                  time_budget_s=budget.eval_budget_s, full_rounds=budget.eval_full_rounds, tree=tree,
-                                  grid=run_dir / "grid.json", run_dir=run_dir, seed=seed,
-                                  progress=lambda msg: tqdm.write(f"  {msg}"),
-                                  sampled_methods=list(budget.sampled_methods))
-        paths = write_report(result.results, result.meta, run_dir / "eval")
-        return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped")}
+def _eval(*, run_dir, tree, budget, seed, heldout, executor, **_) -> dict:
     from specpilot.eval.full import full_evaluation
 
     result, paths = full_evaluation(
-        heldout, pair=pair, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
+        heldout, executor=executor, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
         check_profiles={"grid search and training": profile_path(run_dir / "traces" / "train")},
         prior_checks=({"profile behind grid search and training, checked before the grid search":
                        read_json(run_dir / PROFILE_CHECK, what="profile check", fix="run the demo's grid stage again")}
@@ -349,16 +323,11 @@ def run(args: argparse.Namespace) -> int:
     check_pair_arguments(args)
     run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, eagle=args.eagle,
                   seed=args.seed, wandb=args.wandb, device=args.device)
-    if getattr(args, "ray", None):
-        from specpilot.train.cluster import ClusterError
+    if getattr(args, "ray", None):  # a ClusterError is reported in one line by the command's handler
         from specpilot.train.cluster_cli import open_pool
 
-        try:
-            with open_pool(args) as pool:
-                run(cluster=pool)
-        except ClusterError as err:
-            print(f"specpilot demo: {err}", file=sys.stderr)
-            return 2
+        with open_pool(args) as pool:
+            run(executor=pool)
     else:
         run()
     return 0

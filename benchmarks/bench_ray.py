@@ -5,7 +5,7 @@ start-up cost.
         [--methods ray,proc-2t,proc-1t,2proc]
 
 `specpilot record` of the first `--prompts` train prompts with the embedded pair (trace + latency profile):
-- ray:      `record_sharded` on a local Ray with `--workers` CPU workers of 1 thread each (1 prompt per shard);
+- ray:      `record_task(executor=pool)` on a local Ray with `--workers` CPU workers of 1 thread each (1 prompt per shard);
 - proc-2t:  `record_task` in this process with torch at 2 threads;
 - proc-1t:  `record_task` in this process with torch at 1 thread;
 - 2proc:    the no-Ray reference: two plain processes (started and warmed once) each `record_task` half the prompts
@@ -62,7 +62,6 @@ def main() -> None:
     from specpilot.eval.suites import load_prompts
     from specpilot.envs.record import record_task
     from specpilot.train.cluster import PairSpec, WorkerPool, connect, shutdown
-    from specpilot.train.sharded import record_sharded
 
     prompts = load_prompts("train", limit=args.prompts)
     tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=args.max_size)
@@ -77,11 +76,11 @@ def main() -> None:
     t_pool = time.perf_counter() - t0
     tmp = Path(tempfile.mkdtemp(prefix="bench-ray-"))
     t0 = time.perf_counter()
-    record_sharded(pool, tree, prompts[:1], tmp / "first", **kw)
+    record_task(None, tree, prompts[:1], tmp / "first", executor=pool, **kw)
     t_first = time.perf_counter() - t0
 
     def ray_run(tag: str) -> None:
-        record_sharded(pool, tree, prompts, tmp / tag, shard_size=1, **kw)
+        record_task(None, tree, prompts, tmp / tag, executor=pool, shard_size=1, **kw)
 
     def proc_run(threads: int):
         def run(tag: str) -> None:

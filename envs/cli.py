@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from specpilot.drafting.cliargs import add_pair_arguments, load_pair, output_dir, positive_int, seed
+from specpilot.drafting.cliargs import add_pair_arguments, output_dir, positive_int, seed
 from specpilot.eval.suites import load_prompts
 
 
@@ -27,18 +27,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
+    from specpilot.drafting.executor import LocalExecutor
     from specpilot.drafting.types import TreeConfig
     from specpilot.envs.record import record_task
     from specpilot.policies.observation import default_size_actions
+    from specpilot.train.cluster_cli import open_executor
 
     prompts = load_prompts(args.suite, args.split, args.limit)
-    pair = load_pair(args)
-    max_size = args.max_size or max(max(default_size_actions(str(pair.device))), TreeConfig().max_size)
-    tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
-    SpeculativeDecoder(pair, tree)  # the tree must fit the drafter (width <= its vocabulary) before hours of work
-    print(f"recording {len(prompts)} prompts from {args.suite!r} on {pair.name} ({pair.device}), tree {tree}, "
-          f"max_new_tokens={args.max_new_tokens}")
-    trace_dir, profile_path = record_task(pair, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                                          profile_prompts=args.profile_prompts, seed=args.seed, progress=True)
+    with open_executor(args) as executor:
+        max_size = args.max_size or max(max(default_size_actions(executor.device)), TreeConfig().max_size)
+        tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
+        if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= vocabulary) before hours of work
+            SpeculativeDecoder(executor.pair, tree)
+        print(f"recording {len(prompts)} prompts from {args.suite!r} on {len(executor)} worker(s) "
+              f"({', '.join(sorted({w['device'] for w in executor.workers}))}), tree {tree}, "
+              f"max_new_tokens={args.max_new_tokens}")
+        trace_dir, profile_path = record_task(None, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                              profile_prompts=args.profile_prompts, seed=args.seed, progress=True,
+                                              executor=executor)
     print(f"wrote {trace_dir / 'trace.npz'}, {trace_dir / 'trace.json'}, {profile_path}")
     return 0

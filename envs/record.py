@@ -16,6 +16,8 @@ accepted(t, d, V) = #{k <= d : rank_d(on-path node at depth k) < V} (verificatio
 on-path nodes form a chain). emitted = min(accepted + 1, tokens left up to and including EOS / max_new_tokens).
 
 Files: trace.npz (arrays below) + trace.json (header) + profile.json (`specpilot.envs.profile.LatencyProfile`).
+`record_task` records in shards of prompts on an executor (this process, or Ray workers) and merges them: the
+trace equals a recording of all prompts at once; OUT/shards/ keeps the finished shards, so a re-run resumes.
 
     trace.npz
       prompt_tokens [sum P_i] int32, prompt_offsets [P+1]      the prompts' token ids
@@ -35,6 +37,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -44,7 +47,9 @@ from specpilot.drafting.errors import InputFileError
 from specpilot.artifacts.profile import profile_path
 from specpilot.artifacts.trace import (ARRAYS_FILE, HEADER_FILE, RECORD_AGAIN, TRACE_VERSION,  # noqa: F401
                                        TraceHeader)
-from specpilot.drafting.files import atomic_path, atomic_write_text, check_writable
+from specpilot.drafting.executor import ShardTask, as_executor, shard_ranges
+from specpilot.drafting.files import atomic_path, atomic_write_json, atomic_write_text, check_writable, read_json
+from specpilot.envs import shards as sh
 
 NO_RANK = np.iinfo(np.int16).max
 
@@ -331,18 +336,134 @@ def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progr
 
 
 def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_tokens: int = 128,
-                profile_prompts: int | None = None, seed: int = 0, progress: bool = False) -> tuple[Path, Path]:
-    """Write out_dir/trace.npz + trace.json and out_dir/profile.json; return (trace dir, profile path).
+                profile_prompts: int | None = None, seed: int = 0, progress: bool = False, executor=None,
+                ar: bool = False, shard_size: int | None = None) -> tuple[Path, Path]:
+    """Write out_dir/trace.npz + trace.json and out_dir/profile.json (and ar.json when `ar`: the live
+    autoregressive timing of the prompts); return (trace dir, profile path).
 
-    The latency profile is measured on the first `profile_prompts` prompts (default: all) with random
-    (depth, size) per cycle (see `specpilot.envs.profile.measure_profile`)."""
-    from specpilot.envs.profile import measure_profile
-
+    Runs on `pair` in this process, or on `executor` (`specpilot.drafting.executor`: e.g. a Ray WorkerPool), in
+    resumable shards (`specpilot.envs.shards`); out_dir/cluster.json says which worker recorded which shard. The
+    latency profile is measured on the first `profile_prompts` prompts (default: all) with random (depth, size)
+    per cycle (`specpilot.envs.profile.collect_samples`), each shard seeding its draws with (seed, shard)."""
     out_dir = check_writable(out_dir, kind="dir", what="trace folder")  # before minutes of recording
-    trace = record_trace(pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    executor = as_executor(pair, executor)
+    items = [getattr(p, "prompt", p) for p in prompts]
+    ranges = shard_ranges(len(items), len(executor), shard_size)
+    n_profile = len(items) if not profile_prompts else min(int(profile_prompts), len(items))
+    tree = {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size}
+    key = sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed, ar=ar,
+                      ranges=ranges, pair=executor.workers[0]["pair"])
+    started = time.perf_counter()
+    dirs = [out_dir / sh.SHARDS_DIR / f"shard-{i:04d}" for i in range(len(ranges))]
+    finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key) is not None]
+    tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
+                           "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
+                           "progress": progress}, list(range(lo, hi)))
+             for i, (lo, hi) in enumerate(ranges) if i not in finished]
+    say = (lambda msg: print(f"  {msg}", flush=True)) if progress else None
+    if say and finished:
+        say(f"resuming: {len(finished)} of {len(ranges)} shards already recorded under {out_dir / sh.SHARDS_DIR}")
+    executor.map(record_shard, tasks, progress=say,
+                 on_done=lambda task, outcome: write_shard(dirs[task.shard], outcome, key, ranges[task.shard]))
+    summary = merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed)
+    summary.update(workers=executor.workers, wall_s=time.perf_counter() - started)
+    atomic_write_text(out_dir / sh.CLUSTER_FILE, json.dumps(summary, indent=1, default=str))
+    if say and summary["retried_prompts"]:
+        say(f"retried prompts (their shard failed once): {summary['retried_prompts']}")
+    return out_dir, profile_path(out_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# shards of a recording (`record_task` on an executor)
+
+
+def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, profile_prompts: list, seed: list[int],
+                 ar: bool, progress: bool = False) -> dict:
+    """The work unit: the trace of `prompts`, profile samples of `profile_prompts` and (ar) the live AR timing."""
+    from specpilot.drafting.types import TreeConfig
+    from specpilot.envs.profile import collect_samples
+
+    tree_config = TreeConfig(**tree)
+    trace = record_trace(worker.pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
+    if profile_prompts:
+        samples = collect_samples(worker.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
+                                  rng=np.random.default_rng(seed), warmup_cycles=16 if worker.first("profile") else 0)
+        out["samples"] = sh.samples_to_dict(samples)
+    if ar:
+        out["ar"] = sh.measure_ar(worker.pair, prompts, max_new_tokens=max_new_tokens,
+                               warmup=1 if worker.first("ar") else 0)
+    return out
+
+
+def merge_traces(traces: Sequence[Trace]) -> Trace:
+    """One Trace from shard traces in prompt order: per-prompt arrays concatenated, `*_offsets` re-based."""
+    if not traces:
+        raise ValueError("no shard traces to merge")
+    first = traces[0].header
+    for t in traces[1:]:
+        for key in ("version", "tree", "max_new_tokens", "eos_token_id", "temperature"):
+            if t.header.get(key) != first.get(key):
+                raise ValueError(f"shard traces differ in {key!r} ({first.get(key)} vs {t.header.get(key)})")
+        if {k: v for k, v in t.header["pair"].items()} != first["pair"]:
+            raise ValueError(f"shard traces come from different pairs ({first['pair']} vs {t.header['pair']})")
+    arrays: dict[str, np.ndarray] = {}
+    for key in traces[0].arrays:
+        parts = [t.arrays[key] for t in traces]
+        if key.endswith("_offsets"):
+            lengths = np.concatenate([np.diff(p) for p in parts])
+            arrays[key] = np.concatenate([[0], np.cumsum(lengths)]).astype(parts[0].dtype)
+        else:
+            arrays[key] = np.concatenate(parts)
+    header = dict(first)
+    header["prompts"] = [p for t in traces for p in t.header["prompts"]]
+    header["positions"] = int(arrays["scores"].shape[0])
+    header["recorded_s"] = float(sum(t.header.get("recorded_s", 0.0) for t in traces))
+    header["sharded"] = {"shards": len(traces), "devices": sorted({str(t.header.get("device")) for t in traces})}
+    return Trace(header, arrays)
+
+
+def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int]) -> None:
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    res = outcome.result
+    Trace(res["header"], res["arrays"]).save(shard_dir)
+    if res["samples"] is not None:
+        atomic_write_json(shard_dir / "samples.json", res["samples"], indent=None)
+    if res["ar"] is not None:
+        atomic_write_json(shard_dir / sh.AR_FILE, res["ar"])
+    done = {"key": key, "prompts": list(range(*prompts)), "worker": outcome.worker, "attempts": outcome.attempts,
+            "retried": outcome.retried}
+    atomic_write_json(shard_dir / sh.DONE_FILE, done)  # last: its presence means the shard is complete
+
+
+def merge_shards(out_dir: Path, dirs: list[Path], ranges, key: str, *, resumed: list[int], ar: bool,
+                 seed: int) -> dict:
+    """Merge the shard folders into out_dir's trace, profile (and ar.json); describe the shards."""
+    traces = [Trace.load(d) for d in dirs]
+    trace = merge_traces(traces)
     trace.save(out_dir)
-    chosen = list(prompts)[: profile_prompts] if profile_prompts else list(prompts)
-    profile = measure_profile(pair, tree_config, [getattr(p, "prompt", p) for p in chosen],
-                              max_new_tokens=max_new_tokens, seed=seed, progress=progress)
-    profile.meta["pair"] = trace.header["pair"]
-    return out_dir, profile.save(profile_path(out_dir))
+    shards, samples, ar_parts, retried = [], [], [], []
+    fix = "delete the shard folder to record it again"
+    for i, d in enumerate(dirs):
+        done = sh.read_done(d, key)
+        device = traces[i].header.get("device")
+        if (d / "samples.json").is_file():
+            data = read_json(d / "samples.json", what="profile samples of a shard", fix=fix)
+            samples.append((str(device), sh.samples_from_dict(data)))
+        if ar:
+            ar_parts.append(read_json(d / sh.AR_FILE, what="AR timing of a shard", fix=fix))
+        if done.get("retried"):
+            retried.extend(range(*ranges[i]))
+        shards.append({"shard": i, "prompts": list(range(*ranges[i])), "device": device,
+                       "worker": (done.get("worker") or {}).get("worker"), "attempts": done.get("attempts"),
+                       "retried": done.get("retried"), "resumed": i in resumed})
+    if samples:
+        pooled = sh.merge_samples(samples)
+        pooled.meta["seed"] = seed
+        profile = pooled.profile()
+        profile.meta["pair"] = trace.header["pair"]
+        profile.save(profile_path(out_dir))
+    if ar:
+        atomic_write_json(out_dir / sh.AR_FILE, sh.merge_ar(ar_parts))
+    return {"out": str(out_dir), "shards": shards, "retried_prompts": retried, "resumed_shards": resumed,
+            "positions": trace.header["positions"]}

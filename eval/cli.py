@@ -1,8 +1,9 @@
 """`specpilot eval`: evaluate decoding methods on a task suite and write report.json, report.md and plots.
 
-The command only parses arguments and calls library functions: `load_suite`, `evaluate`, `write_report`, and
-with --replay-dir `specpilot.eval.full.prepare_replay` / `attach_replay` (exact replay beside live, cost-model
-check). It prints the verdict-first summary of `specpilot.eval.summary`.
+The command only parses arguments and calls library functions: `load_suite` and `specpilot.eval.full.full_evaluation`
+(`evaluate`, with --replay-dir exact replay beside live and the cost-model check, `write_report`), in this process
+or with --ray on Ray workers: the same files either way. It prints the verdict-first summary of
+`specpilot.eval.summary`.
 
 Before anything is measured (`prepare`): the output folder is writable, every method asked for by name can run
 (`specpilot.eval.inputs.check_methods`: a missing or broken --run / --grid is an error, not a skipped method), and
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from specpilot.drafting.cliargs import (add_pair_arguments, float_list, load_pair, name_list, non_negative_float,
+from specpilot.drafting.cliargs import (add_pair_arguments, float_list, name_list, non_negative_float,
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
 from specpilot.eval.runner import METHODS
 
@@ -132,70 +133,41 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
 
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
+    from specpilot.drafting.executor import LocalExecutor
+    from specpilot.eval.full import full_evaluation
     from specpilot.eval.inputs import check_inputs_pair, check_methods
-    from specpilot.eval.report import write_report
-    from specpilot.eval.runner import evaluate
+    from specpilot.train.cluster_cli import open_executor
 
     plan = prepare(args)
-    if getattr(args, "ray", None):
-        return _run_on_ray(args, plan)
-    pair = load_pair(args)
-    check_inputs_pair(pair, run_dir=args.run_dir, grid=args.grid)  # the run / grid were made on this pair
-    SpeculativeDecoder(pair, plan.tree)  # the tree fits the drafter (width <= its vocabulary)
-    methods = plan.methods
-    if pair.drafter_kind == "eagle3":
-        # prepare() checked the --run / --grid methods; the loaded pair only adds whether the drafter is a draft LM
-        asked = dict.fromkeys([*(methods or []), *(plan.sampled or [])])
-        check_methods([m for m in asked if m == "hf_assisted"], drafter_kind="eagle3")
-        if methods is None:  # all available: transformers' assisted generation needs a draft LM
-            methods = [m for m in METHODS if m != "hf_assisted"]
-    say(f"evaluating {len(plan.prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype}), tree {plan.tree}")
-    trace = profile = None
-    ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
-    if args.replay_dir:
-        from specpilot.eval.full import prepare_replay
-
-        trace, profile = prepare_replay(pair, plan.tree, list(ids.values()), args.replay_dir,
-                                        max_new_tokens=args.max_new_tokens, seed=args.seed, progress=say)
-    result = evaluate(plan.prompts, pair=pair, methods=methods, temperatures=args.temperatures, top_k=args.top_k,
-                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, rounds=args.rounds,
-                      min_rounds=args.min_rounds, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
-                      target_half_width=args.target_half_width, decide=plan.decide, full_rounds=args.full_rounds,
-                      warmup=args.warmup, concurrency=args.concurrency, tree=plan.tree,
-                      grid=args.grid, run_dir=args.run_dir, seed=args.seed, encode=ids.__getitem__,
-                      progress=say, sampled_methods=plan.sampled)
-    if trace is not None:
-        from pathlib import Path
-
-        from specpilot.eval.full import attach_replay
-
-        from specpilot.artifacts.profile import profile_path
-
-        attach_replay(result, trace, profile, plan.prompts, profile_path=profile_path(args.replay_dir),
-                      check_profiles={p: p for p in args.check_profile}, seed=args.seed, progress=say)
-    paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots, analysis=result.analysis())
+    with open_executor(args) as executor:
+        if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= its vocabulary)
+            SpeculativeDecoder(executor.pair, plan.tree)
+        identity = executor.workers[0]["pair"]
+        check_inputs_pair(identity, run_dir=args.run_dir, grid=args.grid)  # the run / grid were made on this pair
+        methods = plan.methods
+        if identity["drafter"] == "eagle3":
+            # prepare() checked the --run / --grid methods; the loaded pair only adds whether the drafter is a draft LM
+            asked = dict.fromkeys([*(methods or []), *(plan.sampled or [])])
+            check_methods([m for m in asked if m == "hf_assisted"], drafter_kind="eagle3")
+            if methods is None:  # all available: transformers' assisted generation needs a draft LM
+                methods = [m for m in METHODS if m != "hf_assisted"]
+        devices = ", ".join(sorted({w["device"] for w in executor.workers}))
+        say(f"evaluating {len(plan.prompts)} prompts on {executor.workers[0]['pair']['name']} ({len(executor)} "
+            f"worker(s): {devices}, {executor.workers[0]['dtype']}), tree {plan.tree}")
+        result, paths = full_evaluation(
+            plan.prompts, executor=executor, tree=plan.tree, out_dir=args.out, trace_dir=args.replay_dir,
+            replay=bool(args.replay_dir), check_profiles={p: p for p in args.check_profile},
+            time_budget_s=args.time_budget, rounds=args.rounds, full_rounds=args.full_rounds,
+            temperatures=args.temperatures, max_new_tokens=args.max_new_tokens, grid=args.grid,
+            run_dir=args.run_dir, methods=methods, sampled_methods=plan.sampled, seed=args.seed,
+            plots=not args.no_plots, progress=say, top_k=args.top_k, top_p=args.top_p, min_rounds=args.min_rounds,
+            max_rounds=args.max_rounds, target_half_width=args.target_half_width, decide=plan.decide,
+            warmup=args.warmup, concurrency=args.concurrency)
     for name, reason in result.meta["skipped"].items():
         say(f"skipped {name}: {reason}")
+    if result.meta["executor"]["retried_prompts"]:
+        say(f"retried prompts (their worker failed once): {result.meta['executor']['retried_prompts']}")
     _print_summary(paths["json"])
-    print(f"wrote {paths['md']} and {paths['json']}")
-    return 0
-
-
-def _run_on_ray(args: argparse.Namespace, plan: EvalPlan) -> int:
-    """`specpilot eval --ray`: (task, language) groups spread over the workers, report as without Ray."""
-    from specpilot.eval.report import write_report
-    from specpilot.train.cluster_cli import open_pool, say_retries
-    from specpilot.train.sharded import evaluate_sharded
-
-    with open_pool(args) as pool:
-        result = evaluate_sharded(pool, plan.prompts, methods=plan.methods, temperatures=args.temperatures,
-                                  top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                                  rounds=args.rounds if isinstance(args.rounds, int) else 1, warmup=args.warmup,
-                                  concurrency=args.concurrency,
-                                  tree=plan.tree, grid=args.grid, run_dir=args.run_dir, seed=args.seed,
-                                  sampled_methods=plan.sampled, progress=print)
-    paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)
-    say_retries(result.meta["cluster"]["retried_prompts"])
     print(f"wrote {paths['md']} and {paths['json']}")
     return 0
 

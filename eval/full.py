@@ -5,7 +5,8 @@ Steps, in order (each says what it costs in the run's log through `progress`):
 2. re-measure the latency profile on the first `profile_prompts` of them, interleaved prompt by prompt with the
    autoregressive decode time that replay speedups are relative to (`measure_with_ar`): replay in this run uses
    a cost model of the machine as it is now;
-3. the live evaluation (`evaluate`, adaptive rounds within what is left of `time_budget_s`);
+3. the live evaluation (`evaluate`, adaptive rounds within what is left of `time_budget_s`, on every worker of the
+   executor);
 4. replay of every evaluated controller over the trace with the fresh profile (`replay_eval.replay_evaluation`);
 5. the cost-model check without extra generations (`costcheck.check_records`): the fresh profile and every
    profile in `check_profiles` (e.g. the one behind the grid search and training) predict the live runs of the
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specpilot.artifacts.profile import profile_path as profile_file
+from specpilot.drafting.executor import Executor, ShardTask, as_executor
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.costcheck import check_records, profile_age_s
 from specpilot.eval.report import write_report
@@ -29,41 +31,55 @@ from specpilot.policies import FixedController
 REPORT_RESERVE_S = 15.0  # seconds kept from the budget for replay, the checks and the report
 
 
-def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_dir: str | Path,
-                    trace_dir: str | Path | None = None, check_profiles: dict[str, str | Path] | None = None,
-                    replay: bool = True, profile_prompts: int = 6, time_budget_s: float | None = None,
-                    rounds: int | str = "auto", full_rounds: int | None = 1, temperatures=(0.0,),
-                    max_new_tokens: int = 96, grid: str | Path | None = None, run_dir: str | Path | None = None,
+def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor | None = None, tree: TreeConfig,
+                    out_dir: str | Path, trace_dir: str | Path | None = None,
+                    check_profiles: dict[str, str | Path] | None = None, replay: bool = True,
+                    profile_prompts: int = 6, time_budget_s: float | None = None, rounds: int | str = "auto",
+                    full_rounds: int | None = 1, temperatures=(0.0,), max_new_tokens: int = 96,
+                    grid: str | Path | None = None, run_dir: str | Path | None = None,
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
-                    tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None,
-                    progress: Callable[[str], None] | None = None) -> tuple[EvalResult, dict]:
-    """Run the steps of the module docstring; return (the EvalResult with replay and cost_check set, report
-    paths). `trace_dir`: where the trace and the fresh profile are kept (None: not saved); `check_profiles`:
-    {title: profile.json path} of profiles to check against this run's live runs; `prior_checks`: {title:
-    `costcheck.check_and_refresh` result} of earlier checks (e.g. before the grid search), reported first."""
+                    tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None, plots: bool = True,
+                    progress: Callable[[str], None] | None = None, **evaluate_kwargs) -> tuple[EvalResult, dict]:
+    """Run the steps of the module docstring on `pair` in this process or on `executor` (steps 1-2 on its first
+    worker, step 3 on all: `evaluate`); return (the EvalResult with replay and cost_check set, report paths).
+    `trace_dir`: where the trace and the fresh profile are kept (None: not saved; with an executor it must be
+    reachable from the workers); `check_profiles`: {title: profile.json path} of profiles to check against this
+    run's live runs; `prior_checks`: {title: `costcheck.check_and_refresh` result} of earlier checks (e.g. before
+    the grid search), reported first; `evaluate_kwargs`: the other settings of `evaluate` (top_k, decide, ...)."""
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     prompts = list(prompts)
-    ids = [pair.encode(p.prompt) for p in prompts]
-    trace = profile = None
+    executor = as_executor(pair, executor)
+    trace = profile = lookup = None
     if replay:
-        trace, profile = prepare_replay(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens,
-                                        profile_prompts=profile_prompts, seed=seed, progress=say)
+        task = ShardTask(0, dict(texts=[p.prompt for p in prompts], tree=tree, trace_dir=trace_dir,
+                                 max_new_tokens=max_new_tokens, profile_prompts=profile_prompts, seed=seed))
+        ids, trace, profile = executor.map(replay_inputs, [task], progress=say)[0].result
+        lookup = dict(zip(task.payload["texts"], ids))  # the evaluated token ids are the trace's
     budget = None if time_budget_s is None else max(0.0, time_budget_s - (time.perf_counter() - started)
                                                     - REPORT_RESERVE_S)
-    lookup = {p.prompt: i for p, i in zip(prompts, ids)}
-    result = evaluate(prompts, pair=pair, methods=methods, temperatures=tuple(temperatures),
+    result = evaluate(prompts, executor=executor, methods=methods, temperatures=tuple(temperatures),
                       max_new_tokens=max_new_tokens, rounds=rounds, full_rounds=full_rounds, time_budget_s=budget,
-                      tree=tree, grid=grid, run_dir=run_dir, seed=seed, encode=lookup.__getitem__, progress=say,
-                      sampled_methods=sampled_methods)
+                      tree=tree, grid=grid, run_dir=run_dir, seed=seed,
+                      encode=lookup.__getitem__ if lookup else None, progress=say, sampled_methods=sampled_methods,
+                      **evaluate_kwargs)
     if replay:
         attach_replay(result, trace, profile, prompts, profile_path=profile_file(trace_dir)
                       if trace_dir else None, check_profiles=check_profiles, tolerance=tolerance, seed=seed,
                       progress=say)
     if prior_checks:
         result.cost_check = {**prior_entries(prior_checks), **(result.cost_check or {})}
-    paths = write_report(result.results, result.meta, out_dir, analysis=result.analysis())
+    paths = write_report(result.results, result.meta, out_dir, plots=plots, analysis=result.analysis())
     return result, paths
+
+
+def replay_inputs(worker, *, texts: list[str], tree: TreeConfig, trace_dir, max_new_tokens: int,
+                  profile_prompts: int, seed: int) -> tuple[list[list[int]], object, object]:
+    """The work unit of steps 1 and 2: (token ids of `texts`, their trace, the re-measured profile)."""
+    ids = [worker.pair.encode(t) for t in texts]
+    trace, profile = prepare_replay(worker.pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens,
+                                    profile_prompts=profile_prompts, seed=seed, progress=worker.say)
+    return ids, trace, profile
 
 
 def prior_entries(checks: dict[str, dict]) -> dict[str, dict]:

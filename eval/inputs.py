@@ -91,13 +91,12 @@ def check_methods(names: list[str], *, grid: str | Path | None = None, run_dir: 
         load_run_policies(run_dir)
 
 
-def check_inputs_pair(pair, *, run_dir: str | Path | None = None, grid: str | Path | None = None) -> None:
+def check_inputs_pair(identity: dict, *, run_dir: str | Path | None = None, grid: str | Path | None = None) -> None:
     """ContractError (one line naming both pairs) when the trained run or the grid result was made on another
-    pair than the one loaded for the evaluation: its policies / static config would be measured on models they
-    were never chosen for."""
+    pair than the one loaded for the evaluation (`identity`: `ModelPair.identity()`, or an executor's
+    `workers[0]["pair"]`): its policies / static config would be measured on models they were never chosen for."""
     if run_dir is None and grid is None:
         return
-    identity = pair.identity()
     loaded = "the pair loaded for evaluation"
     if run_dir is not None:
         contract = RunContract.of_run(run_root(run_dir))

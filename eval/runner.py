@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from specpilot.drafting.executor import (Executor, ShardOutcome, ShardTask, as_executor, assign_groups,
+                                         shard_report)
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
@@ -107,22 +109,24 @@ def _build(ctx: EvalContext, methods: list[str] | None, controllers: dict[str, C
     return built, skipped, factories
 
 
-def measure_controllers(pair: ModelPair, controllers: dict, prompts, *, tree: TreeConfig, max_new_tokens: int = 64,
-                        repeats: int = 1, warmup: int = 1, seed: int = 0, temperature: float = 0.0,
-                        progress: bool = False, baseline: str = "ar") -> dict[str, dict]:
+def measure_controllers(pair: ModelPair | None, controllers: dict, prompts, *, tree: TreeConfig,
+                        max_new_tokens: int = 64, repeats: int = 1, warmup: int = 1, seed: int = 0,
+                        temperature: float = 0.0, progress: bool = False, baseline: str = "ar",
+                        executor: Executor | None = None) -> dict[str, dict]:
     """Live throughput (at `temperature`, greedy by default) of each controller (a Controller, or a (Controller, TreeConfig) pair) and of `ar` on
     `prompts` (strings or token-id lists), measured by `evaluate`'s interleaved rounds and clock: the grid search's
     live re-measure and training-time live evaluation use this, so their numbers are the report's quantity.
     Returns {name: {tokens, time_s, tokens_per_s, speedup, mean_accepted_length, policy_s, policy_overhead,
     depth_mean, size_mean, vs_baseline}}: vs_baseline is the throughput ratio over `baseline` ("ar" or one of the
-    controllers) with its paired 95% bootstrap interval over (prompt, round) units."""
+    controllers) with its paired 95% bootstrap interval over (prompt, round) units. With `executor` (instead of
+    `pair`) the prompts are shared out over its workers and the numbers pooled over all their units."""
     items = [getattr(p, "prompt", p) for p in prompts]
     if not items:
         raise ValueError("measure_controllers needs at least one prompt")
     suite = [Prompt(id=f"p{i}", task="live", language="-", split="validation", prompt=p) for i, p in enumerate(items)]
-    result = evaluate(suite, pair=pair, methods=[], controllers=controllers, temperatures=(float(temperature),),
-                      max_new_tokens=max_new_tokens, rounds=repeats, warmup=warmup, tree=tree, seed=seed,
-                      encode=lambda p: pair.encode(p),
+    result = evaluate(suite, pair=pair, executor=executor, methods=[], controllers=controllers,
+                      temperatures=(float(temperature),), max_new_tokens=max_new_tokens, rounds=repeats,
+                      warmup=warmup, tree=tree, seed=seed, by_group=False,
                       progress=(lambda msg: print(f"  live: {msg}", flush=True)) if progress else None)
     if result.meta.get("skipped"):
         raise RuntimeError(f"live measurement failed: {result.meta['skipped']}")
@@ -153,8 +157,8 @@ def _throughput(recs: list[RunRecord]) -> dict:
             "size_mean": sum(c[1] for c in cycles) / len(cycles) if cycles else None}
 
 
-def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | None = None,
-             controllers: dict[str, Controller] | None = None,
+def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: Executor | None = None,
+             methods: list[str] | None = None, controllers: dict[str, Controller] | None = None,
              temperatures: tuple[float, ...] = (0.0, 1.0), top_k: int = 0, top_p: float = 1.0,
              max_new_tokens: int = 128, rounds: int | str = 1, min_rounds: int = 2, max_rounds: int = 20,
              time_budget_s: float | None = None, target_half_width: float = 0.015,
@@ -162,27 +166,51 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
              warmup: int = 1, concurrency: int = 1, tree: TreeConfig | None = None,
              grid: str | Path | None = None, run_dir: str | Path | None = None, seed: int = 0,
              encode: Callable[[str], list[int]] | None = None, progress: Callable[[str], None] | None = None,
-             sampled_methods: list[str] | None = None) -> EvalResult:
+             sampled_methods: list[str] | None = None, by_group: bool = True) -> EvalResult:
     """Evaluate `methods` (default: every registered one that is available) and `controllers` (any Controllers,
     by name, on the evaluation `tree`) on `prompts` with the interleaved rounds of `specpilot.eval.rounds`.
 
+    pair: run in this process; executor: run on its workers (`specpilot.drafting.executor`, e.g. a Ray
+    WorkerPool), each measuring its share of the prompts (whole (task, language) groups when by_group, so each
+    report row is measured on one device; else single prompts) with every method interleaved there, its own
+    rounds and the whole time budget; the rows and the paired analysis are computed here on all records, the
+    same way for one worker or many. Paths (grid, run_dir) must exist where the workers run.
     rounds: an int (exactly that many rounds) or "auto" (min_rounds .. max_rounds: stop once the `decide`
     comparison's 95% interval has a half-width <= target_half_width, the pair made the same decisions on every
     unit, or `time_budget_s` (the whole call's budget) would not fit another round); full_rounds: rounds in
     which every method runs, later rounds run `ar` and the `decide` pair (None: all rounds); repeats: the old
     name of a fixed `rounds`. sampled_methods: the methods run at temperatures > 0 (default: all; `ar` always
     runs, it is the reference). Returns rows (task x language x method x temperature x concurrency, each
-    speedup with its paired interval), the paired analysis, a meta block and the raw records."""
+    speedup with its paired interval, tagged with the worker and device that measured it), the paired analysis,
+    a meta block (meta["workers"], meta["executor"]: which worker ran which prompts) and the raw records."""
     if not prompts or warmup < 0 or concurrency < 1:
         raise ValueError("need prompts, concurrency >= 1 and warmup >= 0" if prompts else "no prompts to evaluate")
     plan = RoundPlan.make(repeats if repeats is not None else rounds, min_rounds=min_rounds, max_rounds=max_rounds,
                           time_budget_s=time_budget_s, target_half_width=target_half_width, decide=tuple(decide),
                           full_rounds=full_rounds)
-    tree = tree or TreeConfig()
+    executor = as_executor(pair, executor)
+    if executor is None:
+        raise ValueError("evaluate needs pair= (run in this process) or executor= (e.g. a Ray WorkerPool)")
+    settings = dict(methods=methods, controllers=controllers, temperatures=tuple(temperatures), top_k=top_k,
+                    top_p=top_p, max_new_tokens=max_new_tokens, plan=plan, warmup=warmup, concurrency=concurrency,
+                    tree=tree or TreeConfig(), grid=grid, run_dir=run_dir, seed=seed, encode=encode,
+                    sampled_methods=sampled_methods)
+    shares = [idx for idx in assign_groups(prompts, len(executor), by_group=by_group) if idx]
+    tasks = [ShardTask(i, {"prompts": [prompts[j] for j in idx], **settings}, idx) for i, idx in enumerate(shares)]
+    outcomes = executor.map(measure_rounds, tasks, progress=progress)
+    return _merge(prompts, tasks, outcomes, temperatures, plan.decide, seed, by_group)
+
+
+def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, temperatures, top_k, top_p,
+                   max_new_tokens, plan: RoundPlan, warmup, concurrency, tree: TreeConfig, grid, run_dir, seed, encode,
+                   sampled_methods) -> dict:
+    """The work unit of `evaluate`: the interleaved rounds of every method on `prompts` on the worker's pair.
+    Returns {"records", "meta", "kept" (methods that ran without failing), "controllers"}."""
+    pair = worker.pair
     ctx = EvalContext(pair=pair, tree=tree, grid=grid, run_dir=run_dir)
     built, skipped, factories = _build(ctx, methods, controllers)
     names = list(built)
-    say = progress or (lambda msg: None)
+    say = worker.say
 
     # leave room for the generation and the deepest draft lookahead of any method's tree
     max_depth = max([tree.max_depth] + [getattr(getattr(m, "decoder", None), "tree", tree).max_depth
@@ -197,6 +225,7 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
     records: list[RunRecord] = []
     sampled_names = names if sampled_methods is None else [n for n in names if n == "ar" or n in sampled_methods]
     started = time.perf_counter()
+    time_budget_s = plan.time_budget_s
     with MemoryMonitor(pair.device) as memory:
         measurer = Measurer(built, all_ids, [p.id for p in prompts], pair.device, memory, seed, failed, records)
         rounds_meta = {}
@@ -215,7 +244,6 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
                 say(f"T={temperature:g} concurrency {concurrency} done")
 
     kept = [n for n in names if n not in failed]
-    records = [r for r in records if r.method not in failed]
     method_info = {n: (built[n].describe() if hasattr(built[n], "describe") else {"name": n}) for n in names}
     meta = build_meta(pair, tree=tree, prompts=prompts, temperatures=temperatures, top_k=top_k, top_p=top_p,
                       max_new_tokens=max_new_tokens, repeats=max(r["rounds"] for r in rounds_meta.values()),
@@ -225,12 +253,55 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
                       "by_temperature": rounds_meta}
     if sampled_methods is not None:
         meta["sampled_methods"] = sampled_names
-    result = EvalResult(results=_aggregate(records, prompts, kept, temperatures, concurrency, seed=seed),
-                        meta=meta, records=records)
-    _analyse(result, prompts, temperatures, plan.decide, seed)
-    result.controllers = {n: (copy.deepcopy(m.controller), m.decoder.tree) for n, m in built.items()
-                          if n in kept and isinstance(m, ControllerMethod)}
+    return {"records": [r for r in records if r.method not in failed], "meta": meta, "kept": kept,
+            "controllers": {n: (copy.deepcopy(m.controller), m.decoder.tree) for n, m in built.items()
+                            if n in kept and isinstance(m, ControllerMethod)}}
+
+
+def _merge(prompts: list[Prompt], tasks: list[ShardTask], outcomes: list[ShardOutcome], temperatures,
+           decide: tuple[str, str], seed: int, by_group: bool) -> EvalResult:
+    """One EvalResult from the workers' parts: records in prompt order, methods every worker kept, rows and the
+    paired analysis over all records, rows tagged with the worker and device that measured them."""
+    parts = [o.result for o in outcomes]
+    kept = [n for n in parts[0]["kept"] if all(n in p["kept"] for p in parts)]
+    order = {p.id: i for i, p in enumerate(prompts)}
+    records = [r for p in parts for r in p["records"] if r.method in kept]
+    if len(parts) > 1:
+        records.sort(key=lambda r: order.get(r.prompt_id, 0))
+    concurrency = parts[0]["meta"]["protocol"]["concurrency"]
+    meta = merge_meta([p["meta"] for p in parts], [o.worker for o in outcomes])
+    meta["prompt_mix"] = prompt_mix(list(prompts))
+    meta["executor"] = shard_report(tasks, outcomes, unit="(task, language) group" if by_group else "prompt")
+    worker_of = {prompts[j].id: o.worker for t, o in zip(tasks, outcomes) for j in t.prompts}
+    rows = _aggregate(records, prompts, kept, temperatures, concurrency, seed=seed)
+    for row in rows:
+        first = next(p.id for p in prompts if (p.task, p.language) == (row["task"], row["language"]))
+        row.update(worker=worker_of[first]["worker"], device=worker_of[first]["device"])
+    result = EvalResult(results=rows, meta=meta, records=records)
+    _analyse(result, prompts, temperatures, decide, seed)
+    result.controllers = {n: c for p in parts for n, c in p["controllers"].items() if n in kept}
     return result
+
+
+def merge_meta(metas: list[dict], workers: list[dict]) -> dict:
+    """Merge per-worker meta blocks generically: equal values are kept, dicts merge key by key, counts
+    (`prompts_*`) are summed; a value that differs between workers keeps the first worker's (a dict: all keys)
+    and lists every worker's under `per_worker`; `workers` lists each worker's description (device, GPU, host)."""
+    merged: dict = {}
+    per_worker: dict = {}
+    for key in dict.fromkeys(k for m in metas for k in m):
+        values = [m.get(key) for m in metas if key in m]
+        if all(v == values[0] for v in values):
+            merged[key] = values[0]
+        elif all(isinstance(v, int) and not isinstance(v, bool) for v in values) and key.startswith("prompts_"):
+            merged[key] = sum(values)
+        else:
+            merged[key] = ({k: v for d in values for k, v in d.items()} if all(isinstance(v, dict) for v in values)
+                           else values[0])
+            per_worker[key] = values
+    merged["workers"] = list(workers)
+    merged["per_worker"] = per_worker
+    return merged
 
 
 def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tuple[str, str], seed: int) -> None:

@@ -203,11 +203,11 @@ def test_eval_refuses_a_run_or_grid_of_another_pair(tmp_path):
     from specpilot.eval.inputs import check_inputs_pair
 
     run = _run_with_contract(tmp_path / "run", pair=DRAFT_LM)
-    msg = _refused(lambda: check_inputs_pair(_Pair(EAGLE), run_dir=run))
+    msg = _refused(lambda: check_inputs_pair(_Pair(EAGLE).identity(), run_dir=run))
     assert str(run) in msg and "eagle3 drafter" in msg and "draft drafter" in msg
     save_grid(tmp_path / "grid.json", _grid(pair=DRAFT_LM))
-    _refused(lambda: check_inputs_pair(_Pair(EAGLE), grid=tmp_path / "grid.json"))
-    check_inputs_pair(_Pair(DRAFT_LM), run_dir=run, grid=tmp_path / "grid.json")  # the run's own pair
+    _refused(lambda: check_inputs_pair(_Pair(EAGLE).identity(), grid=tmp_path / "grid.json"))
+    check_inputs_pair(_Pair(DRAFT_LM).identity(), run_dir=run, grid=tmp_path / "grid.json")  # the run's own pair
 
 
 @pytest.mark.parametrize("trace_kwargs, fragment", [({"pair": DRAFT_LM}, "draft drafter"), ({"width": 2}, "W=2")])

@@ -1,6 +1,6 @@
-"""Sharded runs on a local Ray with two CPU workers and a tiny saved pair: recording equals a single-process
+"""The orchestrators on a local Ray with two CPU workers and a tiny saved pair: recording equals a single-process
 recording, an interrupted run resumes, a dead or failing worker's shard is retried and reported, evaluation keeps
-the report structure with each worker's device, and the grid's replay and live phases run on the pool."""
+the report structure with each worker's device, and the grid's live phase runs on the pool."""
 from __future__ import annotations
 
 import json
@@ -15,10 +15,9 @@ from specpilot.envs.record import Trace, record_task, record_trace
 from specpilot.eval.report import write_report
 from specpilot.eval.runner import evaluate
 from specpilot.eval.suites import Prompt
-from specpilot.train.cluster import ClusterError
-from specpilot.train.cluster_grid import grid_search_sharded
+from specpilot.drafting.errors import InputFileError
+from specpilot.envs.shards import CLUSTER_FILE
 from specpilot.train.grid import grid_search
-from specpilot.train.sharded import CLUSTER_FILE, evaluate_sharded, record_sharded
 
 TREE = TreeConfig(width=2, max_depth=3, max_size=6)
 PROMPTS = ["def f(x):\n    return", "def g(y):", "return x + 1", "def add(a, b):", "x = f(1)", "def h():"]
@@ -32,8 +31,8 @@ def local_pair(saved_pair):
 @pytest.fixture(scope="module")
 def sharded(ray_pool, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
-    summary = record_sharded(ray_pool, TREE, PROMPTS, out, max_new_tokens=12, profile_prompts=4, ar=True)
-    return out, summary
+    record_task(None, TREE, PROMPTS, out, max_new_tokens=12, profile_prompts=4, ar=True, executor=ray_pool)
+    return out, json.loads((out / CLUSTER_FILE).read_text())
 
 
 def _assert_same_tables(a: Trace, b: Trace) -> None:
@@ -67,15 +66,16 @@ def test_a_rerun_resumes_from_the_shards_already_written(sharded, ray_pool):
     out, summary = sharded
     before = Trace.load(out)
     (out / "shards" / "shard-0002" / "done.json").unlink()  # as if the run died while shard 2 was recorded
-    again = record_sharded(ray_pool, TREE, PROMPTS, out, max_new_tokens=12, profile_prompts=4, ar=True)
+    record_task(None, TREE, PROMPTS, out, max_new_tokens=12, profile_prompts=4, ar=True, executor=ray_pool)
+    again = json.loads((out / CLUSTER_FILE).read_text())
     assert again["resumed_shards"] == [i for i in range(len(summary["shards"])) if i != 2]
     _assert_same_tables(Trace.load(out), before)
 
 
 def test_shards_of_another_recording_are_refused(sharded, ray_pool):
     out, _ = sharded
-    with pytest.raises(ClusterError, match="another recording"):
-        record_sharded(ray_pool, TREE, PROMPTS, out, max_new_tokens=8)
+    with pytest.raises(InputFileError, match="another recording"):
+        record_task(None, TREE, PROMPTS, out, max_new_tokens=8, executor=ray_pool)
 
 
 EVAL_PROMPTS = [Prompt("c1", "code", "python", "heldout", "def add(a, b):"),
@@ -87,7 +87,7 @@ EVAL_KW = dict(methods=["fixed"], temperatures=(0.0,), max_new_tokens=8, warmup=
 
 
 def test_sharded_eval_keeps_the_report_structure_and_records_each_workers_device(ray_pool, local_pair, tmp_path):
-    got = evaluate_sharded(ray_pool, EVAL_PROMPTS, **EVAL_KW)
+    got = evaluate(EVAL_PROMPTS, executor=ray_pool, **EVAL_KW)
     want = evaluate(EVAL_PROMPTS, pair=local_pair, **EVAL_KW)
 
     def key(row):
@@ -97,11 +97,11 @@ def test_sharded_eval_keeps_the_report_structure_and_records_each_workers_device
     assert len({key(r) for r in got.results}) == len(got.results)  # one worker per (task, language) row
     ref = {key(r): r for r in want.results}
     for row in got.results:
-        assert set(row) == set(ref[key(row)]) | {"worker", "device"}
+        assert set(row) == set(ref[key(row)])
         assert row["device"] == "cpu" and row["identical_to_ar"] is True
     assert {r["worker"] for r in got.results} == {0, 1}  # two groups, two workers
     assert [w["device"] for w in got.meta["workers"]] == ["cpu", "cpu"]
-    assert got.meta["prompt_mix"] == want.meta["prompt_mix"] and got.meta["cluster"]["retried_prompts"] == []
+    assert got.meta["prompt_mix"] == want.meta["prompt_mix"] and got.meta["executor"]["retried_prompts"] == []
     tokens = {(r.prompt_id, r.method): r.tokens for r in want.records}
     assert {(r.prompt_id, r.method): r.tokens for r in got.records} == tokens
     report = json.loads(open(write_report(got.results, got.meta, tmp_path, plots=False)["json"]).read())
@@ -110,46 +110,48 @@ def test_sharded_eval_keeps_the_report_structure_and_records_each_workers_device
 
 def test_sharded_grid_replays_exactly_and_remeasures_the_top_cells_on_every_worker(ray_pool, sharded, tmp_path):
     out, _ = sharded
-    got = grid_search_sharded(ray_pool, out, val_prompts=PROMPTS[:2], live_top=2, live_max_new_tokens=6,
-                              out=tmp_path / "grid.json", heatmap=False)
+    got = grid_search(out, executor=ray_pool, val_prompts=PROMPTS[:2], live_top=2, live_max_new_tokens=6,
+                      out=tmp_path / "grid.json", heatmap=False)
     want = grid_search(out, live_top=0, heatmap=False)
     assert [(r["width"], r["depth"], r["size"], r["tokens"]) for r in got["table"]] == \
         [(r["width"], r["depth"], r["size"], r["tokens"]) for r in want["table"]]
     assert got["oracle"].keys() == want["oracle"].keys()
     assert got["best"]["source"] == "live" and len(got["live"]) == 2
-    for row in got["live"]:
-        assert [w["worker"] for w in row["workers"]] == [0, 1] and row["speedup"] > 0
+    assert [w["worker"] for w in got["meta"]["workers"]] == [0, 1]
+    assert all(row["speedup"] > 0 for row in got["live"])
     assert json.loads((tmp_path / "grid.json").read_text())["best"] == got["best"]
 
 
-def test_demo_record_and_grid_stages_run_on_the_pool(ray_pool, tmp_path):
+def test_demo_record_and_grid_stages_run_on_the_pool(ray_pool, local_pair, tmp_path):
     from specpilot.demo import STAGE_FUNCTIONS, DemoBudget
 
     budget = DemoBudget(max_new_tokens=6, width=2, max_depth=3, max_size=6, live_top=1)
     prompts = [Prompt(f"t{i}", "code", "python", "train", text) for i, text in enumerate(PROMPTS[:3])]
     common = dict(run_dir=tmp_path, pair=None, tree=TREE, budget=budget, seed=0, train=prompts, val=prompts[:2],
-                  heldout=[], wandb=None, cluster=ray_pool)
+                  heldout=[], wandb=None, executor=ray_pool)
     STAGE_FUNCTIONS["record"](**common)
     for split in ("train", "validation"):  # what record_traces writes
         for name in ("trace.npz", "trace.json", "profile.json", "ar.json"):
             assert (tmp_path / "traces" / split / name).is_file(), (split, name)
-    grid = STAGE_FUNCTIONS["grid"](**common)
+    grid = STAGE_FUNCTIONS["grid"](**{**common, "pair": local_pair})  # the cost-model check runs here
     assert grid["best"]["source"] == "live" and (tmp_path / "grid.json").is_file()
+    assert grid["cost_check"] and (tmp_path / "profile_check.json").is_file()
 
 
 @pytest.mark.parametrize("mode, verb", [("exit", "died"), ("raise", "raised")])
 def test_a_failed_shard_is_retried_and_its_prompts_reported(ray_pool, local_pair, tmp_path, mode, verb):
     ray_pool.inject_fault = {"shard": 1, "mode": mode}  # "exit" kills the worker process; Ray restarts it
     try:
-        summary = record_sharded(ray_pool, TREE, PROMPTS[:4], tmp_path, max_new_tokens=8, profile_prompts=1)
+        record_task(None, TREE, PROMPTS[:4], tmp_path, max_new_tokens=8, profile_prompts=1, executor=ray_pool)
+        summary = json.loads((tmp_path / CLUSTER_FILE).read_text())
     finally:
         ray_pool.inject_fault = None
     assert summary["retried_prompts"] == [1]
     shard = summary["shards"][1]
     assert shard["attempts"] == 2 and f"{verb}" in shard["retried"]
     _assert_same_tables(Trace.load(tmp_path), record_trace(local_pair, TREE, PROMPTS[:4], max_new_tokens=8))
-    again = record_sharded(ray_pool, TREE, PROMPTS[:4], tmp_path / "after", max_new_tokens=8, profile_prompts=1)
-    assert again["retried_prompts"] == []  # the pool still has working workers
+    record_task(None, TREE, PROMPTS[:4], tmp_path / "after", max_new_tokens=8, profile_prompts=1, executor=ray_pool)
+    assert json.loads((tmp_path / "after" / CLUSTER_FILE).read_text())["retried_prompts"] == []  # the pool still has working workers
 
 
 def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path):
@@ -171,3 +173,27 @@ def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path)
     for name in ("trace.npz", "trace.json", "profile.json", CLUSTER_FILE):
         assert (out / name).is_file(), name
     assert "2 workers" in proc.stderr and Trace.load(out).num_prompts == 3
+
+
+def test_cli_eval_with_ray_local_keeps_every_option(saved_pair, tmp_path):
+    """`specpilot eval --ray local --workers 2` runs the same evaluation as without Ray: --rounds 3 runs 3 rounds,
+    --replay-dir adds replay and the cost-model check, --decide sets the deciding pair of the verdicts."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'specpilot[ray]'")
+    import os
+    import subprocess
+    import sys
+
+    suite = tmp_path / "prompts.txt"
+    suite.write_text("\n".join(PROMPTS[:2]) + "\n")
+    cmd = [sys.executable, "-m", "specpilot.cli", "eval", "--suite", str(suite), "--out", str(tmp_path / "eval"),
+           "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--device", "cpu",
+           "--methods", "fixed", "--temperatures", "0", "--rounds", "3", "--decide", "fixed,ar",
+           "--max-new-tokens", "6", "--width", "2", "--max-depth", "3", "--max-size", "6", "--no-plots",
+           "--replay-dir", str(tmp_path / "replay"), "--ray", "local", "--workers", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["meta"]["rounds"]["by_temperature"]["0"]["rounds"] == 3
+    assert report["replay"] and report["cost_check"] and (tmp_path / "replay" / "trace.npz").is_file()
+    assert [(c["method"], c["baseline"]) for c in report["comparisons"]] == [("fixed", "ar")]
+    assert report["comparisons"][0]["verdict"] and "2 workers" in proc.stderr

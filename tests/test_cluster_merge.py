@@ -13,8 +13,10 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.envs.profile import ProfileSamples
 from specpilot.envs.record import record_trace
 from specpilot.eval.suites import Prompt
-from specpilot.train.sharded import (assign_groups, merge_meta, merge_samples, merge_traces, samples_from_dict,
-                                     samples_to_dict, shard_ranges)
+from specpilot.drafting.executor import assign_groups, shard_ranges
+from specpilot.envs.record import merge_traces
+from specpilot.envs.shards import merge_samples, samples_from_dict, samples_to_dict
+from specpilot.eval.runner import merge_meta
 
 from tiny import tiny_pair
 
@@ -22,8 +24,8 @@ TREE = TreeConfig(width=2, max_depth=3, max_size=6)
 
 
 def test_importing_specpilot_and_building_the_cli_never_imports_ray():
-    code = ("import sys, specpilot, specpilot.cli, specpilot.train.cluster, specpilot.train.sharded, "
-            "specpilot.train.cluster_grid, specpilot.train.ray_vecenv, specpilot.train.cluster_cli\n"
+    code = ("import sys, specpilot, specpilot.cli, specpilot.train.cluster, specpilot.drafting.executor, "
+            "specpilot.envs.shards, specpilot.train.ray_vecenv, specpilot.train.cluster_cli\n"
             "specpilot.cli.build_parser()\n"
             "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))
@@ -104,6 +106,7 @@ def test_groups_stay_whole_and_balance_by_prompt_count():
     plan = assign_groups(prompts, 2)
     assert plan == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert assign_groups(prompts, 5)[3:] == [[], []]
+    assert assign_groups(prompts, 3, by_group=False) == [[0, 3, 6], [1, 4, 7], [2, 5]]  # single prompts
 
 
 def test_merge_meta_keeps_equal_values_and_lists_the_workers():
@@ -114,3 +117,4 @@ def test_merge_meta_keeps_equal_values_and_lists_the_workers():
     assert meta["prompts_truncated"] == 3
     assert meta["date"] == "d1" and meta["per_worker"]["date"] == ["d1", "d2"]
     assert meta["workers"] == [{"worker": 0}, {"worker": 1}]
+    assert merge_meta(metas[:1], [{"worker": 0}])["per_worker"] == {}  # one worker: the same keys, nothing differs

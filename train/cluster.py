@@ -1,31 +1,31 @@
-"""Ray workers that hold a model pair each, and a pool that runs shards of work on them with retries.
+"""Ray workers that hold a model pair each, and a pool that runs work units on them with retries: the Ray executor.
 
     with WorkerPool(PairSpec(target="t", draft="d"), workers=8) as pool:        # after connect("auto")
-        outcomes = pool.run_shards([ShardTask(0, "record", {...}), ...], on_done=write_shard)
+        record_task(None, tree, prompts, "out/", executor=pool)                  # any orchestrator, any job
 
 - `PairSpec`: what a worker needs to load its own pair (paths or the embedded pair, an optional EAGLE head,
   device, dtype, threads). Small and picklable: it travels to the workers, the models do not.
 - `connect(address)`: "local" starts Ray on this machine, "auto" joins the running cluster, anything else is a
   cluster address. Ray is imported here, inside functions: `import specpilot...` never imports it.
 - `PairWorker`: the body of one Ray actor. It loads the pair on its device (`num_gpus=1` on GPU clusters, which
-  Ray maps to a GPU of its own; CPU workers take `threads` cores) and runs shard kinds by name: "record",
-  "evaluate", "live", "replay"; it can also host one live environment (`specpilot.train.ray_vecenv`).
+  Ray maps to a GPU of its own; CPU workers take `threads` cores) and runs work units `fn(worker, **payload)`
+  (`specpilot.drafting.executor`); it can also host one live environment (`specpilot.train.ray_vecenv`).
 - `WorkerPool`: N actors in a placement group of N bundles, so N workers land on N GPUs (or N x threads cores).
-  `run_shards` hands each idle worker the next shard; a shard that raises, or whose worker dies (Ray restarts the
+  `map` hands each idle worker the next task; a task that raises, or whose worker dies (Ray restarts the
   actor, which reloads its pair), is retried once and reported in `ShardOutcome.retried`.
 
-The shard kinds call the library's own entry points (record_trace, collect_samples, evaluate, measure_live,
-grid_search); `specpilot.train.sharded` plans the shards and merges what they return.
+The orchestrators (`specpilot.envs.record.record_task`, `specpilot.train.grid.grid_search`,
+`specpilot.eval.runner.evaluate`) plan the tasks and merge what they return, the same way as in one process.
 """
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
+
+from specpilot.drafting.executor import ShardOutcome, ShardTask, describe_worker
 
 LOCAL, AUTO = "local", "auto"
 MAX_RESTARTS = 2  # Ray restarts a dead worker (which reloads its pair) this many times
@@ -108,28 +108,6 @@ class PairSpec:
         return asdict(self)
 
 
-@dataclass
-class ShardTask:
-    """One unit of work: `kind` is a PairWorker shard kind, `payload` its keyword arguments, `prompts` the indices
-    (into the caller's prompt list) it covers, for the report of retried prompts."""
-
-    shard: int
-    kind: str
-    payload: dict
-    prompts: list[int] = field(default_factory=list)
-
-
-@dataclass
-class ShardOutcome:
-    """What a shard returned, which worker ran it (its description), and the failure it was retried after."""
-
-    shard: int
-    result: Any
-    worker: dict
-    attempts: int = 1
-    retried: str | None = None
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the worker (a Ray actor: `ray.remote(PairWorker)` in WorkerPool)
 
@@ -144,73 +122,30 @@ class PairWorker:
         self._warm: set[str] = set()
 
     def describe(self) -> dict:
-        """Where this worker runs: device (and GPU name / Ray GPU ids), host, node, pid, torch threads."""
+        """Where this worker runs (`describe_worker`, with its Ray GPU ids and node)."""
         import ray
-        import torch
 
-        device = self.pair.device
-        return {"worker": self.index, "device": str(device), "dtype": str(self.pair.dtype).replace("torch.", ""),
-                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "host": socket.gethostname(),
-                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "torch_threads": torch.get_num_threads()}
+        return describe_worker(self.pair, self.index, gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+                               node_ip=ray.util.get_node_ip_address())
 
-    def run_shard(self, kind: str, payload: dict, fault: str | None = None) -> dict:
-        """Run shard `kind` with `payload`. `fault` is a test hook: "exit" kills this worker's process, "raise"
-        fails the shard (WorkerPool passes it only on a shard's first attempt, when asked to)."""
+    def run(self, fn: Callable[..., Any], payload: dict, fault: str | None = None) -> Any:
+        """The work unit `fn(self, **payload)` (see `specpilot.drafting.executor`). `fault` is a test hook: "exit"
+        kills this worker's process, "raise" fails the task (WorkerPool passes it only on a task's first attempt,
+        when asked to)."""
         if fault == "exit":
             os._exit(1)
         if fault == "raise":
             raise RuntimeError("fault injected by WorkerPool(inject_fault=...)")
-        handlers: dict[str, Callable[..., Any]] = {"record": self._record, "evaluate": self._evaluate,
-                                                   "live": self._live, "replay": self._replay}
-        if kind not in handlers:
-            raise ValueError(f"unknown shard kind {kind!r}; known: {', '.join(handlers)}")
-        return handlers[kind](**payload)
+        return fn(self, **payload)
 
-    def _first(self, what: str) -> bool:
+    def first(self, what: str) -> bool:
         """True the first time this worker process does `what` (its warm-up is then run, and not kept)."""
         first = what not in self._warm
         self._warm.add(what)
         return first
 
-    def _record(self, *, prompts: list, tree: dict, max_new_tokens: int, profile_prompts: list, seed: list[int],
-                ar: bool) -> dict:
-        import numpy as np
-
-        from specpilot.drafting.types import TreeConfig
-        from specpilot.envs.profile import collect_samples
-        from specpilot.envs.record import record_trace
-        from specpilot.train.sharded import samples_to_dict
-
-        tree_config = TreeConfig(**tree)
-        trace = record_trace(self.pair, tree_config, prompts, max_new_tokens=max_new_tokens)
-        out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
-        if profile_prompts:
-            samples = collect_samples(self.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
-                                      rng=np.random.default_rng(seed),
-                                      warmup_cycles=16 if self._first("profile") else 0)
-            out["samples"] = samples_to_dict(samples)
-        if ar:
-            from specpilot.train.traces import measure_ar
-
-            out["ar"] = measure_ar(self.pair, prompts, max_new_tokens=max_new_tokens,
-                                   warmup=1 if self._first("ar") else 0)
-        return out
-
-    def _evaluate(self, *, prompts: list, kwargs: dict):
-        from specpilot.eval.runner import evaluate
-
-        tag = f"[worker {self.index}]"
-        return evaluate(prompts, pair=self.pair, progress=lambda msg: print(tag, msg, flush=True), **kwargs)
-
-    def _live(self, *, configs: list[dict], prompts: list, kwargs: dict) -> tuple[list[dict], dict | None]:
-        from specpilot.train.grid import measure_live
-
-        return measure_live(self.pair, configs, prompts, **kwargs)
-
-    def _replay(self, *, files: dict[str, bytes], kwargs: dict) -> dict:
-        return run_replay_grid(files, kwargs)
+    def say(self, msg: str) -> None:
+        print(f"[worker {self.index}]", msg, flush=True)  # Ray forwards a worker's stdout to the driver
 
     # -- one live environment (specpilot.train.ray_vecenv.RayVecEnv) -----------------------------------------------
     def env_make(self, env_fn: Callable[[Any], Any]) -> tuple:
@@ -259,28 +194,15 @@ class PairWorker:
             self.env = None
 
 
-def run_replay_grid(files: dict[str, bytes], kwargs: dict) -> dict:
-    """`grid_search` (replay phase only) on a trace directory shipped as {file name: bytes}: written to a temporary
-    directory first, so the worker needs no shared filesystem and replay reads the same ar.json/profile.json."""
-    import tempfile
-
-    from specpilot.train.grid import grid_search
-
-    with tempfile.TemporaryDirectory(prefix="specpilot-replay-") as tmp:
-        for name, data in files.items():
-            (Path(tmp) / name).write_bytes(data)
-        result = grid_search(tmp, live_top=0, heatmap=False, out=None, **kwargs)
-    return result
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the pool
 
 
 class WorkerPool:
     """N PairWorker actors in one placement group (one bundle each: 1 GPU + `threads` CPUs on GPU clusters,
-    `threads` CPUs otherwise; the actors themselves request no CPU, so the pool's replay tasks can use the bundle's
-    cores between shards). Call `connect()` first. Use as a context manager, or call close().
+    `threads` CPUs otherwise, reserved by the bundle: the actors themselves request no CPU): the Ray executor of
+    `specpilot.drafting.executor` (`map`, `workers`, `device`). Call `connect()` first. Use as a context manager,
+    or call close().
 
     gpus: True / False, or None = use GPUs when the cluster has at least `workers` of them.
     inject_fault: test hook {"shard": i, "mode": "exit" | "raise"}: shard i's first attempt kills its worker
@@ -347,20 +269,18 @@ class WorkerPool:
             ray.util.remove_placement_group(self.placement)
             self.placement = None
 
-    def task_strategy(self):
-        """Scheduling strategy for a plain Ray task that should run on the pool's reserved cores."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        return PlacementGroupSchedulingStrategy(self.placement)
+    @property
+    def device(self) -> str:
+        return self.workers[0]["device"]
 
     def _fault(self, task: ShardTask, attempt: int) -> str | None:
         f = self.inject_fault
         return f["mode"] if f is not None and attempt == 0 and int(f["shard"]) == task.shard else None
 
-    def run_shards(self, tasks: list[ShardTask], *, retries: int = 1,
-                   on_done: Callable[[ShardTask, ShardOutcome], None] | None = None,
-                   progress: Callable[[str], None] | None = None) -> list[ShardOutcome]:
-        """Run every task on the next idle worker; return outcomes in task order. A failed shard (an exception,
+    def map(self, fn: Callable[..., Any], tasks: list[ShardTask], *, retries: int = 1,
+            on_done: Callable[[ShardTask, ShardOutcome], None] | None = None,
+            progress: Callable[[str], None] | None = None) -> list[ShardOutcome]:
+        """Run `fn(worker, **task.payload)` for every task on the next idle worker; return outcomes in task order. A failed shard (an exception,
         or its worker died) is retried up to `retries` times; `on_done` is called as each shard finishes (write
         it to disk there, so an interrupted run can resume). Raises ClusterError when a shard fails for good."""
         import ray
@@ -376,7 +296,7 @@ class WorkerPool:
             while queue and idle:
                 task, attempt, reason = queue.popleft()
                 w = idle.popleft()
-                ref = self.actors[w].run_shard.remote(task.kind, task.payload, self._fault(task, attempt))
+                ref = self.actors[w].run.remote(fn, task.payload, self._fault(task, attempt))
                 running[ref] = (task, attempt, w, reason)
             if not running and not self._recovering:
                 raise ClusterError("every worker died more often than Ray restarts it; check the workers' logs "

@@ -4,10 +4,9 @@
     specpilot --threads 4 eval --ray auto --workers 8 --target T --draft D --out runs/r/eval
 
 `specpilot.cli` calls `add_cluster_arguments(parser)` for each command in CLUSTER_COMMANDS (`specpilot train`
-adds them to each stage) and wraps its handler with `with_cluster`: without --ray the command runs as before and
-Ray is never imported; with --ray, record, grid and eval run here on a WorkerPool, while train and demo read
-`args.ray` themselves (`open_pool`). Each worker
-loads the pair named by --target/--draft (the embedded pair by default) with --threads torch threads.
+adds them to each stage) and wraps its handler with `with_cluster`. Each command runs its one orchestrator on
+`open_executor(args)`: this process without --ray (Ray is never imported), else a WorkerPool (`open_pool`) whose
+workers each load the pair named by --target/--draft (the embedded pair by default) with --threads torch threads.
 """
 from __future__ import annotations
 
@@ -65,79 +64,27 @@ def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = N
             shutdown()
 
 
+@contextmanager
+def open_executor(args: argparse.Namespace) -> Iterator:
+    """The executor of a command: a WorkerPool with --ray (`open_pool`), else this process on args' pair."""
+    if getattr(args, "ray", None) is None:
+        from specpilot.drafting.cliargs import load_pair
+        from specpilot.drafting.executor import LocalExecutor
+
+        yield LocalExecutor(load_pair(args))
+        return
+    with open_pool(args) as pool:
+        yield pool
+
+
 def with_cluster(command: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """The command's handler: `run` without --ray (or for train/demo, which handle --ray themselves), else the
-    cluster version of record / grid / eval."""
+    """The command's handler: `run`, with a cluster that cannot do what was asked reported in one line (exit 2)."""
     def handler(args: argparse.Namespace) -> int:
-        if getattr(args, "ray", None) is None or command not in CLUSTER_RUNNERS:
-            return run(args)
         from specpilot.train.cluster import ClusterError
 
         try:
-            return CLUSTER_RUNNERS[command](args)
+            return run(args)
         except ClusterError as err:
             print(f"specpilot {command}: {err}", file=sys.stderr)
             return 2
     return handler
-
-
-def run_record(args: argparse.Namespace) -> int:
-    """`specpilot record --ray`: sharded recording (see specpilot.train.sharded.record_sharded)."""
-    from specpilot.drafting.types import TreeConfig
-    from specpilot.policies.observation import default_size_actions
-    from specpilot.eval.suites import load_prompts
-    from specpilot.train.sharded import record_sharded
-
-    try:
-        prompts = load_prompts(args.suite, args.split, args.limit)
-    except ValueError as err:
-        print(f"specpilot record: {err}", file=sys.stderr)
-        return 2
-    with open_pool(args) as pool:
-        device = "cuda" if pool.gpus else (pool.spec.device or "cpu")
-        max_size = args.max_size or max(max(default_size_actions(device)), TreeConfig().max_size)
-        tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
-        print(f"recording {len(prompts)} prompts from {args.suite!r} on {len(pool)} workers, tree {tree}, "
-              f"max_new_tokens={args.max_new_tokens}")
-        summary = record_sharded(pool, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                                 profile_prompts=args.profile_prompts, seed=args.seed, progress=print)
-    say_retries(summary["retried_prompts"], summary["resumed_shards"])
-    print(f"wrote {args.out}/trace.npz, trace.json, profile.json, cluster.json")
-    return 0
-
-
-def say_retries(retried: list[int], resumed: list[int] | None = None) -> None:
-    if retried:
-        print(f"retried prompts (their shard failed once): {retried}")
-    if resumed:
-        print(f"resumed: shards {resumed} were already recorded")
-
-
-def run_grid(args: argparse.Namespace) -> int:
-    """`specpilot grid --ray`: replay sweeps as Ray tasks, live top cells on the workers."""
-    from specpilot.eval.suites import load_prompts
-    from specpilot.train.cluster_grid import grid_search_sharded
-    from specpilot.train.grid import int_list, resolve_train_trace
-
-    try:
-        traces = [resolve_train_trace(t) for t in args.traces]
-        prompts = load_prompts(args.val_suite, limit=args.val_limit) if args.live_top > 0 else None
-    except (FileNotFoundError, ValueError) as err:
-        print(f"specpilot grid: {err}", file=sys.stderr)
-        return 2
-    with open_pool(args) as pool:
-        result = grid_search_sharded(pool, traces, depths=int_list(args.depths), sizes=int_list(args.sizes),
-                                     max_new_tokens=args.max_new_tokens, val_prompts=prompts,
-                                     live_top=args.live_top, live_repeats=args.live_repeats, out=args.out,
-                                     progress=print)
-    best = result["best"]
-    print(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
-          f"replay {best['replay_tokens_per_s']:.1f} tok/s ({best['replay_speedup']:.2f}x AR)"
-          + (f", live {best['live_speedup']:.2f}x AR" if best["source"] == "live" else ""))
-    print(f"wrote {args.out}")
-    return 0
-
-
-# eval, train and demo read args.ray in their own run() (eval checks its inputs first, the same way with or
-# without Ray)
-CLUSTER_RUNNERS: dict[str, Callable[[argparse.Namespace], int]] = {"record": run_record, "grid": run_grid}

@@ -34,6 +34,7 @@ from specpilot.artifacts.contract import check_pair
 from specpilot.artifacts.grid import save_grid
 from specpilot.artifacts.trace import ARRAYS_FILE, is_trace
 from specpilot.drafting.control import FixedController
+from specpilot.drafting.executor import as_executor
 from specpilot.drafting.files import atomic_path, check_writable
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.oracle import replay_oracle
@@ -50,10 +51,10 @@ def default_sizes(trace: Trace) -> list[int]:
 
 
 def measure_live(pair, configs: Sequence[dict], prompts: Sequence, *, max_new_tokens: int = 64, repeats: int = 1,
-                 warmup: int = 1, progress: bool = False) -> tuple[list[dict], dict]:
+                 warmup: int = 1, progress: bool = False, executor=None) -> tuple[list[dict], dict]:
     """Run each static config ({"width", "depth", "size"}) and AR live on `prompts`, with the evaluation runner's
-    interleaved loop and clock (`specpilot.eval.runner.measure_controllers`). Returns (rows in `configs` order,
-    the AR row)."""
+    interleaved loop and clock (`specpilot.eval.runner.measure_controllers`), on `pair` or on `executor`'s
+    workers. Returns (rows in `configs` order, the AR row)."""
     from specpilot.eval.runner import measure_controllers
 
     if not prompts:
@@ -64,7 +65,8 @@ def measure_live(pair, configs: Sequence[dict], prompts: Sequence, *, max_new_to
                           max_size=max(1, int(cfg.get("max_size", cfg["size"]))))
         controllers[f"cfg{k}"] = (FixedController(int(cfg["depth"]), int(cfg["size"])), tree)
     res = measure_controllers(pair, controllers, prompts, tree=next(iter(controllers.values()))[1],
-                              max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, progress=progress)
+                              max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, progress=progress,
+                              executor=executor)
     rows = [{"width": int(cfg["width"]), "depth": int(cfg["depth"]), "size": int(cfg["size"]), **res[f"cfg{k}"]}
             for k, cfg in enumerate(configs)]
     return rows, res["ar"]
@@ -113,15 +115,15 @@ def _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress) -> tup
     return rows, ceilings, source
 
 
-def _live_phase(table: list[dict], sources: list[dict], pair, val_prompts, *, live_top: int, repeats: int,
+def _live_phase(table: list[dict], sources: list[dict], executor, val_prompts, *, live_top: int, repeats: int,
                 max_new_tokens: int | None, warmup: int, progress: bool) -> tuple[list[dict], dict]:
     """The top `live_top` replay cells re-measured live on the validation prompts (with AR alongside)."""
     top = table[:live_top]
     max_dims = {s["width"]: (s["max_depth"], s["max_size"]) for s in sources}
     configs = [{**{k: r[k] for k in ("width", "depth", "size")}, "max_depth": max_dims[r["width"]][0],
                 "max_size": max_dims[r["width"]][1]} for r in top]
-    rows, ar = measure_live(pair, configs, val_prompts, max_new_tokens=max_new_tokens or sources[0]["max_new_tokens"],
-                            repeats=repeats, warmup=warmup, progress=progress)
+    rows, ar = measure_live(None, configs, val_prompts, max_new_tokens=max_new_tokens or sources[0]["max_new_tokens"],
+                            repeats=repeats, warmup=warmup, progress=progress, executor=executor)
     for row, rep in zip(rows, top):
         row["replay_tokens_per_s"] = rep["tokens_per_s"]
         row["replay_rank"] = table.index(rep) + 1
@@ -140,7 +142,7 @@ def sampled_candidates(table: list[dict], max_depth: int = 3) -> list[dict]:
     return picked
 
 
-def _sampled_phase(table: list[dict], sources: list[dict], pair, val_prompts, temperature: float, *,
+def _sampled_phase(table: list[dict], sources: list[dict], executor, val_prompts, temperature: float, *,
                    max_new_tokens: int | None, repeats: int, warmup: int, progress: bool) -> tuple[dict, list[dict]]:
     """The best of `sampled_candidates`, measured live at `temperature` (best cell, measured rows)."""
     from specpilot.eval.runner import measure_controllers
@@ -151,9 +153,10 @@ def _sampled_phase(table: list[dict], sources: list[dict], pair, val_prompts, te
                                 TreeConfig(width=r["width"], max_depth=max_dims[r["width"]][0],
                                            max_size=max_dims[r["width"]][1])) for k, r in enumerate(cells)}
     plain = next((f"cell{k}" for k, r in enumerate(cells) if r["depth"] == 0), "ar")
-    res = measure_controllers(pair, controllers, val_prompts, tree=next(iter(controllers.values()))[1],
+    res = measure_controllers(None, controllers, val_prompts, tree=next(iter(controllers.values()))[1],
                               max_new_tokens=max_new_tokens or sources[0]["max_new_tokens"], repeats=repeats,
-                              warmup=warmup, temperature=temperature, progress=progress, baseline=plain)
+                              warmup=warmup, temperature=temperature, progress=progress, baseline=plain,
+                              executor=executor)
     rows = [{**{key: r[key] for key in ("width", "depth", "size")}, **res[f"cell{k}"]} for k, r in enumerate(cells)]
     best = pick_sampled(rows)
     return {**{key: best[key] for key in ("width", "depth", "size", "tokens_per_s", "speedup")},
@@ -184,6 +187,7 @@ def grid_search(
     sizes: Sequence[int] | None = None,
     max_new_tokens: int | None = None,
     pair=None,
+    executor=None,
     val_prompts: Sequence | None = None,
     live_top: int = 3,
     live_repeats: int = 1,
@@ -201,7 +205,9 @@ def grid_search(
     depths: default 0..max_depth of each trace (0: plain target steps, never drafting); sizes: default
         `default_sizes(trace)` (clipped to max_size).
     pair, val_prompts: the live phase (skipped when either is missing or live_top == 0). val_prompts must be
-        validation prompts (never held-out ones: the result selects a baseline).
+        validation prompts (never held-out ones: the result selects a baseline). executor: instead of pair, run the
+        live phases on its workers (`specpilot.drafting.executor`, e.g. a Ray WorkerPool), each on its share of
+        the prompts, pooled over all (prompt, round) units: the same result, plus meta["workers"].
     live_max_new_tokens: default the trace's max_new_tokens.
     sampled_temperatures: temperatures > 0 at which `sampled_candidates` are also measured live (greedy replay
         cannot rank cells for sampled decoding); the best per temperature goes to `best_by_temperature`.
@@ -210,6 +216,7 @@ def grid_search(
     if out is not None:
         check_writable(out, kind="file", what="grid result")  # before the sweep, not after it
     started = time.perf_counter()
+    executor = as_executor(pair, executor)
     table: list[dict] = []
     oracle: dict[str, dict] = {}
     sources: list[dict] = []
@@ -220,15 +227,15 @@ def grid_search(
         table += rows
         oracle[str(source["width"])], sources = oracle_w, sources + [source]
     table.sort(key=lambda r: -r["tokens_per_s"])
-    if pair is not None and val_prompts and (live_top > 0 or any(t > 0 for t in sampled_temperatures)):
-        identity = pair.identity()  # the live phase must measure the pair the replay table was recorded with
+    if executor is not None and val_prompts and (live_top > 0 or any(t > 0 for t in sampled_temperatures)):
+        identity = executor.workers[0]["pair"]  # the live phase must measure the pair the replay table was recorded with
         for source in sources:
             check_pair(source["pair"], identity, expected_from=f"trace {source['trace']}",
                        got_from="the live phase's pair",
                        fix="give traces recorded with this pair, or load the traces' pair for the live phase")
     live_rows, live_ar = [], None
-    if pair is not None and val_prompts and live_top > 0:
-        live_rows, live_ar = _live_phase(table, sources, pair, val_prompts, live_top=live_top,
+    if executor is not None and val_prompts and live_top > 0:
+        live_rows, live_ar = _live_phase(table, sources, executor, val_prompts, live_top=live_top,
                                          repeats=live_repeats, max_new_tokens=live_max_new_tokens,
                                          warmup=live_warmup, progress=progress)
         chosen = max(live_rows, key=lambda r: r["tokens_per_s"])
@@ -237,10 +244,10 @@ def grid_search(
     else:
         best = {**{k: table[0][k] for k in ("width", "depth", "size")}, "source": "replay"}
     by_temperature, sampled_rows = {}, {}
-    if pair is not None and val_prompts:
+    if executor is not None and val_prompts:
         for temperature in (t for t in sampled_temperatures if t > 0):
             by_temperature[f"{temperature:g}"], sampled_rows[f"{temperature:g}"] = _sampled_phase(
-                table, sources, pair, val_prompts, float(temperature), max_new_tokens=live_max_new_tokens,
+                table, sources, executor, val_prompts, float(temperature), max_new_tokens=live_max_new_tokens,
                 repeats=live_repeats, warmup=live_warmup, progress=progress)
     rb = next(r for r in table if (r["width"], r["depth"], r["size"]) == (best["width"], best["depth"], best["size"]))
     best.update(replay_tokens_per_s=rb["tokens_per_s"], replay_speedup=rb["speedup"],
@@ -258,7 +265,8 @@ def grid_search(
         "oracle": oracle,
         "meta": {"traces": sources, "live_top": live_top if live_rows else 0, "live_repeats": live_repeats,
                  "live_prompts": len(val_prompts or []) if live_rows else 0,
-                 "pair": pair.identity() if pair is not None and live_rows else None,
+                 "pair": executor.workers[0]["pair"] if executor is not None and live_rows else None,
+                 "workers": executor.workers if executor is not None else [],
                  "elapsed_s": time.perf_counter() - started, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "notes": "table: exact replay on the training trace(s); live: top cells re-measured on validation "
                           "prompts, interleaved; best = best live cell (replay best when no live phase)"},
@@ -366,20 +374,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specpilot.drafting.cliargs import load_pair
+    from contextlib import nullcontext
+
+    from specpilot.train.cluster_cli import open_executor
 
     traces = [resolve_train_trace(t) for t in args.traces]
     for trace in traces:  # every trace (and its profile) readable before the sweep starts
         load_profile(None, load_trace(trace))
-    pair = prompts = None
+    prompts = None
     if args.live_top > 0:
         from specpilot.eval.suites import load_suite
 
         prompts = [p.prompt for p in load_suite(args.val_suite)][: args.val_limit or None]
-        pair = load_pair(args)
-    result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
-                         pair=pair, val_prompts=prompts, live_top=args.live_top, live_repeats=args.live_repeats,
-                         out=args.out, progress=True)
+    with open_executor(args) if args.live_top > 0 else nullcontext() as executor:
+        result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
+                             executor=executor, val_prompts=prompts, live_top=args.live_top,
+                             live_repeats=args.live_repeats, out=args.out, progress=True)
     best = result["best"]
     print(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
           f"replay {best['replay_tokens_per_s']:.1f} tok/s ({best['replay_speedup']:.2f}x AR)"

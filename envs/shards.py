@@ -1,0 +1,119 @@
+"""What the shards of a recording (`specpilot.envs.record.record_task`) carry besides their traces, and its files.
+
+A shard's profile samples travel and are stored as plain data (`samples_to_dict`) and pool into one profile
+(`merge_samples`, the device of every sample kept); its live autoregressive timing (`measure_ar`) pools into
+ar.json (`merge_ar`). OUT/shards/shard-XXXX/done.json marks a finished shard of one recording plan (`plan_key`,
+`read_done`); OUT/cluster.json says which worker recorded which shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from specpilot.artifacts.trace import AR_FILE
+from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.files import read_json
+from specpilot.envs.profile import ProfileSamples
+
+SHARDS_DIR = "shards"
+DONE_FILE = "done.json"
+CLUSTER_FILE = "cluster.json"  # which worker recorded which shard (the per-worker detail of a recording)
+
+
+def measure_ar(pair, prompts: Sequence, *, max_new_tokens: int, warmup: int = 1) -> dict:
+    """Live autoregressive seconds per token on `prompts` (after `warmup` untimed generations)."""
+    from specpilot.drafting.decoder import autoregressive_generate
+
+    items = [getattr(p, "prompt", p) for p in prompts]
+    for _ in range(warmup):
+        autoregressive_generate(pair, items[0], max_new_tokens=max_new_tokens)
+    tokens, seconds = 0, 0.0
+    for p in items:
+        out = autoregressive_generate(pair, p, max_new_tokens=max_new_tokens)
+        tokens, seconds = tokens + out.num_tokens, seconds + out.total_s
+    return {"seconds_per_token": seconds / max(tokens, 1), "tokens": tokens, "time_s": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"), "prompts": len(items),
+            "max_new_tokens": max_new_tokens, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# merging
+
+
+def samples_to_dict(samples: ProfileSamples) -> dict:
+    """ProfileSamples as plain JSON-able data (shards travel and are stored this way)."""
+    return {"max_depth": samples.max_depth, "width": samples.width,
+            "first": {str(k): list(v) for k, v in samples.first.items()},
+            "levels": {str(k): list(v) for k, v in samples.levels.items()},
+            "verify": [list(v) for v in samples.verify], "meta": dict(samples.meta)}
+
+
+def samples_from_dict(data: dict) -> ProfileSamples:
+    samples = ProfileSamples(max_depth=int(data["max_depth"]), width=int(data["width"]), meta=dict(data["meta"]))
+    for k, v in data["first"].items():
+        samples.first[int(k)].extend(v)
+    for k, v in data["levels"].items():
+        samples.levels[int(k)].extend(v)
+    samples.verify.extend((int(a), int(b), float(c)) for a, b, c in data["verify"])
+    return samples
+
+
+def merge_samples(parts: Sequence[tuple[str, ProfileSamples]]) -> ProfileSamples:
+    """Pool (device, samples) shards into one ProfileSamples. meta["devices"] lists the devices and
+    meta["sample_device"] gives, for every sample in pooled order, the index of its device in that list
+    ({"first": {n: [...]}, "levels": {l: [...]}, "verify": [...]}); measured_s is summed."""
+    if not parts:
+        raise ValueError("no profile samples to merge")
+    base = parts[0][1]
+    devices = sorted({d for d, _ in parts})
+    merged = ProfileSamples(max_depth=base.max_depth, width=base.width, meta=dict(base.meta))
+    where: dict[str, Any] = {"first": defaultdict(list), "levels": defaultdict(list), "verify": []}
+    for device, s in parts:
+        if (s.max_depth, s.width) != (base.max_depth, base.width):
+            raise ValueError("profile shards were measured with different trees")
+        idx = devices.index(device)
+        for key, table in (("first", s.first), ("levels", s.levels)):
+            for k, values in table.items():
+                getattr(merged, key)[k].extend(values)
+                where[key][k].extend([idx] * len(values))
+        merged.verify.extend(s.verify)
+        where["verify"].extend([idx] * len(s.verify))
+    merged.meta["measured_s"] = float(sum(s.meta.get("measured_s", 0.0) for _, s in parts))
+    merged.meta["devices"] = devices
+    merged.meta["sample_device"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in where.items()}
+    return merged
+
+
+def merge_ar(parts: Sequence[dict]) -> dict:
+    """Pool `measure_ar` dicts of shards (sums of tokens and time), keeping each shard's numbers."""
+    tokens = sum(int(p["tokens"]) for p in parts)
+    seconds = sum(float(p["time_s"]) for p in parts)
+    return {"seconds_per_token": seconds / max(tokens, 1), "tokens": tokens, "time_s": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+            "prompts": sum(int(p["prompts"]) for p in parts), "max_new_tokens": parts[0]["max_new_tokens"],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "shards": list(parts)}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# shard folders
+
+
+def plan_key(**parts) -> str:
+    """A short hash of everything a recording's shards depend on (a shard of another plan is never reused)."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_done(shard_dir: Path, key: str) -> dict | None:
+    """The shard's done.json, None when the shard is not finished; refuses a shard of another recording."""
+    if not (shard_dir / DONE_FILE).is_file():
+        return None
+    done = read_json(shard_dir / DONE_FILE, what="finished-shard marker", fix="delete the shard folder to record "
+                     "it again")
+    if done.get("key") != key:
+        raise InputFileError(f"{shard_dir} belongs to another recording (other prompts, tree or settings): use "
+                             f"another --out, or delete {shard_dir.parent} to record again")
+    return done
