@@ -67,12 +67,14 @@ def test_a_conflicting_tree_is_refused(run_dir, given):
 @pytest.fixture
 def no_measuring(monkeypatch):
     """Fail loudly if anything gets loaded or measured."""
+    import specpilot.eval.full as full  # imported here, so its `evaluate` is the real one once the patch is undone
     import specpilot.eval.runner as runner
 
     def never(*args, **kwargs):
         raise AssertionError("measured or loaded a model although the inputs are unusable")
 
     monkeypatch.setattr(runner, "evaluate", never)
+    monkeypatch.setattr(full, "evaluate", never)
     monkeypatch.setattr(ModelPair, "from_pretrained", classmethod(never))
 
 
@@ -154,7 +156,14 @@ def tiny_eagle_pair():
 def test_eval_run_grid_methods_on_an_eagle_pair(run_dir, tmp_path, monkeypatch, capsys):
     """--run and --grid given: grid and ltd run with an EAGLE-3 drafter (the drafter check must not re-ask for
     them)."""
-    monkeypatch.setattr(ModelPair, "from_pretrained", classmethod(lambda cls, *a, **k: tiny_eagle_pair()))
+    import shutil
+
+    pair = tiny_eagle_pair()
+    monkeypatch.setattr(ModelPair, "from_pretrained", classmethod(lambda cls, *a, **k: pair))
+    eagle_run = tmp_path / "eagle_run"  # the same policies, recorded as trained on the EAGLE-3 pair (run contract)
+    shutil.copytree(run_dir, eagle_run)
+    update_manifest(eagle_run, pair=pair.identity())
+    run_dir = eagle_run
     suite = tmp_path / "mine.txt"
     suite.write_text("def f(x):\n")
     grid = tmp_path / "grid.json"
