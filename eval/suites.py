@@ -8,6 +8,13 @@ Bundled suites live in `eval/suites/<split>.jsonl`, one JSON object per line wit
 - `heldout`: never used for training or selection. Code on topics unlike the standard library, and natural-
   language tasks (instruction following, question answering, math word problems, conversation) in English,
   Italian, Spanish and Chinese; the same items translated, so prompt lengths are comparable across languages.
+  The held-out suite for general-purpose targets.
+- `heldout_code`: never used for training or selection. 66 Python prompts written for this suite (none from the
+  standard library, none in `train`/`validation`), 11 in each of six task groups (`task`): numerics, text,
+  datastruct, io_parsing, tests (pytest style) and classes, in three forms (an extra `form` field: `signature`
+  = signature + docstring, `docstring` = a module or class docstring then the start of the code, `body` = a
+  partial function body). The held-out suite for code models such as the embedded pair, whose target only saw
+  the CPython standard library (`drafting/default_pair/corpus_manifest.json`): prose prompts make it emit junk.
 
 Users add their own suite by path: a `.jsonl` file whose objects have at least a `prompt` field (`id`, `task`,
 `language`, `split` are optional), or a plain-text file with one prompt per line (blank lines skipped; a literal
@@ -21,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
-BUNDLED_SUITES = ("train", "validation", "heldout")
+BUNDLED_SUITES = ("train", "validation", "heldout", "heldout_code")
 REQUIRED_BUNDLED_FIELDS = ("id", "task", "language", "split", "prompt")
 
 
@@ -98,7 +105,7 @@ def _parse_text(path: Path) -> list[Prompt]:
 
 
 def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Prompt]:
-    """Load a bundled suite by name ("train", "validation", "heldout") or a user suite by path.
+    """Load a bundled suite by name ("train", "validation", "heldout", "heldout_code") or a user suite by path.
 
     `split` keeps only prompts of that split (for a user suite whose lines carry a `split` field).
     Raises SuiteError naming the file and line for bad JSON, missing fields, empty prompts, duplicate ids,
