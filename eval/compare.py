@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from specpilot.eval.metrics import RunRecord
-from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, paired_ratio_interval, same_decisions, verdict
+from specpilot.eval.stats import (MIN_PROMPTS_TO_CONCLUDE, cluster_ratio_interval, paired_ratio_interval,
+                                  same_decisions, verdict)
 
 LEARNED = ("ltd", "depth_only", "size_only")
 HEURISTICS = ("ddd", "svip", "confidence", "hf_heuristic")
@@ -48,20 +49,25 @@ def common_units(by_method: dict[str, dict[UnitKey, RunRecord]], method: str, ba
 
 def compare(by_method: dict[str, dict[UnitKey, RunRecord]], method: str, baseline: str, *, temperature: float,
             prompt_ids: Iterable[str] | None = None, seed: int = 0) -> dict | None:
-    """`method` over `baseline`: pooled throughput ratio, paired 95% interval, same_decisions and verdict
-    (None when the two share no unit). Time is the runner's wall time around each call."""
+    """`method` over `baseline`: pooled throughput ratio, its 95% interval over prompts (`ci`: each prompt's
+    rounds resampled together, `stats.cluster_ratio_interval`), same_decisions and the verdict on that interval
+    (None when the two share no unit). Time is the runner's wall time around each call. `ci_units` and
+    `half_width` are the (prompt, round) unit interval's: timing noise on these prompts, which more rounds shrink
+    (the rounds' stopping rule watches it)."""
     keys = common_units(by_method, method, baseline, prompt_ids)
     if not keys:
         return None
     a = [by_method[method][k] for k in keys]
     b = [by_method[baseline][k] for k in keys]
-    interval = paired_ratio_interval([r.n_tokens for r in a], [r.wall_s for r in a],
-                                     [r.n_tokens for r in b], [r.wall_s for r in b], seed=seed)
+    arrays = ([r.n_tokens for r in a], [r.wall_s for r in a], [r.n_tokens for r in b], [r.wall_s for r in b])
+    interval = paired_ratio_interval(*arrays, seed=seed)
+    prompts = cluster_ratio_interval(*arrays, [k[0] for k in keys], seed=seed)
     same = same_decisions([r.cycles for r in a], [r.cycles for r in b])
     return {"method": method, "baseline": baseline, "temperature": float(temperature),
-            "ratio": interval.ratio, "ci": interval.ci(), "same_decisions": same,
-            "verdict": verdict(interval, same=same), "n_units": interval.n_units,
-            "n_prompts": len({k[0] for k in keys}), "half_width": interval.half_width}
+            "ratio": interval.ratio, "ci": prompts.ci(), "ci_units": interval.ci(), "interval": "prompts",
+            "same_decisions": same, "verdict": verdict(prompts, same=same), "n_units": interval.n_units,
+            "n_prompts": len({k[0] for k in keys}), "half_width": interval.half_width,
+            "half_width_prompts": prompts.half_width}
 
 
 def best_heuristic(by_method: dict[str, dict[UnitKey, RunRecord]], *, temperature: float) -> str | None:

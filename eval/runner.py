@@ -37,6 +37,7 @@ import torch
 
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
+from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
 from specpilot.eval.metrics import RunRecord, aggregate, pooled_tau
 from specpilot.eval.stats import paired_ratio_interval
@@ -54,7 +55,9 @@ class EvalResult:
 
     comparisons / groups / decisions / summary: the paired analysis of the records (`specpilot.eval.compare`);
     replay / cost_check: set by `specpilot.eval.replay_eval.replay_evaluation` and `specpilot.eval.costcheck`
-    when a caller runs them; controllers: name -> (fresh copy of the method's Controller, its TreeConfig), so the
+    when a caller runs them; degeneracy: the target's greedy output per prompt measured and flagged
+    (`specpilot.eval.degeneracy`): flagged prompts are left out of summary and comparisons and analysed apart
+    in its "summary" / "comparisons"; controllers: name -> (fresh copy of the method's Controller, its TreeConfig), so the
     same decisions can be replayed offline."""
 
     results: list[dict]
@@ -66,12 +69,14 @@ class EvalResult:
     summary: list[dict] = field(default_factory=list)
     replay: dict | None = None
     cost_check: dict | None = None
+    degeneracy: dict | None = None
     controllers: dict = field(default_factory=dict, repr=False)
 
     def analysis(self) -> dict:
         """What `write_report(..., analysis=)` prints beside the rows."""
         return {"summary": self.summary, "comparisons": self.comparisons, "groups": self.groups,
-                "decisions": self.decisions, "replay": self.replay, "cost_check": self.cost_check}
+                "decisions": self.decisions, "replay": self.replay, "cost_check": self.cost_check,
+                "degeneracy": self.degeneracy}
 
 
 def _encode_all(prompts: list[Prompt], encode: Callable[[str], list[int]], limit: int) -> tuple[list[list[int]], int]:
@@ -227,6 +232,9 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
         meta["sampled_methods"] = sampled_names
     result = EvalResult(results=_aggregate(records, prompts, kept, temperatures, concurrency, seed=seed),
                         meta=meta, records=records)
+    # the ar runs at T=0 are the target's greedy output: measuring them costs no generation
+    outputs = greedy_outputs(records)
+    result.degeneracy = degeneracy_report(outputs, prompts, decode=pair.decode) if outputs else None
     _analyse(result, prompts, temperatures, plan.decide, seed)
     result.controllers = {n: (copy.deepcopy(m.controller), m.decoder.tree) for n, m in built.items()
                           if n in kept and isinstance(m, ControllerMethod)}
@@ -234,10 +242,17 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
 
 
 def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tuple[str, str], seed: int) -> None:
-    """The paired analysis of `result.records` (see `specpilot.eval.compare`)."""
+    """The paired analysis of `result.records` (see `specpilot.eval.compare`). Prompts whose greedy output is
+    flagged degenerate are left out of the summary and the comparisons (the headline) and analysed apart."""
     records = result.records
-    result.summary = _summary(records, temperatures, seed)
-    result.comparisons = comparisons(records, temperatures, decide=decide, seed=seed)
+    flagged = set((result.degeneracy or {}).get("flagged", []))
+    kept = [r for r in records if r.prompt_id not in flagged]
+    result.summary = _summary(kept, temperatures, seed, exact_over=records)
+    result.comparisons = comparisons(kept, temperatures, decide=decide, seed=seed)
+    if flagged:
+        apart = [r for r in records if r.prompt_id in flagged]
+        result.degeneracy["summary"] = _summary(apart, temperatures, seed)
+        result.degeneracy["comparisons"] = comparisons(apart, temperatures, decide=decide, seed=seed)
     result.groups = [g for t in temperatures for g in group_comparisons(records, prompts, temperature=t,
                                                                         method=decide[0], baseline=decide[1],
                                                                         seed=seed)]
@@ -245,13 +260,16 @@ def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tu
                         for t in temperatures}
 
 
-def _summary(records: list[RunRecord], temperatures, seed: int) -> list[dict]:
+def _summary(records: list[RunRecord], temperatures, seed: int,
+             exact_over: list[RunRecord] | None = None) -> list[dict]:
     """Per method and temperature, over every unit it ran (concurrency 1): pooled speedup over `ar` with its
-    paired interval, tau, and whether every greedy run equalled `ar`'s tokens."""
+    paired interval, tau, and whether every greedy run equalled `ar`'s tokens (over `exact_over` when given:
+    exactness is checked on every prompt, also those left out of the speedups)."""
     out = []
     for temperature in temperatures:
         by_method = unit_records(records, temperature=temperature)
-        ar_tokens = {k[0]: r.tokens for k, r in by_method.get("ar", {}).items() if k[1] == 0}
+        every = unit_records(exact_over, temperature=temperature) if exact_over is not None else by_method
+        ar_tokens = {k[0]: r.tokens for k, r in every.get("ar", {}).items() if k[1] == 0}
         for name, units in by_method.items():
             c = compare(by_method, name, "ar", temperature=temperature, seed=seed)
             recs = list(units.values())
@@ -260,7 +278,8 @@ def _summary(records: list[RunRecord], temperatures, seed: int) -> list[dict]:
                 "speedup": c["ratio"] if c else float("nan"), "speedup_ci": c["ci"] if c else [None, None],
                 "tau": pooled_tau(recs),
                 "policy_overhead": sum(r.policy_s for r in recs) / max(sum(r.wall_s for r in recs), 1e-12),
-                "identical_to_ar": (all(r.tokens == ar_tokens.get(r.prompt_id) for r in recs)
+                "identical_to_ar": (all(r.tokens == ar_tokens.get(r.prompt_id)
+                                        for r in every.get(name, units).values())
                                     if float(temperature) == 0.0 else None),
                 "n_units": len(units), "n_prompts": len({k[0] for k in units}),
                 "n_rounds": len({k[1] for k in units})})
@@ -387,7 +406,9 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
                      "interleaving": "rounds over all prompts; per prompt the methods back to back, order rotated",
                      "unit": "one (prompt, round): every method of the round ran it back to back",
                      "speedup": "pooled tokens/s of the method over pooled tokens/s of ar on the same units",
-                     "interval": "95% paired percentile bootstrap over units (4000 resamples, seeded)",
+                     "interval": "95% paired percentile bootstrap over prompts, each prompt's rounds resampled "
+                                 "together (4000 resamples, seeded); a round's timing-noise interval over (prompt, "
+                                 "round) units decides when to stop adding rounds",
                      "itl": "gaps between successive token deliveries (a cycle's tokens are one delivery)",
                      "peak_mem": "CUDA allocator peak" if device.type == "cuda" else "process RSS, sampled"},
         "tree": {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size},
