@@ -51,7 +51,7 @@ class DemoBudget:
 
     train_prompts: int = 0
     val_prompts: int = 0
-    heldout_prompts: int = 17  # one per (task, language) group of the bundled held-out suite
+    heldout_prompts: int = 17  # round-robin over the held-out suite's (task, language) groups
     max_new_tokens: int = 96
     width: int = 4
     max_depth: int = 8
@@ -140,10 +140,11 @@ def _limit(items: list, n: int) -> list:
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
              draft: str | None = None, eagle: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
-             wandb: str | None = None, device: str | None = None, cluster=None) -> dict:
-    """Run (or resume) every stage; return the summary dict (also written to RUN/summary.json)."""
+             wandb: str | None = None, device: str | None = None, cluster=None, suite: str | None = None) -> dict:
+    """Run (or resume) every stage; return the summary dict (also written to RUN/summary.json). `suite`: the
+    held-out suite evaluated (default: the one that matches the target, `specpilot.eval.suites.choose_suite`)."""
     from specpilot.drafting import ModelPair, TreeConfig
-    from specpilot.eval.suites import load_suite
+    from specpilot.eval.suites import choose_suite, load_suite
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
     run_dir = Path(out)
@@ -155,7 +156,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
-    heldout = _limit(load_suite("heldout"), budget.heldout_prompts)
+    heldout_suite = choose_suite(suite, target)
+    heldout = _limit(load_suite(heldout_suite["name"]), budget.heldout_prompts)
     budget_fields = asdict(budget)
     key = _key(identity, seed)
     timings: dict[str, float] = {}
@@ -164,7 +166,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     stages = tqdm(STAGES, desc="specpilot demo", unit="stage")
     for stage in stages:
         stages.set_postfix_str(stage)
-        key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]})
+        key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]},
+                   *([heldout_suite["name"]] if stage == "eval" else []))  # another suite: evaluate again
         previous = state.done(stage, key)
         if previous is not None:
             results[stage], timings[stage] = previous["result"], previous["seconds"]
@@ -174,7 +177,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         t0 = time.perf_counter()
         results[stage] = STAGE_FUNCTIONS[stage](run_dir=run_dir, pair=pair, tree=tree, budget=budget, seed=seed,
                                                 train=train, val=val, heldout=heldout, wandb=wandb,
-                                                cluster=cluster)
+                                                cluster=cluster, suite=heldout_suite)
         timings[stage] = time.perf_counter() - t0
         state.finish(stage, key, results[stage], timings[stage])
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
@@ -249,7 +252,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
-def _eval(*, run_dir, pair, tree, budget, seed, heldout, cluster=None, **_) -> dict:
+def _eval(*, run_dir, pair, tree, budget, seed, heldout, cluster=None, suite=None, **_) -> dict:
     if cluster is not None:  # (task, language) groups over the workers, all methods interleaved on each
         from specpilot.eval.report import write_report
         from specpilot.train.sharded import evaluate_sharded
@@ -260,6 +263,7 @@ def _eval(*, run_dir, pair, tree, budget, seed, heldout, cluster=None, **_) -> d
                                   grid=run_dir / "grid.json", run_dir=run_dir, seed=seed,
                                   progress=lambda msg: tqdm.write(f"  {msg}"),
                                   sampled_methods=list(budget.sampled_methods))
+        result.meta["suite"] = suite
         paths = write_report(result.results, result.meta, run_dir / "eval")
         return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped")}
     from specpilot.eval.full import full_evaluation
@@ -273,7 +277,7 @@ def _eval(*, run_dir, pair, tree, budget, seed, heldout, cluster=None, **_) -> d
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / "grid.json",
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
-        progress=lambda msg: tqdm.write(f"  {msg}"))
+        progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
             "rounds": result.meta.get("rounds")}
 
@@ -331,6 +335,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run directory (finished stages are reused; checked before anything runs)")
     add_pair_arguments(parser, dtype_option=False)
     parser.add_argument("--seed", type=seed, default=0, help="seed of every stage")
+    parser.add_argument("--suite", default=None,
+                        help="held-out suite evaluated: a bundled name or a .jsonl / .txt path (default: heldout_code "
+                             "for the embedded pair or a code model, heldout for a general-purpose target)")
     parser.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
                         help="wandb mode (default: $WANDB_MODE, else offline)")
 
@@ -340,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_pair_arguments(args)
     run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, eagle=args.eagle,
-                  seed=args.seed, wandb=args.wandb, device=args.device)
+                  seed=args.seed, wandb=args.wandb, device=args.device, suite=args.suite)
     if getattr(args, "ray", None):
         from specpilot.train.cluster import ClusterError
         from specpilot.train.cluster_cli import open_pool

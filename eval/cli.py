@@ -40,8 +40,10 @@ def _decide(text: str) -> tuple[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="heldout",
-                        help="bundled suite (train, validation, heldout) or a path to .jsonl / .txt")
+    parser.add_argument("--suite", default=None,
+                        help="bundled suite (train, validation, heldout, heldout_code) or a path to .jsonl / .txt "
+                             "(default: the held-out suite that matches the pair: heldout_code for the embedded "
+                             "pair or a code model, heldout for a general-purpose target)")
     parser.add_argument("--split", default=None, help="keep only prompts of this split (default: all)")
     parser.add_argument("--methods", type=_methods, default=None,
                         help=f"comma list (default: all available): {', '.join(METHODS)}; `ar` always runs; a "
@@ -105,6 +107,7 @@ class EvalPlan:
     sampled: list[str] | None
     tree: object
     decide: tuple[str, str]
+    suite: dict | None = None  # {"name", "chosen_by"}: for the report
 
 
 def prepare(args: argparse.Namespace) -> EvalPlan:
@@ -112,9 +115,10 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     from specpilot.envs.profile import LatencyProfile
     from specpilot.eval.inputs import check_methods, requested_methods, resolve_tree
     from specpilot.eval.rounds import RoundPlan
-    from specpilot.eval.suites import load_suite
+    from specpilot.eval.suites import choose_suite, load_suite
 
-    prompts = load_suite(args.suite, split=args.split)
+    suite = choose_suite(args.suite, getattr(args, "target", None))
+    prompts = load_suite(suite["name"], split=args.split)
     if args.limit is not None:
         prompts = prompts[: args.limit]
     if args.check_profile and not args.replay_dir:
@@ -128,7 +132,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
                   grid=args.grid, run_dir=args.run_dir)
-    return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide))
+    return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         check_methods(list(dict.fromkeys([*(methods or []), *(plan.sampled or [])])), drafter_kind="eagle3")
         if methods is None:  # all available: transformers' assisted generation needs a draft LM
             methods = [m for m in METHODS if m != "hf_assisted"]
-    say(f"evaluating {len(plan.prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype}), tree {plan.tree}")
+    say(f"evaluating {len(plan.prompts)} prompts of suite {plan.suite['name']} ({plan.suite['chosen_by']}) on "
+        f"{pair.name} ({pair.device}, {pair.dtype}), tree {plan.tree}")
     trace = profile = None
     ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
     if args.replay_dir:
@@ -161,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
                       target_half_width=args.target_half_width, decide=plan.decide, full_rounds=args.full_rounds,
                       repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency, tree=plan.tree,
                       grid=args.grid, run_dir=args.run_dir, seed=args.seed, encode=ids.__getitem__,
-                      progress=say, sampled_methods=plan.sampled)
+                      progress=say, sampled_methods=plan.sampled, suite=plan.suite)
     if trace is not None:
         from pathlib import Path
 
@@ -189,6 +194,7 @@ def _run_on_ray(args: argparse.Namespace, plan: EvalPlan) -> int:
                                   repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency,
                                   tree=plan.tree, grid=args.grid, run_dir=args.run_dir, seed=args.seed,
                                   sampled_methods=plan.sampled, progress=print)
+    result.meta["suite"] = plan.suite
     paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)
     say_retries(result.meta["cluster"]["retried_prompts"])
     print(f"wrote {paths['md']} and {paths['json']}")

@@ -35,7 +35,8 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_di
                     max_new_tokens: int = 96, grid: str | Path | None = None, run_dir: str | Path | None = None,
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
                     tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None,
-                    progress: Callable[[str], None] | None = None) -> tuple[EvalResult, dict]:
+                    progress: Callable[[str], None] | None = None, suite: dict | None = None
+                    ) -> tuple[EvalResult, dict]:
     """Run the steps of the module docstring; return (the EvalResult with replay and cost_check set, report
     paths). `trace_dir`: where the trace and the fresh profile are kept (None: not saved); `check_profiles`:
     {title: profile.json path} of profiles to check against this run's live runs; `prior_checks`: {title:
@@ -54,7 +55,7 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair, tree: TreeConfig, out_di
     result = evaluate(prompts, pair=pair, methods=methods, temperatures=tuple(temperatures),
                       max_new_tokens=max_new_tokens, rounds=rounds, full_rounds=full_rounds, time_budget_s=budget,
                       tree=tree, grid=grid, run_dir=run_dir, seed=seed, encode=lookup.__getitem__, progress=say,
-                      sampled_methods=sampled_methods)
+                      sampled_methods=sampled_methods, suite=suite)
     if replay:
         attach_replay(result, trace, profile, prompts, profile_path=Path(trace_dir) / "profile.json"
                       if trace_dir else None, check_profiles=check_profiles, tolerance=tolerance, seed=seed,

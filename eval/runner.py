@@ -57,8 +57,8 @@ class EvalResult:
     replay / cost_check: set by `specpilot.eval.replay_eval.replay_evaluation` and `specpilot.eval.costcheck`
     when a caller runs them; degeneracy: the target's greedy output per prompt measured and flagged
     (`specpilot.eval.degeneracy`): flagged prompts are left out of summary and comparisons and analysed apart
-    in its "summary" / "comparisons"; controllers: name -> (fresh copy of the method's Controller, its TreeConfig), so the
-    same decisions can be replayed offline."""
+    in its "summary" / "comparisons"; controllers: name -> (fresh copy of the method's Controller, its
+    TreeConfig), so the same decisions can be replayed offline."""
 
     results: list[dict]
     meta: dict
@@ -167,7 +167,7 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
              warmup: int = 1, concurrency: int = 1, tree: TreeConfig | None = None,
              grid: str | Path | None = None, run_dir: str | Path | None = None, seed: int = 0,
              encode: Callable[[str], list[int]] | None = None, progress: Callable[[str], None] | None = None,
-             sampled_methods: list[str] | None = None) -> EvalResult:
+             sampled_methods: list[str] | None = None, suite: dict | None = None) -> EvalResult:
     """Evaluate `methods` (default: every registered one that is available) and `controllers` (any Controllers,
     by name, on the evaluation `tree`) on `prompts` with the interleaved rounds of `specpilot.eval.rounds`.
 
@@ -226,6 +226,8 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair, methods: list[str] | Non
                       max_new_tokens=max_new_tokens, repeats=max(r["rounds"] for r in rounds_meta.values()),
                       warmup=warmup, concurrency=concurrency, seed=seed, methods=method_info,
                       skipped={**skipped, **failed}, n_truncated=n_truncated, prompt_token_limit=limit)
+    if suite is not None:  # {"name", "chosen_by"} (`specpilot.eval.suites.choose_suite`): the report names it
+        meta["suite"] = suite
     meta["rounds"] = {**plan.describe(), "seconds": round(time.perf_counter() - started, 1),
                       "by_temperature": rounds_meta}
     if sampled_methods is not None:

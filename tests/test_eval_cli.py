@@ -14,7 +14,7 @@ def _parse(argv):
 
 def test_defaults_and_lists():
     args = _parse(["--temperatures", "0,0.7", "--methods", "fixed,ddd", "--concurrency", "4"])
-    assert args.suite == "heldout" and args.temperatures == (0.0, 0.7) and args.concurrency == 4
+    assert args.suite is None and args.temperatures == (0.0, 0.7) and args.concurrency == 4
     assert _parse([]).temperatures == (0.0, 1.0)
 
 
