@@ -15,6 +15,9 @@ Bundled suites live in `eval/suites/<split>.jsonl`, one JSON object per line wit
   = signature + docstring, `docstring` = a module or class docstring then the start of the code, `body` = a
   partial function body). The held-out suite for code models such as the embedded pair, whose target only saw
   the CPython standard library (`drafting/default_pair/corpus_manifest.json`): prose prompts make it emit junk.
+  Its prompts end at the cursor, never after a bare newline: the embedded tokenizer merges a newline with the
+  next line's indentation ("\n   " + " return"), so a prompt ending in a lone "\n" token tells the model the
+  next line starts at column 0, and it answers with a new top-level `class`/`def` or a "#\n#\n" loop.
 
 Which held-out suite matches a pair (`default_heldout_suite`, what `specpilot eval` and `specpilot demo` use unless
 --suite says otherwise): `heldout_code` for the embedded pair and for targets whose name marks a code model,

@@ -82,3 +82,9 @@ def test_demo_takes_a_suite_flag_and_its_budget_covers_every_code_group():
     assert parser.parse_args([]).suite is None and parser.parse_args(["--suite", "heldout"]).suite == "heldout"
     picked = demo._limit(load_suite("heldout_code"), demo.DemoBudget().heldout_prompts)
     assert {p.task for p in picked} == set(GROUPS)
+
+
+def test_code_prompts_end_at_the_cursor_not_after_a_bare_newline():
+    """The embedded tokenizer merges a newline with the next line's indentation: a prompt ending in a lone newline
+    token asks for a column-0 line, and the code model answers with a new top-level def or a "#" loop."""
+    assert not [p.id for p in load_suite("heldout_code") if p.prompt.endswith("\n")]
