@@ -26,6 +26,7 @@ REQUIRED_ROW_KEYS = ("task", "language", "split", "method", "temperature", "spee
                      "ttft_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "peak_mem_mb", "policy_overhead",
                      "draft_frac", "identical_to_ar", "n_prompts", "n_tokens")
 # rows from `evaluate` also carry "speedup_ci" and "n_units"
+MAX_FLAGGED_ROWS = 40  # flagged prompts listed in report.md (all of them are in report.json)
 
 
 def _clean(value):
@@ -149,11 +150,13 @@ def _degeneracy_lines(degeneracy: dict | None) -> list[str]:
     if flagged:
         lines += ["", "| prompt | repeated 4-grams | compression | distinct tokens | reason | output starts |",
                   "|---|---|---|---|---|---|"]
-        for pid in flagged:
+        for pid in flagged[:MAX_FLAGGED_ROWS]:
             m = degeneracy["prompts"][pid]
-            sample = m.get("sample", "").replace("\n", "\\n").replace("|", "\\|")
+            sample = m.get("sample", "").replace("\n", "\\n").replace("|", "\\|").replace("`", "'")
             lines.append(f"| {pid} | {m['repeated_ngram_share']:.0%} | {m['compression_ratio']:.2f} | "
-                         f"{m['distinct_token_ratio']:.2f} | {m['reason']} | `{sample}` |")
+                         f"{m['distinct_token_ratio']:.2f} | {m['reason']} | {f'`{sample}`' if sample else '-'} |")
+        if len(flagged) > MAX_FLAGGED_ROWS:
+            lines.append(f"| ... {len(flagged) - MAX_FLAGGED_ROWS} more in report.json `degeneracy` | | | | | |")
     comps = degeneracy.get("comparisons") or []
     if comps:
         lines += ["", "On the flagged prompts only (not verdicts: speed on degenerate text):", ""]
