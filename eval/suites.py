@@ -175,9 +175,9 @@ def choose_suite(suite: str | Path | None, target: str | Path | None) -> dict:
     if suite is not None:
         return {"name": str(suite), "chosen_by": "--suite"}
     name = default_heldout_suite(target)
-    what = ("the embedded pair (a code model: its target saw only the standard library)" if target is None else
-            f"target {target} " + ("(a code model by its name)" if name == "heldout_code" else
-                                   "(a general-purpose model: its name marks no code model)"))
+    what = ("the embedded pair, a code model: its target saw only the standard library" if target is None else
+            f"target {target}, " + ("a code model by its name" if name == "heldout_code" else
+                                    "a general-purpose model: its name marks no code model"))
     return {"name": name, "chosen_by": f"default for {what}"}
 
 
