@@ -18,7 +18,7 @@ Rule (a documented threshold, calibrated on the embedded pair's greedy output, 6
 bundled prose prompts against its output on `heldout_code`): an output of at least MIN_TOKENS tokens is
 *degenerate* when `repeated_ngram_share >= MAX_REPEATED_SHARE` or `compression_ratio <= MIN_COMPRESSION_RATIO`.
 Shorter outputs (the target stopped early) are never flagged: too little text to judge. A *group* (task x
-language) is degenerate when at least GROUP_SHARE of its measured prompts are.
+language, and a task over all its languages) is degenerate when at least GROUP_SHARE of its measured prompts are.
 
 Everything here is pure Python on token lists and strings; `specpilot.eval.runner` feeds it and
 `specpilot.eval.report` / `specpilot.eval.summary` print it.
@@ -106,6 +106,10 @@ def degeneracy_report(outputs: dict[str, Sequence[int]], prompts: Iterable, *,
         text = decode(tokens) if decode is not None else None
         per[p.id] = {**measure(tokens, text).to_dict(), "task": p.task, "language": p.language,
                      "sample": (text or "")[:80]}
+    for task in sorted({t for t, _ in groups}):  # (task, "all") for a task in several languages, as the report has
+        langs = [k for k in groups if k[0] == task]
+        if len(langs) > 1:
+            groups[(task, "all")] = [i for k in langs for i in groups[k]]
     group_rows = []
     for (task, language), ids in sorted(groups.items()):
         measured = [i for i in ids if i in per]

@@ -33,7 +33,9 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
         "suite": (report.get("meta") or {}).get("suite"),
         "degeneracy": {"n_measured": degeneracy.get("n_measured"), "n_flagged": len(degeneracy.get("flagged", [])),
                        "groups": [f"{g['task']}/{g['language']}" for g in degeneracy.get("groups", [])
-                                  if g["degenerate"]]} if degeneracy else None,
+                                  if g["degenerate"] and g["language"] != "all"],
+                       "comparisons": [c for c in degeneracy.get("comparisons") or []
+                                       if c.get("baseline_role") == "decide"]} if degeneracy else None,
         "methods": methods,
         "comparisons": comps,
         "ltd_vs_grid": decide,
@@ -116,6 +118,10 @@ def _suite_lines(summary: dict) -> list[str]:
         lines.append(f"degenerate output: {d['n_flagged']} of {d['n_measured']} prompts left out of the verdicts and "
                      f"speedups{groups}" if d["n_flagged"] else
                      f"degenerate output: none of {d['n_measured']} prompts (all in the verdicts)")
+        lines += [f"  on those prompts only (not a verdict): {describe(c)}" for c in d.get("comparisons") or []]
+        if d["n_flagged"] and d["n_flagged"] == d["n_measured"]:
+            lines.append("no verdict: the target's greedy output is degenerate on every prompt (pick a suite that "
+                         "matches the model: --suite)")
     return lines
 
 

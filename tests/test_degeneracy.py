@@ -138,3 +138,12 @@ def test_every_prompt_flagged_leaves_no_headline(tmp_path):
     assert lines[0] == "suite: heldout (--suite)"
     assert "degenerate output: 3 of 3 prompts left out of the verdicts and speedups; degenerate groups: prose/en" \
         in lines
+    assert any(line.startswith("  on those prompts only (not a verdict): ltd vs grid") for line in lines)
+    assert any(line.startswith("no verdict:") for line in lines)
+
+
+def test_a_task_in_several_languages_gets_an_all_languages_mark():
+    prompts = [Prompt(f"qa-{lang}", "qa", lang, "heldout", "x") for lang in ("it", "zh")]
+    rep = degeneracy_report({"qa-it": [1, 2] * 20, "qa-zh": [3, 4] * 20}, prompts)
+    groups = {(g["task"], g["language"]): g for g in rep["groups"]}
+    assert groups[("qa", "all")]["degenerate"] and groups[("qa", "all")]["n_flagged"] == 2
