@@ -58,7 +58,7 @@ class DemoBudget:
 
     train_prompts: int = 0
     val_prompts: int = 0
-    heldout_prompts: int = 17  # one per (task, language) group of the bundled held-out suite
+    heldout_prompts: int = 17  # round-robin over the held-out suite's (task, language) groups
     max_new_tokens: int = 96
     width: int = 4
     max_depth: int = 8
@@ -148,11 +148,12 @@ def _limit(items: list, n: int) -> list:
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
              draft: str | None = None, eagle: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
-             wandb: str | None = None, device: str | None = None, executor=None) -> dict:
-    """Run (or resume) every stage; return the summary dict (also written to RUN/summary.json)."""
+             wandb: str | None = None, device: str | None = None, executor=None, suite: str | None = None) -> dict:
+    """Run (or resume) every stage; return the summary dict (also written to RUN/summary.json). `suite`: the
+    held-out suite evaluated (default: the one that matches the target, `specpilot.eval.suites.choose_suite`)."""
     from specpilot.drafting import ModelPair, TreeConfig
     from specpilot.drafting.executor import LocalExecutor
-    from specpilot.eval.suites import load_suite
+    from specpilot.eval.suites import choose_suite, load_suite
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
     run_dir = Path(out)
@@ -165,7 +166,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
-    heldout = _limit(load_suite("heldout"), budget.heldout_prompts)
+    heldout_suite = choose_suite(suite, target)
+    heldout = _limit(load_suite(heldout_suite["name"]), budget.heldout_prompts)
     budget_fields = asdict(budget)
     key = _key(identity, seed)
     timings: dict[str, float] = {}
@@ -174,7 +176,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     stages = tqdm(STAGES, desc="specpilot demo", unit="stage")
     for stage in stages:
         stages.set_postfix_str(stage)
-        key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]})
+        key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]},
+                   *([heldout_suite["name"]] if stage == "eval" else []))  # another suite: evaluate again
         previous = state.done(stage, key)
         if previous is not None:
             results[stage], timings[stage] = previous["result"], previous["seconds"]
@@ -184,7 +187,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         t0 = time.perf_counter()
         results[stage] = STAGE_FUNCTIONS[stage](run_dir=run_dir, pair=pair, tree=tree, budget=budget, seed=seed,
                                                 train=train, val=val, heldout=heldout, wandb=wandb,
-                                                executor=executor)
+                                                executor=executor, suite=heldout_suite)
         timings[stage] = time.perf_counter() - t0
         state.finish(stage, key, results[stage], timings[stage])
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
@@ -243,7 +246,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
-def _eval(*, run_dir, tree, budget, seed, heldout, executor, **_) -> dict:
+def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) -> dict:
     from specpilot.eval.full import full_evaluation
 
     result, paths = full_evaluation(
@@ -255,7 +258,7 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, **_) -> dict:
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
-        progress=lambda msg: tqdm.write(f"  {msg}"))
+        progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
             "rounds": result.meta.get("rounds")}
 
@@ -313,6 +316,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run directory (finished stages are reused; checked before anything runs)")
     add_pair_arguments(parser, dtype_option=False)
     parser.add_argument("--seed", type=seed, default=0, help="seed of every stage")
+    parser.add_argument("--suite", default=None,
+                        help="held-out suite evaluated: a bundled name or a .jsonl / .txt path (default: heldout_code "
+                             "for the embedded pair or a code model, heldout for a general-purpose target)")
     parser.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
                         help="wandb mode (default: $WANDB_MODE, else offline)")
 
@@ -322,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_pair_arguments(args)
     run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, eagle=args.eagle,
-                  seed=args.seed, wandb=args.wandb, device=args.device)
+                  seed=args.seed, wandb=args.wandb, device=args.device, suite=args.suite)
     if getattr(args, "ray", None):  # a ClusterError is reported in one line by the command's handler
         from specpilot.train.cluster_cli import open_pool
 

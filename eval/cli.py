@@ -41,8 +41,10 @@ def _decide(text: str) -> tuple[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="heldout",
-                        help="bundled suite (train, validation, heldout) or a path to .jsonl / .txt")
+    parser.add_argument("--suite", default=None,
+                        help="bundled suite (train, validation, heldout, heldout_code) or a path to .jsonl / .txt "
+                             "(default: the held-out suite that matches the pair: heldout_code for the embedded "
+                             "pair or a code model, heldout for a general-purpose target)")
     parser.add_argument("--split", default=None, help="keep only prompts of this split (default: all)")
     parser.add_argument("--methods", type=_methods, default=None,
                         help=f"comma list (default: all available): {', '.join(METHODS)}; `ar` always runs; a "
@@ -106,6 +108,7 @@ class EvalPlan:
     sampled: list[str] | None
     tree: object
     decide: tuple[str, str]
+    suite: dict | None = None  # {"name", "chosen_by"}: for the report
 
 
 def prepare(args: argparse.Namespace) -> EvalPlan:
@@ -113,9 +116,10 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     from specpilot.envs.profile import LatencyProfile
     from specpilot.eval.inputs import check_methods, requested_methods, resolve_tree
     from specpilot.eval.rounds import RoundPlan
-    from specpilot.eval.suites import load_suite
+    from specpilot.eval.suites import choose_suite, load_suite
 
-    prompts = load_suite(args.suite, split=args.split)
+    suite = choose_suite(args.suite, getattr(args, "target", None))
+    prompts = load_suite(suite["name"], split=args.split)
     if args.limit is not None:
         prompts = prompts[: args.limit]
     if args.check_profile and not args.replay_dir:
@@ -128,7 +132,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
                   grid=args.grid, run_dir=args.run_dir)
-    return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide))
+    return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
             if methods is None:  # all available: transformers' assisted generation needs a draft LM
                 methods = [m for m in METHODS if m != "hf_assisted"]
         devices = ", ".join(sorted({w["device"] for w in executor.workers}))
-        say(f"evaluating {len(plan.prompts)} prompts on {executor.workers[0]['pair']['name']} ({len(executor)} "
-            f"worker(s): {devices}, {executor.workers[0]['dtype']}), tree {plan.tree}")
+        say(f"evaluating {len(plan.prompts)} prompts of suite {plan.suite['name']} ({plan.suite['chosen_by']}) on "
+            f"{identity['name']} ({len(executor)} worker(s): {devices}, {executor.workers[0]['dtype']}), "
+            f"tree {plan.tree}")
         result, paths = full_evaluation(
             plan.prompts, executor=executor, tree=plan.tree, out_dir=args.out, trace_dir=args.replay_dir,
             replay=bool(args.replay_dir), check_profiles={p: p for p in args.check_profile},
@@ -162,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir=args.run_dir, methods=methods, sampled_methods=plan.sampled, seed=args.seed,
             plots=not args.no_plots, progress=say, top_k=args.top_k, top_p=args.top_p, min_rounds=args.min_rounds,
             max_rounds=args.max_rounds, target_half_width=args.target_half_width, decide=plan.decide,
-            warmup=args.warmup, concurrency=args.concurrency)
+            warmup=args.warmup, concurrency=args.concurrency, suite=plan.suite)
     for name, reason in result.meta["skipped"].items():
         say(f"skipped {name}: {reason}")
     if result.meta["executor"]["retried_prompts"]:

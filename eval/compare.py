@@ -28,8 +28,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from specpilot.eval.metrics import RunRecord
-from specpilot.eval.stats import (MIN_PROMPTS_TO_CONCLUDE, Interval, paired_ratio_interval, same_decisions,
-                                  verdict)
+from specpilot.eval.stats import (MIN_PROMPTS_TO_CONCLUDE, Interval, cluster_ratio_interval, paired_ratio_interval,
+                                  same_decisions, verdict)
 
 LEARNED = ("ltd", "depth_only", "size_only")
 HEURISTICS = ("ddd", "svip", "confidence", "hf_heuristic")
@@ -58,36 +58,42 @@ def common_units(by_method: dict[str, dict[UnitKey, RunRecord]], method: str, ba
 
 def compare(by_method: dict[str, dict[UnitKey, RunRecord]], method: str, baseline: str, *, temperature: float,
             prompt_ids: Iterable[str] | None = None, seed: int = 0) -> dict | None:
-    """`method` over `baseline`: pooled throughput ratio, paired 95% interval, the verdict from the interval,
-    same_decisions and the flags (module docstring; None when the two share no unit). Time is the runner's wall
-    time around each call."""
+    """`method` over `baseline`: pooled throughput ratio, its 95% interval over prompts (`ci`: each prompt's
+    rounds resampled together, `stats.cluster_ratio_interval`), the verdict from that interval, same_decisions and
+    the flags (module docstring; None when the two share no unit). Time is the runner's wall time around each call.
+    `ci_units` and `half_width` are the (prompt, round) unit interval's: timing noise on these prompts, which more
+    rounds shrink (the rounds' stopping rule watches it)."""
     keys = common_units(by_method, method, baseline, prompt_ids)
     if not keys:
         return None
     a = [by_method[method][k] for k in keys]
     b = [by_method[baseline][k] for k in keys]
-    interval = paired_ratio_interval([r.n_tokens for r in a], [r.wall_s for r in a],
-                                     [r.n_tokens for r in b], [r.wall_s for r in b], seed=seed)
+    arrays = ([r.n_tokens for r in a], [r.wall_s for r in a], [r.n_tokens for r in b], [r.wall_s for r in b])
+    interval = paired_ratio_interval(*arrays, seed=seed)
+    clusters = [k[0] for k in keys]
+    prompts = cluster_ratio_interval(*arrays, clusters, seed=seed)
     same = same_decisions([r.cycles for r in a], [r.cycles for r in b])
     out = {"method": method, "baseline": baseline, "temperature": float(temperature),
-           "ratio": interval.ratio, "ci": interval.ci(), "same_decisions": same,
-           "verdict": verdict(interval), "flags": ["same decisions"] if same else [], "n_units": interval.n_units,
-           "n_prompts": len({k[0] for k in keys}), "half_width": interval.half_width}
+           "ratio": interval.ratio, "ci": prompts.ci(), "ci_units": interval.ci(), "interval": "prompts",
+           "same_decisions": same, "verdict": verdict(prompts), "flags": ["same decisions"] if same else [],
+           "n_units": interval.n_units, "n_prompts": len(set(clusters)), "half_width": interval.half_width,
+           "half_width_prompts": prompts.half_width}
     if same:
-        out.update(decision_cost(a, b, out["verdict"], seed=seed))
+        out.update(decision_cost(a, b, out["verdict"], clusters, seed=seed))
     return out
 
 
-def decision_cost(a: Sequence[RunRecord], b: Sequence[RunRecord], verdict_: str, *, seed: int = 0) -> dict:
+def decision_cost(a: Sequence[RunRecord], b: Sequence[RunRecord], verdict_: str, clusters: Sequence[str], *,
+                  seed: int = 0) -> dict:
     """Where a difference between two methods with the same decisions comes from: each one's controller time
     per generation (ms, mean over the paired units), the difference as a share of A's time, the pooled ratio
-    with decision time taken out of both (paired interval) and the `cause` (module docstring)."""
+    with decision time taken out of both (interval over prompts) and the `cause` (module docstring)."""
     pol_a = np.array([r.policy_s for r in a], dtype=np.float64)
     pol_b = np.array([r.policy_s for r in b], dtype=np.float64)
     wall_a = np.array([r.wall_s for r in a], dtype=np.float64)
     wall_b = np.array([r.wall_s for r in b], dtype=np.float64)
-    without = paired_ratio_interval([r.n_tokens for r in a], wall_a - pol_a, [r.n_tokens for r in b],
-                                    wall_b - pol_b, seed=seed)
+    without = cluster_ratio_interval([r.n_tokens for r in a], wall_a - pol_a, [r.n_tokens for r in b],
+                                     wall_b - pol_b, clusters, seed=seed)
     if verdict_ == "indistinguishable":
         cause = "timing noise"
     elif verdict(without) == "indistinguishable":

@@ -39,13 +39,15 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
                     grid: str | Path | None = None, run_dir: str | Path | None = None,
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
                     tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None, plots: bool = True,
-                    progress: Callable[[str], None] | None = None, **evaluate_kwargs) -> tuple[EvalResult, dict]:
+                    progress: Callable[[str], None] | None = None, suite: dict | None = None,
+                    **evaluate_kwargs) -> tuple[EvalResult, dict]:
     """Run the steps of the module docstring on `pair` in this process or on `executor` (steps 1-2 on its first
     worker, step 3 on all: `evaluate`); return (the EvalResult with replay and cost_check set, report paths).
     `trace_dir`: where the trace and the fresh profile are kept (None: not saved; with an executor it must be
     reachable from the workers); `check_profiles`: {title: profile.json path} of profiles to check against this
     run's live runs; `prior_checks`: {title: `costcheck.check_and_refresh` result} of earlier checks (e.g. before
-    the grid search), reported first; `evaluate_kwargs`: the other settings of `evaluate` (top_k, decide, ...)."""
+    the grid search), reported first; `suite`: {"name", "chosen_by"} of the prompts, named in the report;
+    `evaluate_kwargs`: the other settings of `evaluate` (top_k, decide, ...)."""
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     prompts = list(prompts)
@@ -62,6 +64,7 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
                       max_new_tokens=max_new_tokens, rounds=rounds, full_rounds=full_rounds, time_budget_s=budget,
                       tree=tree, grid=grid, run_dir=run_dir, seed=seed,
                       encode=lookup.__getitem__ if lookup else None, progress=say, sampled_methods=sampled_methods,
+                      suite=suite,
                       **evaluate_kwargs)
     if replay:
         attach_replay(result, trace, profile, prompts, profile_path=profile_file(trace_dir)

@@ -1,12 +1,15 @@
 """Write an evaluation report: report.json, report.md and PNG plots (`specpilot.eval.plots`).
 
-report.json: {"meta", "summary", "comparisons", "groups", "decisions", "replay", "cost_check", "results"}:
+report.json: {"meta", "summary", "comparisons", "groups", "decisions", "replay", "cost_check", "degeneracy",
+"results"}:
 summary and results carry every speedup with its 95% paired interval `speedup_ci`; comparisons are method pairs
 per temperature {"method", "baseline", "temperature", "ratio", "ci", "verdict", "flags", "same_decisions", ...}:
 the verdict comes from the interval alone; a flag ("same decisions", with the decision time of both and its
 `cause`) explains a difference beside it (`specpilot.eval.compare`).
 report.md leads with the verdicts, then speedups with intervals, the deciding pair by task group, replay beside
-live, the cost-model check, decision statistics and the per-group tables.
+live, the cost-model check, decision statistics and the per-group tables. Prompts whose greedy output is
+degenerate (`specpilot.eval.degeneracy`: the target loops or emits junk) are left out of the verdicts and the
+summary; report.md says how many and shows their numbers apart.
 
 Every table and plot carries the label a reader needs to trust a number: models and hashes, precision, device,
 sampling and prompt mix, taken from the meta block.
@@ -26,6 +29,7 @@ REQUIRED_ROW_KEYS = ("task", "language", "split", "method", "temperature", "spee
                      "ttft_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "peak_mem_mb", "policy_overhead",
                      "draft_frac", "identical_to_ar", "n_prompts", "n_tokens")
 # rows from `evaluate` also carry "speedup_ci" and "n_units"
+MAX_FLAGGED_ROWS = 40  # flagged prompts listed in report.md (all of them are in report.json)
 
 
 def _clean(value):
@@ -55,7 +59,8 @@ def _label(meta: dict) -> str:
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"
             f" | {meta.get('dtype', '?')} on {meta.get('device', '?')} ({hw})"
             f" | top_k={s.get('top_k')}, top_p={s.get('top_p')}, max_new_tokens={s.get('max_new_tokens')}"
-            f" | {mix.get('n_prompts', '?')} prompts: "
+            + (f" | suite {meta['suite']['name']}" if isinstance(meta.get("suite"), dict) else "")
+            + f" | {mix.get('n_prompts', '?')} prompts: "
             + ", ".join(f"{k} {v}" for k, v in sorted(mix.get("by_task", {}).items())))
 
 
@@ -120,6 +125,48 @@ def _verdict_lines(analysis: dict) -> list[str]:
     return lines + [""]
 
 
+def _excluded_note(degeneracy: dict | None) -> list[str]:
+    """The line under the verdicts saying how many prompts the degeneracy rule left out of them."""
+    if not degeneracy:
+        return []
+    n, k = degeneracy.get("n_measured", 0), len(degeneracy.get("flagged", []))
+    if not k:
+        return [f"No prompt left out: the target's greedy output is not degenerate on any of {n} measured prompts.",
+                ""]
+    return [f"**{k} of {n} prompts left out** of the verdicts and the speedup summary: the target's greedy output "
+            "on them is degenerate (loops or junk; see \"Degenerate output\" below, where their numbers are shown "
+            "apart).", ""]
+
+
+def _degeneracy_lines(degeneracy: dict | None) -> list[str]:
+    """Flagged groups and prompts with their measures, and the comparisons on them, apart from the verdicts."""
+    if not degeneracy:
+        return []
+    flagged = degeneracy.get("flagged", [])
+    lines = ["## Degenerate output (left out of the verdicts)", "",
+             f"Rule: {degeneracy['rule']}. Measured on the target's own greedy output (the `ar` runs at T=0) of "
+             f"{degeneracy['n_measured']} of {degeneracy['n_prompts']} prompts: {len(flagged)} flagged.", "",
+             "| task | language | prompts | flagged | group degenerate |", "|---|---|---|---|---|"]
+    for g in degeneracy.get("groups", []):
+        lines.append(f"| {g['task']} | {g['language']} | {g['n_measured']} | {g['n_flagged']} | "
+                     f"{'YES' if g['degenerate'] else 'no'} |")
+    if flagged:
+        lines += ["", "| prompt | repeated 4-grams | compression | distinct tokens | reason | output starts |",
+                  "|---|---|---|---|---|---|"]
+        for pid in flagged[:MAX_FLAGGED_ROWS]:
+            m = degeneracy["prompts"][pid]
+            sample = m.get("sample", "").replace("\n", "\\n").replace("|", "\\|").replace("`", "'")
+            lines.append(f"| {pid} | {m['repeated_ngram_share']:.0%} | {m['compression_ratio']:.2f} | "
+                         f"{m['distinct_token_ratio']:.2f} | {m['reason']} | {f'`{sample}`' if sample else '-'} |")
+        if len(flagged) > MAX_FLAGGED_ROWS:
+            lines.append(f"| ... {len(flagged) - MAX_FLAGGED_ROWS} more in report.json `degeneracy` | | | | | |")
+    comps = degeneracy.get("comparisons") or []
+    if comps:
+        lines += ["", "On the flagged prompts only (not verdicts: speed on degenerate text):", ""]
+        lines += [f"- {describe(c)}" for c in comps]
+    return lines + [""]
+
+
 def _summary_lines(summary: list[dict], scope: str) -> list[str]:
     if not summary:
         return []
@@ -135,9 +182,10 @@ def _summary_lines(summary: list[dict], scope: str) -> list[str]:
     return lines + [""]
 
 
-def _group_lines(groups: list[dict]) -> list[str]:
+def _group_lines(groups: list[dict], degenerate: set | None = None) -> list[str]:
     if not groups:
         return []
+    degenerate = degenerate or set()
     m, b = groups[0]["method"], groups[0]["baseline"]
     lines = [f"## {m} vs {b} by task group (live)", "",
              f"Groups with fewer than {MIN_PROMPTS_TO_CONCLUDE} prompts are too small to conclude: their intervals "
@@ -149,6 +197,8 @@ def _group_lines(groups: list[dict]) -> list[str]:
         if g.get("same_decisions"):  # a flag beside the verdict, never instead of it
             v += f"; flag: same decisions ({g['cause']})" if g.get("cause") else "; flag: same decisions"
         ratio = _with_ci(g["ratio"], g["ci"], ".3f")
+        if (g["task"], g["language"]) in degenerate:
+            v += " (degenerate output: not a verdict)"
         lines.append(f"| {g['temperature']:g} | {g['task']} | {g['language']} | {ratio} | {v} | {g['n_prompts']} |"
                      f" {g['n_units']} |")
     return lines + [""]
@@ -279,9 +329,14 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
     if meta.get("skipped"):
         lines += ["**Skipped methods:**", ""] + [f"- `{k}`: {v}" for k, v in meta["skipped"].items()] + [""]
     lines += _verdict_lines(analysis)
+    degeneracy = analysis.get("degeneracy")
+    lines += _excluded_note(degeneracy)
     scope = "Held-out" if any("heldout" in str(r.get("split", "")) for r in results) else "All-prompt"
-    lines += _summary_lines(analysis.get("summary") or heldout_summary(results), scope)
-    lines += _group_lines(analysis.get("groups") or [])
+    # with a degeneracy block an empty summary means every prompt was left out: no fallback to all groups' rows
+    lines += _summary_lines(analysis.get("summary") or ([] if degeneracy else heldout_summary(results)), scope)
+    bad_groups = {(g["task"], g["language"]) for g in (degeneracy or {}).get("groups", []) if g["degenerate"]}
+    lines += _group_lines(analysis.get("groups") or [], bad_groups)
+    lines += _degeneracy_lines(degeneracy)
     lines += _replay_lines(analysis.get("replay"))
     lines += _cost_lines(analysis.get("cost_check"))
     lines += _decision_lines(analysis.get("decisions") or {})
@@ -293,7 +348,10 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
         "- verdicts: faster / slower when the 95% interval of the ratio excludes 1, indistinguishable when it "
         "contains 1. Flag \"same decisions\": both made the same (depth, size) on every cycle of every unit; "
         "the ratio still differs by each controller's decision time and by timing noise, so the flag gives both "
-        "methods' decision time per generation, the ratio without it, and the cause of the difference.", ""]
+        "methods' decision time per generation, the ratio without it, and the cause of the difference.",
+        "- intervals of the verdicts and speedups: 95% paired bootstrap over prompts (each prompt's rounds resampled "
+        "together), so they cover the choice of prompts as well as timing noise.",
+        "- degenerate output: " + (degeneracy or {}).get("rule", "not measured (no greedy ar run)") + ".", ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
@@ -314,8 +372,10 @@ def write_report(results: list[dict], meta: dict, out_dir: str | Path, *, plots:
         assert not missing, f"result row {r.get('method')}/{r.get('task')} lacks keys {missing}"
     analysis = dict(analysis or {})
     png = write_plots(results, analysis, _label(meta), out) if plots and results else []
-    payload = {"meta": meta, "summary": analysis.get("summary") or heldout_summary(results),
-               **{k: analysis.get(k) for k in ("comparisons", "groups", "decisions", "replay", "cost_check")},
+    summary = analysis.get("summary") or ([] if analysis.get("degeneracy") else heldout_summary(results))
+    payload = {"meta": meta, "summary": summary,
+               **{k: analysis.get(k) for k in ("comparisons", "groups", "decisions", "replay", "cost_check",
+                                               "degeneracy")},
                "results": results}
     # atomic: an interrupted or failing write never leaves a half-written report beside the old one
     atomic_write_text(out / "report.json", json.dumps(_clean(payload), indent=1, ensure_ascii=False))

@@ -39,6 +39,7 @@ from specpilot.drafting.executor import (Executor, ShardOutcome, ShardTask, as_e
                                          shard_report)
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
+from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
 from specpilot.eval.metrics import RunRecord, aggregate, pooled_tau
 from specpilot.eval.stats import paired_ratio_interval
@@ -56,8 +57,10 @@ class EvalResult:
 
     comparisons / groups / decisions / summary: the paired analysis of the records (`specpilot.eval.compare`);
     replay / cost_check: set by `specpilot.eval.replay_eval.replay_evaluation` and `specpilot.eval.costcheck`
-    when a caller runs them; controllers: name -> (fresh copy of the method's Controller, its TreeConfig), so the
-    same decisions can be replayed offline."""
+    when a caller runs them; degeneracy: the target's greedy output per prompt measured and flagged
+    (`specpilot.eval.degeneracy`): flagged prompts are left out of summary and comparisons and analysed apart
+    in its "summary" / "comparisons"; controllers: name -> (fresh copy of the method's Controller, its
+    TreeConfig), so the same decisions can be replayed offline."""
 
     results: list[dict]
     meta: dict
@@ -68,12 +71,14 @@ class EvalResult:
     summary: list[dict] = field(default_factory=list)
     replay: dict | None = None
     cost_check: dict | None = None
+    degeneracy: dict | None = None
     controllers: dict = field(default_factory=dict, repr=False)
 
     def analysis(self) -> dict:
         """What `write_report(..., analysis=)` prints beside the rows."""
         return {"summary": self.summary, "comparisons": self.comparisons, "groups": self.groups,
-                "decisions": self.decisions, "replay": self.replay, "cost_check": self.cost_check}
+                "decisions": self.decisions, "replay": self.replay, "cost_check": self.cost_check,
+                "degeneracy": self.degeneracy}
 
 
 def _encode_all(prompts: list[Prompt], encode: Callable[[str], list[int]], limit: int) -> tuple[list[list[int]], int]:
@@ -166,7 +171,8 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
              warmup: int = 1, concurrency: int = 1, tree: TreeConfig | None = None,
              grid: str | Path | None = None, run_dir: str | Path | None = None, seed: int = 0,
              encode: Callable[[str], list[int]] | None = None, progress: Callable[[str], None] | None = None,
-             sampled_methods: list[str] | None = None, by_group: bool = True) -> EvalResult:
+             sampled_methods: list[str] | None = None, by_group: bool = True,
+             suite: dict | None = None) -> EvalResult:
     """Evaluate `methods` (default: every registered one that is available) and `controllers` (any Controllers,
     by name, on the evaluation `tree`) on `prompts` with the interleaved rounds of `specpilot.eval.rounds`.
 
@@ -198,7 +204,10 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
     shares = [idx for idx in assign_groups(prompts, len(executor), by_group=by_group) if idx]
     tasks = [ShardTask(i, {"prompts": [prompts[j] for j in idx], **settings}, idx) for i, idx in enumerate(shares)]
     outcomes = executor.map(measure_rounds, tasks, progress=progress)
-    return _merge(prompts, tasks, outcomes, temperatures, plan.decide, seed, by_group)
+    result = _merge(prompts, tasks, outcomes, temperatures, plan.decide, seed, by_group)
+    if suite is not None:  # {"name", "chosen_by"} (`specpilot.eval.suites.choose_suite`): the report names it
+        result.meta["suite"] = suite
+    return result
 
 
 def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, temperatures, top_k, top_p,
@@ -253,7 +262,11 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
                       "by_temperature": rounds_meta}
     if sampled_methods is not None:
         meta["sampled_methods"] = sampled_names
+    # the ar runs at T=0 are the target's greedy output (`specpilot.eval.degeneracy`): decoded here, on the
+    # worker that holds the tokenizer, measured in `_merge`; it costs no generation
+    greedy = {pid: pair.decode(list(tokens)) for pid, tokens in greedy_outputs(records).items()}
     return {"records": [r for r in records if r.method not in failed], "meta": meta, "kept": kept,
+            "greedy_texts": greedy,
             "controllers": {n: (copy.deepcopy(m.controller), m.decoder.tree) for n, m in built.items()
                             if n in kept and isinstance(m, ControllerMethod)}}
 
@@ -278,6 +291,10 @@ def _merge(prompts: list[Prompt], tasks: list[ShardTask], outcomes: list[ShardOu
         first = next(p.id for p in prompts if (p.task, p.language) == (row["task"], row["language"]))
         row.update(worker=worker_of[first]["worker"], device=worker_of[first]["device"])
     result = EvalResult(results=rows, meta=meta, records=records)
+    outputs = greedy_outputs(records)
+    texts = {tuple(outputs[pid]): text for p in parts for pid, text in p["greedy_texts"].items() if pid in outputs}
+    result.degeneracy = (degeneracy_report(outputs, prompts, decode=lambda tokens: texts.get(tuple(tokens)))
+                         if outputs else None)
     _analyse(result, prompts, temperatures, decide, seed)
     result.controllers = {n: c for p in parts for n, c in p["controllers"].items() if n in kept}
     return result
@@ -305,10 +322,17 @@ def merge_meta(metas: list[dict], workers: list[dict]) -> dict:
 
 
 def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tuple[str, str], seed: int) -> None:
-    """The paired analysis of `result.records` (see `specpilot.eval.compare`)."""
+    """The paired analysis of `result.records` (see `specpilot.eval.compare`). Prompts whose greedy output is
+    flagged degenerate are left out of the summary and the comparisons (the headline) and analysed apart."""
     records = result.records
-    result.summary = _summary(records, temperatures, seed)
-    result.comparisons = comparisons(records, temperatures, decide=decide, seed=seed)
+    flagged = set((result.degeneracy or {}).get("flagged", []))
+    kept = [r for r in records if r.prompt_id not in flagged]
+    result.summary = _summary(kept, temperatures, seed, exact_over=records)
+    result.comparisons = comparisons(kept, temperatures, decide=decide, seed=seed)
+    if flagged:
+        apart = [r for r in records if r.prompt_id in flagged]
+        result.degeneracy["summary"] = _summary(apart, temperatures, seed)
+        result.degeneracy["comparisons"] = comparisons(apart, temperatures, decide=decide, seed=seed)
     result.groups = [g for t in temperatures for g in group_comparisons(records, prompts, temperature=t,
                                                                         method=decide[0], baseline=decide[1],
                                                                         seed=seed)]
@@ -316,13 +340,16 @@ def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tu
                         for t in temperatures}
 
 
-def _summary(records: list[RunRecord], temperatures, seed: int) -> list[dict]:
+def _summary(records: list[RunRecord], temperatures, seed: int,
+             exact_over: list[RunRecord] | None = None) -> list[dict]:
     """Per method and temperature, over every unit it ran (concurrency 1): pooled speedup over `ar` with its
-    paired interval, tau, and whether every greedy run equalled `ar`'s tokens."""
+    paired interval, tau, and whether every greedy run equalled `ar`'s tokens (over `exact_over` when given:
+    exactness is checked on every prompt, also those left out of the speedups)."""
     out = []
     for temperature in temperatures:
         by_method = unit_records(records, temperature=temperature)
-        ar_tokens = {k[0]: r.tokens for k, r in by_method.get("ar", {}).items() if k[1] == 0}
+        every = unit_records(exact_over, temperature=temperature) if exact_over is not None else by_method
+        ar_tokens = {k[0]: r.tokens for k, r in every.get("ar", {}).items() if k[1] == 0}
         for name, units in by_method.items():
             c = compare(by_method, name, "ar", temperature=temperature, seed=seed)
             recs = list(units.values())
@@ -331,7 +358,8 @@ def _summary(records: list[RunRecord], temperatures, seed: int) -> list[dict]:
                 "speedup": c["ratio"] if c else float("nan"), "speedup_ci": c["ci"] if c else [None, None],
                 "tau": pooled_tau(recs),
                 "policy_overhead": sum(r.policy_s for r in recs) / max(sum(r.wall_s for r in recs), 1e-12),
-                "identical_to_ar": (all(r.tokens == ar_tokens.get(r.prompt_id) for r in recs)
+                "identical_to_ar": (all(r.tokens == ar_tokens.get(r.prompt_id)
+                                        for r in every.get(name, units).values())
                                     if float(temperature) == 0.0 else None),
                 "n_units": len(units), "n_prompts": len({k[0] for k in units}),
                 "n_rounds": len({k[1] for k in units})})
@@ -458,7 +486,9 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
                      "interleaving": "rounds over all prompts; per prompt the methods back to back, order rotated",
                      "unit": "one (prompt, round): every method of the round ran it back to back",
                      "speedup": "pooled tokens/s of the method over pooled tokens/s of ar on the same units",
-                     "interval": "95% paired percentile bootstrap over units (4000 resamples, seeded)",
+                     "interval": "95% paired percentile bootstrap over prompts, each prompt's rounds resampled "
+                                 "together (4000 resamples, seeded); a round's timing-noise interval over (prompt, "
+                                 "round) units decides when to stop adding rounds",
                      "itl": "gaps between successive token deliveries (a cycle's tokens are one delivery)",
                      "peak_mem": "CUDA allocator peak" if device.type == "cuda" else "process RSS, sampled"},
         "tree": {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size},

@@ -12,6 +12,16 @@ prompt's length and the machine's load in that round, cancels), recompute the po
 97.5% percentiles of the resampled ratios. The interval is conditional on the prompts evaluated: it covers timing
 noise and how the ratio varies over the units, not prompts the suite does not contain.
 
+The *prompt-level* (cluster) interval resamples prompts instead: a *cluster* is one prompt with all its rounds,
+which repeat the same text and (at T=0) the same decisions, so they are not independent draws. The statistic is
+the same pooled ratio; each resample draws prompts with replacement and brings every round of a drawn prompt
+along (`cluster_ratio_interval`). Its interval covers the choice of prompts as well as timing noise: "faster"
+then means faster on prompts like these, not just on these. With prompt-level effects (some prompts suit a method
+better than others) the unit interval is too narrow, because R rounds of one prompt count as R independent
+units; the cluster interval is not (tests/test_stats_cluster.py measures both coverages on synthetic data). The
+report's method comparisons use the cluster interval; the unit interval's half-width (timing noise only, which
+more rounds shrink) is what the rounds' stopping rule watches.
+
 Verdicts of a comparison: "same decisions" when the two methods made the same (depth, size) choice on every cycle
 of every unit (their difference is then timing noise by construction: no percentage is printed), else "faster"
 (the interval lies above 1), "slower" (below 1) or "indistinguishable" (it contains 1).
@@ -103,6 +113,26 @@ def paired_ratio_interval(tokens_a: Sequence[float], time_a: Sequence[float], to
     if high - low <= 1e-12 * abs(ratio):
         low = high = ratio
     return Interval(ratio, float(low), float(high), n)
+
+
+def cluster_ratio_interval(tokens_a: Sequence[float], time_a: Sequence[float], tokens_b: Sequence[float],
+                           time_b: Sequence[float], clusters: Sequence, *, resamples: int = RESAMPLES,
+                           level: float = LEVEL, seed: int = 0) -> Interval:
+    """Pooled ratio of A over B with a paired percentile bootstrap over clusters (module docstring).
+
+    The four sequences are aligned by unit as in `paired_ratio_interval`; `clusters[u]` names unit u's cluster
+    (its prompt id). A resample draws clusters with replacement and keeps every unit of a drawn cluster: the
+    pooled ratio is a ratio of sums, so summing each cluster's units first and resampling those sums is exact.
+    `n_units` of the result counts clusters (prompts). Below MIN_UNITS clusters there is no interval."""
+    n = len(tokens_a)
+    if not (len(time_a) == len(tokens_b) == len(time_b) == len(clusters) == n):
+        raise ValueError(f"paired units must align: got {n}, {len(time_a)}, {len(tokens_b)}, {len(time_b)} values "
+                         f"and {len(clusters)} cluster labels")
+    labels: dict = {}
+    index = np.array([labels.setdefault(c, len(labels)) for c in clusters], dtype=np.int64)
+    sums = [np.bincount(index, weights=np.asarray(x, dtype=np.float64), minlength=len(labels))
+            for x in (tokens_a, time_a, tokens_b, time_b)]
+    return paired_ratio_interval(*sums, resamples=resamples, level=level, seed=seed)
 
 
 def same_decisions(logs_a: Sequence[Sequence[tuple[int, int]]], logs_b: Sequence[Sequence[tuple[int, int]]]) -> bool:

@@ -8,6 +8,20 @@ Bundled suites live in `eval/suites/<split>.jsonl`, one JSON object per line wit
 - `heldout`: never used for training or selection. Code on topics unlike the standard library, and natural-
   language tasks (instruction following, question answering, math word problems, conversation) in English,
   Italian, Spanish and Chinese; the same items translated, so prompt lengths are comparable across languages.
+  The held-out suite for general-purpose targets.
+- `heldout_code`: never used for training or selection. 66 Python prompts written for this suite (none from the
+  standard library, none in `train`/`validation`), 11 in each of six task groups (`task`): numerics, text,
+  datastruct, io_parsing, tests (pytest style) and classes, in three forms (an extra `form` field: `signature`
+  = signature + docstring, `docstring` = a module or class docstring then the start of the code, `body` = a
+  partial function body). The held-out suite for code models such as the embedded pair, whose target only saw
+  the CPython standard library (`drafting/default_pair/corpus_manifest.json`): prose prompts make it emit junk.
+  Its prompts end at the cursor, never after a bare newline: the embedded tokenizer merges a newline with the
+  next line's indentation ("\n   " + " return"), so a prompt ending in a lone "\n" token tells the model the
+  next line starts at column 0, and it answers with a new top-level `class`/`def` or a "#\n#\n" loop.
+
+Which held-out suite matches a pair (`default_heldout_suite`, what `specpilot eval` and `specpilot demo` use unless
+--suite says otherwise): `heldout_code` for the embedded pair and for targets whose name marks a code model,
+`heldout` for any other (general-purpose) target.
 
 Users add their own suite by path: a `.jsonl` file whose objects have at least a `prompt` field (`id`, `task`,
 `language`, `split` are optional), or a plain-text file with one prompt per line (blank lines skipped; a literal
@@ -16,13 +30,17 @@ Users add their own suite by path: a `.jsonl` file whose objects have at least a
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
-BUNDLED_SUITES = ("train", "validation", "heldout")
+BUNDLED_SUITES = ("train", "validation", "heldout", "heldout_code")
 REQUIRED_BUNDLED_FIELDS = ("id", "task", "language", "split", "prompt")
+# a target whose name (hub id or folder, case-insensitive) has a word starting with "code" (CodeLlama,
+# Qwen2.5-Coder, granite-3b-code-base, codegen) or names one of these families is a code model ("decoder" is not)
+CODE_MODEL_NAME = re.compile(r"(?<![a-z])code|starcoder|santacoder|wizardcoder")
 
 
 class SuiteError(ValueError):
@@ -98,7 +116,7 @@ def _parse_text(path: Path) -> list[Prompt]:
 
 
 def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Prompt]:
-    """Load a bundled suite by name ("train", "validation", "heldout") or a user suite by path.
+    """Load a bundled suite by name ("train", "validation", "heldout", "heldout_code") or a user suite by path.
 
     `split` keeps only prompts of that split (for a user suite whose lines carry a `split` field).
     Raises SuiteError naming the file and line for bad JSON, missing fields, empty prompts, duplicate ids,
@@ -134,6 +152,33 @@ def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Promp
             raise SuiteError(f"{path}: no prompts with split {split!r} (splits present: {', '.join(have)})")
         prompts = kept
     return prompts
+
+
+def is_code_model(target: str | Path | None) -> bool:
+    """True for the embedded pair (target None: its target saw only the CPython standard library) and for a
+    target whose name matches CODE_MODEL_NAME (e.g. "bigcode/starcoder2-3b", "Qwen/Qwen2.5-Coder-0.5B")."""
+    if target is None:
+        return True
+    return CODE_MODEL_NAME.search(str(target).lower()) is not None
+
+
+def default_heldout_suite(target: str | Path | None) -> str:
+    """The bundled held-out suite that matches the pair's target: "heldout_code" for a code model (`is_code_model`:
+    prose prompts make such a model loop or emit junk, which drafts trivially), else "heldout" (prose in four
+    languages and some code, for general-purpose targets)."""
+    return "heldout_code" if is_code_model(target) else "heldout"
+
+
+def choose_suite(suite: str | Path | None, target: str | Path | None) -> dict:
+    """The suite an evaluation runs and why, for its report: {"name", "chosen_by"}. `suite` (--suite) when given,
+    else `default_heldout_suite(target)`."""
+    if suite is not None:
+        return {"name": str(suite), "chosen_by": "--suite"}
+    name = default_heldout_suite(target)
+    what = ("the embedded pair, a code model: its target saw only the standard library" if target is None else
+            f"target {target}, " + ("a code model by its name" if name == "heldout_code" else
+                                    "a general-purpose model: its name marks no code model"))
+    return {"name": name, "chosen_by": f"default for {what}"}
 
 
 def prompt_mix(prompts: list[Prompt]) -> dict:

@@ -3,8 +3,9 @@
 `summarise_report(report)` keeps what a reader needs to answer "does the learned policy beat the grid config?":
 greedy speedups over ar with their intervals, the verdicts of the compared pairs (always the ratio and its interval;
 "same decisions" is a flag beside them that names where the difference comes from), how many rounds and units
-were used, which task groups can be concluded on, replay beside live, and the cost-model checks.
-`format_summary_lines(summary)` prints it.
+were used, which task groups can be concluded on, replay beside live, the cost-model checks, the suite evaluated,
+and how many prompts were left out of the verdicts because the target's greedy output on them is degenerate
+(`specpilot.eval.degeneracy`). `format_summary_lines(summary)` prints it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,14 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
     decide = next((c for c in comps if c.get("baseline_role") == "decide" and c["temperature"] == temperature), None)
     groups = [g for g in report.get("groups") or [] if g["temperature"] == temperature and g["language"] != "all"]
     replay = report.get("replay") or {}
+    degeneracy = report.get("degeneracy")
     return {
+        "suite": (report.get("meta") or {}).get("suite"),
+        "degeneracy": {"n_measured": degeneracy.get("n_measured"), "n_flagged": len(degeneracy.get("flagged", [])),
+                       "groups": [f"{g['task']}/{g['language']}" for g in degeneracy.get("groups", [])
+                                  if g["degenerate"] and g["language"] != "all"],
+                       "comparisons": [c for c in degeneracy.get("comparisons") or []
+                                       if c.get("baseline_role") == "decide"]} if degeneracy else None,
         "methods": methods,
         "comparisons": comps,
         "ltd_vs_grid": decide,
@@ -99,9 +107,27 @@ def _cost_lines(checks: dict) -> list[str]:
     return out
 
 
+def _suite_lines(summary: dict) -> list[str]:
+    lines = []
+    suite = summary.get("suite")
+    if isinstance(suite, dict):
+        lines.append(f"suite: {suite.get('name')} ({suite.get('chosen_by')})")
+    d = summary.get("degeneracy")
+    if d:
+        groups = f"; degenerate groups: {', '.join(d['groups'])}" if d["groups"] else ""
+        lines.append(f"degenerate output: {d['n_flagged']} of {d['n_measured']} prompts left out of the verdicts and "
+                     f"speedups{groups}" if d["n_flagged"] else
+                     f"degenerate output: none of {d['n_measured']} prompts (all in the verdicts)")
+        lines += [f"  on those prompts only (not a verdict): {describe(c)}" for c in d.get("comparisons") or []]
+        if d["n_flagged"] and d["n_flagged"] == d["n_measured"]:
+            lines.append("no verdict: the target's greedy output is degenerate on every prompt (pick a suite that "
+                         "matches the model: --suite)")
+    return lines
+
+
 def format_summary_lines(summary: dict) -> list[str]:
     """The summary as printable lines (verdicts first after the method table)."""
-    lines = _method_lines(summary.get("methods") or {})
+    lines = _suite_lines(summary) + _method_lines(summary.get("methods") or {})
     comps = summary.get("comparisons") or []
     if comps:
         lines.append("verdicts (live, paired 95% intervals):")

@@ -14,7 +14,7 @@ def _parse(argv):
 
 def test_defaults_and_lists():
     args = _parse(["--temperatures", "0,0.7", "--methods", "fixed,ddd", "--concurrency", "4"])
-    assert args.suite == "heldout" and args.temperatures == (0.0, 0.7) and args.concurrency == 4
+    assert args.suite is None and args.temperatures == (0.0, 0.7) and args.concurrency == 4
     assert _parse([]).temperatures == (0.0, 1.0)
 
 
@@ -79,3 +79,5 @@ def test_run_writes_a_report(tmp_path, monkeypatch):
     report = json.loads((out / "report.json").read_text())
     assert {r["method"] for r in report["results"]} == {"ar", "fixed"}
     assert report["meta"]["models"]["name"] == "tiny" and (out / "report.md").exists()
+    assert report["meta"]["suite"] == {"name": str(suite), "chosen_by": "--suite"}  # the report names the suite
+    assert f"suite {suite}" in (out / "report.md").read_text()

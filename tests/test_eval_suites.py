@@ -9,7 +9,8 @@ from specpilot.eval.suites import BUNDLED_SUITES, SuiteError, load_suite, prompt
 @pytest.mark.parametrize("name", BUNDLED_SUITES)
 def test_bundled_suite_loads_with_its_split(name):
     prompts = load_suite(name)
-    assert prompts and all(p.split == name for p in prompts)
+    split = "heldout" if name.startswith("heldout") else name  # heldout_code: held out like heldout
+    assert prompts and all(p.split == split for p in prompts)
     assert all(p.prompt.strip() for p in prompts)
 
 
@@ -38,6 +39,7 @@ def test_splits_are_disjoint():
     assert not texts["train"] & texts["heldout"]
     assert not texts["validation"] & texts["heldout"]
     assert not texts["train"] & texts["validation"]
+    assert not (texts["train"] | texts["validation"] | texts["heldout"]) & texts["heldout_code"]
 
 
 def test_user_jsonl_suite_needs_only_prompt(tmp_path):
