@@ -69,6 +69,16 @@ class FixedController(Controller):
         self.size = check_int("FixedController size", default_size if size is None else size,
                               minimum=0 if self.depth == 0 else 1)
 
+    def check_tree(self, tree) -> None:
+        """Refuse a tree this config does not fit: a depth beyond tree.max_depth would be capped at it, a size beyond
+        tree.max_size clipped to it, both without a word."""
+        if self.depth > tree.max_depth:
+            raise ValueError(f"FixedController depth {self.depth} is deeper than the tree's max_depth "
+                             f"{tree.max_depth}: use a depth in 0..{tree.max_depth}, or a deeper TreeConfig")
+        if self.size > tree.max_size:
+            raise ValueError(f"FixedController size {self.size} is larger than the tree's max_size {tree.max_size}: "
+                             f"use a size in 1..{tree.max_size}, or a larger TreeConfig")
+
     def skip_drafting(self, state: DraftState) -> bool:
         return self.depth == 0
 

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-size", type=positive_int, default=None,
                         help="most candidates verified per cycle (default: the --run's largest size action, else 64)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--truncate-prompts", action="store_true",
+                        help="keep the last tokens of prompts too long for the context, and say so (default: refuse "
+                             "them)")
 
 
 @dataclass
@@ -117,6 +120,12 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     prompts = load_suite(args.suite, split=args.split)
     if args.limit is not None:
         prompts = prompts[: args.limit]
+    if not any(t > 0 for t in args.temperatures):
+        given = [o for o, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)) if v != off]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply when sampling, but --temperatures "
+                             f"{','.join(f'{t:g}' for t in args.temperatures)} is greedy only: add a temperature > 0, "
+                             "or drop them")
     if args.check_profile and not args.replay_dir:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
     for path in args.check_profile:
@@ -143,13 +152,18 @@ def run(args: argparse.Namespace) -> int:
     pair = load_pair(args)
     SpeculativeDecoder(pair, plan.tree)  # the tree fits the drafter (width <= its vocabulary)
     methods = plan.methods
-    if pair.drafter_kind == "eagle3":
+    # hf_assisted, one rule everywhere (eval.methods._assistant): transformers' assisted generation drafts with a
+    # separate draft LM, the embedded one for the embedded EAGLE-3 pair; another EAGLE-3 pair has none, so the
+    # method is refused when named and skipped with a meta.skipped entry otherwise
+    if pair.drafter_kind == "eagle3" and pair.draft is None and not pair.name.startswith("specpilot-default"):
         check_methods(list(dict.fromkeys([*(methods or []), *(plan.sampled or [])])), drafter_kind="eagle3")
-        if methods is None:  # all available: transformers' assisted generation needs a draft LM
-            methods = [m for m in METHODS if m != "hf_assisted"]
-    say(f"evaluating {len(plan.prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype}), tree {plan.tree}")
-    trace = profile = None
     ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
+    notes = check_prompt_lengths(plan.prompts, ids, context=pair.max_context, max_new_tokens=args.max_new_tokens,
+                                 max_depth=plan.tree.max_depth, truncate=args.truncate_prompts)
+    say(f"evaluating {len(plan.prompts)} prompts on {pair.name} ({pair.device}, {pair.dtype}), tree {plan.tree}")
+    for note in notes:
+        say(note)
+    trace = profile = None
     if args.replay_dir:
         from specpilot.eval.full import prepare_replay
 
@@ -169,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
         attach_replay(result, trace, profile, plan.prompts, profile_path=Path(args.replay_dir) / "profile.json",
                       check_profiles={p: p for p in args.check_profile}, seed=args.seed, progress=say)
+    clear_outputs(args.out)
     paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots, analysis=result.analysis())
     for name, reason in result.meta["skipped"].items():
         say(f"skipped {name}: {reason}")
@@ -189,10 +204,47 @@ def _run_on_ray(args: argparse.Namespace, plan: EvalPlan) -> int:
                                   repeats=args.repeats, warmup=args.warmup, concurrency=args.concurrency,
                                   tree=plan.tree, grid=args.grid, run_dir=args.run_dir, seed=args.seed,
                                   sampled_methods=plan.sampled, progress=print)
+    clear_outputs(args.out)
     paths = write_report(result.results, result.meta, args.out, plots=not args.no_plots)
     say_retries(result.meta["cluster"]["retried_prompts"])
     print(f"wrote {paths['md']} and {paths['json']}")
     return 0
+
+
+def check_prompt_lengths(prompts, ids: dict, *, context: int, max_new_tokens: int, max_depth: int,
+                         truncate: bool) -> list[str]:
+    """Prompts too long for the context (room for max_new_tokens and the deepest draft lookahead, as the runner
+    keeps) are refused, naming the first and the real numbers; with truncate=True they are kept (the runner keeps
+    their last tokens) and the returned note says how many and to what length."""
+    limit = context - max_new_tokens - max_depth - 2
+    long = [(p, len(ids[p.prompt])) for p in prompts if len(ids[p.prompt]) > limit]
+    if not long:
+        return []
+    first, n = long[0]
+    if limit < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} with draft depth {max_depth} leaves no room for a "
+                         f"prompt in the models' {context}-token context: lower --max-new-tokens")
+    if not truncate:
+        raise ValueError(f"prompt {first.id!r} is {n} tokens, {len(long) - 1} more too: with --max-new-tokens "
+                         f"{max_new_tokens} and draft depth {max_depth} a prompt fits in {limit} tokens of the "
+                         f"models' {context}-token context; shorten them, lower --max-new-tokens, or add "
+                         "--truncate-prompts to keep their last tokens")
+    return [f"note: {len(long)} prompt(s) truncated to their last {limit} tokens (--truncate-prompts; the longest "
+            f"had {max(k for _, k in long)}): they are recorded in report.json meta.prompts_truncated"]
+
+
+# the files an evaluation writes into --out beside report.json / report.md (eval/plots.py): cleared first, so a
+# folder reused from an earlier evaluation never shows its stale plots
+PLOT_PATTERNS = ("forest_speedup_T*.png", "forest_groups_T*.png", "decisions_T*.png", "time_split_T*.png",
+                 "choices_T*.png")
+
+
+def clear_outputs(out: str) -> None:
+    from pathlib import Path
+
+    for pattern in PLOT_PATTERNS:
+        for path in Path(out).glob(pattern):
+            path.unlink(missing_ok=True)
 
 
 def _print_summary(report_json: str) -> None:
@@ -202,4 +254,11 @@ def _print_summary(report_json: str) -> None:
     from specpilot.eval.summary import format_summary_lines, summarise_report
 
     report = json.loads(Path(report_json).read_text())
-    print("\n".join(format_summary_lines(summarise_report(report))))
+    temperatures = sorted({s["temperature"] for s in report.get("summary") or []}) or [0.0]
+    first, *others = temperatures
+    if others:
+        print(f"T={first:g}:")
+    print("\n".join(format_summary_lines(summarise_report(report, temperature=first))))
+    for t in others:  # the method table at every other temperature (verdicts above cover them all)
+        print(f"T={t:g}:")
+        print("\n".join(format_summary_lines({"methods": summarise_report(report, temperature=t)["methods"]})))

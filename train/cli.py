@@ -159,7 +159,26 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
         read_grid_best(grid)
     if args.init_from is not None and not Path(args.init_from).is_file():
         raise FileNotFoundError(f"--init-from {args.init_from}: no such policy zip")
+    _check_start_arch(cmd, args, run_dir)
     return traces, args.static if args.static is not None else args.grid
+
+
+def _check_start_arch(cmd: str, args: argparse.Namespace, run_dir: Path) -> None:
+    """--pi-arch / --vf-arch for stages that start from existing policies (co-adaptation: stage 1's; --init-from)
+    must match them: checked here, before any stage trains, not when the weights fail to load."""
+    if args.pi_arch is None and args.vf_arch is None:
+        return
+    from specpilot.train.ppo import PPOOverrides
+    from specpilot.train.stages import start_arch
+
+    ppo = PPOOverrides(pi_arch=args.pi_arch, vf_arch=args.vf_arch)
+    if args.init_from is not None and cmd in ("size", "depth"):
+        start_arch(args.init_from, cmd, ppo)
+    if cmd == "coadapt":
+        for kind in ("size", "depth"):
+            best = run_dir / f"{kind}_s1" / "best.zip"
+            if best.is_file():
+                start_arch(best, kind, ppo)
 
 
 def run(args: argparse.Namespace) -> int:

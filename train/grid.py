@@ -78,11 +78,30 @@ def _as_list(traces) -> list:
     return list(traces)
 
 
+def check_cells(trace: Trace, depths: Sequence[int] | None, sizes: Sequence[int] | None) -> None:
+    """Depths / sizes asked for that the trace cannot replay are refused (never quietly dropped or clipped),
+    naming the values, the trace and its range."""
+    where = f"the width-{trace.width} trace{f' {trace.path}' if trace.path else ''}"
+    bad = sorted({int(d) for d in depths or () if not 0 <= int(d) <= trace.max_depth})
+    if bad:
+        raise ValueError(f"--depths {_span(bad)}: {where} was recorded to depth {trace.max_depth}; give depths in "
+                         f"0..{trace.max_depth} (or record deeper: `specpilot record --max-depth N`)")
+    bad = sorted({int(v) for v in sizes or () if not 1 <= int(v) <= trace.max_size})
+    if bad:
+        raise ValueError(f"--sizes {_span(bad)}: {where} was recorded with max_size {trace.max_size}; give sizes in "
+                         f"1..{trace.max_size} (or record larger trees: `specpilot record --max-size N`)")
+
+
+def _span(values: list[int]) -> str:
+    return ",".join(map(str, values)) if len(values) <= 4 else f"{values[0]}..{values[-1]} ({len(values)} values)"
+
+
 def _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress) -> tuple[list[dict], dict, dict]:
     """Every (depth, size) cell of one trace under replay: (table rows, ceilings, source description)."""
     trace = load_trace(item)
     model = ReplayModel(trace, load_profile(profile, trace), max_new_tokens=max_new_tokens)
     width = trace.width
+    check_cells(trace, depths, sizes)
     cell_depths = sorted({int(d) for d in (range(0, trace.max_depth + 1) if depths is None else depths)
                           if 0 <= int(d) <= trace.max_depth})
     cell_sizes = sorted({min(int(s), trace.max_size) for s in (sizes or default_sizes(trace)) if int(s) >= 1})
@@ -351,7 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live-top", type=non_negative_int, default=3,
                         help="re-measure the top K cells live (0: replay only)")
     parser.add_argument("--live-repeats", type=positive_int, default=1, help="passes over the validation prompts")
-    parser.add_argument("--val-suite", default="validation", help="prompts for the live phase (never held-out)")
+    parser.add_argument("--val-suite", default="validation",
+                        help="prompts for the live phase: a suite name or file; held-out prompts are refused (they "
+                             "are never used for selection)")
     parser.add_argument("--val-limit", type=positive_int, default=None,
                         help="use only the first N validation prompts (default: all)")
     add_pair_arguments(parser, what="(live phase)")
@@ -361,13 +382,20 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.cliargs import load_pair
 
     traces = [resolve_train_trace(t) for t in args.traces]
-    for trace in traces:  # every trace (and its profile) readable before the sweep starts
-        load_profile(None, load_trace(trace))
+    for trace in traces:  # every trace (and its profile) readable, every cell asked for in range, before the sweep
+        loaded = load_trace(trace)
+        load_profile(None, loaded)
+        check_cells(loaded, args.depths, args.sizes)
     pair = prompts = None
     if args.live_top > 0:
         from specpilot.eval.suites import load_suite
 
-        prompts = [p.prompt for p in load_suite(args.val_suite)][: args.val_limit or None]
+        suite = load_suite(args.val_suite)
+        held = sorted({p.split for p in suite} & {"heldout"})
+        if args.val_suite == "heldout" or held:
+            raise ValueError(f"--val-suite {args.val_suite}: the grid's live phase selects the baseline, and "
+                             "held-out prompts are never used for selection; use validation prompts (the default)")
+        prompts = [p.prompt for p in suite][: args.val_limit or None]
         pair = load_pair(args)
     result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
                          pair=pair, val_prompts=prompts, live_top=args.live_top, live_repeats=args.live_repeats,
