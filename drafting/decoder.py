@@ -19,7 +19,7 @@ import torch
 
 from specpilot.drafting.cache import cache_length, keep_positions, new_cache
 from specpilot.drafting.checks import check_float, check_int
-from specpilot.drafting.control import FixedController, default_static_config
+from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.drafters import aux_states, fuse_aux, make_drafter
 from specpilot.drafting.pair import ModelPair
@@ -360,11 +360,8 @@ class SpeculativeDecoder:
         policies), else FixedController() for the device. A FixedController deeper or larger than the tree is
         refused (it would be capped without a word)."""
         if controller is None:
-            controller = self.default_controller
-        if controller is None:  # the device's default config, within this tree
-            depth, size = default_static_config(str(self.pair.device))
-            controller = FixedController(min(depth, self.tree.max_depth), min(size, self.tree.max_size))
-        elif isinstance(controller, FixedController):
+            controller = self.default_controller or FixedController(device=str(self.pair.device))
+        if isinstance(controller, FixedController):
             controller.check_tree(self.tree)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed)

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 
 from specpilot.drafting.cliargs import (add_pair_arguments, float_list, load_pair, name_list, non_negative_float,
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
-from specpilot.eval.runner import METHODS
+# the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
+# (tests/test_bad_options.py keeps the two equal)
+METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "ddd", "svip", "confidence", "hf_heuristic", "ltd",
+           "depth_only", "size_only")
 
 _methods = name_list(METHODS, "method")
 

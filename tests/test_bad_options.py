@@ -123,3 +123,28 @@ def test_options_that_cannot_take_effect_are_refused(argv, fragments, capsys, tm
         argv = [*argv, "--out", str(tmp_path / "e")]
     code, err = run_cli(argv, capsys)
     assert_one_line(code, err, *fragments)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a fast --help: parsing arguments imports no heavy library
+
+
+def test_eval_cli_method_names_match_the_registry():
+    from specpilot.eval.cli import METHODS as NAMES
+    from specpilot.eval.methods import METHODS
+
+    assert NAMES == tuple(METHODS)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["eval", "--help"], ["grid", "--help"], ["export", "--help"],
+                                  ["generate", "--help"], ["train", "size", "--help"], ["eval", "--temperatures", "x"],
+                                  ["grid", "--traces", "t", "--out", "g.json", "--depths", "5-2"]])
+def test_help_and_argument_errors_import_no_heavy_library(argv):
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom specpilot.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'matplotlib', 'stable_baselines3') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300).stdout
+    assert "HEAVY []" in out, out[-500:]

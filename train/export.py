@@ -450,24 +450,9 @@ def _summary_lines(meta: dict, out_dir: Path) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import add_pair_arguments, output_dir, positive_int
+    from specpilot.train.cli_args import export_arguments
 
-    parser.add_argument("--run", required=True, help="training run directory (holds policies.json)")
-    parser.add_argument("--out", required=True, type=output_dir,
-                        help="output folder for decoder.json, weights and engine configs (checked before exporting)")
-    parser.add_argument("--onnx", action="store_true", help="also write ONNX actors (needs the optional onnx extra)")
-    add_pair_arguments(parser, dtype_option=False, what="the run was trained on",
-                       target_default="none: the identity comes from the run's manifest, and the recorded pair is "
-                                      "loaded when its paths exist here")
-    parser.add_argument("--default-pair", action="store_true",
-                        help="load the embedded default pair (the run was trained on it) instead of reading the "
-                             "pair from the run's manifest")
-    parser.add_argument("--trace", help="recorded trace to measure the policies' choices on (default: the run's "
-                                        "validation trace, RUN/traces/validation)")
-    parser.add_argument("--grid", help="grid-search result JSON with best {depth, size, width} (default: "
-                                       "RUN/grid.json when present)")
-    parser.add_argument("--prompts", type=positive_int, default=4, help="live generations when no trace is available")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens per live generation")
+    export_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -354,28 +354,9 @@ def int_list(text: str | list[int] | None) -> list[int] | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import (add_pair_arguments, int_list as ints, non_negative_int, output_file,
-                                            positive_int)
+    from specpilot.train.cli_args import grid_arguments
 
-    parser.add_argument("--traces", nargs="+", required=True,
-                        help="trace dir(s) of the training task, one per beam width (or RUN/traces with train/)")
-    parser.add_argument("--out", required=True, type=output_file,
-                        help="grid.json path (the heat map is written next to it; checked before the sweep)")
-    parser.add_argument("--depths", type=ints(0), default=None,
-                        help="depths to sweep, e.g. 0-12 or 2,4,6 (default: 0..max_depth; 0 = plain target steps)")
-    parser.add_argument("--sizes", type=ints(1), default=None,
-                        help="sizes to sweep, e.g. 1,2,4,8 (default: 1 + the size actions)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
-                        help="replay budget (default: the trace's)")
-    parser.add_argument("--live-top", type=non_negative_int, default=3,
-                        help="re-measure the top K cells live (0: replay only)")
-    parser.add_argument("--live-repeats", type=positive_int, default=1, help="passes over the validation prompts")
-    parser.add_argument("--val-suite", default="validation",
-                        help="prompts for the live phase: a suite name or file; held-out prompts are refused (they "
-                             "are never used for selection)")
-    parser.add_argument("--val-limit", type=positive_int, default=None,
-                        help="use only the first N validation prompts (default: all)")
-    add_pair_arguments(parser, what="(live phase)")
+    grid_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
