@@ -328,6 +328,30 @@ def plot_heatmap(result: dict, path: str | Path) -> Path:
 # CLI: specpilot grid
 
 
+def summary_lines(result: dict) -> list[str]:
+    """The grid's result as lines: the live cells (tokens/s and speedup over AR with its interval, like replay), then
+    the best config. Numbers are formatted, never printed as numpy reprs."""
+    lines = []
+    if result["live"]:
+        lines.append("live (validation prompts, interleaved with AR):")
+        for row in result["live"]:
+            ci = (row.get("vs_baseline") or {}).get("ci") or [float("nan")] * 2
+            lines.append(f"  W={row['width']} depth={row['depth']} size={row['size']}: "
+                         f"{float(row['tokens_per_s']):.1f} tok/s, {float(row['speedup']):.2f}x AR "
+                         f"[{float(ci[0]):.2f}, {float(ci[1]):.2f}] (replay rank {row.get('replay_rank')}, "
+                         f"{float(row.get('replay_tokens_per_s', float('nan'))):.1f} tok/s on replay)")
+    best = result["best"]
+    live = (f", live {float(best['live_tokens_per_s']):.1f} tok/s ({float(best['live_speedup']):.2f}x AR)"
+            if best["source"] == "live" else "")
+    lines.append(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
+                 f"replay {float(best['replay_tokens_per_s']):.1f} tok/s ({float(best['replay_speedup']):.2f}x AR)"
+                 + live)
+    for t, cell in (result.get("best_by_temperature") or {}).items():
+        lines.append(f"best at T={t}: W={cell['width']} depth={cell['depth']} size={cell['size']}, "
+                     f"{float(cell['tokens_per_s']):.1f} tok/s ({float(cell['speedup']):.2f}x)")
+    return lines
+
+
 def resolve_train_trace(path: str | Path) -> Path:
     """A trace directory, or a traces directory holding `train/` (as `specpilot train` lays out RUN/traces)."""
     path = Path(path)
@@ -381,9 +405,6 @@ def run(args: argparse.Namespace) -> int:
     result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
                          pair=pair, val_prompts=prompts, live_top=args.live_top, live_repeats=args.live_repeats,
                          out=args.out, progress=True)
-    best = result["best"]
-    print(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
-          f"replay {best['replay_tokens_per_s']:.1f} tok/s ({best['replay_speedup']:.2f}x AR)"
-          + (f", live {best['live_tokens_per_s']:.1f} tok/s" if best["source"] == "live" else ""))
+    print("\n".join(summary_lines(result)))
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
     return 0
