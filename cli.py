@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args._argv = argv  # the exact command, for messages such as train's `--resume` hint
     label = getattr(args, "_label", f"specpilot {args.command}")
-    if not sys.stderr.isatty():
-        _quiet_progress_bars()
+    if not args.debug:
+        _quiet_third_party()
     try:
         if args.global_threads is not None:
             import torch
@@ -141,16 +141,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _quiet_progress_bars() -> None:
-    """No model-loading progress bars when stderr is a log or a pipe: there, stderr carries our messages (an error
-    is one line) and a bar is only noise. A terminal keeps them (loading a large model takes a while)."""
+def _quiet_third_party() -> None:
+    """Keep other libraries' noise off stderr (it carries our messages: an error is one line); --debug keeps it:
+    transformers' / the hub's progress bars (the weight-loading bar), matplotlib's tight-layout warning, and Ray's
+    token-authentication notice on starting a local cluster. Set before those libraries are imported."""
+    import logging
     import os
+    import warnings
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it when imported
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r".*[Tt]ight[ _]layout", category=UserWarning)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 # -- the README's CLI table -----------------------------------------------------------------------------------------

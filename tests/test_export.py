@@ -472,3 +472,11 @@ def test_a_second_export_replaces_the_first_and_modes_follow_the_umask(run_dir, 
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
     assert set(modes.values()) == {0o666 & ~umask}, modes
     load_exported(out, load_pair=False)
+
+
+def test_from_config_decoders_use_their_policies_by_default(export_dir, pair):
+    decoder = SpeculativeDecoder.from_config(export_dir, pair=pair)
+    plain = decoder.generate(PROMPTS[0], max_new_tokens=24)
+    steered = decoder.generate(PROMPTS[0], controller=decoder.default_controller, max_new_tokens=24)
+    assert [(c.depth, c.size) for c in plain.cycles] == [(c.depth, c.size) for c in steered.cycles]
+    assert plain.tokens == autoregressive_generate(pair, PROMPTS[0], max_new_tokens=24).tokens
