@@ -148,3 +148,62 @@ def test_help_and_argument_errors_import_no_heavy_library(argv):
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300).stdout
     assert "HEAVY []" in out, out[-500:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# input files as users write them
+
+
+@pytest.mark.parametrize("encoding, newline", [("utf-8", "\n"), ("utf-8-sig", "\r\n"), ("utf-16", "\r\n"),
+                                               ("utf-16", "\n")])
+@pytest.mark.parametrize("suffix", [".jsonl", ".txt"])
+def test_suites_read_bom_utf16_and_crlf(tmp_path, encoding, newline, suffix):
+    from specpilot.eval.suites import load_suite
+
+    lines = ['{"id": "a", "prompt": "caf\u00e9 1"}', '{"id": "b", "prompt": "\u4f60\u597d 2"}'] if suffix == ".jsonl" \
+        else ["caf\u00e9 1", "\u4f60\u597d 2"]
+    path = tmp_path / f"mine{suffix}"
+    path.write_bytes((newline.join(lines) + newline).encode(encoding))  # utf-8-sig / utf-16 write a BOM first
+    assert [p.prompt for p in load_suite(path)] == ["caf\u00e9 1", "\u4f60\u597d 2"]
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"prompt": 123}\n', '"prompt" must be a string, got int 123'),
+    ("\xff\xfe".encode("latin-1") + b"\x00\xd8", "UTF-16"),  # a lone surrogate: not valid UTF-16
+    (b"caf\xe9\n", "not UTF-8 text (byte 3"),
+])
+def test_suite_errors_name_the_real_problem(tmp_path, content, fragment):
+    from specpilot.eval.suites import SuiteError, load_suite
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    with pytest.raises(SuiteError) as info:
+        load_suite(path)
+    assert fragment in str(info.value) or ("not UTF-8" in str(info.value) and fragment == "UTF-16")
+
+
+def test_a_missing_suite_path_says_so(capsys, tmp_path):
+    code, err = run_cli(["record", "--suite", "prompts/mine.jsonl", "--out", str(tmp_path / "r")], capsys)
+    assert_one_line(code, err, "prompts/mine.jsonl: no such file")
+
+
+def test_eval_refuses_prompts_that_do_not_fit_unless_told(saved_pair, tmp_path, capsys, monkeypatch):
+    import specpilot.eval.runner as runner
+
+    long = tmp_path / "long.txt"
+    long.write_text("return x + 1 " * 400 + "\n")
+    argv = ["eval", "--suite", str(long), "--target", str(saved_pair / "target"), "--draft",
+            str(saved_pair / "draft"), "--methods", "fixed", "--temperatures", "0", "--rounds", "1", "--warmup", "0",
+            "--max-new-tokens", "8", "--width", "2", "--max-depth", "3", "--no-plots", "--out", str(tmp_path / "e")]
+    monkeypatch.setattr(runner, "evaluate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured")))
+    code, err = run_cli(argv, capsys)
+    assert_one_line(code, err, "tokens", "--max-new-tokens 8", "--truncate-prompts")
+    monkeypatch.undo()
+    code, err = run_cli([*argv, "--truncate-prompts"], capsys)
+    assert code == 0 and "prompt(s) truncated to their last" in err
+
+
+def test_generate_checks_the_real_request_before_the_warm_up(saved_pair, capsys):
+    code, err = run_cli(["generate", "--prompt", "x", "--target", str(saved_pair / "target"), "--draft",
+                         str(saved_pair / "draft"), "--max-new-tokens", "100000000"], capsys)
+    assert_one_line(code, err, "max_new_tokens=100000000")
