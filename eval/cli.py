@@ -228,7 +228,8 @@ def check_prompt_lengths(prompts, ids: dict, *, context: int, max_new_tokens: in
         raise ValueError(f"--max-new-tokens {max_new_tokens} with draft depth {max_depth} leaves no room for a "
                          f"prompt in the models' {context}-token context: lower --max-new-tokens")
     if not truncate:
-        raise ValueError(f"prompt {first.id!r} is {n} tokens, {len(long) - 1} more too: with --max-new-tokens "
+        more = f" ({len(long) - 1} more prompts too)" if len(long) > 1 else ""
+        raise ValueError(f"prompt {first.id!r} is {n} tokens{more}: with --max-new-tokens "
                          f"{max_new_tokens} and draft depth {max_depth} a prompt fits in {limit} tokens of the "
                          f"models' {context}-token context; shorten them, lower --max-new-tokens, or add "
                          "--truncate-prompts to keep their last tokens")

@@ -271,7 +271,9 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
                     parts.append(f"{get['tokens_per_s']:.1f} tok/s in training cycles")
                 print(f"  {stage}: {', '.join(parts)}", file=sys.stderr, flush=True)
 
-    return ProgressLogger(run_dir, {"command": f"train {args.train_command}"}, mode=args.wandb)
+    config = {"command": f"train {args.train_command}", "steps": args.steps, "reward": args.reward,
+              "backend": args.backend, "seed": args.seed}
+    return ProgressLogger(run_dir, config, mode=args.wandb)
 
 
 def summary_lines(out: dict, run_dir: Path) -> list[str]:
