@@ -66,7 +66,8 @@ def check_sampling_options(args: argparse.Namespace) -> None:
     if args.temperature == 0:
         given = [o for o, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)) if v != off]
         if given:
-            raise ValueError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only when sampling, but --temperature is 0 (greedy): add "
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(f"{' and '.join(given)} {verb} only when sampling, but --temperature is 0 (greedy): add "
                              "--temperature T > 0, or drop them")
 
 

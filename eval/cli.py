@@ -126,7 +126,8 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     if not any(t > 0 for t in args.temperatures):
         given = [o for o, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)) if v != off]
         if given:
-            raise ValueError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only when sampling, but --temperatures "
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(f"{' and '.join(given)} {verb} only when sampling, but --temperatures "
                              f"{','.join(f'{t:g}' for t in args.temperatures)} is greedy only: add a temperature > 0, "
                              "or drop them")
     if args.check_profile and not args.replay_dir:

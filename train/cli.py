@@ -167,7 +167,8 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
 def _check_tree_values(args: argparse.Namespace, traces) -> None:
     """--static / --size-actions / --depth-range beyond the training trace's tree: refused before the run folder
     is touched (train/stages.py checks the same for library callers)."""
-    if args.static is None and getattr(args, "size_actions", None) is None and getattr(args, "depth_range", None) is None:
+    given = (args.static, getattr(args, "size_actions", None), getattr(args, "depth_range", None))
+    if all(v is None for v in given):
         return
     from specpilot.envs.replay import load_trace
     from specpilot.train.stages import check_tree_options
@@ -258,9 +259,9 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
             stage = next(iter(metrics), "").split("/", 1)[0]
             val = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if "/val/" in k and v is not None}
             if "tokens_per_s" in val:  # (the stage's own "val/score" record repeats the number: not printed)
-                print(f"  {stage}: step {step}, validation {val.get('tokens_per_s', float('nan')):.1f} tok/s "
-                      f"({val.get('speedup', float('nan')):.2f}x AR, replay), tau {val.get('mean_accepted_length', 0):.2f}",
-                      file=sys.stderr, flush=True)
+                print(f"  {stage}: step {step}, validation {val['tokens_per_s']:.1f} tok/s "
+                      f"({val.get('speedup', float('nan')):.2f}x AR, replay), "
+                      f"tau {val.get('mean_accepted_length', 0):.2f}", file=sys.stderr, flush=True)
             elif not val and time.monotonic() - self.last >= every_s:
                 self.last = time.monotonic()
                 get = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if not isinstance(v, (list, tuple))}
