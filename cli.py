@@ -9,8 +9,10 @@
 - anything else is a bug and keeps its traceback; `specpilot --debug COMMAND ...` shows tracebacks for bad input
   too.
 
-A command's module is imported when the parser is built (argparse needs each command's options for --help).
-`cli_reference()` renders the README's CLI table from this parser (tests/test_cli_docs.py keeps them equal).
+Only the command being run has its options added (its module, or the light module ARGUMENTS names, is imported
+then), and its module's `run` is imported when it runs: `specpilot --help` and argument errors never import torch
+or transformers. `cli_reference()` builds every command's options and renders the README's CLI table from them
+(tests/test_cli_docs.py keeps them equal).
 """
 from __future__ import annotations
 
@@ -32,10 +34,45 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("eval", "specpilot.eval.cli", "evaluate methods on held-out task suites and write a report"),
     ("export", "specpilot.train.export", "export a trained run to decoder.json + safetensors + engine configs"),
 ]
+# commands whose module imports torch at the top keep their options in a light module ("module:function")
+ARGUMENTS: dict[str, str] = {
+    "grid": "specpilot.train.cli_args:grid_arguments",
+    "export": "specpilot.train.cli_args:export_arguments",
+}
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_in(argv: list[str]) -> str | None:
+    """The command named in argv (the first word after the global options), if any."""
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--threads":
+            i += 2
+        elif argv[i].startswith("-"):
+            i += 1
+        else:
+            return argv[i]
+    return None
+
+
+def _add_arguments(name: str, module_name: str, parser: argparse.ArgumentParser) -> None:
+    target = ARGUMENTS.get(name)
+    if target is not None:
+        module_path, function = target.split(":")
+        getattr(importlib.import_module(module_path), function)(parser)
+    else:
+        importlib.import_module(module_name).add_arguments(parser)
+
+
+def _lazy_run(module_name: str):
+    def run(args) -> int:
+        return importlib.import_module(module_name).run(args)
+
+    return run
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; with `argv`, only the command it names gets its options (None: every command, for the docs)."""
     parser = Parser(prog="specpilot",
                     description="Learn how much to speculate: exact tree speculative decoding steered by PPO "
                                 "policies.")
@@ -46,28 +83,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="print the full traceback of every error (default: one line for bad input)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = None if argv is None else _command_in(argv)
     for name, module_name, help_text in COMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_label=f"specpilot {name}")
-        module = importlib.import_module(module_name)  # a broken import is a bug: it raises with its traceback
-        module.add_arguments(p)
+        if argv is not None and name != wanted:
+            continue  # not run: its options are not needed (and its module is not imported)
+        _add_arguments(name, module_name, p)  # a broken import is a bug: it raises with its traceback
         if name in CLUSTER_COMMANDS:  # --ray ADDRESS --workers N; Ray is imported only when --ray is given
             add_cluster_arguments(p)
-        p.set_defaults(_handler=with_cluster(name, module.run))
+        p.set_defaults(_handler=with_cluster(name, _lazy_run(module_name)))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
     args._argv = argv  # the exact command, for messages such as train's `--resume` hint
     label = getattr(args, "_label", f"specpilot {args.command}")
-    if not sys.stderr.isatty():
-        _quiet_progress_bars()
+    if not args.debug:
+        _quiet_third_party()
     try:
         if args.global_threads is not None:
             import torch
@@ -88,16 +127,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _quiet_progress_bars() -> None:
-    """No model-loading progress bars when stderr is a log or a pipe: there, stderr carries our messages (an error
-    is one line) and a bar is only noise. A terminal keeps them (loading a large model takes a while)."""
+def _quiet_third_party() -> None:
+    """Keep other libraries' noise off stderr (it carries our messages: an error is one line); --debug keeps it:
+    transformers' / the hub's progress bars (the weight-loading bar), matplotlib's tight-layout warning, and Ray's
+    token-authentication notice on starting a local cluster. Set before those libraries are imported."""
+    import logging
     import os
+    import warnings
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it when imported
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=r".*[Tt]ight[ _]layout", category=UserWarning)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 # -- the README's CLI table -----------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verification size: drafted candidates verified per cycle (default: 12 on CPU, 60 on "
                              "CUDA)")
     parser.add_argument("--width", type=positive_int, default=None,
-                        help="tree width W, 1 = a chain (default: 4 on CPU, 8 on CUDA)")
+                        help="tree width W, 1 = a chain (default: 8, the width `record`, `eval` and the trained "
+                             "policies use, so a static run here measures the tree they measured)")
     parser.add_argument("--max-depth", type=positive_int, default=None,
                         help="deepest tree (default: 12, raised to --depth when that is deeper)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
@@ -54,29 +55,44 @@ def _decoder(args: argparse.Namespace):
         return decoder, decoder.default_controller
     pair = load_pair(args)
     controller = FixedController(args.depth, args.size, device=str(pair.device))
-    width = args.width if args.width is not None else (8 if pair.device.type == "cuda" else 4)
-    max_depth = args.max_depth if args.max_depth is not None else 12
+    width = args.width if args.width is not None else TreeConfig().width
+    max_depth = args.max_depth if args.max_depth is not None else TreeConfig().max_depth
     tree = TreeConfig(width=width, max_depth=max(max_depth, controller.depth), max_size=max(64, controller.size))
     return SpeculativeDecoder(pair, tree), controller
+
+
+def check_sampling_options(args: argparse.Namespace) -> None:
+    """--top-k / --top-p shape sampling only: at --temperature 0 (greedy) they would be ignored, so refuse them."""
+    if args.temperature == 0:
+        given = [o for o, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)) if v != off]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(f"{' and '.join(given)} {verb} only when sampling, but --temperature is 0 (greedy): add "
+                             "--temperature T > 0, or drop them")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from specpilot.drafting import autoregressive_generate
+    from specpilot.drafting.decoder import _check_context as check_context
 
+    check_sampling_options(args)
     decoder, controller = _decoder(args)
     pair = decoder.pair
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
-    decoder.generate(args.prompt, controller=controller, **{**sampling, "max_new_tokens": 4})  # warm-up
+    # the real request must fit before the warm-up runs (else its error would name the warm-up's 4 tokens)
+    check_context(pair, len(pair.encode(args.prompt)), args.max_new_tokens, decoder.tree.max_depth + 1)
+    warmup = {**sampling, "max_new_tokens": min(4, args.max_new_tokens)}
+    decoder.generate(args.prompt, controller=controller, **warmup)
     out = decoder.generate(args.prompt, controller=controller, **sampling)
     print(out.text if out.text is not None else out.tokens)
     line = (f"[{len(out.tokens)} tokens, {out.tokens_per_s:.1f} tok/s, tau {out.mean_accepted_length:.2f}, "
             f"{len(out.cycles)} cycles, {pair.device.type} {str(pair.dtype).replace('torch.', '')}, "
             f"threads {torch.get_num_threads()}]")
     if args.compare:
-        autoregressive_generate(pair, args.prompt, **{**sampling, "max_new_tokens": 4})
+        autoregressive_generate(pair, args.prompt, **warmup)
         ref = autoregressive_generate(pair, args.prompt, **sampling)
         same = "identical to target-only" if ref.tokens == out.tokens else "differs from target-only (sampling)"
         line += f" speedup {out.tokens_per_s / ref.tokens_per_s:.2f}x vs " \

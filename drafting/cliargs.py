@@ -14,6 +14,7 @@ Every type raises argparse.ArgumentTypeError with a message that names the accep
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Callable
 
@@ -40,6 +41,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+    def _parse_optional(self, arg_string: str):
+        # "-1,0" or "-0.5,1" is a value (a list with a negative number), not an unknown option: the option's type
+        # then names the real problem ("expected numbers >= 0, got '-1'") instead of "expected one argument"
+        if re.match(r"^-\d", arg_string) and not any(o.startswith(arg_string[:2]) for o in self._option_string_actions):
+            return None
+        return super()._parse_optional(arg_string)
 
 
 # -- numbers ------------------------------------------------------------------------------------------------------

@@ -56,7 +56,9 @@ class FixedController(Controller):
     """A static (depth, size) configuration: draft exactly `depth` levels, verify the top `size` candidates.
     depth 0 never drafts: every cycle is a plain target step (autoregressive decoding through the decoder).
 
-    With no arguments it uses `default_static_config()` for the CPU (a GPU default when device="cuda").
+    With no arguments it uses `default_static_config()` for the CPU (a GPU default when device="cuda"); those
+    defaults are fitted to the decoder's tree (a shallower tree stops drafting at its max_depth), while values given
+    here that the tree cannot hold are refused by `check_tree` (SpeculativeDecoder.generate calls it).
     """
 
     name = "fixed"
@@ -68,6 +70,17 @@ class FixedController(Controller):
         # a controller that never drafts verifies nothing
         self.size = check_int("FixedController size", default_size if size is None else size,
                               minimum=0 if self.depth == 0 else 1)
+        self._given = (depth is not None, size is not None)
+
+    def check_tree(self, tree) -> None:
+        """Refuse a tree this config does not fit: a depth beyond tree.max_depth would be capped at it, a size beyond
+        tree.max_size clipped to it, both without a word."""
+        if self._given[0] and self.depth > tree.max_depth:
+            raise ValueError(f"FixedController depth {self.depth} is deeper than the tree's max_depth "
+                             f"{tree.max_depth}: use a depth in 0..{tree.max_depth}, or a deeper TreeConfig")
+        if self._given[1] and self.size > tree.max_size:
+            raise ValueError(f"FixedController size {self.size} is larger than the tree's max_size {tree.max_size}: "
+                             f"use a size in 1..{tree.max_size}, or a larger TreeConfig")
 
     def skip_drafting(self, state: DraftState) -> bool:
         return self.depth == 0

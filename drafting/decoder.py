@@ -328,6 +328,8 @@ class SpeculativeDecoder:
     (temperature, top-k, top-p applied identically to both models).
     """
 
+    default_controller = None  # what generate() uses when given none: an exported decoder's policies (from_config)
+
     def __init__(self, pair: ModelPair, tree: TreeConfig | None = None) -> None:
         if not isinstance(pair, ModelPair):
             raise TypeError(f"pair must be a specpilot ModelPair, got {type(pair).__name__}")
@@ -349,9 +351,13 @@ class SpeculativeDecoder:
     def generate(self, prompt, *, controller=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
         """Generate up to `max_new_tokens` new tokens, one `run_cycle` after another. `controller` (anything with
-        should_stop / choose_size / observe / reset) defaults to FixedController() for the device."""
+        should_stop / choose_size / observe / reset) defaults to `default_controller` (an exported decoder's
+        policies), else FixedController() for the device. A FixedController deeper or larger than the tree is
+        refused (it would be capped without a word)."""
         if controller is None:
-            controller = FixedController(device=str(self.pair.device))
+            controller = self.default_controller or FixedController(device=str(self.pair.device))
+        if isinstance(controller, FixedController):
+            controller.check_tree(self.tree)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed)
         run_generation(session, controller)
@@ -359,8 +365,8 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_config(cls, config_dir, pair: ModelPair | None = None, **kwargs) -> "SpeculativeDecoder":
-        """A decoder from an exported directory (`specpilot export`), its policies as `decoder.default_controller`
-        (pass it to generate(controller=...)). pair=None loads the pair decoder.json names; keyword arguments
+        """A decoder from an exported directory (`specpilot export`) whose generate() decides with its exported
+        policies (`decoder.default_controller`) unless given another controller. pair=None loads the pair decoder.json names; keyword arguments
         (allow_pair_mismatch, device, dtype) go to `specpilot.policies.exported.load_exported`."""
         from specpilot.policies.exported import load_exported
 

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder for trace.npz, trace.json and profile.json (checked before recording)")
     add_pair_arguments(parser)
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="generation budget per prompt")
-    parser.add_argument("--width", type=positive_int, default=8, help="tree beam width W")
+    parser.add_argument("--width", type=positive_int, default=8, help="tree beam width W (TreeConfig's default)")
     parser.add_argument("--max-depth", type=positive_int, default=12, help="deepest tree recorded")
     parser.add_argument("--max-size", type=positive_int, default=None,
                         help="largest verification size (default: the largest default size action for the device)")
@@ -23,6 +23,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-prompts", type=positive_int, default=None,
                         help="measure the latency profile on the first N prompts (default: all)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the profile's random (depth, size) draws")
+
+
+def check_room(pair, prompts: list[str], *, max_new_tokens: int, max_depth: int) -> None:
+    """A trace records the target's continuation max_depth tokens past the budget (the deepest tree drafted at its
+    last cycle): every prompt needs prompt + max_new_tokens + max_depth + 1 positions. Refused before recording,
+    naming the options (not the internal sum they add up to)."""
+    for i, text in enumerate(prompts):
+        n = len(pair.encode(text))
+        need = n + max_new_tokens + max_depth + 1
+        if need > pair.max_context:
+            raise ValueError(f"prompt {i + 1} is {n} tokens: with --max-new-tokens {max_new_tokens} and --max-depth "
+                             f"{max_depth} (the trace follows the target {max_depth} tokens past the budget) it needs "
+                             f"{need} positions, but the models' context is {pair.max_context}; lower --max-depth or "
+                             "--max-new-tokens, or shorten the prompt")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
         if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= vocabulary) before hours of work
             SpeculativeDecoder(executor.pair, tree)
+            check_room(executor.pair, prompts, max_new_tokens=args.max_new_tokens, max_depth=args.max_depth)
         print(f"recording {len(prompts)} prompts from {args.suite!r} on {len(executor)} worker(s) "
               f"({', '.join(sorted({w['device'] for w in executor.workers}))}), tree {tree}, "
               f"max_new_tokens={args.max_new_tokens}")

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 from specpilot.drafting.cliargs import (add_pair_arguments, float_list, name_list, non_negative_float,
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
-from specpilot.eval.runner import METHODS
+# the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
+# (tests/test_bad_options.py keeps the two equal)
+METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "ddd", "svip", "confidence", "hf_heuristic", "ltd",
+           "depth_only", "size_only")
 
 _methods = name_list(METHODS, "method")
 
@@ -97,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-size", type=positive_int, default=None,
                         help="most candidates verified per cycle (default: the --run's largest size action, else 64)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--truncate-prompts", action="store_true",
+                        help="keep the last tokens of prompts too long for the context, and say so (default: refuse "
+                             "them)")
 
 
 @dataclass
@@ -122,6 +128,13 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     prompts = load_suite(suite["name"], split=args.split)
     if args.limit is not None:
         prompts = prompts[: args.limit]
+    if not any(t > 0 for t in args.temperatures):
+        given = [o for o, v, off in (("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0)) if v != off]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(f"{' and '.join(given)} {verb} only when sampling, but --temperatures "
+                             f"{','.join(f'{t:g}' for t in args.temperatures)} is greedy only: add a temperature > 0, "
+                             "or drop them")
     if args.check_profile and not args.replay_dir:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
     for path in args.check_profile:
@@ -149,16 +162,28 @@ def run(args: argparse.Namespace) -> int:
         identity = executor.workers[0]["pair"]
         check_inputs_pair(identity, run_dir=args.run_dir, grid=args.grid)  # the run / grid were made on this pair
         methods = plan.methods
-        if identity["drafter"] == "eagle3":
-            # prepare() checked the --run / --grid methods; the loaded pair only adds whether the drafter is a draft LM
+        # hf_assisted, one rule everywhere (eval.methods._assistant): transformers' assisted generation drafts with
+        # a separate draft LM, the embedded one for the embedded EAGLE-3 pair; another EAGLE-3 pair has none, so the
+        # method is refused when named (prepare() checked the --run / --grid methods already) and skipped with a
+        # meta.skipped entry otherwise
+        local = executor.pair if isinstance(executor, LocalExecutor) else None
+        if (identity["drafter"] == "eagle3" and not identity["name"].startswith("specpilot-default")
+                and (local is None or local.draft is None)):
             asked = dict.fromkeys([*(methods or []), *(plan.sampled or [])])
             check_methods([m for m in asked if m == "hf_assisted"], drafter_kind="eagle3")
-            if methods is None:  # all available: transformers' assisted generation needs a draft LM
-                methods = [m for m in METHODS if m != "hf_assisted"]
+        notes = []
+        if local is not None:  # on Ray the workers' runner keeps the prompts' last tokens instead
+            ids = {p.prompt: local.encode(p.prompt) for p in plan.prompts}
+            notes = check_prompt_lengths(plan.prompts, ids, context=local.max_context,
+                                         max_new_tokens=args.max_new_tokens, max_depth=plan.tree.max_depth,
+                                         truncate=args.truncate_prompts)
         devices = ", ".join(sorted({w["device"] for w in executor.workers}))
         say(f"evaluating {len(plan.prompts)} prompts of suite {plan.suite['name']} ({plan.suite['chosen_by']}) on "
             f"{identity['name']} ({len(executor)} worker(s): {devices}, {executor.workers[0]['dtype']}), "
             f"tree {plan.tree}")
+        for note in notes:
+            say(note)
+        clear_outputs(args.out)
         result, paths = full_evaluation(
             plan.prompts, executor=executor, tree=plan.tree, out_dir=args.out, trace_dir=args.replay_dir,
             replay=bool(args.replay_dir), check_profiles={p: p for p in args.check_profile},
@@ -177,9 +202,53 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_prompt_lengths(prompts, ids: dict, *, context: int, max_new_tokens: int, max_depth: int,
+                         truncate: bool) -> list[str]:
+    """Prompts too long for the context (room for max_new_tokens and the deepest draft lookahead, as the runner
+    keeps) are refused, naming the first and the real numbers; with truncate=True they are kept (the runner keeps
+    their last tokens) and the returned note says how many and to what length."""
+    limit = context - max_new_tokens - max_depth - 2
+    long = [(p, len(ids[p.prompt])) for p in prompts if len(ids[p.prompt]) > limit]
+    if not long:
+        return []
+    first, n = long[0]
+    if limit < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} with draft depth {max_depth} leaves no room for a "
+                         f"prompt in the models' {context}-token context: lower --max-new-tokens")
+    if not truncate:
+        more = f" ({len(long) - 1} more prompts too)" if len(long) > 1 else ""
+        raise ValueError(f"prompt {first.id!r} is {n} tokens{more}: with --max-new-tokens "
+                         f"{max_new_tokens} and draft depth {max_depth} a prompt fits in {limit} tokens of the "
+                         f"models' {context}-token context; shorten them, lower --max-new-tokens, or add "
+                         "--truncate-prompts to keep their last tokens")
+    return [f"note: {len(long)} prompt(s) truncated to their last {limit} tokens (--truncate-prompts; the longest "
+            f"had {max(k for _, k in long)}): they are recorded in report.json meta.prompts_truncated"]
+
+
+# the files an evaluation writes into --out beside report.json / report.md (eval/plots.py): cleared first, so a
+# folder reused from an earlier evaluation never shows its stale plots
+PLOT_PATTERNS = ("forest_speedup_T*.png", "forest_groups_T*.png", "decisions_T*.png", "time_split_T*.png",
+                 "choices_T*.png")
+
+
+def clear_outputs(out: str) -> None:
+    from pathlib import Path
+
+    for pattern in PLOT_PATTERNS:
+        for path in Path(out).glob(pattern):
+            path.unlink(missing_ok=True)
+
+
 def _print_summary(report_json: str) -> None:
     from specpilot.artifacts.report import read_report
     from specpilot.eval.summary import format_summary_lines, summarise_report
 
     report = read_report(report_json)
-    print("\n".join(format_summary_lines(summarise_report(report))))
+    temperatures = sorted({s["temperature"] for s in report.get("summary") or []}) or [0.0]
+    first, *others = temperatures
+    if others:
+        print(f"T={first:g}:")
+    print("\n".join(format_summary_lines(summarise_report(report, temperature=first))))
+    for t in others:  # the method table at every other temperature (verdicts above cover them all)
+        print(f"T={t:g}:")
+        print("\n".join(format_summary_lines({"methods": summarise_report(report, temperature=t)["methods"]})))

@@ -61,14 +61,27 @@ class Prompt:
         return asdict(self)
 
 
+def read_lines(path: Path) -> list[str]:
+    """The lines of a text file as editors write it: UTF-8 with or without a byte-order mark, UTF-16 with one;
+    LF, CRLF or CR line endings. Anything else is a SuiteError naming the file and the byte."""
+    data = path.read_bytes()
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        encoding = "utf-16"  # the BOM says which byte order
+    else:
+        encoding = "utf-8-sig"  # strips a UTF-8 BOM when present
+    try:
+        text = data.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise SuiteError(f"{path}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); save it as "
+                         "UTF-8 (or UTF-16 with a byte-order mark)") from None
+    return text.splitlines()
+
+
 def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
     """strict=True (bundled suites) demands every field; user suites need only `prompt`."""
     prompts: list[Prompt] = []
     stem = path.stem
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        raise SuiteError(f"{path}: not UTF-8 text ({err})") from err
+    lines = read_lines(path)
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -86,7 +99,9 @@ def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
             raise SuiteError(f"{where}: missing field(s) {', '.join(missing)}; "
                              f"required: {', '.join(required)}")
         text = obj["prompt"]
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise SuiteError(f"{where}: \"prompt\" must be a string, got {type(text).__name__} {json.dumps(text)[:40]}")
+        if not text.strip():
             raise SuiteError(f"{where}: empty prompt (\"prompt\" must be a non-empty string)")
         for key in ("id", "task", "language", "split"):
             if key in obj and not isinstance(obj[key], (str, int)):
@@ -102,10 +117,7 @@ def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
 
 
 def _parse_text(path: Path) -> list[Prompt]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as err:
-        raise SuiteError(f"{path}: not UTF-8 text ({err})") from err
+    lines = read_lines(path)
     stem = path.stem
     return [
         Prompt(id=f"{stem}-{lineno}", task=stem, language="unknown", split="custom",
@@ -131,6 +143,9 @@ def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Promp
     else:
         path = Path(name).expanduser()
         if not path.exists():
+            if path.suffix or len(path.parts) > 1:  # written as a path: say that the file is missing
+                raise SuiteError(f"{path}: no such file (a suite is a bundled name, {', '.join(BUNDLED_SUITES)}, or "
+                                 "a path to a .jsonl / .txt file)")
             raise SuiteError(f"unknown suite {name!r}: not a bundled suite ({', '.join(BUNDLED_SUITES)}) and no "
                              "such file. Pass a bundled name or a path to a .jsonl / .txt file")
         if path.is_dir():

@@ -162,15 +162,18 @@ ENGINE_FILES = {"hf": "hf/generation_config.json", "vllm": "vllm/speculative_con
 
 def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_best: dict | None, choices: dict,
                          fallback: tuple[int, int], draft_generation_config: dict | None = None,
-                         tokenizer: str | None = None) -> dict:
+                         tokenizer: str | None = None, final_dir: str | Path | None = None) -> dict:
     """Write the engine files (see the module docstring) and README.md under out_dir/engines, each atomically;
     return decoder.json's `engine_configs` section (relative file paths, the numbers used and their provenance).
 
     pair: `ModelPair.identity()` ("target", "draft" = the drafter's path, "drafter" = "draft_lm" | "eagle3").
     choices: {"depths": [per-cycle depth], "sizes": [per-cycle verified size], "stop_top_probs": [...],
               "stops": [...]} measured by running the exported controller (any list may be empty).
-    tokenizer: the folder of the target's tokenizer when the target folder has none (the embedded pair)."""
+    tokenizer: the folder of the target's tokenizer when the target folder has none (the embedded pair).
+    final_dir: where out_dir will end up when it is a temporary folder (an export swaps its folder in when complete):
+    the paths written into the files name it."""
     out = Path(out_dir) / "engines"
+    shown = Path(final_dir) / "engines" if final_dir is not None else out
     drafter = pair.get("drafter") or "draft_lm"
     target, draft = str(pair.get("target") or "TARGET"), str(pair.get("draft") or "DRAFT")
     depth_summary = choice_summary(choices.get("depths") or [])
@@ -194,7 +197,7 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
         adaptive = sglang_adaptive_config(depth_summary["counts"] if depth_summary else {},
                                           args["speculative_num_steps"])
         files["sglang_adaptive"] = json.dumps(adaptive, indent=2)
-        adaptive_path = (out / ENGINE_FILES["sglang_adaptive"]).resolve()
+        adaptive_path = (shown / ENGINE_FILES["sglang_adaptive"]).resolve()
     else:
         skipped["sglang_adaptive"] = ("SGLang's adaptive steps run only for EAGLE/EAGLE3 with --speculative-eagle-topk "
                                       "1" + (f"; this tree has topk {args['speculative_eagle_topk']}"
@@ -208,7 +211,7 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
             atomic_write_text(out / rel, files[key].rstrip("\n") + "\n")
         else:
             (out / rel).unlink(missing_ok=True)  # a stale file of an earlier export must not look current
-    atomic_write_text(out / "README.md", engines_readme(out, files, skipped, target=target, tokenizer=tokenizer))
+    atomic_write_text(out / "README.md", engines_readme(shown, files, skipped, target=target, tokenizer=tokenizer))
     return {
         "note": "Static approximations: these engines cannot run per-token learned policies (see engines/README.md).",
         "drafter": drafter,

@@ -402,3 +402,82 @@ def test_generate_cli_with_exported_config(run_dir, tmp_path, capsys):
                      "--max-new-tokens", "12", "--compare"])
     assert code == 0
     assert "identical to target-only" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# all or nothing
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _fail_half_way(monkeypatch):
+    """Break the export after the policies' weights are written (the engine configs come last)."""
+    import specpilot.train.export as export_module
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(export_module, "write_engine_configs", broken)
+
+
+def _quiet_export(run, out, pair):
+    return export_run(run, out, pair=pair, num_prompts=1, max_new_tokens=8, num_random=200, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("failure", ["writer raises", "policy zip missing"])
+def test_a_failed_export_leaves_the_earlier_one_byte_identical(run_dir, export_dir, pair, tmp_path, monkeypatch,
+                                                               failure):
+    out = _copy(export_dir, tmp_path)
+    before = _snapshot(out)
+    run = run_dir
+    if failure == "writer raises":
+        _fail_half_way(monkeypatch)
+        expected = OSError
+    else:
+        run = tmp_path / "run"
+        shutil.copytree(run_dir, run)
+        (run / "size_s0" / "best.zip").unlink()  # the depth policy exports first, then this one is missing
+        expected = Exception
+    with pytest.raises(expected):
+        _quiet_export(run, out, pair)
+    assert _snapshot(out) == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+    load_exported(out, load_pair=False)
+
+
+def test_a_failed_export_into_a_new_folder_leaves_nothing(run_dir, pair, tmp_path, monkeypatch):
+    _fail_half_way(monkeypatch)
+    with pytest.raises(OSError, match="simulated"):
+        _quiet_export(run_dir, tmp_path / "new" / "export", pair)
+    assert not (tmp_path / "new" / "export").exists()
+    assert list((tmp_path / "new").iterdir()) == []
+
+
+def test_a_folder_of_other_files_is_not_replaced(run_dir, pair, tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(Exception, match="holds files but no decoder.json"):
+        _quiet_export(run_dir, tmp_path / "mine", pair)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_a_second_export_replaces_the_first_and_modes_follow_the_umask(run_dir, export_dir, pair, tmp_path):
+    out = _copy(export_dir, tmp_path)
+    (out / "depth.onnx").write_bytes(b"stale")  # a file the new export does not write is not kept
+    _quiet_export(run_dir, out, pair)
+    assert not (out / "depth.onnx").exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+    load_exported(out, load_pair=False)
+
+
+def test_from_config_decoders_use_their_policies_by_default(export_dir, pair):
+    decoder = SpeculativeDecoder.from_config(export_dir, pair=pair)
+    plain = decoder.generate(PROMPTS[0], max_new_tokens=24)
+    steered = decoder.generate(PROMPTS[0], controller=decoder.default_controller, max_new_tokens=24)
+    assert [(c.depth, c.size) for c in plain.cycles] == [(c.depth, c.size) for c in steered.cycles]
+    assert plain.tokens == autoregressive_generate(pair, PROMPTS[0], max_new_tokens=24).tokens

@@ -159,13 +159,46 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
     if args.static is not None and args.grid is not None:
         raise ValueError("--static and --grid both fix the static partner config: give one")
     traces = TaskTraces.resolve(args.traces or run_dir / "traces")
+    _check_tree_values(args, traces)
     grid = args.grid if args.grid is not None else (run_dir / GRID_FILE if (run_dir / GRID_FILE).is_file()
                                                      else None)
     if grid is not None:
         read_grid_best(grid)
     if args.init_from is not None and not Path(args.init_from).is_file():
         raise FileNotFoundError(f"--init-from {args.init_from}: no such policy zip")
+    _check_start_arch(cmd, args, run_dir)
     return traces, args.static if args.static is not None else args.grid
+
+
+def _check_tree_values(args: argparse.Namespace, traces) -> None:
+    """--static / --size-actions / --depth-range beyond the training trace's tree: refused before the run folder
+    is touched (train/stages.py checks the same for library callers)."""
+    given = (args.static, getattr(args, "size_actions", None), getattr(args, "depth_range", None))
+    if all(v is None for v in given):
+        return
+    from specpilot.envs.replay import load_trace
+    from specpilot.train.stages import check_tree_options
+
+    check_tree_options(load_trace(traces.train), static=args.static, size_actions=getattr(args, "size_actions", None),
+                       depth_range=getattr(args, "depth_range", None))
+
+
+def _check_start_arch(cmd: str, args: argparse.Namespace, run_dir: Path) -> None:
+    """--pi-arch / --vf-arch for stages that start from existing policies (co-adaptation: stage 1's; --init-from)
+    must match them: checked here, before any stage trains, not when the weights fail to load."""
+    if args.pi_arch is None and args.vf_arch is None:
+        return
+    from specpilot.train.ppo import PPOOverrides
+    from specpilot.train.stages import start_arch
+
+    ppo = PPOOverrides(pi_arch=args.pi_arch, vf_arch=args.vf_arch)
+    if args.init_from is not None and cmd in ("size", "depth"):
+        start_arch(args.init_from, cmd, ppo)
+    if cmd == "coadapt":
+        for kind in ("size", "depth"):
+            best = run_dir / f"{kind}_s1" / "best.zip"
+            if best.is_file():
+                start_arch(best, kind, ppo)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,10 +249,84 @@ def interrupted_message(args: argparse.Namespace, run_dir: Path) -> str:
     return f"{args._label}: interrupted; {where}. Resume with:\n  {resume_command(args)}"
 
 
+def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float = 10.0):
+    """The run's RunLogger, also printing progress on stderr: every validation (replay tokens/s, speedup), and the
+    training rollouts at most every `every_s` seconds (env steps, mean reward, replay tokens/s of the cycles)."""
+    import time
+
+    from specpilot.train.logging import RunLogger
+
+    class ProgressLogger(RunLogger):
+        last = 0.0
+
+        def log(self, metrics: dict, step: int) -> None:
+            super().log(metrics, step)
+            stage = next(iter(metrics), "").split("/", 1)[0]
+            val = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if "/val/" in k and v is not None}
+            if "tokens_per_s" in val:  # (the stage's own "val/score" record repeats the number: not printed)
+                print(f"  {stage}: step {step}, validation {val['tokens_per_s']:.1f} tok/s "
+                      f"({val.get('speedup', float('nan')):.2f}x AR, replay), "
+                      f"tau {val.get('mean_accepted_length', 0):.2f}", file=sys.stderr, flush=True)
+            elif not val and time.monotonic() - self.last >= every_s:
+                self.last = time.monotonic()
+                get = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if not isinstance(v, (list, tuple))}
+                parts = [f"step {step}"]
+                if get.get("reward_mean") is not None:
+                    parts.append(f"reward {get['reward_mean']:.3g}")
+                if get.get("tokens_per_s") is not None:
+                    parts.append(f"{get['tokens_per_s']:.1f} tok/s in training cycles")
+                print(f"  {stage}: {', '.join(parts)}", file=sys.stderr, flush=True)
+
+    config = {"command": f"train {args.train_command}", "steps": args.steps, "reward": args.reward,
+              "backend": args.backend, "seed": args.seed}
+    return ProgressLogger(run_dir, config, mode=args.wandb)
+
+
+def summary_lines(out: dict, run_dir: Path) -> list[str]:
+    """The result of a train command as lines: one per stage (its best validation and policy), then the indexes."""
+    stages = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if "stage" in node and "kind" in node and "best" in node:
+                stages.append(node)
+                return
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(out)
+    lines = []
+    for st in stages:
+        score = st.get("score")
+        how = (f"best validation {score:.1f} tok/s (replay)" if isinstance(score, (int, float))
+               else "no validation ran (budget below --eval-every): final policy kept")
+        note = "; already trained to this budget, nothing trained (--resume)" if st.get("skipped") else ""
+        kept = "; its starting policy validated better and is kept" if (st.get("validation") or {}).get("kept_init") \
+            else ""
+        lines.append(f"{st['stage']} ({st['kind']} policy): {how} -> {st['best']}{note}{kept}")
+    for key in ("stage1_policies", "policies"):
+        if isinstance(out, dict) and out.get(key):
+            lines.append(f"{key.replace('_', ' ')}: {out[key]}")
+    if isinstance(out, dict) and not stages:  # e.g. the reward ablation: a table of numbers
+        lines += [f"{k}: {json.dumps(v, default=str)[:300]}" for k, v in out.items()]
+    lines.append(f"run: {run_dir} (manifest.json, tb/ for TensorBoard)")
+    return lines
+
+
 def _run_stage(cmd: str, args, run_dir: Path, traces, options) -> int:
+    with progress_logger(run_dir, args) as log:  # RunLogger is a context manager: closed however the stage ends
+        out = _run_command(cmd, args, run_dir, traces, options, log)
+    print("\n".join(summary_lines(out, run_dir)))
+    return 0
+
+
+def _run_command(cmd: str, args, run_dir: Path, traces, options, logger) -> dict:
     from specpilot.train import pipeline as P
 
-    common = dict(options=options, wandb=args.wandb)
+    common = dict(options=options, wandb=args.wandb, logger=logger)
     if cmd == "size":
         res = P.train_size(run_dir, traces, steps=args.steps, depth_range=args.depth_range,
                            size_actions=args.size_actions, stage=args.stage, init_from=args.init_from, **common)
@@ -234,5 +341,4 @@ def _run_stage(cmd: str, args, run_dir: Path, traces, options) -> int:
     else:
         out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
                              coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
-    print(json.dumps(out, indent=1, default=str)[:4000])
-    return 0
+    return out

@@ -29,6 +29,8 @@ then read from RUN.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -82,6 +84,13 @@ def _obs_norm(stage_dir: Path, prefix: str) -> tuple[dict | None, dict[str, torc
 
 
 _owning_run = owning_run  # the run folder (one holding manifest.json) that a path lies in, if any
+
+
+def _umask_mode(path: Path) -> None:
+    """safetensors creates its files 0600; give them the mode every other file gets (0666 minus the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def run_local(recorded: str | Path, *roots: Path) -> Path | None:
@@ -236,6 +245,7 @@ def _export_policy(kind: str, entry: dict, run_dir: Path, root: Path, out_dir: P
     file = out_dir / f"{kind}.safetensors"
     with atomic_path(file) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "specpilot-policy", "kind": kind})
+        _umask_mode(tmp)
     probe = probe_observation(spec)
     logits = actor.logits(torch.from_numpy(probe).unsqueeze(0))[0]
     record = {
@@ -291,8 +301,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     pair: the ModelPair the run was trained on (its identity goes into decoder.json; it also drives the live
     measurement when there is no trace). Without it the identity comes from the run's manifest ("pair"/"models").
     """
-    from specpilot.policies.ppo import PPOController
-
     run_dir, out_dir = Path(run_dir), check_writable(out_dir, kind="dir", what="export folder")
     index_path = run_dir / POLICIES_FILE
     typed = PoliciesIndex.load(index_path, fix="train the run first (it is written by "
@@ -311,8 +319,52 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     identity = _pair_identity(root, pair, trace)
     grid_best, grid_path = _grid_best(root, grid)  # read before any work: a bad grid result fails here
     _check_contract(root, typed, pair, trace, given_trace, grid=grid_path)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / CONFIG_FILE).unlink(missing_ok=True)  # a half-written export must not look valid
+    _check_replaceable(out_dir)
+    # all or nothing: everything is written into a temporary sibling folder, swapped in only when complete; a
+    # failure (or Ctrl-C) leaves an earlier export byte-identical and a new folder absent
+    staging = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        meta = _export_into(staging, out_dir, run_dir, root, index, index_path, pair=pair, onnx=onnx, trace=trace,
+                            identity=identity, grid_best=grid_best, grid_path=grid_path, measure_live=measure_live,
+                            num_prompts=num_prompts, max_new_tokens=max_new_tokens, num_random=num_random,
+                            seed=seed, log=log)
+        _swap_in(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return meta
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """The export replaces out_dir as a whole: it must be new, empty, or an earlier export (holds decoder.json)."""
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / CONFIG_FILE).is_file():
+        raise ExportError(f"{out_dir} holds files but no {CONFIG_FILE}: an export replaces its folder as a whole, so "
+                          "give a new or empty folder (or an earlier export's)")
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Put the complete export at out_dir: the earlier folder is moved aside, the new one renamed in, the old one
+    deleted (or moved back if the rename fails)."""
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out_dir, old)
+    try:
+        os.replace(staging, out_dir)
+    except BaseException:
+        os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, index: dict, index_path: Path, *, pair,
+                 onnx: bool, trace: Path | None, identity: dict, grid_best, grid_path, measure_live: bool,
+                 num_prompts: int, max_new_tokens: int, num_random: int, seed: int, log) -> dict:
+    """Write the whole export into out_dir (a staging folder that becomes `final_dir`); return decoder.json."""
+    from specpilot.policies.ppo import PPOController
 
     policies: dict = {"depth": None, "size": None}
     sb3, actors, specs = {}, {}, {}
@@ -340,7 +392,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
                  if pair is not None and getattr(pair, "draft", None) is not None else None)
     engines = write_engine_configs(out_dir, pair=identity, width=tree.width, grid_best=grid_best,
                                    choices=recorder.choices() if recorder else {}, fallback=(fb_depth, fb_size),
-                                   draft_generation_config=draft_gen, tokenizer=_tokenizer_folder(pair, identity))
+                                   draft_generation_config=draft_gen, tokenizer=_tokenizer_folder(pair, identity),
+                                   final_dir=final_dir)
     engines["grid"] = grid_path
     meta = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "name": "exported",
@@ -412,24 +465,9 @@ def _summary_lines(meta: dict, out_dir: Path) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import add_pair_arguments, output_dir, positive_int
+    from specpilot.train.cli_args import export_arguments
 
-    parser.add_argument("--run", required=True, help="training run directory (holds policies.json)")
-    parser.add_argument("--out", required=True, type=output_dir,
-                        help="output folder for decoder.json, weights and engine configs (checked before exporting)")
-    parser.add_argument("--onnx", action="store_true", help="also write ONNX actors (needs the optional onnx extra)")
-    add_pair_arguments(parser, dtype_option=False, what="the run was trained on",
-                       target_default="none: the identity comes from the run's manifest, and the recorded pair is "
-                                      "loaded when its paths exist here")
-    parser.add_argument("--default-pair", action="store_true",
-                        help="load the embedded default pair (the run was trained on it) instead of reading the "
-                             "pair from the run's manifest")
-    parser.add_argument("--trace", help="recorded trace to measure the policies' choices on (default: the run's "
-                                        "validation trace, RUN/traces/validation)")
-    parser.add_argument("--grid", help="grid-search result JSON with best {depth, size, width} (default: "
-                                       "RUN/grid.json when present)")
-    parser.add_argument("--prompts", type=positive_int, default=4, help="live generations when no trace is available")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens per live generation")
+    export_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -82,11 +82,30 @@ def _as_list(traces) -> list:
     return list(traces)
 
 
+def check_cells(trace: Trace, depths: Sequence[int] | None, sizes: Sequence[int] | None) -> None:
+    """Depths / sizes asked for that the trace cannot replay are refused (never quietly dropped or clipped),
+    naming the values, the trace and its range."""
+    where = f"the width-{trace.width} trace{f' {trace.path}' if trace.path else ''}"
+    bad = sorted({int(d) for d in depths or () if not 0 <= int(d) <= trace.max_depth})
+    if bad:
+        raise ValueError(f"--depths {_span(bad)}: {where} was recorded to depth {trace.max_depth}; give depths in "
+                         f"0..{trace.max_depth} (or record deeper: `specpilot record --max-depth N`)")
+    bad = sorted({int(v) for v in sizes or () if not 1 <= int(v) <= trace.max_size})
+    if bad:
+        raise ValueError(f"--sizes {_span(bad)}: {where} was recorded with max_size {trace.max_size}; give sizes in "
+                         f"1..{trace.max_size} (or record larger trees: `specpilot record --max-size N`)")
+
+
+def _span(values: list[int]) -> str:
+    return ",".join(map(str, values)) if len(values) <= 4 else f"{values[0]}..{values[-1]} ({len(values)} values)"
+
+
 def _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress) -> tuple[list[dict], dict, dict]:
     """Every (depth, size) cell of one trace under replay: (table rows, ceilings, source description)."""
     trace = load_trace(item)
     model = ReplayModel(trace, load_profile(profile, trace), max_new_tokens=max_new_tokens)
     width = trace.width
+    check_cells(trace, depths, sizes)
     cell_depths = sorted({int(d) for d in (range(0, trace.max_depth + 1) if depths is None else depths)
                           if 0 <= int(d) <= trace.max_depth})
     cell_sizes = sorted({min(int(s), trace.max_size) for s in (sizes or default_sizes(trace)) if int(s) >= 1})
@@ -325,6 +344,30 @@ def plot_heatmap(result: dict, path: str | Path) -> Path:
 # CLI: specpilot grid
 
 
+def summary_lines(result: dict) -> list[str]:
+    """The grid's result as lines: the live cells (tokens/s and speedup over AR with its interval, like replay), then
+    the best config. Numbers are formatted, never printed as numpy reprs."""
+    lines = []
+    if result["live"]:
+        lines.append("live (validation prompts, interleaved with AR):")
+        for row in result["live"]:
+            ci = (row.get("vs_baseline") or {}).get("ci") or [float("nan")] * 2
+            lines.append(f"  W={row['width']} depth={row['depth']} size={row['size']}: "
+                         f"{float(row['tokens_per_s']):.1f} tok/s, {float(row['speedup']):.2f}x AR "
+                         f"[{float(ci[0]):.2f}, {float(ci[1]):.2f}] (replay rank {row.get('replay_rank')}, "
+                         f"{float(row.get('replay_tokens_per_s', float('nan'))):.1f} tok/s on replay)")
+    best = result["best"]
+    live = (f", live {float(best['live_tokens_per_s']):.1f} tok/s ({float(best['live_speedup']):.2f}x AR)"
+            if best["source"] == "live" else "")
+    lines.append(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
+                 f"replay {float(best['replay_tokens_per_s']):.1f} tok/s ({float(best['replay_speedup']):.2f}x AR)"
+                 + live)
+    for t, cell in (result.get("best_by_temperature") or {}).items():
+        lines.append(f"best at T={t}: W={cell['width']} depth={cell['depth']} size={cell['size']}, "
+                     f"{float(cell['tokens_per_s']):.1f} tok/s ({float(cell['speedup']):.2f}x)")
+    return lines
+
+
 def resolve_train_trace(path: str | Path) -> Path:
     """A trace directory, or a traces directory holding `train/` (as `specpilot train` lays out RUN/traces)."""
     path = Path(path)
@@ -351,26 +394,9 @@ def int_list(text: str | list[int] | None) -> list[int] | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import (add_pair_arguments, int_list as ints, non_negative_int, output_file,
-                                            positive_int)
+    from specpilot.train.cli_args import grid_arguments
 
-    parser.add_argument("--traces", nargs="+", required=True,
-                        help="trace dir(s) of the training task, one per beam width (or RUN/traces with train/)")
-    parser.add_argument("--out", required=True, type=output_file,
-                        help="grid.json path (the heat map is written next to it; checked before the sweep)")
-    parser.add_argument("--depths", type=ints(0), default=None,
-                        help="depths to sweep, e.g. 0-12 or 2,4,6 (default: 0..max_depth; 0 = plain target steps)")
-    parser.add_argument("--sizes", type=ints(1), default=None,
-                        help="sizes to sweep, e.g. 1,2,4,8 (default: 1 + the size actions)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
-                        help="replay budget (default: the trace's)")
-    parser.add_argument("--live-top", type=non_negative_int, default=3,
-                        help="re-measure the top K cells live (0: replay only)")
-    parser.add_argument("--live-repeats", type=positive_int, default=1, help="passes over the validation prompts")
-    parser.add_argument("--val-suite", default="validation", help="prompts for the live phase (never held-out)")
-    parser.add_argument("--val-limit", type=positive_int, default=None,
-                        help="use only the first N validation prompts (default: all)")
-    add_pair_arguments(parser, what="(live phase)")
+    grid_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -379,20 +405,24 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.train.cluster_cli import open_executor
 
     traces = [resolve_train_trace(t) for t in args.traces]
-    for trace in traces:  # every trace (and its profile) readable before the sweep starts
-        load_profile(None, load_trace(trace))
+    for trace in traces:  # every trace (and its profile) readable, every cell asked for in range, before the sweep
+        loaded = load_trace(trace)
+        load_profile(None, loaded)
+        check_cells(loaded, args.depths, args.sizes)
     prompts = None
     if args.live_top > 0:
         from specpilot.eval.suites import load_suite
 
-        prompts = [p.prompt for p in load_suite(args.val_suite)][: args.val_limit or None]
+        suite = load_suite(args.val_suite)
+        held = sorted({p.split for p in suite} & {"heldout"})
+        if args.val_suite == "heldout" or held:
+            raise ValueError(f"--val-suite {args.val_suite}: the grid's live phase selects the baseline, and "
+                             "held-out prompts are never used for selection; use validation prompts (the default)")
+        prompts = [p.prompt for p in suite][: args.val_limit or None]
     with open_executor(args) if args.live_top > 0 else nullcontext() as executor:
         result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
                              executor=executor, val_prompts=prompts, live_top=args.live_top,
                              live_repeats=args.live_repeats, out=args.out, progress=True)
-    best = result["best"]
-    print(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
-          f"replay {best['replay_tokens_per_s']:.1f} tok/s ({best['replay_speedup']:.2f}x AR)"
-          + (f", live {best['live_tokens_per_s']:.1f} tok/s" if best["source"] == "live" else ""))
+    print("\n".join(summary_lines(result)))
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
     return 0

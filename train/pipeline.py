@@ -34,13 +34,13 @@ from specpilot.train.validation import evaluate_replay, replay_ar
 def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_steps: int = 20_000,
                  depth_steps: int = 40_000, coadapt_steps: int | Sequence[int] = 10_000, rounds: int = 3,
                  size_actions: Sequence[int] | None = None, depth_range: tuple[int, int] | None = None,
-                 options: TrainOptions | None = None, wandb: str | None = None) -> dict:
+                 options: TrainOptions | None = None, wandb: str | None = None, logger=None) -> dict:
     """Stage 1 (size, depth) + RUN/stage1/policies.json, then `rounds` of co-adaptation (0: stage 1 only, in
     which case RUN/policies.json points at the stage-1 policies). Returns the StageResults and index paths."""
     run_dir, options = Path(run_dir), options or TrainOptions()
     config = {"pipeline": True, "size_steps": size_steps, "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
               "rounds": rounds, "reward": options.reward, "seed": options.seed}
-    with run_logger(run_dir, None, wandb, config) as log:
+    with run_logger(run_dir, logger, wandb, config) as log:
         size1 = train_size(run_dir, traces, steps=size_steps, size_actions=size_actions, depth_range=depth_range,
                            options=options, logger=log)
         depth1 = train_depth(run_dir, traces, steps=depth_steps, options=options, logger=log)

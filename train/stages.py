@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -133,6 +133,22 @@ def static_config(run_dir: str | Path, static: tuple[int, int] | str | Path | No
     warnings.warn(f"no grid result at {path} and no static=(depth, size): using {STATIC_FALLBACK}; run "
                   "`specpilot grid` first for the real baseline", stacklevel=3)
     return STATIC_FALLBACK
+
+
+def check_tree_options(trace, *, static=None, size_actions: Sequence[int] | None = None,
+                       depth_range: Sequence[int] | None = None) -> None:
+    """Values given for the tree that the training trace cannot replay are refused, naming the value and the
+    trace's range (they used to be capped or dropped without a word)."""
+    where = f"the training trace was recorded to depth {trace.max_depth} with max_size {trace.max_size}"
+    if isinstance(static, (tuple, list)) and (int(static[0]) > trace.max_depth or int(static[1]) > trace.max_size):
+        raise ValueError(f"--static {int(static[0])},{int(static[1])}: {where}; give DEPTH in 1..{trace.max_depth} and "
+                         f"SIZE in 1..{trace.max_size}")
+    beyond = [int(v) for v in size_actions or () if int(v) > trace.max_size]
+    if beyond:
+        raise ValueError(f"--size-actions {','.join(map(str, beyond))}: {where}; give sizes in 1..{trace.max_size}")
+    if depth_range is not None and int(depth_range[1]) > trace.max_depth:
+        raise ValueError(f"--depth-range {int(depth_range[0])},{int(depth_range[1])}: {where}; give depths in "
+                         f"1..{trace.max_depth}")
 
 
 def stage_result(run_dir: str | Path, stage: str, *, allow_partial: bool = False) -> StageResult:
@@ -267,6 +283,43 @@ def _record_contract(run_dir: Path, traces: TaskTraces, size_actions, static) ->
         check_grid(GridResult.load(grid), recorded, grid_from=f"grid result {grid}", run=f"run {run_dir}", fix=fix)
 
 
+def check_resume_budget(stage_dir: Path, total: int, *, resume: bool) -> None:
+    """Resuming a stage whose checkpoint already passed the budget would train nothing (and never validate): refuse
+    it, naming the checkpoint's step count."""
+    from specpilot.train.ppo import read_progress
+
+    progress = read_progress(stage_dir) if resume else None
+    if progress is not None and int(progress.get("timesteps_done", 0)) >= total:
+        raise ValueError(f"{stage_dir.name}: its checkpoint is already at {int(progress['timesteps_done'])} steps, "
+                         f"at or past the budget of {total}: give a larger --steps to continue it (nothing was "
+                         "trained)")
+
+
+def policy_arch(path: str | Path) -> tuple[list[int], list[int]]:
+    """(actor hidden layers, value hidden layers) of an SB3 policy zip."""
+    import torch
+
+    from specpilot.policies.ppo import load_sb3_policy
+
+    extractor = load_sb3_policy(path).mlp_extractor
+    return ([m.out_features for m in extractor.policy_net if isinstance(m, torch.nn.Linear)],
+            [m.out_features for m in extractor.value_net if isinstance(m, torch.nn.Linear)])
+
+
+def start_arch(init_from: str | Path, kind: str, ppo: PPOOverrides | None = None) -> tuple[list[int], list[int]]:
+    """The (actor, value) layers of a stage that starts from `init_from`: the starting policy's. Layers given in
+    `ppo` that differ are refused before any work, naming both (its weights cannot load into them)."""
+    pi, vf = policy_arch(init_from)
+    given = {"pi_arch": getattr(ppo, "pi_arch", None), "vf_arch": getattr(ppo, "vf_arch", None)}
+    for name, theirs in (("pi_arch", pi), ("vf_arch", vf)):
+        if given[name] is not None and list(given[name]) != theirs:
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{option} {','.join(map(str, given[name]))}: the {kind} stage starts from "
+                             f"{init_from}, whose {option} is {','.join(map(str, theirs))}; give that (or leave "
+                             f"{option} out to use it), or train without a starting policy")
+    return pi, vf
+
+
 def _describe(partner: Any) -> Any:
     return partner.describe() if isinstance(partner, Controller) else str(partner)
 
@@ -288,6 +341,10 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     settings = budget_settings(spec.kind, spec.steps, seed=options.seed + spec.seed_offset, ppo=options.ppo)
     if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
         return done
+    check_resume_budget(run_dir / spec.stage, settings.total_timesteps, resume=options.resume)
+    if spec.init_from is not None:  # its weights load into the networks built here: the same layers
+        pi, vf = start_arch(spec.init_from, spec.kind, options.ppo)
+        settings = replace(settings, pi_arch=pi, vf_arch=vf)
     # replay validation models greedy decoding only: a stage trained at T > 0 keeps its final policy
     val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
                         size_actions=actions, logger=logger, stage=spec.stage) if options.temperature == 0 else None
@@ -356,7 +413,9 @@ def train_size(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: i
     options = options or TrainOptions()
     traces = TaskTraces.resolve(traces)
     depth, _ = static_config(run_dir, options.static)
-    max_depth = ReplayModel(traces.train).trace.max_depth
+    trace = ReplayModel(traces.train).trace
+    max_depth = trace.max_depth
+    check_tree_options(trace, static=options.static, size_actions=size_actions, depth_range=depth_range)
     if depth_partner is None:
         depth_partner = tuple(int(v) for v in (depth_range or (1, max_depth)))
     spec = StageSpec("size", stage, steps, partner=as_depth_controller(depth_partner),
@@ -375,6 +434,7 @@ def train_depth(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: 
 
     options = options or TrainOptions()
     _, size = static_config(run_dir, options.static)
+    check_tree_options(ReplayModel(TaskTraces.resolve(traces).train).trace, static=options.static)
     partner = as_size_controller(size_partner if size_partner is not None else size)
     spec = StageSpec("depth", stage, steps, partner=partner, val_partner=partner, init_from=init_from)
     with run_logger(run_dir, logger, wandb, {"stage": stage, "kind": "depth", "steps": steps}) as log:
