@@ -176,10 +176,11 @@ def _check_tree_values(args: argparse.Namespace, traces) -> None:
     given = (args.static, getattr(args, "size_actions", None), getattr(args, "depth_range", None))
     if all(v is None for v in given):
         return
-    from specpilot.envs.replay import load_trace
+    from specpilot.artifacts.trace import TraceHeader
     from specpilot.train.stages import check_tree_options
 
-    check_tree_options(load_trace(traces.train), static=args.static, size_actions=getattr(args, "size_actions", None),
+    # the header (trace.json) is all the check needs: the arrays are read when a stage trains
+    check_tree_options(TraceHeader.load(traces.train), static=args.static, size_actions=getattr(args, "size_actions", None),
                        depth_range=getattr(args, "depth_range", None))
 
 
