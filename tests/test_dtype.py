@@ -163,3 +163,26 @@ def test_guard_never_acts_when_sampling():
     session = decoder.start([1, 2, 3], max_new_tokens=20, temperature=1.0, seed=0)
     run_generation(session, FixedController(4, 12))
     assert session.near_tie == 0.0 and session.near_ties == 0
+
+
+def test_record_profile_grid_and_eval_run_in_bf16(tmp_path):
+    """The pipeline's live parts take a bf16 pair unchanged: trace recording, the latency profile, the live grid
+    measurement and an evaluation (no implicit fp32 casts, no numpy conversion of bf16 tensors)."""
+    from specpilot.envs.profile import measure_profile
+    from specpilot.envs.record import record_trace
+    from specpilot.eval.runner import evaluate
+    from specpilot.eval.suites import Prompt
+    from specpilot.train.grid import measure_live
+
+    pair = _pairs(torch.bfloat16)["draft_lm"]
+    tree = TreeConfig(width=3, max_depth=3, max_size=8)
+    trace = record_trace(pair, tree, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=8)
+    trace.save(tmp_path / "trace")
+    profile = measure_profile(pair, tree, [[1, 2, 3]], max_new_tokens=8, sizes=[1, 4])
+    assert profile is not None
+    rows, ar = measure_live(pair, [{"width": 3, "depth": 2, "size": 4}], [[1, 2, 3]], max_new_tokens=8)
+    assert rows
+    prompts = [Prompt(id="a", task="code", language="python", split="heldout", prompt="x")]
+    result = evaluate(prompts, pair=pair, methods=["ar", "fixed"], temperatures=(0.0,), max_new_tokens=8, rounds=1,
+                      min_rounds=1, tree=tree, encode=lambda text: [1, 2, 3])
+    assert result is not None
