@@ -13,6 +13,7 @@ tie the two can pick different tokens and the texts part. Over a suite, for each
                                scales eps(dtype) * max(1, |top-1|), the near-tie guard's unit (drafting/verify.py)
     logprob_spec / logprob_ar  mean log-probability per token, under the fp32 target, of each continuation from the
                                divergence on: equal in expectation when the divergence is rounding, not error
+    *_vs_fp32 / *_fp32_ar      the same at the divergence from fp32 AR (margin under fp32, both log-probs)
 
 `agreement_report(pair, prompts, reference=fp32 pair)` returns the dict `specpilot agreement` writes to
 DIR/agreement.json (`dtype`, `guard`, `n_prompts`, `identical_share`, per-prompt rows, and summaries); the guard
@@ -128,6 +129,12 @@ def agreement_report(pair, prompts: list, *, reference=None, near_tie: float | N
                        else "neither",
                        logprob_spec=mean_logprob(reference.target, ids, spec, div),
                        logprob_ar=mean_logprob(reference.target, ids, ar, div))
+        div32 = row["first_divergence_vs_fp32"]
+        if div32 is not None and div32 < min(len(spec), len(ar32)):  # where the dtype's text left fp32's
+            full = margin_at(reference.target, ids, spec[:div32], pair.dtype)
+            row.update(margin_fp32_at_fp32_divergence=full["margin"],
+                       logprob_spec_vs_fp32=mean_logprob(reference.target, ids, spec, div32),
+                       logprob_fp32_ar=mean_logprob(reference.target, ids, ar32, div32))
         rows.append(row)
         totals["tokens"] += len(spec)
         totals["cycles"] += len(session.cycles)
@@ -155,6 +162,9 @@ def agreement_report(pair, prompts: list, *, reference=None, near_tie: float | N
         "margin_at_divergence": {"half": _summary([r["margin_half"] for r in diverged]),
                                  "scales": _summary([r["margin_scales"] for r in diverged]),
                                  "fp32": _summary([r["margin_fp32"] for r in diverged])},
+        "vs_fp32_ar": {"margin_fp32": _summary([r.get("margin_fp32_at_fp32_divergence") for r in rows]),
+                       "logprob_spec_minus_fp32_ar": _summary([r["logprob_spec_vs_fp32"] - r["logprob_fp32_ar"]
+                                                               for r in rows if "logprob_spec_vs_fp32" in r])},
         "fp32_prefers": {w: sum(r["fp32_top1_is"] == w for r in diverged) for w in ("spec", "ar", "neither")},
         "logprob_fp32": {"spec": _summary([r["logprob_spec"] for r in diverged]),
                          "ar": _summary([r["logprob_ar"] for r in diverged]),
