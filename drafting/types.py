@@ -16,9 +16,10 @@ from specpilot.drafting.checks import check_float, check_int
 
 NEAR_TIE_ON = 2.0  # the guard's width when switched on (--guard on), in rounding scales
 # the guard's default by dtype: off in fp32 (rounding never decides there at the margins that occur); off in half
-# precision too, because it did not pay: on 16 held-out prompts the embedded pair's bf16 speculative output already
-# equalled bf16 AR on every one, and the guard only added target forwards (+12% at 2 scales, +85% at 8; README
-# "Half precision"). Re-measure with `specpilot agreement --guard on` on a new pair or GPU.
+# precision too, because it did not pay: on 32 held-out prompts the embedded pair's bf16 speculative output equalled
+# bf16 AR on all but one (an exact bf16 tie, where it matched fp32 AR instead); the guard fixes that one but buys no
+# agreement with fp32 AR and adds target forwards (+12% at 2 scales, +85% at 8 on code; README "Half precision").
+# Re-measure with `specpilot agreement --guard on` on a new pair or GPU.
 NEAR_TIE_DEFAULT = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.float16: 0.0}
 
 
