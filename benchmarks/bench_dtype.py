@@ -111,11 +111,13 @@ def main(argv=None) -> int:
         d, v = best[k]
         methods[f"static_{k} D{d}:V{v}"] = static_method(pairs[k], d, v, guards[k], args.max_new_tokens)
     if args.run:
+        from specpilot.eval.inputs import resolve_tree
         from specpilot.eval.methods import EvalContext, build_methods
 
-        built, skipped = build_methods(["ltd"], EvalContext(pair=pairs["bf16"], tree=TreeConfig(width=4, max_depth=6,
-                                                                                              max_size=32),
-                                                            run_dir=args.run))
+        run_tree = resolve_tree(args.run)  # the run's tree: its policies' contract
+        tree = TreeConfig(width=run_tree.width, max_depth=run_tree.max_depth, max_size=run_tree.max_size,
+                          near_tie=args.guard)
+        built, skipped = build_methods(["ltd"], EvalContext(pair=pairs["bf16"], tree=tree, run_dir=args.run))
         if "ltd" in built:
             rec = built["ltd"]
             methods["ltd_bf16"] = lambda x, m=rec: m.decoder.generate(x, controller=m.controller, **kw)
