@@ -33,6 +33,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("train", "specpilot.train.cli", "train PPO depth/size policies (stage 1) or co-adapt them (stage 2)"),
     ("eval", "specpilot.eval.cli", "evaluate methods on held-out task suites and write a report"),
     ("export", "specpilot.train.export", "export a trained run to decoder.json + safetensors + engine configs"),
+    ("agreement", "specpilot.eval.agreement", "greedy speculative vs AR output in half precision: agreement report"),
 ]
 # commands whose module imports torch at the top keep their options in a light module ("module:function")
 ARGUMENTS: dict[str, str] = {

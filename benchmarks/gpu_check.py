@@ -8,6 +8,9 @@
 2. The embedded pair on CUDA: greedy identity against our AR decoding (fp32 and bf16: in bf16 a tree forward and a
    one-token forward round differently, so a near-tie argmax may flip; reported, not hidden) and throughput, AR vs
    the GPU-sized static tree W=8, D=6, V=60 and a chain, interleaved, with the draft LM and with the EAGLE-3 head.
+3. The agreement report (`specpilot.eval.agreement`) of the embedded pair in bf16 against bf16 AR and fp32 AR on the
+   held-out code prompts (--agreement-prompts, --agreement-tokens), with the near-tie guard off and on: share
+   identical, first divergences, margins there, fp32 log-probs of both continuations, the guard's extra forwards.
 Prints as it goes and writes DIR/gpu_check.json.
 """
 from __future__ import annotations
@@ -155,6 +158,26 @@ def embedded(drafter: str, dtype, prompts, args) -> dict:
     return rows
 
 
+def agreement(prompts, args) -> dict:
+    """Section 3: bf16 vs bf16-AR and fp32-AR, guard off and on (NEAR_TIE_ON rounding scales)."""
+    from specpilot.drafting.types import NEAR_TIE_ON
+    from specpilot.eval.agreement import agreement_report, describe
+
+    out = {}
+    try:
+        reference = ModelPair.from_pretrained(device=args.device, dtype=torch.float32)
+        half = ModelPair.from_pretrained(device=args.device, dtype=torch.bfloat16)
+    except (FileNotFoundError, ValueError) as err:
+        say(f"  agreement: not available ({err})")
+        return {"error": str(err)}
+    for guard, units in (("off", 0.0), ("on", NEAR_TIE_ON)):
+        report = agreement_report(half, prompts, reference=reference, near_tie=units,
+                                  max_new_tokens=args.agreement_tokens)
+        say(f"  {describe(report)}")
+        out[f"guard_{guard}"] = report
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
@@ -163,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cpu for a dry run of the script itself")
     ap.add_argument("--sampled-n", type=int, default=1500)
+    ap.add_argument("--agreement-prompts", type=int, default=16, help="held-out code prompts for section 3")
+    ap.add_argument("--agreement-tokens", type=int, default=128)
     args = ap.parse_args(argv)
     import transformers
 
@@ -184,6 +209,11 @@ def main(argv=None) -> int:
             result[key] = embedded(drafter, dtype, prompts, args)
             Path(args.out).mkdir(parents=True, exist_ok=True)
             (Path(args.out) / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    say(f"3. agreement of the embedded pair in bf16 on {args.device}: {min(len(code), args.agreement_prompts)} "
+        f"held-out code prompts, {args.agreement_tokens} new tokens, guard off / on")
+    code_items = [p for p in load_suite("heldout") if p.task == "code"][: args.agreement_prompts]
+    result["agreement_bf16"] = agreement(code_items, args)
+    (Path(args.out) / "gpu_check.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

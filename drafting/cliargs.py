@@ -175,10 +175,12 @@ def device(text: str) -> str:
 
 
 def dtype(text: str) -> str:
-    from specpilot.drafting.pair import DTYPES
+    """A dtype name: bfloat16, float16, float32 (or bf16, fp16, fp32) or auto (`pair.resolve_dtype`)."""
+    from specpilot.drafting.pair import AUTO, DTYPE_CHOICES, DTYPES
 
-    if text.strip().lower() not in DTYPES:
-        raise argparse.ArgumentTypeError(f"dtype {text!r} is not supported; choose one of {', '.join(DTYPES)}")
+    if text.strip().lower() not in DTYPES and text.strip().lower() != AUTO:
+        raise argparse.ArgumentTypeError(f"dtype {text!r} is not supported; choose one of "
+                                         f"{', '.join(DTYPE_CHOICES)}")
     return text.strip().lower()
 
 
@@ -233,7 +235,8 @@ def add_pair_arguments(parser, *, dtype_option: bool = True, what: str = "",
                         help="cpu, cuda, cuda:N or mps (default: cuda when available, else cpu)")
     if dtype_option:
         parser.add_argument("--dtype", type=dtype, default=None,
-                            help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+                            help="bfloat16, float16, float32 or auto (bf16 on CUDA; on a CPU with AMX/AVX512-BF16 "
+                                 "where it measures faster, else fp32) (default: float32 on CPU, bfloat16 on CUDA)")
 
 
 def pair_given(args: argparse.Namespace) -> bool:

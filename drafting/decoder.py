@@ -29,7 +29,7 @@ from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
 from specpilot.drafting.verify import (accept_greedy, accept_tree_recursive, accept_tree_sampled, block_inputs,
-                                       select_block)
+                                       near_tie_cut, select_block)
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed=None) -> None:
@@ -84,6 +84,9 @@ class DecodingSession:
         self.token_times: list[float] = []
         self.finished_by: str | None = None
         self.acceptance = 1.0
+        # the greedy near-tie guard's width in rounding scales (0: off; never in sampled decoding)
+        self.near_tie = tree.near_tie_units(pair.dtype) if self.sampling is None else 0.0
+        self.near_ties = 0  # cycles the guard cut short
         self.drafter = TreeDrafter(make_drafter(pair), tree.width, tree.max_depth,
                                    sample=self.sampling is not None and tree.sampled_children)
         self.needs_features = self.drafter.drafter.needs_features
@@ -251,15 +254,21 @@ class DecodingSession:
                                    output_hidden_states=self.needs_features)
             logits = out.logits[0]
             path, bonus = self._accept(tree, block, logits)
-            self._keep_features(out, [0] + path, len(self.committed) - 1)  # the root's and the accepted nodes
-            emitted = [block.tokens[i] for i in path] + [bonus]
-            # keep the root and the accepted path's entries, compacted; the bonus becomes the next root
-            kept = torch.tensor([cache_len + i for i in [0] + path], dtype=torch.long, device=self.device)
+            cut = near_tie_cut(logits, [0] + path, self.near_tie, self.pair.dtype) if self.near_tie else None
+            if cut is not None:  # the near-tie guard (verify.py): a one-token forward decides row cut's token
+                path, bonus = path[:cut], None
+                self.near_ties += 1
+            # keep the root's and the accepted nodes' entries (compacted): all but the last committed token's
+            rows = [0] + path if bonus is not None else ([0] + path)[:-1]
+            if rows:
+                self._keep_features(out, rows, len(self.committed) - 1)
+            emitted = [block.tokens[i] for i in path] + ([bonus] if bonus is not None else [])
+            kept = torch.tensor([cache_len + i for i in rows], dtype=torch.long, device=self.device)
             keep_positions(self.target_cache, cache_len, kept)
             self.drafter.end_cycle()
-            emitted = self._truncate(emitted)
-            self.committed.extend(emitted)
-            self.new_tokens.extend(emitted)
+            emitted = self._commit(emitted)
+            if bonus is None and not self.done:
+                emitted += self._one_token()
             now = self.clock.now()
         return self._finish_cycle(tree, size, len(path), emitted, now - t0, now)
 
@@ -267,20 +276,28 @@ class DecodingSession:
         """One target step on the root, as autoregressive decoding takes it (no block, mask or cache compaction)."""
         with torch.inference_mode():
             t0 = self.clock.now()
-            root = torch.tensor([[self.committed[-1]]], dtype=torch.long, device=self.device)
-            out = self.pair.target(input_ids=root, cache=self.target_cache, use_cache=True, logits_to_keep=1,
-                                   output_hidden_states=self.needs_features)
-            logits = out.logits[0, -1]
-            if self.sampling is None:
-                token = int(logits.argmax())
-            else:
-                token = sample(sampling_probs(logits, *self.sampling), self.generator)
-            self._keep_features(out, None, len(self.committed) - 1)
-            emitted = self._truncate([token])
-            self.committed.extend(emitted)
-            self.new_tokens.extend(emitted)
+            emitted = self._one_token()
             now = self.clock.now()
         return self._finish_cycle(None, 0, 0, emitted, now - t0, now)
+
+    def _one_token(self) -> list[int]:
+        """One target forward on the last committed token (its entry not yet cached), committing the next token."""
+        root = torch.tensor([[self.committed[-1]]], dtype=torch.long, device=self.device)
+        out = self.pair.target(input_ids=root, cache=self.target_cache, use_cache=True, logits_to_keep=1,
+                               output_hidden_states=self.needs_features)
+        logits = out.logits[0, -1]
+        if self.sampling is None:
+            token = int(logits.argmax())
+        else:
+            token = sample(sampling_probs(logits, *self.sampling), self.generator)
+        self._keep_features(out, None, len(self.committed) - 1)
+        return self._commit([token])
+
+    def _commit(self, emitted: list[int]) -> list[int]:
+        emitted = self._truncate(emitted)
+        self.committed.extend(emitted)
+        self.new_tokens.extend(emitted)
+        return emitted
 
     def _accept(self, tree, block, logits) -> tuple[list[int], int]:
         if self.sampling is None:

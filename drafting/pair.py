@@ -68,17 +68,134 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 def check_dtype(dtype, device: str) -> torch.dtype:
-    """The torch floating dtype named by `dtype` (a DTYPES name or a torch.dtype), the device's default for None;
-    else ValueError listing the accepted names."""
+    """The torch floating dtype named by `dtype` (a DTYPES name, "auto" or a torch.dtype), the device's default for
+    None; else ValueError listing the accepted names. "auto" without a model to measure is `resolve_dtype`'s choice
+    from the device and CPU features alone (fp32 on a bf16-capable CPU until measured)."""
     if dtype is None:
         return default_dtype(device)
     if isinstance(dtype, str):
+        if dtype.strip().lower() == AUTO:
+            return resolve_dtype(AUTO, device)[0]
         if dtype.strip().lower() not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+            raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
         return DTYPES[dtype.strip().lower()]
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype; choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype; choose one of "
+                         f"{', '.join(DTYPE_CHOICES)}")
     return dtype
+
+
+# -- half precision: what this machine supports natively, and what "auto" picks ------------------------------------
+AUTO = "auto"
+DTYPE_CHOICES = ("bfloat16", "float16", "float32", AUTO)  # what --dtype offers (DTYPES' short aliases work too)
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")   # /proc/cpuinfo flags of CPUs with bf16 matmul instructions
+CPU_FP16_FLAGS = ("amx_fp16", "avx512_fp16")
+AUTO_PROBE_TOKENS = (1, 16)  # auto's micro-benchmark: a plain step and a typical verification block
+_CPU_FLAGS: set[str] | None = None
+_AUTO_MEASURED: dict[tuple, tuple[torch.dtype, str]] = {}  # per process: (model, device, threads) -> choice
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: macOS, Windows); read once."""
+    global _CPU_FLAGS
+    if _CPU_FLAGS is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            text = ""
+        lines = [ln for ln in text.splitlines() if ln.split(":")[0].strip() in ("flags", "Features")]
+        _CPU_FLAGS = set(lines[0].split(":", 1)[1].split()) if lines else set()
+    return _CPU_FLAGS
+
+
+def half_support(dtype: torch.dtype, device: str) -> tuple[str, str]:
+    """("native" | "emulated" | "none", why) for computing in `dtype` on `device`: native when the hardware has the
+    instructions (CUDA bf16: compute capability >= 8; CPU: amx/avx512 bf16 or fp16 flags), emulated when torch runs
+    it by converting (correct rounding of the dtype, no speed), none when torch cannot run it there."""
+    if dtype == torch.float32:
+        return "native", "fp32"
+    kind = str(device).split(":")[0]
+    name = str(dtype).removeprefix("torch.")
+    if kind == "cuda":
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+            return "none", f"this GPU has no bf16 ({torch.cuda.get_device_name()}); use float16 or float32"
+        return "native", f"{name} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CUDA'}"
+    if kind != "cpu":
+        return "native", f"{name} on {kind}"
+    wanted = CPU_BF16_FLAGS if dtype == torch.bfloat16 else CPU_FP16_FLAGS
+    have = sorted(cpu_flags() & set(wanted))
+    if have:
+        return "native", f"this CPU has {'/'.join(have)}"
+    return "emulated", f"this CPU has no {' or '.join(wanted)} (/proc/cpuinfo): torch emulates {name}, slowly"
+
+
+def _forward_ms(model, tokens: int, *, prefix: int = 128, repeats: int = 5) -> float:
+    """Median ms of one target forward over `tokens` new tokens after a `prefix`-token cache (no autograd)."""
+    import time
+
+    from specpilot.drafting.cache import crop_to, new_cache
+
+    device = next(model.parameters()).device
+    cache = new_cache(model)
+    gen = torch.Generator().manual_seed(0)
+    vocab = _vocab_size(model)
+    model(input_ids=torch.randint(0, vocab, (1, prefix), generator=gen).to(device), cache=cache, use_cache=True)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        model(input_ids=ids, cache=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+        crop_to(cache, prefix)
+    return float(np.median(times[1:])) * 1e3
+
+
+def measure_half(model, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """ms of the target forward at AUTO_PROBE_TOKENS tokens in fp32 and in `dtype` (a copy), for "auto"."""
+    import copy
+
+    with torch.inference_mode():
+        half = copy.deepcopy(model).to(dtype)
+        full = model if model.dtype == torch.float32 else copy.deepcopy(model).to(torch.float32)
+        out = {}
+        for name, m in (("float32", full), (str(dtype).removeprefix("torch."), half)):
+            out[name] = {n: round(_forward_ms(m, n), 3) for n in AUTO_PROBE_TOKENS}
+    return out
+
+
+def resolve_dtype(dtype, device: str, model=None) -> tuple[torch.dtype, str]:
+    """(dtype, why) for a --dtype value. A name or torch.dtype is taken as asked; None is the device's default;
+    "auto" picks bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 on MPS, and on a CPU bf16 only when it has
+    AMX-BF16 or AVX512-BF16 *and* a one-off micro-benchmark of `model`'s forward at 1 and 16 tokens (summed) runs
+    faster in bf16 than in fp32 (cached per process); fp32 otherwise, and fp32 when no model is given to measure."""
+    device = str(device)
+    if dtype is None:
+        chosen = default_dtype(device)
+        return chosen, f"{str(chosen).removeprefix('torch.')}: the default on {device.split(':')[0]}"
+    if not (isinstance(dtype, str) and dtype.strip().lower() == AUTO):
+        chosen = check_dtype(dtype, device)
+        return chosen, f"{str(chosen).removeprefix('torch.')}: asked for"
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        chosen = default_dtype(device)
+        return chosen, f"auto: {str(chosen).removeprefix('torch.')} on CUDA"
+    if kind != "cpu":
+        return torch.float32, f"auto: float32 on {kind}"
+    support, why = half_support(torch.bfloat16, "cpu")
+    if support != "native":
+        return torch.float32, f"auto: float32, {why}"
+    if model is None:
+        return torch.float32, f"auto: float32 ({why}; no model given to measure bf16 against fp32)"
+    key = (getattr(model.config, "_name_or_path", ""), model_digest(model, sample=4096), device,
+           torch.get_num_threads())
+    if key not in _AUTO_MEASURED:
+        ms = measure_half(model, torch.bfloat16)
+        fp32, bf16 = sum(ms["float32"].values()), sum(ms["bfloat16"].values())
+        chosen = torch.bfloat16 if bf16 < fp32 else torch.float32
+        shown = ", ".join(f"{n} tok {ms['float32'][n]:.2f} vs {ms['bfloat16'][n]:.2f} ms" for n in AUTO_PROBE_TOKENS)
+        _AUTO_MEASURED[key] = (chosen, f"auto: {str(chosen).removeprefix('torch.')}, {why}; target forward fp32 vs "
+                                       f"bf16 ({shown}, {torch.get_num_threads()} threads)")
+    return _AUTO_MEASURED[key]
 
 
 def _vocab_size(model) -> int:
@@ -204,6 +321,7 @@ class ModelPair:
     tokenizer: object | None = None
     name: str = "custom"
     eagle: torch.nn.Module | None = None
+    dtype_reason: str = ""  # why the pair runs in its dtype (`resolve_dtype`): for reports and manifests
 
     def __post_init__(self) -> None:
         if self.draft is None and self.eagle is None:
@@ -327,7 +445,8 @@ class ModelPair:
         if draft is not None and eagle is not None:
             raise ValueError("give draft= (a separate LM) or eagle= (an EAGLE-3 head), not both")
         device = check_device(device)
-        dtype = check_dtype(dtype, device)
+        asked = dtype
+        dtype, dtype_reason = resolve_dtype(dtype, device)
         embedded = target is None
         if embedded:
             root = DEFAULT_PAIR_DIR
@@ -348,6 +467,10 @@ class ModelPair:
                                     "missing): use its draft (draft='embedded', --draft embedded) or give a head "
                                     "folder")
         target_model = _load_lm(target, "target", dtype)
+        if isinstance(asked, str) and asked.strip().lower() == AUTO and device == "cpu" and \
+                half_support(torch.bfloat16, device)[0] == "native":  # measure this target, then convert
+            dtype, dtype_reason = resolve_dtype(asked, device, model=target_model)
+            target_model.to(dtype)
         tok = _load_tokenizer(tokenizer, target)
         draft_model = head = None
         if draft is not None:
@@ -366,7 +489,7 @@ class ModelPair:
         if embedded and drafter_name != DEFAULT_DRAFTER:
             name += f"+{drafter_name}"
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tok,
-                   name=name, eagle=head.to(device) if head is not None else None)
+                   name=name, eagle=head.to(device) if head is not None else None, dtype_reason=dtype_reason)
 
     @staticmethod
     def default_metrics() -> dict | None:

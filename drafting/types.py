@@ -11,8 +11,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specpilot.drafting.checks import check_int
+from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.cycle_math import num_candidates
+
+
+NEAR_TIE_ON = 2.0  # the guard's width when switched on (--guard on), in rounding scales
+# the guard's default by dtype: off in fp32 (rounding never decides there at the margins that occur); off in half
+# precision too, because it did not pay: on 32 held-out prompts the embedded pair's bf16 speculative output equalled
+# bf16 AR on all but one (an exact bf16 tie, where it matched fp32 AR instead); the guard fixes that one but buys no
+# agreement with fp32 AR and adds target forwards (+12% at 2 scales, +85% at 8 on code; README "Half precision").
+# Re-measure with `specpilot agreement --guard on` on a new pair or GPU.
+NEAR_TIE_DEFAULT = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.float16: 0.0}
 
 
 @dataclass(frozen=True)
@@ -27,17 +36,29 @@ class TreeConfig:
         replacement and verify them by recursive rejection sampling (True), or take the top-W and verify by drawing
         from the target (False; accepts only when the target happens to sample one of W fixed tokens). Both are
         exact; greedy decoding always takes the top-W.
+    near_tie: greedy near-tie guard (drafting/verify.py), in rounding scales of the target's dtype: stop accepting
+        where the verify forward's top-1/top-2 margin is below near_tie * eps(dtype) * max(1, |top-1 logit|) and let
+        a one-token forward decide that token. 0 = off; None = the dtype's default (`near_tie_units`: off in fp32).
     """
 
     width: int = 8
     max_depth: int = 12
     max_size: int = 64
     sampled_children: bool = True
+    near_tie: float | None = None
 
     def __post_init__(self) -> None:
         # integers only (a float width would build fractional tree shapes); numpy integers become plain ints
         for name in ("width", "max_depth", "max_size"):
             object.__setattr__(self, name, check_int(f"TreeConfig.{name}", getattr(self, name), minimum=1))
+        if self.near_tie is not None:
+            object.__setattr__(self, "near_tie", check_float("TreeConfig.near_tie", self.near_tie, minimum=0.0))
+
+    def near_tie_units(self, dtype: torch.dtype) -> float:
+        """The guard's width for a target computing in `dtype`: near_tie when set, else NEAR_TIE_DEFAULT[dtype]."""
+        if self.near_tie is not None:
+            return float(self.near_tie)
+        return NEAR_TIE_DEFAULT.get(dtype, 0.0)
 
     def num_candidates(self, depth: int) -> int:
         """Candidates in a tree of `depth` levels: W at level 1, W*W at each later level."""

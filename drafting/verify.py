@@ -5,6 +5,15 @@ the committed prefix in the target cache, its ancestors and itself; its position
 Acceptance returns the accepted candidates (a root-to-node path) and the emitted token after it (the target's
 argmax in greedy mode, a draw from the target's law otherwise), so a cycle emits accepted + 1 tokens. Three rules:
 greedy; deterministic (top-W) children at temperature > 0; sampled children (recursive rejection sampling).
+
+The near-tie guard (greedy only, `TreeConfig.near_tie`): in half precision a tree forward and a one-token forward
+round differently, so where the target's top-1 and top-2 logits are within rounding of each other the verify
+forward's argmax may not be the one autoregressive decoding computes. `near_tie_cut` finds the first row along
+[root] + accepted path whose top-1/top-2 margin is below `near_tie` rounding scales, eps(dtype) * max(1, |top-1|)
+(eps = 2^-7 for bf16, 2^-10 for fp16, 2^-23 for fp32); the decoder then commits only the tokens decided before that
+row, drops that row's cache entry, and decides the next token with a one-token forward: the computation AR does.
+Every committed token is still the target's argmax at its prefix, so the fp32 greedy law (output == the target's
+greedy output) holds with the guard on or off; it only changes which forward decides a near tie.
 """
 from __future__ import annotations
 
@@ -126,3 +135,22 @@ def accept_tree_recursive(block: Block, logits: torch.Tensor, tree, sampling: tu
             return path, sample(p, generator)
         path.append(nxt)
         node = nxt
+
+
+def rounding_scale(dtype: torch.dtype) -> float:
+    """Machine epsilon of the dtype the target computes in: one rounding step of a logit near 1."""
+    return float(torch.finfo(dtype).eps)
+
+
+def near_tie_cut(logits: torch.Tensor, rows: list[int], units: float, dtype: torch.dtype | None = None) -> int | None:
+    """Index k into `rows` (block rows [root] + accepted path) of the first row whose top-1/top-2 logit margin is
+    below `units` * eps(dtype) * max(1, |top-1|), or None (no near tie, or units <= 0: the guard is off). The tokens
+    decided at rows[:k] stand; the one rows[k] would decide is left to a one-token forward."""
+    if units <= 0 or logits.shape[-1] < 2:
+        return None
+    eps = rounding_scale(dtype or logits.dtype)
+    top = torch.topk(logits[rows].float(), 2, dim=-1).values               # [len(rows), 2]
+    margin = top[:, 0] - top[:, 1]
+    tied = margin < units * eps * top[:, 0].abs().clamp(min=1.0)
+    hits = torch.nonzero(tied)
+    return int(hits[0]) if hits.numel() else None

@@ -473,6 +473,7 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
     return {
         "models": pair.identity(),
         "dtype": str(pair.dtype).replace("torch.", ""),
+        "dtype_reason": getattr(pair, "dtype_reason", ""),  # why this dtype (resolve_dtype: asked, default, auto)
         "device": str(device),
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),

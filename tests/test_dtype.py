@@ -1,0 +1,188 @@
+"""--dtype and `auto` (resolve_dtype: CPU features, a cached micro-benchmark), and the greedy near-tie guard: off in
+fp32 by default, and wherever it fires the output is still the target's greedy output (at an infinite width every
+token is decided by a one-token forward, so even bf16 output equals bf16 AR bit for bit)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import specpilot.drafting.pair as pair_mod
+from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
+from specpilot.drafting.cliargs import dtype as dtype_arg
+from specpilot.drafting.cycle import run_generation
+from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
+from specpilot.drafting.verify import near_tie_cut
+from specpilot.policies import FixedController
+from tiny import noisy_copy, tiny_model
+
+PROMPTS = [[7], [1, 2, 3, 4, 5], list(range(10, 43))]
+
+
+@pytest.mark.parametrize("text,expected", [("bfloat16", "bfloat16"), ("BF16", "bf16"), ("float16", "float16"),
+                                           ("fp32", "fp32"), (" auto ", "auto")])
+def test_dtype_option_accepts_names_and_auto(text, expected):
+    assert dtype_arg(text) == expected
+
+
+@pytest.mark.parametrize("text", ["int8", "float64", "", "half"])
+def test_dtype_option_refuses_others_naming_the_choices(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="bfloat16, float16, float32, auto"):
+        dtype_arg(text)
+
+
+@pytest.fixture
+def flags(monkeypatch):
+    """Set the CPU's /proc/cpuinfo flags and clear auto's per-process cache."""
+    monkeypatch.setattr(pair_mod, "_AUTO_MEASURED", {})
+
+    def set_flags(*names):
+        monkeypatch.setattr(pair_mod, "_CPU_FLAGS", set(names))
+    return set_flags
+
+
+@pytest.mark.parametrize("asked,expected", [(None, torch.float32), ("bf16", torch.bfloat16),
+                                            ("float16", torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_resolve_dtype_takes_names_as_asked(asked, expected, flags):
+    flags()
+    chosen, why = pair_mod.resolve_dtype(asked, "cpu")
+    assert chosen == expected and why
+
+
+def test_auto_on_a_cpu_without_bf16_instructions_is_fp32_and_says_why(flags):
+    flags("avx2", "fma")
+    chosen, why = pair_mod.resolve_dtype("auto", "cpu", model=tiny_model())
+    assert chosen == torch.float32
+    assert "amx_bf16" in why and "avx512_bf16" in why
+    assert pair_mod.half_support(torch.bfloat16, "cpu")[0] == "emulated"
+    assert pair_mod.check_dtype("auto", "cpu") == torch.float32
+
+
+@pytest.mark.parametrize("bf16_ms,expected", [(1.0, torch.bfloat16), (100.0, torch.float32)])
+def test_auto_with_amx_takes_bf16_only_where_it_measures_faster(bf16_ms, expected, flags, monkeypatch):
+    flags("amx_bf16", "avx512_bf16")
+    calls = []
+
+    def fake_measure(model, dtype=torch.bfloat16):
+        calls.append(1)
+        return {"float32": {1: 5.0, 16: 10.0}, "bfloat16": {1: bf16_ms, 16: bf16_ms}}
+
+    monkeypatch.setattr(pair_mod, "measure_half", fake_measure)
+    model = tiny_model()
+    assert pair_mod.half_support(torch.bfloat16, "cpu")[0] == "native"
+    assert pair_mod.resolve_dtype("auto", "cpu")[0] == torch.float32  # nothing to measure: fp32
+    chosen, why = pair_mod.resolve_dtype("auto", "cpu", model=model)
+    assert chosen == expected and "16 tok" in why
+    assert pair_mod.resolve_dtype("auto", "cpu", model=model) == (chosen, why) and len(calls) == 1  # cached
+
+
+def test_measure_half_times_both_dtypes_on_a_real_model():
+    ms = pair_mod.measure_half(tiny_model(), torch.bfloat16)
+    assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for row in ms.values() for v in row.values())
+
+
+def test_from_pretrained_auto_and_bf16(saved_pair, flags):
+    flags()
+    auto = ModelPair.from_pretrained(saved_pair / "target", saved_pair / "draft", dtype="auto")
+    assert auto.dtype == torch.float32 and auto.dtype_reason.startswith("auto: float32")
+    half = ModelPair.from_pretrained(saved_pair / "target", saved_pair / "draft", dtype="bf16")
+    assert half.dtype == torch.bfloat16 and half.draft.dtype == torch.bfloat16
+    assert half.dtype_reason == "bfloat16: asked for"
+
+
+# -- the near-tie guard ---------------------------------------------------------------------------------------------
+
+def test_near_tie_cut_finds_the_first_row_within_rounding():
+    eps = torch.finfo(torch.bfloat16).eps
+    logits = torch.tensor([[5.0, 1.0, 0.0], [8.0, 8.0 - 0.5 * eps * 8, 0.0], [3.0, 3.0, 0.0]])
+    assert near_tie_cut(logits, [0, 1, 2], 1.0, torch.bfloat16) == 1
+    assert near_tie_cut(logits, [0, 2], 1.0, torch.bfloat16) == 1
+    assert near_tie_cut(logits, [0], 1.0, torch.bfloat16) is None
+    assert near_tie_cut(logits, [0, 1, 2], 0.0, torch.bfloat16) is None            # off
+    assert near_tie_cut(logits, [0, 1], 1.0, torch.float32) is None               # fp32's eps is 2^16 x smaller
+
+
+def test_guard_defaults_off_in_fp32_and_validates():
+    assert TreeConfig().near_tie_units(torch.float32) == 0.0
+    assert TreeConfig(near_tie=3).near_tie_units(torch.float32) == 3.0
+    with pytest.raises(ValueError, match="near_tie"):
+        TreeConfig(near_tie=-1.0)
+
+
+def _eagle_pair(target):
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=48), target)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    head.set_draft_vocab(torch.arange(48) * 2)
+    return ModelPair(target, eagle=head.eval())
+
+
+def _pairs(dtype):
+    target = tiny_model(vocab=96, hidden=32, layers=4)
+    pairs = {"draft_lm": ModelPair(target, noisy_copy(target, 0.3)), "eagle3": _eagle_pair(target)}
+    return {k: p.to(dtype=dtype) for k, p in pairs.items()}
+
+
+def _guarded(pair, prompt, units, depth=4, size=12):
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=3, max_depth=4, max_size=16, near_tie=units))
+    session = decoder.start(prompt, max_new_tokens=30)
+    run_generation(session, FixedController(depth, size))
+    return session
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+@pytest.mark.parametrize("units", [0.0, 2.0, 1e9])
+def test_guard_keeps_fp32_greedy_exact(kind, units):
+    pair = _pairs(torch.float32)[kind]
+    for prompt in PROMPTS:
+        session = _guarded(pair, prompt, units)
+        assert session.new_tokens == autoregressive_generate(pair, prompt, max_new_tokens=30).tokens
+        if units == 1e9:  # fires on every cycle: one-token forwards decide everything
+            assert session.near_ties == sum(c.depth > 0 for c in session.cycles)  # (an EAGLE head's first
+            # cycle is a plain step: no feature to draft from yet)
+        if units == 0.0:
+            assert session.near_ties == 0
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+def test_guard_at_infinite_width_is_bf16_ar_bit_for_bit(kind):
+    """Every token decided by a one-token forward on a cache only one-token forwards wrote: AR's computation."""
+    pair = _pairs(torch.bfloat16)[kind]
+    for prompt in PROMPTS:
+        assert _guarded(pair, prompt, 1e9).new_tokens == \
+            autoregressive_generate(pair, prompt, max_new_tokens=30).tokens
+
+
+def test_guard_never_acts_when_sampling():
+    pair = _pairs(torch.bfloat16)["draft_lm"]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=3, max_depth=4, max_size=16, near_tie=1e9))
+    session = decoder.start([1, 2, 3], max_new_tokens=20, temperature=1.0, seed=0)
+    run_generation(session, FixedController(4, 12))
+    assert session.near_tie == 0.0 and session.near_ties == 0
+
+
+def test_record_profile_grid_and_eval_run_in_bf16(tmp_path):
+    """The pipeline's live parts take a bf16 pair unchanged: trace recording, the latency profile, the live grid
+    measurement and an evaluation (no implicit fp32 casts, no numpy conversion of bf16 tensors)."""
+    from specpilot.envs.profile import measure_profile
+    from specpilot.envs.record import record_trace
+    from specpilot.eval.runner import evaluate
+    from specpilot.eval.suites import Prompt
+    from specpilot.train.grid import measure_live
+
+    pair = _pairs(torch.bfloat16)["draft_lm"]
+    tree = TreeConfig(width=3, max_depth=3, max_size=8)
+    trace = record_trace(pair, tree, [[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=8)
+    trace.save(tmp_path / "trace")
+    profile = measure_profile(pair, tree, [[1, 2, 3]], max_new_tokens=8, sizes=[1, 4])
+    assert profile is not None
+    rows, ar = measure_live(pair, [{"width": 3, "depth": 2, "size": 4}], [[1, 2, 3]], max_new_tokens=8)
+    assert rows
+    prompts = [Prompt(id="a", task="code", language="python", split="heldout", prompt="x")]
+    result = evaluate(prompts, pair=pair, methods=["ar", "fixed"], temperatures=(0.0,), max_new_tokens=8, rounds=1,
+                      min_rounds=1, tree=tree, encode=lambda text: [1, 2, 3])
+    assert result is not None
