@@ -87,7 +87,7 @@ def forest_groups(groups: list[dict], replay_groups: list[dict], temperature: fl
     ax.axvline(1.0, color="k", lw=1)
     kinds = (("conclusive", "tab:blue", "o", "live, 95% interval"),
              ("small", "0.55", "o", f"live, fewer than {MIN_PROMPTS_TO_CONCLUDE} prompts: too small to conclude"),
-             ("same", "0.55", "x", "live, same decisions (the spread is timing noise)"))
+             ("same", "0.55", "x", "live, same decisions on every cycle (the difference: decision time and timing noise)"))
     for kind, color, marker, name in kinds:
         idx = [i for i, g in enumerate(rows) if _group_kind(g) == kind]
         if idx:

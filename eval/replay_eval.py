@@ -85,8 +85,8 @@ def _ratio(a: dict, b: dict, idx: Sequence[int], *, seed: int) -> dict:
     interval = paired_ratio_interval(a["tokens"][idx], a["time_s"][idx], b["tokens"][idx], b["time_s"][idx],
                                      seed=seed)
     same = same_decisions([a["logs"][i] for i in idx], [b["logs"][i] for i in idx])
-    return {"ratio": interval.ratio, "ci": interval.ci(), "same_decisions": same,
-            "verdict": verdict(interval, same=same), "n_units": interval.n_units}
+    return {"ratio": interval.ratio, "ci": interval.ci(), "same_decisions": same, "verdict": verdict(interval),
+            "flags": ["same decisions"] if same else [], "n_units": interval.n_units}
 
 
 def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 0,

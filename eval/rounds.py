@@ -8,8 +8,8 @@ training, the cost-model check), with one clock:
   seed (`seed + round * n_prompts + prompt index`);
 - wall time is measured around each call (perf_counter after device synchronisation), identically for all;
 - `RoundPlan` says how many rounds: a fixed number, or "auto": at least `min_rounds`, then more until the
-  deciding comparison's interval is narrow enough, the two made the same decisions on every unit, the time
-  budget would not fit another round, or `max_rounds`. Rounds after the first `full_rounds` run only `ar` and
+  deciding comparison's interval is narrow enough, the time budget would not fit another round, or `max_rounds`
+  (two methods that made the same decisions still differ by their decision time, so that is no reason to stop). Rounds after the first `full_rounds` run only `ar` and
   the deciding pair (the comparison the extra rounds are for); every other method keeps its earlier units.
 """
 from __future__ import annotations
@@ -87,8 +87,6 @@ class RoundPlan:
             return "no deciding comparison" if done >= enough else None
         if done < self.min_rounds:
             return None
-        if decided["same_decisions"]:
-            return "same decisions"
         if decided["half_width"] <= self.target_half_width:
             return "target reached"
         if done >= self.max_rounds:

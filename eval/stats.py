@@ -150,11 +150,10 @@ def same_decisions(logs_a: Sequence[Sequence[tuple[int, int]]], logs_b: Sequence
     return True
 
 
-def verdict(interval: Interval, *, same: bool = False) -> str:
-    """"same decisions", else "faster" / "slower" when the interval excludes 1, else "indistinguishable"
-    (also when there are too few units for an interval)."""
-    if same:
-        return "same decisions"
+def verdict(interval: Interval) -> str:
+    """"faster" / "slower" when the interval excludes 1, else "indistinguishable" (also when there are too few
+    units for an interval). Identical decisions are a flag beside the verdict (`specpilot.eval.compare`), never a
+    verdict: two controllers that decide alike still differ by their decision time."""
     if math.isfinite(interval.low) and interval.low > 1.0:
         return "faster"
     if math.isfinite(interval.high) and interval.high < 1.0:
@@ -162,14 +161,3 @@ def verdict(interval: Interval, *, same: bool = False) -> str:
     return "indistinguishable"
 
 
-def describe(comparison: dict) -> str:
-    """One line for a summary: "ltd vs grid (T=0): same decisions" or "... 1.031x [1.012, 1.050] faster"."""
-    head = f"{comparison['method']} vs {comparison['baseline']} (T={comparison['temperature']:g})"
-    if comparison["verdict"] == "same decisions":
-        return f"{head}: same decisions on every cycle of {comparison['n_units']} units (no difference to report)"
-    low, high = comparison["ci"]
-    ci = (f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None and math.isfinite(low)
-          and math.isfinite(high) else "[no interval]")
-    pct = 100.0 * (comparison["ratio"] - 1.0)
-    return (f"{head}: {comparison['ratio']:.3f}x ({pct:+.1f}%) {ci}, {comparison['verdict']}, "
-            f"{comparison['n_units']} units")

@@ -65,8 +65,8 @@ def test_clear_cases_get_their_verdict(ratio, expected):
     assert verdict(iv) == expected
 
 
-def test_same_decisions_wins_over_any_interval():
-    assert verdict(Interval(1.2, 1.1, 1.3, 10), same=True) == "same decisions"
+def test_the_verdict_comes_from_the_interval_alone():
+    assert verdict(Interval(1.2, 1.1, 1.3, 10)) == "faster"
     assert verdict(Interval(1.0, math.nan, math.nan, 1)) == "indistinguishable"
 
 
@@ -157,7 +157,7 @@ def _decided(half_width, same=False):
 @pytest.mark.parametrize("done, decided, remaining, reason", [
     (1, _decided(0.001), 0.0, None),                 # never before min_rounds
     (2, _decided(0.001), 100.0, "target reached"),
-    (2, _decided(0.05, same=True), 100.0, "same decisions"),
+    (2, _decided(0.05, same=True), 100.0, None),    # same decisions: rounds go on (decision time still differs)
     (2, _decided(0.05), 0.0, "time budget"),
     (3, _decided(0.05), 100.0, None),
     (5, _decided(0.05), 100.0, "max rounds"),
