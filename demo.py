@@ -160,16 +160,19 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     run_dir.mkdir(parents=True, exist_ok=True)
     state = DemoState(run_dir)
     started = time.perf_counter()
-    pair = ModelPair.from_pretrained(target, draft, device=device, **({"eagle": eagle} if eagle else {}))
+    # dtype "auto": bf16 on CUDA, and on a CPU with AMX / AVX512-BF16 where it measures faster, fp32 otherwise
+    # (`specpilot.drafting.pair.resolve_dtype`); the summary says which and why
+    pair = ModelPair.from_pretrained(target, draft, device=device, dtype="auto", **({"eagle": eagle} if eagle else {}))
     executor = executor or LocalExecutor(pair)
-    identity = pair.identity()
+    identity = {**pair.identity(), "dtype": str(pair.dtype).replace("torch.", ""),
+                "dtype_reason": getattr(pair, "dtype_reason", None)}
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
     heldout_suite = choose_suite(suite, target)
     heldout = _limit(load_suite(heldout_suite["name"]), budget.heldout_prompts)
     budget_fields = asdict(budget)
-    key = _key(identity, seed)
+    key = _key({k: v for k, v in identity.items() if k != "dtype_reason"}, seed)  # the reason may quote timings
     timings: dict[str, float] = {}
     results: dict[str, dict] = {}
 

@@ -197,3 +197,18 @@ def test_cli_eval_with_ray_local_keeps_every_option(saved_pair, tmp_path):
     assert report["replay"] and report["cost_check"] and (tmp_path / "replay" / "trace.npz").is_file()
     assert [(c["method"], c["baseline"]) for c in report["comparisons"]] == [("fixed", "ar")]
     assert report["comparisons"][0]["verdict"] and "2 workers" in proc.stderr
+
+
+def test_an_unreachable_address_is_one_clear_error_before_ray_starts():
+    """Nothing listens there: refused by a socket probe, not after Ray's ~20 s of client retries and log lines."""
+    import socket
+
+    from specpilot.train.cluster import ClusterError, _check_reachable  # what connect() runs first
+
+    with socket.socket() as probe:  # a port that was free a moment ago, with nothing listening on it now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ClusterError, match="cannot reach a Ray cluster"):
+        _check_reachable(f"127.0.0.1:{port}")
+    with pytest.raises(ClusterError, match="is not an address"):
+        _check_reachable("no-port-here")

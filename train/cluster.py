@@ -52,6 +52,8 @@ def connect(address: str = LOCAL, *, num_cpus: int | None = None, num_gpus: int 
     initialised in this process is reused as it is."""
     ray = import_ray()
     if not ray.is_initialized():
+        if address not in (LOCAL, "auto"):
+            _check_reachable(address)  # before ray.init, which retries for ~20 s printing client errors
         quiet = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=True)
         try:
             if address == LOCAL:
@@ -63,6 +65,22 @@ def connect(address: str = LOCAL, *, num_cpus: int | None = None, num_gpus: int 
                                "--head` (and `ray start --address HEAD:6379` on the other nodes), or use "
                                "--ray local") from err
     return dict(ray.cluster_resources())
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """ClusterError in one line when nothing listens at "host:port" / "ray://host:port"."""
+    import socket
+
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"--ray {address!r} is not an address: give local, auto, HOST:PORT or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err.strerror or err}): start one with "
+                           "`ray start --head` (and `ray start --address HEAD:6379` on the other nodes), or use "
+                           "--ray local") from None
 
 
 def shutdown() -> None:
