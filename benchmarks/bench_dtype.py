@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -29,19 +28,7 @@ from specpilot.drafting.pair import half_support, resolve_dtype
 from specpilot.eval.stats import paired_ratio_interval
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn):
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t0
+from specpilot.drafting.timing import timed
 
 
 def cells(text: str) -> list[tuple[int, int]]:

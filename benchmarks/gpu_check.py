@@ -21,7 +21,6 @@ import itertools
 import json
 import math
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
 from specpilot.drafting.sampling import sampling_probs
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
+from specpilot.drafting.timing import timed
 
 
 def say(*parts) -> None:
@@ -100,19 +100,6 @@ def tiny_sampled_law(device, n: int = 1500) -> dict:
     bound = 0.5 * math.sqrt(len(law) / n) + 0.035
     say(f"  tiny sampled tree (W3 D3, recursive rejection sampling) T=1: TV {tv:.4f} (bound {bound:.4f})")
     return {"tv": tv, "bound": bound, "n": n, "passed": tv < bound}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn):
-    sync()
-    t0 = time.perf_counter()
-    out = fn()
-    sync()
-    return out, time.perf_counter() - t0
 
 
 def embedded(drafter: str, dtype, prompts, args) -> dict:

@@ -16,3 +16,11 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
+
+
+def timed(fn, device: torch.device | str | None = None):
+    """(fn(), seconds) on `Clock` reads (default device: CUDA when there is one, so its queued work is counted)."""
+    clock = Clock(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    start = clock.now()
+    out = fn()
+    return out, clock.now() - start
