@@ -357,6 +357,39 @@ class SpeculativeDecoder:
         run_generation(session, controller)
         return session.output()
 
+    def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0
+                       ) -> list[GenerationOutput]:
+        """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
+        target forward verifying every sequence's tree, one controller decision per cycle for the batch.
+        max_new_tokens: one int, or one per prompt. Returns one GenerationOutput per prompt, in order. Greedy only
+        (temperature 0) and draft-LM pairs only, for now."""
+        from specpilot.drafting.batch import BatchSession
+
+        if controller is None:
+            controller = FixedController(device=str(self.pair.device))
+        ids, kwargs = self._batch_inputs(prompts, max_new_tokens, temperature)
+        session = BatchSession(self, ids, **kwargs)
+        run_generation(session, controller)
+        return session.outputs()
+
+    def _batch_inputs(self, prompts, max_new_tokens, temperature) -> tuple[list[list[int]], dict]:
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+            raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
+        check_float("temperature", temperature, minimum=0.0)
+        if temperature > 0:
+            raise ValueError("generate_batch decodes greedily only (temperature=0); sampled batched decoding is "
+                             "not built yet: use generate() per prompt")
+        if self.pair.eagle is not None:
+            raise ValueError("generate_batch supports draft-LM pairs only; an EAGLE-3 pair decodes with generate()")
+        ids = [self.pair.encode(p) for p in prompts]
+        budgets = [max_new_tokens] * len(ids) if not isinstance(max_new_tokens, (list, tuple)) else list(max_new_tokens)
+        if len(budgets) != len(ids):
+            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(ids)} prompts")
+        for prompt, budget in zip(ids, budgets):
+            check_int("max_new_tokens", budget, minimum=1)
+            _check_context(self.pair, len(prompt), budget, self.tree.max_depth + 1)
+        return ids, {"max_new_tokens": budgets}
+
     @classmethod
     def from_config(cls, config_dir, pair: ModelPair | None = None, **kwargs) -> "SpeculativeDecoder":
         """A decoder from an exported directory (`specpilot export`), its policies as `decoder.default_controller`
