@@ -20,7 +20,10 @@ hole-stripped, after every cycle). A padded query (hole) attends to itself only,
 (a fully masked row would give NaN that a later 0 * NaN would spread). Finished rows leave the batch: their rows
 are dropped from both caches (index_select on the batch dimension).
 
-Scope: greedy decoding (temperature 0) with a draft-LM pair; temperature > 0 and EAGLE-3 heads raise ValueError.
+Sampling (temperature > 0): every tree takes the drafter's top-W children (`TreeConfig.sampled_children` is not
+used) and each row is verified by `verify.accept_tree_sampled` (draw from the target's law at each node, descend
+while the draw is a child): exact per row. One generator serves the batch, rows drawing in row order.
+Scope: draft-LM pairs; an EAGLE-3 pair raises ValueError (its feature bookkeeping is not batched yet).
 """
 from __future__ import annotations
 
@@ -33,7 +36,8 @@ from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput
-from specpilot.drafting.verify import accept_greedy, select_block
+from specpilot.drafting.sampling import sampling_probs
+from specpilot.drafting.verify import accept_greedy, accept_tree_sampled, select_block
 
 PAD = 0  # token id written into holes (never attended to by a real query)
 
@@ -162,7 +166,8 @@ class BatchSession:
     """B prompts advanced together through the cycle's step protocol (see the module docstring). States and the
     returned CycleRecords are the lead row's (the first unfinished one); `outputs()` gives every row's."""
 
-    def __init__(self, decoder, prompts: list[list[int]], *, max_new_tokens) -> None:
+    def __init__(self, decoder, prompts: list[list[int]], *, max_new_tokens, sampling: tuple | None = None,
+                 seed: int | None = None) -> None:
         pair, tree = decoder.pair, decoder.tree
         self.pair, self.tree_config = pair, tree
         self.max_depth = tree.max_depth
@@ -170,6 +175,9 @@ class BatchSession:
         self.device = pair.device
         self.clock = Clock(self.device)
         self.eos = pair.eos_token_id
+        self.sampling = sampling  # (temperature, top_k, top_p), None for greedy
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         self.capacity = num_candidates(tree.width, tree.max_depth)
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * len(prompts)
@@ -387,8 +395,12 @@ class BatchSession:
         positions = torch.tensor([[len(r.committed) - 1] for r in self.active], dtype=torch.long, device=self.device)
         b = len(self.active)
         ones = torch.ones(b, 1, dtype=torch.bool, device=self.device)
-        logits = self.target.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)
-        tokens = logits[:, -1].argmax(dim=-1).tolist()
+        logits = self.target.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
+        if self.sampling is None:
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            probs = sampling_probs(logits, *self.sampling)
+            tokens = torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist()
         return [(0, [t]) for t in tokens]
 
     def _verify_trees(self, size: int) -> list[tuple[int, list[int]]]:
@@ -410,7 +422,10 @@ class BatchSession:
         logits = self.target.forward(ids, torch.stack(positions), torch.stack(masks), query_valid)
         results, keep = [], []
         for b, blk in enumerate(blocks):
-            path, bonus = accept_greedy(blk, logits[b])
+            if self.sampling is None:
+                path, bonus = accept_greedy(blk, logits[b])
+            else:
+                path, bonus = accept_tree_sampled(blk, logits[b], self.sampling, self.generator)
             keep.append([0] + path)
             results.append((len(path), [blk.tokens[i] for i in path] + [bonus]))
         self.target.keep_tail(start, keep)

@@ -357,28 +357,26 @@ class SpeculativeDecoder:
         run_generation(session, controller)
         return session.output()
 
-    def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0
-                       ) -> list[GenerationOutput]:
+    def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[GenerationOutput]:
         """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
-        max_new_tokens: one int, or one per prompt. Returns one GenerationOutput per prompt, in order. Greedy only
-        (temperature 0) and draft-LM pairs only, for now."""
+        max_new_tokens: one int, or one per prompt. Returns one GenerationOutput per prompt, in order. Draft-LM
+        pairs only, for now; at temperature > 0 the trees take top-W children (exact per row)."""
         from specpilot.drafting.batch import BatchSession
 
         if controller is None:
             controller = FixedController(device=str(self.pair.device))
-        ids, kwargs = self._batch_inputs(prompts, max_new_tokens, temperature)
-        session = BatchSession(self, ids, **kwargs)
+        _check_sampling(1, temperature, top_k, top_p, seed)
+        ids, kwargs = self._batch_inputs(prompts, max_new_tokens)
+        sampling = (temperature, top_k, top_p) if temperature > 0 else None
+        session = BatchSession(self, ids, sampling=sampling, seed=seed, **kwargs)
         run_generation(session, controller)
         return session.outputs()
 
-    def _batch_inputs(self, prompts, max_new_tokens, temperature) -> tuple[list[list[int]], dict]:
+    def _batch_inputs(self, prompts, max_new_tokens) -> tuple[list[list[int]], dict]:
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
-        check_float("temperature", temperature, minimum=0.0)
-        if temperature > 0:
-            raise ValueError("generate_batch decodes greedily only (temperature=0); sampled batched decoding is "
-                             "not built yet: use generate() per prompt")
         if self.pair.eagle is not None:
             raise ValueError("generate_batch supports draft-LM pairs only; an EAGLE-3 pair decodes with generate()")
         ids = [self.pair.encode(p) for p in prompts]

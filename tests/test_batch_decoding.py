@@ -1,6 +1,8 @@
 """Batched decoding (drafting/batch.py): every sequence's greedy output equals its own target-only greedy output and
 its own single-sequence `generate`, over tree shapes, ragged prompts and ragged finishing; every row's caches equal
 a fresh prefill of its committed tokens after every cycle; one target forward per cycle for the whole batch."""
+import math
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from specpilot.drafting.batch import BatchSession
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.cycle import Session, run_cycle
 from specpilot.policies import FixedController
-from tiny import tiny_pair
+from specpilot.drafting import ModelPair
+from tiny import noisy_copy, target_law, tiny_model, tiny_pair
 
 PROMPTS = [[7], [1, 2, 3, 4, 5], list(range(10, 43)), [9, 9]]
 BUDGETS = [40, 25, 33, 12]  # ragged finishing by length (EOS ends some rows earlier)
@@ -99,7 +102,7 @@ class _Alternate(FixedController):
 def test_caches_equal_fresh_prefill_after_each_cycle(width, depth, size):
     pair = tiny_pair(noise=0.3)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=6))
-    ids, kwargs = decoder._batch_inputs(PROMPTS, [30, 8, 30, 14], 0.0)
+    ids, kwargs = decoder._batch_inputs(PROMPTS, [30, 8, 30, 14])
     session = BatchSession(decoder, ids, **kwargs)
     assert isinstance(session, Session)
     controller = _Alternate(depth, size)
@@ -140,7 +143,7 @@ def test_batch_of_one_equals_generate():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"temperature": 0.7}, "greedily only"),
+    ({"temperature": -0.5}, "temperature"),
     ({"max_new_tokens": [5, 5]}, "2 entries for 4 prompts"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
 ])
@@ -155,3 +158,28 @@ def test_empty_prompts_raise(prompts):
     decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
     with pytest.raises(ValueError, match="empty"):
         decoder.generate_batch(prompts)
+
+
+@pytest.mark.parametrize("width,depth,size,sampling,alternate", [
+    (1, 3, 3, (1.0, 0, 1.0), False),    # a chain
+    (3, 3, 12, (0.7, 4, 0.9), True),    # a tree, temperature, top-k and top-p, plain sampled steps interleaved
+])
+def test_sampled_law_per_sequence(width, depth, size, sampling, alternate):
+    """At temperature > 0 each row follows the target's law: two ragged prompts alternate over the batch rows, each
+    row's 2-token continuation is counted against its own prompt's enumerated law (TV with a concentration bound,
+    as tiny.sampled_tv)."""
+    target = tiny_model(vocab=6, hidden=16, layers=1, eos=None, sharpness=4.0, seed=3)
+    pair = ModelPair(target, noisy_copy(target, 2.0, seed=4))  # a poor draft: many rejections
+    prompts, steps, n = [[1, 2], [4, 3, 5, 1, 1]], 2, 1500
+    laws = [target_law(target, p, steps, sampling) for p in prompts]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size))
+    controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
+    temperature, top_k, top_p = sampling
+    outs = decoder.generate_batch([prompts[i % 2] for i in range(2 * n)], controller=controller,
+                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    for k, law in enumerate(laws):
+        counts = dict.fromkeys(law, 0)
+        for out in outs[k::2]:
+            counts[tuple(out.tokens)] += 1
+        tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
+        assert tv < 0.5 * math.sqrt(len(law) / n) + 0.035, (k, tv)
