@@ -1,6 +1,7 @@
-"""Batched decoding throughput (not a test): tokens/s vs batch size for our batched AR (`generate_batch` with
-FixedController(0)), transformers' batched greedy `generate()` (left-padded), and one static speculative config
-through `generate_batch`, on the embedded pair with its draft LM, interleaved.
+"""Batched decoding throughput (not a test): tokens/s vs batch size for our batched AR
+(`drafting.batch.autoregressive_generate_batch`, target only), transformers' batched greedy `generate()`
+(left-padded), and one static speculative config through `generate_batch`, on the embedded pair with its draft LM,
+interleaved.
 
     .venv/bin/python benchmarks/bench_batch.py [--batch-sizes 1,2,4,8] [--max-new-tokens 48] [--repeats 2]
         [--depth 4] [--size 12]
@@ -19,6 +20,7 @@ import time
 import torch
 
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig
+from specpilot.drafting.batch import autoregressive_generate_batch
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
 
@@ -57,7 +59,9 @@ def main(argv=None) -> int:
         return lambda batch: [o.tokens for o in decoder.generate_batch(batch, controller=controller,
                                                                        max_new_tokens=n)]
 
-    methods = {"hf_generate": lambda batch: hf_generate(pair, batch, n), "batched_ar": ours(FixedController(0)),
+    methods = {"hf_generate": lambda batch: hf_generate(pair, batch, n),
+               "batched_ar": lambda batch: [o.tokens for o in autoregressive_generate_batch(pair, batch,
+                                                                                          max_new_tokens=n)],
                f"spec_d{args.depth}_s{args.size}": ours(FixedController(args.depth, args.size))}
     for run in methods.values():  # warm-up
         run(suite[:2])

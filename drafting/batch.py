@@ -32,6 +32,7 @@ import math
 import torch
 
 from specpilot.drafting.cache import new_cache
+from specpilot.drafting.checks import check_int
 from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, num_candidates, update_acceptance
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
@@ -40,6 +41,23 @@ from specpilot.drafting.sampling import sampling_probs
 from specpilot.drafting.verify import accept_greedy, accept_tree_sampled, select_block
 
 PAD = 0  # token id written into holes (never attended to by a real query)
+
+
+def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts as token-id lists and one max_new_tokens per prompt (an int applies to all), each checked as
+    `generate` checks its prompt (non-empty, fits the context with `lookahead` draft positions)."""
+    from specpilot.drafting.decoder import _check_context
+
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
+    ids = [pair.encode(p) for p in prompts]
+    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
+    if len(budgets) != len(ids):
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(ids)} prompts")
+    for prompt, budget in zip(ids, budgets):
+        check_int("max_new_tokens", budget, minimum=1)
+        _check_context(pair, len(prompt), budget, lookahead)
+    return ids, budgets
 
 
 class RaggedCache:
@@ -447,3 +465,39 @@ class BatchSession:
                                  prefill_s=self.prefill_s, total_s=r.token_times[-1] if r.token_times else 0.0,
                                  token_times=list(r.token_times), finished_by=r.finished_by or "length",
                                  text=self.pair.decode(r.new_tokens)) for r in self.rows]
+
+
+def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128) -> list[GenerationOutput]:
+    """Target-only greedy decoding of several prompts together (the batched baseline): one ragged prefill of every
+    prompt[:-1], then one target forward per step over every unfinished row's last token; rows leave the batch at
+    EOS or their max_new_tokens (one int, or one per prompt). Same caches, masks and timing as BatchSession's plain
+    steps; the draft is never touched."""
+    ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
+    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
+    rows = [_Row(i, p, m) for i, (p, m) in enumerate(zip(ids, budgets))]
+    active = list(rows)
+    cache = RaggedCache(pair.target, len(rows), device)
+    with torch.inference_mode():
+        t0 = clock.now()
+        cache.feed([r.committed[:-1] for r in rows], [0] * len(rows), device, logits_to_keep=1)
+        start = clock.now()
+        while active:
+            roots = torch.tensor([[r.committed[-1]] for r in active], dtype=torch.long, device=device)
+            positions = torch.tensor([[len(r.committed) - 1] for r in active], dtype=torch.long, device=device)
+            ones = torch.ones(len(active), 1, dtype=torch.bool, device=device)
+            logits = cache.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
+            tokens = logits.argmax(dim=-1).tolist()
+            now = clock.now() - start
+            for row, token in zip(active, tokens):
+                emitted = row.truncate([token], eos)
+                row.committed.extend(emitted)
+                row.new_tokens.extend(emitted)
+                row.token_times.append(now)
+            alive = [i for i, r in enumerate(active) if r.finished_by is None]
+            if len(alive) < len(active):
+                active = [active[i] for i in alive]
+                if active:
+                    cache.select_rows(torch.tensor(alive, dtype=torch.long, device=device))
+    return [GenerationOutput(tokens=list(r.new_tokens), prompt_len=r.prompt_len, prefill_s=start - t0,
+                             total_s=r.token_times[-1] if r.token_times else 0.0, token_times=list(r.token_times),
+                             finished_by=r.finished_by or "length", text=pair.decode(r.new_tokens)) for r in rows]

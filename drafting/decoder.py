@@ -363,30 +363,18 @@ class SpeculativeDecoder:
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
         max_new_tokens: one int, or one per prompt. Returns one GenerationOutput per prompt, in order. Draft-LM
         pairs only, for now; at temperature > 0 the trees take top-W children (exact per row)."""
-        from specpilot.drafting.batch import BatchSession
+        from specpilot.drafting.batch import BatchSession, batch_inputs
 
+        if self.pair.eagle is not None:
+            raise ValueError("generate_batch supports draft-LM pairs only; an EAGLE-3 pair decodes with generate()")
         if controller is None:
             controller = FixedController(device=str(self.pair.device))
         _check_sampling(1, temperature, top_k, top_p, seed)
-        ids, kwargs = self._batch_inputs(prompts, max_new_tokens)
+        ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth + 1)
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
-        session = BatchSession(self, ids, sampling=sampling, seed=seed, **kwargs)
+        session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed)
         run_generation(session, controller)
         return session.outputs()
-
-    def _batch_inputs(self, prompts, max_new_tokens) -> tuple[list[list[int]], dict]:
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
-            raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
-        if self.pair.eagle is not None:
-            raise ValueError("generate_batch supports draft-LM pairs only; an EAGLE-3 pair decodes with generate()")
-        ids = [self.pair.encode(p) for p in prompts]
-        budgets = [max_new_tokens] * len(ids) if not isinstance(max_new_tokens, (list, tuple)) else list(max_new_tokens)
-        if len(budgets) != len(ids):
-            raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(ids)} prompts")
-        for prompt, budget in zip(ids, budgets):
-            check_int("max_new_tokens", budget, minimum=1)
-            _check_context(self.pair, len(prompt), budget, self.tree.max_depth + 1)
-        return ids, {"max_new_tokens": budgets}
 
     @classmethod
     def from_config(cls, config_dir, pair: ModelPair | None = None, **kwargs) -> "SpeculativeDecoder":

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
-from specpilot.drafting.batch import BatchSession
+from specpilot.drafting.batch import BatchSession, autoregressive_generate_batch
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.cycle import Session, run_cycle
 from specpilot.policies import FixedController
@@ -102,8 +102,7 @@ class _Alternate(FixedController):
 def test_caches_equal_fresh_prefill_after_each_cycle(width, depth, size):
     pair = tiny_pair(noise=0.3)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=6))
-    ids, kwargs = decoder._batch_inputs(PROMPTS, [30, 8, 30, 14])
-    session = BatchSession(decoder, ids, **kwargs)
+    session = BatchSession(decoder, PROMPTS, max_new_tokens=[30, 8, 30, 14])
     assert isinstance(session, Session)
     controller = _Alternate(depth, size)
     controller.reset()
@@ -117,6 +116,17 @@ def test_caches_equal_fresh_prefill_after_each_cycle(width, depth, size):
     assert cycles > 3 and all(r.finished_by for r in session.rows)
     for prompt, out, budget in zip(PROMPTS, session.outputs(), [30, 8, 30, 14]):
         assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=budget).tokens
+
+
+@pytest.mark.parametrize("noise", [0.3])
+def test_autoregressive_batch_equals_autoregressive(noise):
+    """The target-only batched loop: each row equals its own autoregressive_generate (ragged prompts, budgets, EOS)."""
+    pair = tiny_pair(noise=noise)
+    outs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=BUDGETS)
+    for prompt, budget, out in zip(PROMPTS, BUDGETS, outs):
+        ref = autoregressive_generate(pair, prompt, max_new_tokens=budget)
+        assert out.tokens == ref.tokens and out.finished_by == ref.finished_by
+        assert len(out.token_times) == len(out.tokens)
 
 
 def test_one_target_forward_per_cycle():
@@ -183,3 +193,14 @@ def test_sampled_law_per_sequence(width, depth, size, sampling, alternate):
             counts[tuple(out.tokens)] += 1
         tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
         assert tv < 0.5 * math.sqrt(len(law) / n) + 0.035, (k, tv)
+
+
+def test_eagle_pair_refused_by_generate_batch_but_decodes_target_only():
+    from test_eagle_decoder import random_head
+
+    target = tiny_model(vocab=96, hidden=32, layers=4)
+    pair = ModelPair(target, eagle=random_head(target))
+    with pytest.raises(ValueError, match="draft-LM pairs only"):
+        SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(PROMPTS)
+    outs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=8)
+    assert [o.tokens for o in outs] == [autoregressive_generate(pair, p, max_new_tokens=8).tokens for p in PROMPTS]
