@@ -380,6 +380,25 @@ class SpeculativeDecoder:
         run_generation(session, controller)
         return session.output()
 
+    def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[GenerationOutput]:
+        """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
+        target forward verifying every sequence's tree, one controller decision per cycle for the batch.
+        max_new_tokens: one int, or one per prompt. Returns one GenerationOutput per prompt, in order. Draft-LM
+        pairs only, for now; at temperature > 0 the trees take top-W children (exact per row)."""
+        from specpilot.drafting.batch import BatchSession, batch_inputs
+
+        if self.pair.eagle is not None:
+            raise ValueError("generate_batch supports draft-LM pairs only; an EAGLE-3 pair decodes with generate()")
+        if controller is None:
+            controller = FixedController(device=str(self.pair.device))
+        _check_sampling(1, temperature, top_k, top_p, seed)
+        ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth + 1)
+        sampling = (temperature, top_k, top_p) if temperature > 0 else None
+        session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed)
+        run_generation(session, controller)
+        return session.outputs()
+
     @classmethod
     def from_config(cls, config_dir, pair: ModelPair | None = None, **kwargs) -> "SpeculativeDecoder":
         """A decoder from an exported directory (`specpilot export`) whose generate() decides with its exported

@@ -1,0 +1,503 @@
+"""Batched speculative decoding: B prompts decoded together, one batched target forward verifying every tree.
+
+`BatchSession` implements the cycle's step protocol (`specpilot.drafting.cycle`) over a batch, so
+`SpeculativeDecoder.generate_batch` drives it with the same `run_generation` / `run_cycle` as `generate`: one
+controller decision per cycle for the whole batch (skip / depth / size), taken on the state of the batch's *lead*
+sequence (the first unfinished one); the controller observes the lead's CycleRecord. Each sequence drafts its own
+tree (one batched drafter forward per level), is verified in ONE target forward over all sequences' blocks, and
+accepts its own path (`drafting/verify.py`'s greedy rule).
+
+Caches. Each model has one batched DynamicCache [B, heads, L, dim] plus a boolean `valid` [B, L]: which slots
+hold a committed entry of that row. Rows differ in length and in what each cycle accepts, so slots that hold no
+entry of a row (left padding of ragged prompts, ragged catch-up feeds, the tail of a cycle that accepted less than
+another row) stay in place as *holes*, masked out of every attention row (4-D boolean masks, explicit position_ids
+per row: a row's positions count only its own tokens, so holes change no RoPE position). After a verification
+only the cycle's tail is compacted (each row's root + accepted path moved to the front of the tail, the rest
+cropped), so nothing before the tail is ever copied; the price is that holes accumulate: the cache grows by the
+batch's longest emitted run per cycle instead of each row's own. Masked slots contribute exactly zero attention
+weight, so every row's cache holds exactly what a fresh prefill of its committed tokens would (tests check it,
+hole-stripped, after every cycle). A padded query (hole) attends to itself only, which keeps its states finite
+(a fully masked row would give NaN that a later 0 * NaN would spread). Finished rows leave the batch: their rows
+are dropped from both caches (index_select on the batch dimension).
+
+Sampling (temperature > 0): every tree takes the drafter's top-W children (`TreeConfig.sampled_children` is not
+used) and each row is verified by `verify.accept_tree_sampled` (draw from the target's law at each node, descend
+while the draw is a child): exact per row. One generator serves the batch, rows drawing in row order.
+Scope: draft-LM pairs; an EAGLE-3 pair raises ValueError (its feature bookkeeping is not batched yet).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specpilot.drafting.cache import new_cache
+from specpilot.drafting.checks import check_int
+from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, num_candidates, update_acceptance
+from specpilot.drafting.timing import Clock
+from specpilot.drafting.tree import DraftTree
+from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput
+from specpilot.drafting.sampling import sampling_probs
+from specpilot.drafting.verify import accept_greedy, accept_tree_sampled, select_block
+
+PAD = 0  # token id written into holes (never attended to by a real query)
+
+
+def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts as token-id lists and one max_new_tokens per prompt (an int applies to all), each checked as
+    `generate` checks its prompt (non-empty, fits the context with `lookahead` draft positions)."""
+    from specpilot.drafting.decoder import _check_context
+
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
+    ids = [pair.encode(p) for p in prompts]
+    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
+    if len(budgets) != len(ids):
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(ids)} prompts")
+    for prompt, budget in zip(ids, budgets):
+        check_int("max_new_tokens", budget, minimum=1)
+        _check_context(pair, len(prompt), budget, lookahead)
+    return ids, budgets
+
+
+class RaggedCache:
+    """A batched DynamicCache whose rows hold different numbers of entries, with holes marked in `valid`."""
+
+    def __init__(self, model, batch: int, device) -> None:
+        self.model = model
+        self.cache = new_cache(model)
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+
+    @property
+    def length(self) -> int:
+        return int(self.valid.shape[1])
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor, query_valid: torch.Tensor,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """One forward of `ids` [B, q] at `positions` [B, q]; each query sees the valid cached slots plus the new
+        slots `new_mask` [B, q, q] allows; holes (query_valid False) see only themselves. Appends the q slots
+        (valid where query_valid). Returns logits [B, q or logits_to_keep, V]."""
+        b, q = ids.shape
+        new_mask = new_mask & query_valid[:, None, :]
+        new_mask |= torch.eye(q, dtype=torch.bool, device=ids.device)[None]  # every query sees itself
+        old = (self.valid[:, None, :] & query_valid[:, :, None]).expand(b, q, self.length)
+        mask = torch.cat([old, new_mask], dim=2)[:, None]                   # [B, 1, q, L + q]
+        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, **kwargs)
+        self.valid = torch.cat([self.valid, query_valid], dim=1)
+        return out.logits
+
+    def feed(self, rows: list[list[int]], starts: list[int], device, logits_to_keep: int = 0) -> torch.Tensor | None:
+        """Append each row's tokens causally (left-padded to the longest, so every row's last token is the last
+        column); row b's first token sits at position starts[b]. None when no row has a token."""
+        width = max(len(r) for r in rows)
+        if width == 0:
+            return None
+        ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        query_valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for b, (tokens, start) in enumerate(zip(rows, starts)):
+            if tokens:
+                ids[b, width - len(tokens):] = torch.tensor(tokens)
+                positions[b, width - len(tokens):] = torch.arange(start, start + len(tokens))
+                query_valid[b, width - len(tokens):] = True
+        causal = torch.ones(width, width, dtype=torch.bool).tril()[None].expand(len(rows), width, width)
+        return self.forward(ids.to(device), positions.to(device), causal.to(device).clone(), query_valid.to(device),
+                            logits_to_keep)
+
+    def crop(self, length: int) -> None:
+        excess = self.length - length
+        if excess > 0:
+            self.cache.crop(-excess)
+            self.valid = self.valid[:, :length]
+
+    def keep_tail(self, start: int, keep: list[list[int]]) -> None:
+        """Of the slots from `start` on, keep row b's slots start + keep[b][i] (ascending), moved to the tail's front;
+        drop the rest (holes where a row keeps fewer than the longest)."""
+        width = max(len(k) for k in keep)
+        device = self.valid.device
+        index = torch.zeros(len(keep), width, dtype=torch.long)
+        valid = torch.zeros(len(keep), width, dtype=torch.bool)
+        for b, rows in enumerate(keep):
+            index[b, :len(rows)] = torch.tensor(rows, dtype=torch.long)
+            valid[b, :len(rows)] = True
+        index, valid = index.to(device), valid.to(device)
+        identity = bool((index == torch.arange(width, device=device)[None]).all())
+        for layer in self.cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0 or identity:
+                continue
+            _, heads, _, dim = layer.keys.shape
+            gather = index[:, None, :, None].expand(-1, heads, -1, dim)
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                moved = tensor[:, :, start:].gather(2, gather)              # a copy: safe to write back in place
+                tensor[:, :, start:start + width] = moved
+        self.crop(start + width)
+        self.valid = torch.cat([self.valid[:, :start], valid], dim=1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished sequences leave the batch)."""
+        for layer in self.cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows)
+
+    def row_entries(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row `row`'s cached entries with the holes stripped: per layer (keys, values) [heads, n, dim]."""
+        keep = self.valid[row].nonzero().flatten()
+        return [(layer.keys[row][:, keep], layer.values[row][:, keep]) for layer in self.cache.layers
+                if layer.keys is not None]
+
+
+class _Row:
+    """One sequence of the batch: its committed tokens, output and per-cycle records."""
+
+    def __init__(self, index: int, prompt: list[int], max_new_tokens: int) -> None:
+        self.index = index
+        self.committed = list(prompt)
+        self.prompt_len = len(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.new_tokens: list[int] = []
+        self.cycles: list[CycleRecord] = []
+        self.token_times: list[float] = []
+        self.finished_by: str | None = None
+        self.acceptance = 1.0
+        self.draft_committed = 0        # committed tokens the draft cache holds entries for
+        self.tree: DraftTree | None = None
+        self.fed = 0
+
+    def truncate(self, emitted: list[int], eos: int | None) -> list[int]:
+        """Never emit past EOS or max_new_tokens (as DecodingSession._truncate)."""
+        left = self.max_new_tokens - len(self.new_tokens)
+        if eos is not None and eos in emitted[:left]:
+            self.finished_by = "eos"
+            left = emitted.index(eos) + 1
+        elif len(emitted) >= left:
+            self.finished_by = "length"
+        return emitted[: emitted_count(len(emitted) - 1, left)]
+
+
+class BatchSession:
+    """B prompts advanced together through the cycle's step protocol (see the module docstring). States and the
+    returned CycleRecords are the lead row's (the first unfinished one); `outputs()` gives every row's."""
+
+    def __init__(self, decoder, prompts: list[list[int]], *, max_new_tokens, sampling: tuple | None = None,
+                 seed: int | None = None) -> None:
+        pair, tree = decoder.pair, decoder.tree
+        self.pair, self.tree_config = pair, tree
+        self.max_depth = tree.max_depth
+        self.width = tree.width
+        self.device = pair.device
+        self.clock = Clock(self.device)
+        self.eos = pair.eos_token_id
+        self.sampling = sampling  # (temperature, top_k, top_p), None for greedy
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.capacity = num_candidates(tree.width, tree.max_depth)
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * len(prompts)
+        self.rows = [_Row(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_new_tokens))]
+        self.active: list[_Row] = list(self.rows)
+        self.target = RaggedCache(pair.target, len(prompts), self.device)
+        self.draft = RaggedCache(pair.draft, len(prompts), self.device)
+        self._depth = 0
+        self._draft_start = 0           # draft cache length before this cycle's tree nodes
+        self._draft_s = self._policy_s = 0.0
+        self._level_s: list[float] = []
+        self._last_top_prob, self._last_entropy = 1.0, 0.0
+        self.prefill_s = self._prefill()
+        self.start_time = self.clock.now()
+
+    def _prefill(self) -> float:
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            rows = [r.committed[:-1] for r in self.rows]
+            self.target.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
+            self.draft.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
+            for r in self.rows:
+                r.draft_committed = len(r.committed) - 1
+            return self.clock.now() - t0
+
+    # -- protocol state --------------------------------------------------------------------------------------------
+    @property
+    def lead(self) -> _Row:
+        return self.active[0]
+
+    @property
+    def done(self) -> bool:
+        return not self.active
+
+    @property
+    def finished_by(self) -> str | None:
+        return None if self.active else (self.rows[0].finished_by or "length")
+
+    @property
+    def prompt_len(self) -> int:
+        return self.lead.prompt_len if self.active else self.rows[0].prompt_len
+
+    @property
+    def tokens_emitted(self) -> int:
+        return len((self.lead if self.active else self.rows[0]).new_tokens)
+
+    @property
+    def can_draft(self) -> bool:
+        return True  # a draft LM can always draft
+
+    def add_policy_time(self, seconds: float) -> None:
+        self._policy_s += seconds
+
+    def _state(self) -> DraftState:
+        row = self.lead
+        tree = row.tree
+        prev = row.cycles[-1] if row.cycles else None
+        scores, level_start = None, 0
+        if tree is not None:
+            level_start = level_bounds(self.width, tree.depth)[0]
+            view = tree.scores_view if tree.scores_view is not None else tree.scores
+            scores = view[: tree.size]
+        return DraftState(
+            depth=self._depth, max_depth=self.max_depth, width=self.width, context_len=len(row.committed),
+            scores=scores, level_start=level_start,
+            sorted_scores=(lambda: tree.ranking()[0]) if tree is not None else None,
+            last_top_prob=self._last_top_prob if tree is not None else 1.0,
+            last_entropy=self._last_entropy if tree is not None else 0.0,
+            new_tokens=len(row.new_tokens), max_new_tokens=row.max_new_tokens,
+            prev_accepted=prev.accepted if prev else 0, prev_depth=prev.depth if prev else 0,
+            acceptance=row.acceptance)
+
+    def cycle_state(self) -> DraftState:
+        if self.done:
+            raise RuntimeError("the generation is finished; start a new session")
+        return self._state()
+
+    # -- drafting --------------------------------------------------------------------------------------------------
+    def _record_features(self, logq_row: torch.Tensor, child_logprob: float) -> None:
+        p = logq_row.exp()
+        self._last_entropy = float(-(p * logq_row).sum())
+        self._last_top_prob = math.exp(child_logprob)
+
+    def draft_level(self) -> DraftState:
+        """One batched drafter forward: level 1 catches every row's draft cache up (ragged feeds) and takes the
+        roots' top-W children; level d >= 2 feeds every row's W frontier nodes with its own tree mask."""
+        if self.done:
+            raise RuntimeError("the generation is finished; start a new session")
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            if self._depth == 0:
+                self._start_trees()
+            else:
+                if self._depth >= self.max_depth:
+                    raise RuntimeError(f"cannot draft past max_depth={self.max_depth}; call verify()")
+                self._extend_trees()
+            self._depth += 1
+            state = self._state()
+            elapsed = self.clock.now() - t0
+        self._level_s.append(elapsed)
+        self._draft_s += elapsed
+        return state
+
+    def _start_trees(self) -> None:
+        unseen = [r.committed[r.draft_committed:] for r in self.active]
+        starts = [r.draft_committed for r in self.active]
+        logits = self.draft.feed(unseen, starts, self.device, logits_to_keep=1)[:, -1]    # [B, V]
+        self._draft_start = self.draft.length
+        logq = torch.log_softmax(logits.float(), dim=-1)
+        values, tokens = torch.topk(logq, self.width, dim=-1)                             # [B, W]
+        for b, row in enumerate(self.active):
+            row.fed = len(unseen[b])
+            row.draft_committed = len(row.committed)
+            tree = DraftTree.empty(self.capacity, self.device)
+            tree.frontier = tree.add_level(tokens[b], torch.full_like(tokens[b], -1), values[b])
+            row.tree = tree
+            row.fed_nodes = tree.frontier[:0]
+        self._record_features(logq[0], float(values[0, 0]))
+
+    def _extend_trees(self) -> None:
+        trees = [r.tree for r in self.active]
+        frontiers = [t.frontier for t in trees]
+        n = int(frontiers[0].numel())
+        ids = torch.stack([t.tokens[f] for t, f in zip(trees, frontiers)])               # [B, n]
+        positions = torch.stack([torch.full((n,), len(r.committed) - 1 + r.tree.depth, dtype=torch.long,
+                                            device=self.device) for r in self.active])
+        # each node sees the committed slots, its fed ancestors and itself (tree-node slots start at _draft_start)
+        fed_masks, new_masks = [], []
+        for r, f in zip(self.active, frontiers):
+            fed_masks.append(r.tree.ancestors[f][:, r.fed_nodes])
+            new_masks.append(r.tree.ancestors[f][:, f])
+        fed_mask = torch.stack(fed_masks)                                                  # [B, n, fed]
+        b = len(self.active)
+        query_valid = torch.ones(b, n, dtype=torch.bool, device=self.device)
+        committed = self.draft.valid[:, : self._draft_start]                                # holes stay masked
+        mask_old = torch.cat([committed[:, None, :].expand(b, n, self._draft_start), fed_mask], dim=2)
+        logits = self._tree_forward(ids, positions, mask_old, torch.stack(new_masks))
+        self.draft.valid = torch.cat([self.draft.valid, query_valid], dim=1)
+        logq = torch.log_softmax(logits.float(), dim=-1)                                   # [B, n, V]
+        values, tokens = torch.topk(logq, self.width, dim=-1)                             # [B, n, W]
+        k = self.width
+        for bi, (row, tree, frontier) in enumerate(zip(self.active, trees, frontiers)):
+            row.fed_nodes = torch.cat([row.fed_nodes, frontier])
+            cumulative = tree.path_scores[frontier][:, None] + values[bi]                 # [n, W]
+            parents = frontier[:, None].expand(n, k)
+            new_ids = tree.add_level(tokens[bi].reshape(-1), parents.reshape(-1), cumulative.reshape(-1))
+            tree.frontier = new_ids[torch.topk(cumulative.reshape(-1), min(self.width, new_ids.numel())).indices]
+            if bi == 0:
+                best = int(torch.argmax(cumulative.reshape(-1)))
+                self._record_features(logq[0, best // k], float(values[0].reshape(-1)[best]))
+
+    def _tree_forward(self, ids, positions, mask_old, mask_new) -> torch.Tensor:
+        """A draft forward whose mask over the cached slots is given in full ([B, q, L])."""
+        mask = torch.cat([mask_old, mask_new], dim=2)[:, None]
+        out = self.pair.draft(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.draft.cache,
+                              use_cache=True)
+        return out.logits
+
+    def rank_candidates(self) -> None:
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            for r in self.active:
+                if r.tree is not None:
+                    r.tree.ranking()
+            self._draft_s += self.clock.now() - t0
+
+    # -- verification ----------------------------------------------------------------------------------------------
+    def verify(self, size: int) -> CycleRecord:
+        """Verify every row's top-`size` candidates (one batched target forward), accept per row, compact the
+        caches' tails, retire finished rows. Returns the lead row's record."""
+        if self.done:
+            raise RuntimeError("the generation is finished; start a new session")
+        if isinstance(size, bool) or not hasattr(size, "__index__"):
+            raise TypeError(f"verification size must be an integer, got {size!r}")
+        size = int(size)
+        if self._depth == 0:
+            if size != 0:
+                raise RuntimeError("verify() needs drafted trees: call draft_level() first (or verify(0))")
+        elif size < 1:
+            raise ValueError(f"verification size must be >= 1, got {size}")
+        else:
+            size = clip_size(size, self.lead.tree.size, self.tree_config.max_size)
+        lead = self.lead
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            results = self._verify_plain() if self._depth == 0 else self._verify_trees(size)
+            emitted_rows = []
+            for row, (accepted, emitted) in zip(self.active, results):
+                emitted = row.truncate(emitted, self.eos)
+                row.committed.extend(emitted)
+                row.new_tokens.extend(emitted)
+                emitted_rows.append((accepted, emitted))
+            now = self.clock.now()
+        verify_s = now - t0
+        depth = self._depth
+        lead_record = None
+        for row, (accepted, emitted) in zip(self.active, emitted_rows):
+            row.token_times.extend([now - self.start_time] * len(emitted))
+            record = CycleRecord(depth=depth, size=size if depth else 0, accepted=accepted, emitted=len(emitted),
+                                 draft_s=self._draft_s, verify_s=verify_s, policy_s=self._policy_s,
+                                 context_len=len(row.committed) - len(emitted), level_s=tuple(self._level_s),
+                                 fed=row.fed if depth else 0)
+            row.acceptance = update_acceptance(row.acceptance, accepted, depth)
+            row.cycles.append(record)
+            row.tree, row.fed = None, 0
+            if row is lead:
+                lead_record = record
+        self._depth, self._draft_s, self._policy_s, self._level_s = 0, 0.0, 0.0, []
+        self._retire()
+        return lead_record
+
+    def _verify_plain(self) -> list[tuple[int, list[int]]]:
+        """Every row's root through the target (one token each): batched autoregressive decoding."""
+        roots = torch.tensor([[r.committed[-1]] for r in self.active], dtype=torch.long, device=self.device)
+        positions = torch.tensor([[len(r.committed) - 1] for r in self.active], dtype=torch.long, device=self.device)
+        b = len(self.active)
+        ones = torch.ones(b, 1, dtype=torch.bool, device=self.device)
+        logits = self.target.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
+        if self.sampling is None:
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            probs = sampling_probs(logits, *self.sampling)
+            tokens = torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist()
+        return [(0, [t]) for t in tokens]
+
+    def _verify_trees(self, size: int) -> list[tuple[int, list[int]]]:
+        if self._draft_start < self.draft.length:       # drop the tree nodes: the draft holds committed entries
+            self.draft.crop(self._draft_start)
+        blocks = [select_block(r.tree, size, r.committed[-1]) for r in self.active]
+        q = 1 + size
+        ids = torch.tensor([blk.tokens for blk in blocks], dtype=torch.long, device=self.device)
+        masks, positions = [], []
+        for r, blk in zip(self.active, blocks):
+            tree_mask = torch.zeros(q, q, dtype=torch.bool, device=self.device)
+            tree_mask[:, 0] = True
+            tree_mask[1:, 1:] = r.tree.ancestors[blk.node_ids][:, blk.node_ids]
+            masks.append(tree_mask)
+            depths = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), r.tree.depths[blk.node_ids]])
+            positions.append(len(r.committed) - 1 + depths)
+        start = self.target.length
+        query_valid = torch.ones(len(blocks), q, dtype=torch.bool, device=self.device)
+        logits = self.target.forward(ids, torch.stack(positions), torch.stack(masks), query_valid)
+        results, keep = [], []
+        for b, blk in enumerate(blocks):
+            if self.sampling is None:
+                path, bonus = accept_greedy(blk, logits[b])
+            else:
+                path, bonus = accept_tree_sampled(blk, logits[b], self.sampling, self.generator)
+            keep.append([0] + path)
+            results.append((len(path), [blk.tokens[i] for i in path] + [bonus]))
+        self.target.keep_tail(start, keep)
+        return results
+
+    def _retire(self) -> None:
+        alive = [i for i, r in enumerate(self.active) if r.finished_by is None]
+        if len(alive) == len(self.active):
+            return
+        self.active = [self.active[i] for i in alive]
+        if alive:
+            index = torch.tensor(alive, dtype=torch.long, device=self.device)
+            self.target.select_rows(index)
+            self.draft.select_rows(index)
+
+    # -- results ---------------------------------------------------------------------------------------------------
+    def outputs(self) -> list[GenerationOutput]:
+        return [GenerationOutput(tokens=list(r.new_tokens), prompt_len=r.prompt_len, cycles=list(r.cycles),
+                                 prefill_s=self.prefill_s, total_s=r.token_times[-1] if r.token_times else 0.0,
+                                 token_times=list(r.token_times), finished_by=r.finished_by or "length",
+                                 text=self.pair.decode(r.new_tokens)) for r in self.rows]
+
+
+def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128) -> list[GenerationOutput]:
+    """Target-only greedy decoding of several prompts together (the batched baseline): one ragged prefill of every
+    prompt[:-1], then one target forward per step over every unfinished row's last token; rows leave the batch at
+    EOS or their max_new_tokens (one int, or one per prompt). Same caches, masks and timing as BatchSession's plain
+    steps; the draft is never touched."""
+    ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
+    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
+    rows = [_Row(i, p, m) for i, (p, m) in enumerate(zip(ids, budgets))]
+    active = list(rows)
+    cache = RaggedCache(pair.target, len(rows), device)
+    with torch.inference_mode():
+        t0 = clock.now()
+        cache.feed([r.committed[:-1] for r in rows], [0] * len(rows), device, logits_to_keep=1)
+        start = clock.now()
+        while active:
+            roots = torch.tensor([[r.committed[-1]] for r in active], dtype=torch.long, device=device)
+            positions = torch.tensor([[len(r.committed) - 1] for r in active], dtype=torch.long, device=device)
+            ones = torch.ones(len(active), 1, dtype=torch.bool, device=device)
+            logits = cache.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
+            tokens = logits.argmax(dim=-1).tolist()
+            now = clock.now() - start
+            for row, token in zip(active, tokens):
+                emitted = row.truncate([token], eos)
+                row.committed.extend(emitted)
+                row.new_tokens.extend(emitted)
+                row.token_times.append(now)
+            alive = [i for i, r in enumerate(active) if r.finished_by is None]
+            if len(alive) < len(active):
+                active = [active[i] for i in alive]
+                if active:
+                    cache.select_rows(torch.tensor(alive, dtype=torch.long, device=device))
+    return [GenerationOutput(tokens=list(r.new_tokens), prompt_len=r.prompt_len, prefill_s=start - t0,
+                             total_s=r.token_times[-1] if r.token_times else 0.0, token_times=list(r.token_times),
+                             finished_by=r.finished_by or "length", text=pair.decode(r.new_tokens)) for r in rows]

@@ -1,0 +1,206 @@
+"""Batched decoding (drafting/batch.py): every sequence's greedy output equals its own target-only greedy output and
+its own single-sequence `generate`, over tree shapes, ragged prompts and ragged finishing; every row's caches equal
+a fresh prefill of its committed tokens after every cycle; one target forward per cycle for the whole batch."""
+import math
+
+import pytest
+import torch
+
+from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
+from specpilot.drafting.batch import BatchSession, autoregressive_generate_batch
+from specpilot.drafting.cache import new_cache
+from specpilot.drafting.cycle import Session, run_cycle
+from specpilot.policies import FixedController
+from specpilot.drafting import ModelPair
+from tiny import noisy_copy, target_law, tiny_model, tiny_pair
+
+PROMPTS = [[7], [1, 2, 3, 4, 5], list(range(10, 43)), [9, 9]]
+BUDGETS = [40, 25, 33, 12]  # ragged finishing by length (EOS ends some rows earlier)
+
+
+@pytest.fixture(scope="module", params=[0.0, 0.3, 1.5], ids=["same", "close", "far"])
+def pair_refs(request):
+    pair = tiny_pair(noise=request.param)
+    refs = [autoregressive_generate(pair, p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)]
+    return pair, refs
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+@pytest.mark.parametrize("depth,size", [(0, 0), (1, 1), (2, 3), (4, 8),
+                                        pytest.param(6, 40, marks=pytest.mark.slow)])
+def test_batch_greedy_identical_to_autoregressive(pair_refs, width, depth, size):
+    pair, refs = pair_refs
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=6, max_size=64))
+    outs = decoder.generate_batch(PROMPTS, controller=FixedController(depth, size), max_new_tokens=BUDGETS)
+    assert len(outs) == len(PROMPTS)
+    for prompt, budget, out, ref in zip(PROMPTS, BUDGETS, outs, refs):
+        assert out.tokens == ref.tokens, (prompt, width, depth, size)
+        assert out.finished_by == ref.finished_by and out.prompt_len == len(prompt)
+        assert sum(c.emitted for c in out.cycles) == len(out.tokens) == len(out.token_times)
+        for c in out.cycles:
+            assert c.depth == depth and 1 <= c.emitted <= c.accepted + 1 and c.accepted <= c.depth
+        if depth and width == 2:  # the same tokens as this sequence's own single-sequence speculative generate
+            single = decoder.generate(prompt, controller=FixedController(depth, size), max_new_tokens=budget)
+            assert single.tokens == out.tokens
+
+
+def test_ragged_finishing_by_eos():
+    """A token that one sequence emits mid-way becomes EOS: that row stops there, the others go on exactly."""
+    pair = tiny_pair(noise=0.3, eos=None)
+    free = [autoregressive_generate(pair, p, max_new_tokens=30).tokens for p in PROMPTS]
+    eos = free[1][7]
+    pair.target.generation_config.eos_token_id = eos
+    refs = [autoregressive_generate(pair, p, max_new_tokens=30) for p in PROMPTS]
+    assert refs[1].finished_by == "eos" and len(refs[1].tokens) <= 8
+    outs = SpeculativeDecoder(pair, TreeConfig(width=3, max_depth=8)).generate_batch(
+        PROMPTS, controller=FixedController(5, 20), max_new_tokens=30)
+    for out, ref in zip(outs, refs):
+        assert out.tokens == ref.tokens and out.finished_by == ref.finished_by
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 17])
+def test_max_new_tokens_is_exact_per_row(max_new_tokens):
+    pair = tiny_pair(noise=0.0, eos=None)  # identical draft: every cycle would overshoot the budget
+    outs = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=8)).generate_batch(
+        PROMPTS, controller=FixedController(8, 16), max_new_tokens=max_new_tokens)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=max_new_tokens).tokens
+        assert len(out.tokens) == max_new_tokens and out.finished_by == "length"
+
+
+def _prefill_entries(model, tokens):
+    cache = new_cache(model)
+    if tokens:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([tokens]), cache=cache, use_cache=True)
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers if layer.keys is not None]
+
+
+def _assert_cache(ragged, row, model, tokens):
+    got, want = ragged.row_entries(row), _prefill_entries(model, tokens)
+    if not tokens:
+        assert all(k.shape[1] == 0 for k, _ in got)
+        return
+    for (k, v), (k_ref, v_ref) in zip(got, want):
+        assert k.shape == k_ref.shape
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-4)
+
+
+class _Alternate(FixedController):
+    """Skips drafting every third cycle: the drafts fall behind by ragged amounts and catch up exactly."""
+
+    def reset(self):
+        self.turn = 0
+
+    def skip_drafting(self, state):
+        self.turn += 1
+        return self.turn % 3 == 0
+
+
+@pytest.mark.parametrize("width,depth,size", [(1, 4, 4), (3, 4, 12), (4, 3, 20)])
+def test_caches_equal_fresh_prefill_after_each_cycle(width, depth, size):
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=6))
+    session = BatchSession(decoder, PROMPTS, max_new_tokens=[30, 8, 30, 14])
+    assert isinstance(session, Session)
+    controller = _Alternate(depth, size)
+    controller.reset()
+    cycles = 0
+    while not session.done:
+        run_cycle(session, controller)
+        cycles += 1
+        for b, row in enumerate(session.active):
+            _assert_cache(session.target, b, pair.target, row.committed[:-1])
+            _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
+    assert cycles > 3 and all(r.finished_by for r in session.rows)
+    for prompt, out, budget in zip(PROMPTS, session.outputs(), [30, 8, 30, 14]):
+        assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=budget).tokens
+
+
+@pytest.mark.parametrize("noise", [0.3])
+def test_autoregressive_batch_equals_autoregressive(noise):
+    """The target-only batched loop: each row equals its own autoregressive_generate (ragged prompts, budgets, EOS)."""
+    pair = tiny_pair(noise=noise)
+    outs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=BUDGETS)
+    for prompt, budget, out in zip(PROMPTS, BUDGETS, outs):
+        ref = autoregressive_generate(pair, prompt, max_new_tokens=budget)
+        assert out.tokens == ref.tokens and out.finished_by == ref.finished_by
+        assert len(out.token_times) == len(out.tokens)
+
+
+def test_one_target_forward_per_cycle():
+    """The whole batch is verified in one target forward per cycle (plus one prefill forward)."""
+    pair = tiny_pair(noise=0.3, eos=None)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    calls = []
+    handle = pair.target.register_forward_hook(lambda module, args, kwargs_out: calls.append(1))
+    try:
+        outs = decoder.generate_batch(PROMPTS, controller=FixedController(3, 6), max_new_tokens=10)
+    finally:
+        handle.remove()
+    assert len(calls) == 1 + max(len(o.cycles) for o in outs)
+
+
+def test_batch_of_one_equals_generate():
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    single = decoder.generate([1, 2, 3], controller=FixedController(3, 6), max_new_tokens=20)
+    (batched,) = decoder.generate_batch([[1, 2, 3]], controller=FixedController(3, 6), max_new_tokens=20)
+    assert batched.tokens == single.tokens
+    assert [(c.depth, c.size, c.accepted, c.emitted) for c in batched.cycles] == \
+        [(c.depth, c.size, c.accepted, c.emitted) for c in single.cycles]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"max_new_tokens": [5, 5]}, "2 entries for 4 prompts"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+])
+def test_bad_batch_arguments_raise(kwargs, match):
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
+    with pytest.raises(ValueError, match=match):
+        decoder.generate_batch(PROMPTS, **kwargs)
+
+
+@pytest.mark.parametrize("prompts", [[], [[1, 2], []]])
+def test_empty_prompts_raise(prompts):
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
+    with pytest.raises(ValueError, match="empty"):
+        decoder.generate_batch(prompts)
+
+
+@pytest.mark.parametrize("width,depth,size,sampling,alternate", [
+    (1, 3, 3, (1.0, 0, 1.0), False),    # a chain
+    (3, 3, 12, (0.7, 4, 0.9), True),    # a tree, temperature, top-k and top-p, plain sampled steps interleaved
+])
+def test_sampled_law_per_sequence(width, depth, size, sampling, alternate):
+    """At temperature > 0 each row follows the target's law: two ragged prompts alternate over the batch rows, each
+    row's 2-token continuation is counted against its own prompt's enumerated law (TV with a concentration bound,
+    as tiny.sampled_tv)."""
+    target = tiny_model(vocab=6, hidden=16, layers=1, eos=None, sharpness=4.0, seed=3)
+    pair = ModelPair(target, noisy_copy(target, 2.0, seed=4))  # a poor draft: many rejections
+    prompts, steps, n = [[1, 2], [4, 3, 5, 1, 1]], 2, 1500
+    laws = [target_law(target, p, steps, sampling) for p in prompts]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size))
+    controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
+    temperature, top_k, top_p = sampling
+    outs = decoder.generate_batch([prompts[i % 2] for i in range(2 * n)], controller=controller,
+                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+    for k, law in enumerate(laws):
+        counts = dict.fromkeys(law, 0)
+        for out in outs[k::2]:
+            counts[tuple(out.tokens)] += 1
+        tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
+        assert tv < 0.5 * math.sqrt(len(law) / n) + 0.035, (k, tv)
+
+
+def test_eagle_pair_refused_by_generate_batch_but_decodes_target_only():
+    from test_eagle_decoder import random_head
+
+    target = tiny_model(vocab=96, hidden=32, layers=4)
+    pair = ModelPair(target, eagle=random_head(target))
+    with pytest.raises(ValueError, match="draft-LM pairs only"):
+        SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(PROMPTS)
+    outs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=8)
+    assert [o.tokens for o in outs] == [autoregressive_generate(pair, p, max_new_tokens=8).tokens for p in PROMPTS]
