@@ -42,7 +42,7 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: 
         check_int("seed", seed)
 
 
-def _check_context(pair: ModelPair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
+def check_context(pair: ModelPair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
     if prompt_len < 1:
         raise ValueError("the prompt is empty: give at least one token")
     need = prompt_len + max_new_tokens + lookahead
@@ -68,7 +68,7 @@ class DecodingSession:
                  temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
-        _check_context(pair, len(prompt), max_new_tokens, tree.max_depth + 1)
+        check_context(pair, len(prompt), max_new_tokens, tree.max_depth + 1)
         self.pair, self.tree_config = pair, tree
         self.max_depth = tree.max_depth
         self.max_new_tokens = max_new_tokens
@@ -421,7 +421,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     ids = pair.encode(prompt)
-    _check_context(pair, len(ids), max_new_tokens, 0)
+    check_context(pair, len(ids), max_new_tokens, 0)
     device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
     generator = _generator(seed, device) if temperature > 0 else None
     cache = new_cache(pair.target)

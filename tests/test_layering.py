@@ -101,3 +101,103 @@ def test_artifacts_import_only_files_errors_and_checks():
     bad = [(rel, m) for rel in package_files() if rel.startswith("artifacts/") for m in _imports(ROOT / rel)
            if m.startswith("specpilot.") and not m.startswith("specpilot.artifacts") and m not in ARTIFACTS_MAY_IMPORT]
     assert bad == []
+
+
+# ------------------------------------------------------------------ import circles and private names
+
+def _module_name(rel: str) -> str:
+    parts = Path(rel).with_suffix("").parts
+    return ".".join(("specpilot",) + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the package modules it imports (module-level and lazy imports inside functions alike).
+    `from specpilot.a import b` points at module specpilot.a.b when that is one, else at specpilot.a; the package
+    `__init__`s Python runs on the way are not counted (re-exports would make every package a circle)."""
+    graph: dict[str, set[str]] = {}
+    for name, text in sources.items():
+        edges = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in sources else node.module
+                           for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in sources:  # `import specpilot.a.b.c` as far as it names a module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import path a -> ... -> a per circle (a circle found from several of its modules is listed once)."""
+    cycles, seen = [], set()
+    for start in sorted(graph):
+        parent, stack = {start: None}, [start]
+        while stack:
+            node = stack.pop()
+            for nxt in sorted(graph.get(node, ())):
+                if nxt == start:
+                    path = [node]
+                    while parent[path[-1]] is not None:  # back along the search tree to start
+                        path.append(parent[path[-1]])
+                    path = path[::-1] + [start]
+                    if frozenset(path) not in seen:
+                        seen.add(frozenset(path))
+                        cycles.append(path)
+                    stack = []
+                    break
+                if nxt not in parent:
+                    parent[nxt] = node
+                    stack.append(nxt)
+    return cycles
+
+
+def private_imports(sources: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(module, imported-from module, name) for every `from specpilot.x import _name` of another module."""
+    bad = []
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("specpilot") \
+                    and node.module != name:
+                bad += [(name, node.module, alias.name) for alias in node.names
+                        if alias.name.startswith("_") and not alias.name.startswith("__")
+                        and f"{node.module}.{alias.name}" not in sources]
+    return bad
+
+
+def _package_sources() -> dict[str, str]:
+    return {_module_name(rel): (ROOT / rel).read_text() for rel in package_files()}
+
+
+def test_no_import_circles():
+    assert import_cycles(import_graph(_package_sources())) == []
+
+
+def test_no_private_names_across_modules():
+    assert private_imports(_package_sources()) == []
+
+
+SYNTHETIC = {
+    "specpilot.a": "from specpilot.b import f\n",
+    "specpilot.b": "import os\n\ndef f():\n    from specpilot.c import g\n    return g\n",
+    "specpilot.c": "from specpilot import a\n",
+    "specpilot.d": "import specpilot.c\nfrom specpilot.b import _private, f\n",
+}
+
+
+def test_the_circle_checker_sees_a_lazy_circle():
+    """The checkers themselves can fail: a circle closed by an import inside a function is found, once, and a
+    private name imported from another module is reported."""
+    graph = import_graph(SYNTHETIC)
+    assert graph == {"specpilot.a": {"specpilot.b"}, "specpilot.b": {"specpilot.c"}, "specpilot.c": {"specpilot.a"},
+                     "specpilot.d": {"specpilot.b", "specpilot.c"}}
+    assert import_cycles(graph) == [["specpilot.a", "specpilot.b", "specpilot.c", "specpilot.a"]]
+    graph["specpilot.c"] = set()
+    assert import_cycles(graph) == []
+    assert private_imports(SYNTHETIC) == [("specpilot.d", "specpilot.b", "_private")]

@@ -17,7 +17,6 @@ Recipe (EAGLE-3 "training-time test", sized for a 2-core CPU):
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
-from specpilot.train.build_pair import _batch, bf16_teacher, log
-from specpilot.train.optim import MasterWeightsAdamW, lr_at, use_bf16
+from specpilot.train.model_training import bf16_teacher, log, random_windows, steps_for, train_loop
+from specpilot.train.optim import use_bf16
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ def choose_draft_vocab(teacher, stream: torch.Tensor, pool: torch.Tensor, *, siz
     vocab = teacher.config.vocab_size
     counts = torch.zeros(vocab, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed + 11)
-    corpus = _batch(stream, gen, windows, seq, device)
+    corpus = random_windows(stream, gen, windows, seq, device)
     for chunk in (*corpus.split(16), *pool.split(16)):
         arg = teacher(input_ids=chunk.to(device)).logits.argmax(-1).reshape(-1).cpu()
         counts += torch.bincount(arg, minlength=vocab).double()
@@ -136,40 +135,30 @@ def train_eagle_head(head: Eagle3Head, teacher, stream: torch.Tensor, pool: torc
     vocab_ids = torch.nonzero(head.t2d).reshape(-1)
     t2d_index = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=head.t2d.device)
     t2d_index[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
-    steps_total = max(1, math.ceil(budget.tokens / (budget.batch * n)))
-    opt = MasterWeightsAdamW(head, lr=budget.lr, bf16=use_bf16(device), weight_decay=0.0)
     weights = [budget.step_decay ** k for k in range(K)]
-    head.train()
-    t0, last_log, ema, step, capped = time.time(), 0.0, None, 0, False
-    for step in range(1, steps_total + 1):
+    ema = None
+
+    def step_loss(step: int) -> tuple[torch.Tensor, str]:
+        nonlocal ema
         rows = torch.randint(0, pool.shape[0], (budget.batch - corpus_rows,), generator=gen)
         starts = torch.randint(0, pool.shape[1] - (n + K) + 1, (1,), generator=gen).item()
-        x = torch.cat([_batch(stream, gen, corpus_rows, n + K - 1, device),
+        x = torch.cat([random_windows(stream, gen, corpus_rows, n + K - 1, device),
                        pool[rows, starts:starts + n + K].to(device)])        # [batch, n + K]
         feats, t_logits = teacher_pass(teacher, x, head.aux_layer_ids)
         outs = unroll(head, head.fc(feats[:, :n].to(head.fc.weight.dtype)), x, steps=K)
         losses, agrees = zip(*(_step_loss(o, t_logits[:, k + 1:k + 1 + n], vocab_ids, t2d_index, budget.hard_weight)
                                for k, o in enumerate(outs)))
         loss = sum(w * l for w, l in zip(weights, losses)) / sum(weights)
-        loss.backward()
-        opt.step(lr_at((step - 1) / steps_total, budget.lr))
         cur = [a.item() for a in agrees]
         ema = cur if ema is None else [0.95 * e + 0.05 * c for e, c in zip(ema, cur)]
-        elapsed = time.time() - t0
-        if elapsed - last_log > 60 or step == steps_total:
-            last_log = elapsed
-            log(f"eagle step {step}/{steps_total} loss {loss.item():.3f} argmax agreement by unroll step "
-                f"{[round(e, 3) for e in ema]} {step * budget.batch * n / max(elapsed, 1e-6):.0f} pos/s "
-                f"elapsed {elapsed / 60:.1f} min")
-        if elapsed > budget.max_minutes * 60 and step < steps_total:
-            capped = True
-            log(f"eagle: wall-clock safety cap ({budget.max_minutes} min) hit at step {step}/{steps_total}")
-            break
-    opt.finish()
-    head.eval()
-    return {"steps": step, "steps_planned": steps_total, "positions": step * budget.batch * n,
-            "seconds": round(time.time() - t0, 1), "final_agreement_ema_by_step": [round(e, 4) for e in ema],
-            "stopped_by_time_cap": capped, **asdict(budget)}
+        return loss, f"loss {loss.item():.3f} argmax agreement by unroll step {[round(e, 3) for e in ema]}"
+
+    run = train_loop(head, step_loss, name="eagle", steps_total=steps_for(budget.tokens, budget.batch, n),
+                     lr=budget.lr, bf16=use_bf16(device), weight_decay=0.0, max_minutes=budget.max_minutes,
+                     units_per_step=budget.batch * n, unit="pos")
+    return {"steps": run["steps"], "steps_planned": run["steps_planned"], "positions": run["steps"] * budget.batch * n,
+            "seconds": run["seconds"], "final_agreement_ema_by_step": [round(e, 4) for e in ema],
+            "stopped_by_time_cap": run["stopped_by_time_cap"], **asdict(budget)}
 
 
 @torch.no_grad()
@@ -182,12 +171,10 @@ def init_from_target(head: Eagle3Head, target) -> None:
     head.norm.weight.copy_(target.model.norm.weight.to(head.norm.weight.dtype))
 
 
-def build_eagle_head(out_dir: str | Path, target, draft, train_stream: torch.Tensor, held: dict[str, torch.Tensor],
-                     *, pool: torch.Tensor, seed: int, device: str, budget: EagleBudget) -> dict:
-    """Choose the draft vocabulary, train the head against `target`, save it to out_dir (released layout, bf16)
-    and measure it beside the separate `draft`. Returns the metrics."""
-    from specpilot.train.eagle_metrics import eagle_metrics
-
+def build_eagle_head(out_dir: str | Path, target, train_stream: torch.Tensor, *, pool: torch.Tensor, seed: int,
+                     device: str, budget: EagleBudget) -> tuple[Eagle3Head, dict]:
+    """Choose the draft vocabulary, train the head against `target` and save it to out_dir (released layout,
+    bf16). Returns (the head in fp32, its build metrics); `specpilot.train.eagle_metrics` measures it."""
     teacher = bf16_teacher(target, device)
     t0 = time.time()
     vocab_ids, vocab_stats = choose_draft_vocab(teacher, train_stream, pool, size=budget.draft_vocab_size,
@@ -207,7 +194,5 @@ def build_eagle_head(out_dir: str | Path, target, draft, train_stream: torch.Ten
     out = Path(out_dir)
     head.to(torch.bfloat16).save_pretrained(out)  # bf16 on disk like the target and draft
     head.float()
-    metrics = {"config": config.to_dict(), "params": sum(p.numel() for p in head.parameters()),
-               "vocabulary": vocab_stats, "train": train}
-    metrics.update(eagle_metrics(head, target, draft, held, device=device, quick=budget.seq < 64, seed=seed))
-    return metrics
+    return head, {"config": config.to_dict(), "params": sum(p.numel() for p in head.parameters()),
+                  "vocabulary": vocab_stats, "train": train}

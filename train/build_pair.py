@@ -23,7 +23,6 @@ and the thread count, not on machine speed; wall-clock caps are only a safety ne
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import math
@@ -41,13 +40,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpilot.train.optim import MasterWeightsAdamW, lr_at, use_bf16
+from specpilot.train.model_training import bf16_teacher, generate, log, random_windows, steps_for, train_loop
+from specpilot.train.optim import use_bf16
 
 EOS = "<|endoftext|>"
-
-
-def log(msg: str) -> None:
-    print(f"[build_pair {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------- corpus
@@ -177,15 +173,6 @@ def _new_model(config, seed: int):
     return model
 
 
-def _batch(stream: torch.Tensor, gen: torch.Generator, batch: int, seq: int, device: str) -> torch.Tensor:
-    starts = torch.randint(0, len(stream) - seq - 1, (batch,), generator=gen)
-    return torch.stack([stream[s: s + seq + 1] for s in starts.tolist()]).long().to(device)
-
-
-def _steps_for(tokens: int, batch: int, seq: int) -> int:
-    return max(1, math.ceil(tokens / (batch * seq)))
-
-
 def train_target(model, stream: torch.Tensor, *, tokens: int, seed: int, device: str, batch: int = 8,
                  seq: int = 256, lr: float = 2e-3, max_minutes: float = 120.0) -> dict:
     """Next-token training on random corpus windows for a fixed step budget (ceil(tokens / (batch*seq)) steps):
@@ -193,55 +180,23 @@ def train_target(model, stream: torch.Tensor, *, tokens: int, seed: int, device:
     `max_minutes` is a safety cap; a run it stops is flagged `stopped_by_time_cap` (and is not reproducible).
     bf16 weights with fp32 masters where the hardware does bf16 natively (see specpilot.train.optim)."""
     gen = torch.Generator().manual_seed(seed)
-    steps_total = _steps_for(tokens, batch, seq)
     bf16 = use_bf16(device)
-    opt = MasterWeightsAdamW(model, lr=lr, bf16=bf16)
-    model.train()
-    t0, last_log, ema, step = time.time(), 0.0, None, 0
-    capped = False
-    for step in range(1, steps_total + 1):
-        x = _batch(stream, gen, batch, seq, device)
+    ema = None
+
+    def step_loss(step: int) -> tuple[torch.Tensor, str]:
+        nonlocal ema
+        x = random_windows(stream, gen, batch, seq, device)
         logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step(lr_at((step - 1) / steps_total, lr))
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        elapsed = time.time() - t0
-        if elapsed - last_log > 60 or step == steps_total:
-            last_log = elapsed
-            log(f"target step {step}/{steps_total} loss {ema:.3f} {step * batch * seq / max(elapsed, 1e-6):.0f} tok/s "
-                f"elapsed {elapsed / 60:.1f} min")
-        if elapsed > max_minutes * 60 and step < steps_total:
-            capped = True
-            log(f"target: wall-clock safety cap ({max_minutes} min) hit at step {step}/{steps_total}")
-            break
-    opt.finish()
-    model.eval()
-    return {"steps": step, "steps_planned": steps_total, "tokens": step * batch * seq,
-            "seconds": round(time.time() - t0, 1), "final_loss_ema": ema, "batch": batch, "seq_len": seq,
+        return loss, f"loss {ema:.3f}"
+
+    run = train_loop(model, step_loss, name="target", steps_total=steps_for(tokens, batch, seq), lr=lr, bf16=bf16,
+                     weight_decay=0.1, max_minutes=max_minutes, units_per_step=batch * seq, unit="tok")
+    return {"steps": run["steps"], "steps_planned": run["steps_planned"], "tokens": run["steps"] * batch * seq,
+            "seconds": run["seconds"], "final_loss_ema": ema, "batch": batch, "seq_len": seq,
             "peak_lr": lr, "bf16_master_weights": bf16, "threads": torch.get_num_threads(),
-            "stopped_by_time_cap": capped}
-
-
-@torch.inference_mode()
-def generate(model, prompts: torch.Tensor, new_tokens: int, *, sample_gen: torch.Generator | None = None
-             ) -> torch.Tensor:
-    """Batched continuation of equal-length prompts with a KV cache (no padding needed): greedy, or sampled at
-    temperature 1 from the model's distribution when `sample_gen` (a seeded CPU generator) is given."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompts, cache=cache, use_cache=True)
-    seqs = [prompts]
-    for _ in range(new_tokens):
-        logits = out.logits[:, -1].float()
-        if sample_gen is None:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            nxt = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=sample_gen).to(logits.device)
-        seqs.append(nxt)
-        out = model(input_ids=nxt, cache=cache, use_cache=True)
-    return torch.cat(seqs, dim=1)
+            "stopped_by_time_cap": run["stopped_by_time_cap"]}
 
 
 def greedy_generate(model, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -256,7 +211,7 @@ def target_text_pool(target, stream: torch.Tensor, *, sequences: int, seq: int, 
     gen = torch.Generator().manual_seed(seed + 7)
     chunks = []
     for i in range(math.ceil(sequences / batch)):
-        prompts = _batch(stream, gen, batch, prompt_len - 1, device)
+        prompts = random_windows(stream, gen, batch, prompt_len - 1, device)
         chunks.append(generate(target, prompts, seq + 1 - prompt_len, sample_gen=gen if i % 2 else None))
     return torch.cat(chunks)[:sequences]
 
@@ -277,14 +232,6 @@ def init_draft_from_target(draft, target) -> None:
     draft.get_input_embeddings().weight.copy_(proj.to(draft.dtype))
 
 
-def bf16_teacher(model, device: str):
-    """A frozen bf16 copy of `model` for teacher forwards (native bf16 matmuls), or the model itself where bf16
-    does not pay; training targets then carry bf16 rounding (~1e-2 relative), far below the students' error."""
-    if not use_bf16(device):
-        return model
-    return copy.deepcopy(model).to(torch.bfloat16).eval().requires_grad_(False)
-
-
 def distil_draft(draft, target, stream: torch.Tensor, pool: torch.Tensor, *, tokens: int, seed: int, device: str,
                  batch: int = 8, seq: int = 256, lr: float = 2e-3, max_minutes: float = 60.0) -> dict:
     """Train the draft to match the target's next-token distribution (forward KL, target as teacher) for
@@ -293,37 +240,28 @@ def distil_draft(draft, target, stream: torch.Tensor, pool: torch.Tensor, *, tok
     init_draft_from_target(draft, target)
     gen = torch.Generator().manual_seed(seed + 1)
     teacher = bf16_teacher(target, device)
-    steps_total = _steps_for(tokens, batch, seq)
-    opt = MasterWeightsAdamW(draft, lr=lr, bf16=use_bf16(device), weight_decay=0.0)
-    draft.train()
-    t0, last_log, ema, step, capped = time.time(), 0.0, None, 0, False
-    for step in range(1, steps_total + 1):
+    ema = None
+
+    def step_loss(step: int) -> tuple[torch.Tensor, str]:
+        nonlocal ema
         if step % 2:
             x = pool[torch.randint(0, pool.shape[0], (batch,), generator=gen)][:, :seq].to(device)
         else:
-            x = _batch(stream, gen, batch, seq, device)[:, :-1]
+            x = random_windows(stream, gen, batch, seq, device)[:, :-1]
         with torch.inference_mode():
             t_logp = F.log_softmax(teacher(input_ids=x).logits.float(), dim=-1)
         t_logp = t_logp.clone()  # inference tensors cannot enter autograd
         d_logp = F.log_softmax(draft(input_ids=x).logits.float(), dim=-1)
         loss = (t_logp.exp() * (t_logp - d_logp)).sum(-1).mean()
-        loss.backward()
-        opt.step(lr_at((step - 1) / steps_total, lr))
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        elapsed = time.time() - t0
-        if elapsed - last_log > 60 or step == steps_total:
-            last_log = elapsed
-            log(f"draft step {step}/{steps_total} KL {ema:.3f} {step * batch * seq / max(elapsed, 1e-6):.0f} tok/s "
-                f"elapsed {elapsed / 60:.1f} min")
-        if elapsed > max_minutes * 60 and step < steps_total:
-            capped = True
-            log(f"draft: wall-clock safety cap ({max_minutes} min) hit at step {step}/{steps_total}")
-            break
-    opt.finish()
-    draft.eval()
-    return {"steps": step, "steps_planned": steps_total, "tokens": step * batch * seq,
-            "target_text_tokens": int(pool.numel()), "seconds": round(time.time() - t0, 1), "final_kl_ema": ema,
-            "batch": batch, "seq_len": seq, "peak_lr": lr, "stopped_by_time_cap": capped}
+        return loss, f"KL {ema:.3f}"
+
+    run = train_loop(draft, step_loss, name="draft", steps_total=steps_for(tokens, batch, seq), lr=lr,
+                     bf16=use_bf16(device), weight_decay=0.0, max_minutes=max_minutes, units_per_step=batch * seq,
+                     unit="tok")
+    return {"steps": run["steps"], "steps_planned": run["steps_planned"], "tokens": run["steps"] * batch * seq,
+            "target_text_tokens": int(pool.numel()), "seconds": run["seconds"], "final_kl_ema": ema,
+            "batch": batch, "seq_len": seq, "peak_lr": lr, "stopped_by_time_cap": run["stopped_by_time_cap"]}
 
 
 # ------------------------------------------------------------------------------------------- evaluation
@@ -548,9 +486,11 @@ def _eagle_stage(out: Path, target, metrics: dict, train_stream: torch.Tensor, h
 
     if train:
         t0 = time.time()
-        result = build_eagle_head(out / "eagle", target, metrics["_draft_model"], train_stream, held,
-                                  pool=metrics["_pool"], seed=seed, device=device,
-                                  budget=budget or (EagleBudget.quick() if quick else EagleBudget()))
+        budget = budget or (EagleBudget.quick() if quick else EagleBudget())
+        head, result = build_eagle_head(out / "eagle", target, train_stream, pool=metrics["_pool"], seed=seed,
+                                        device=device, budget=budget)
+        result.update(eagle_metrics(head, target, metrics["_draft_model"], held, device=device,
+                                    quick=budget.seq < 64, seed=seed))
         timings["eagle_minutes"] = round((time.time() - t0) / 60, 2)
         return result
     head = Eagle3Head.from_pretrained(out / "eagle", target)

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from specpilot.drafting.eagle import Eagle3Head
 from specpilot.train.build_eagle import unroll
-from specpilot.train.build_pair import generate
+from specpilot.train.model_training import generate
 
 TAU_DEPTHS = (2, 3, 4, 6)
 

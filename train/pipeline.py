@@ -62,7 +62,7 @@ def evaluate_run(run_dir: str | Path, traces: TaskTraces | str | Path, *, split:
     replay oracle over the same actions."""
     from specpilot.envs.oracle import replay_oracle
     from specpilot.policies.ppo import load_run_controllers
-    from specpilot.train.stages import _size_actions
+    from specpilot.train.stages import size_actions_for
 
     run_dir = Path(run_dir)
     model = ReplayModel(getattr(TaskTraces.resolve(traces), split))
@@ -77,7 +77,7 @@ def evaluate_run(run_dir: str | Path, traces: TaskTraces | str | Path, *, split:
             for name, ctrl in load_run_controllers(d).items():
                 out[prefix + name] = evaluate_replay(ctrl, model, ar["tokens_per_s"])
                 size_actions = size_actions or getattr(ctrl, "size_actions", None)
-    oracle = replay_oracle(model, sizes=size_actions or _size_actions(model, None))
+    oracle = replay_oracle(model, sizes=size_actions or size_actions_for(model, None))
     for key, name in (("oracle", "oracle"), ("best_static", "replay_best_static")):
         out[name] = {**oracle[key], "speedup": oracle[key]["tokens_per_s"] / ar["tokens_per_s"]}
     out["ar"] = ar

@@ -204,7 +204,9 @@ class StageSpec:
     seed_offset: int = 0
 
 
-def _size_actions(model: ReplayModel, size_actions: Sequence[int] | None) -> list[int]:
+def size_actions_for(model: ReplayModel, size_actions: Sequence[int] | None) -> list[int]:
+    """The size actions a policy chooses among on this trace: `size_actions` (default: the trace device's) that fit
+    its max size, or just the max size."""
     acts = [int(v) for v in (size_actions or default_size_actions(model.trace.header.get("device")))]
     return [v for v in acts if v <= model.trace.max_size] or [model.trace.max_size]
 
@@ -332,7 +334,7 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     run_dir, traces = Path(run_dir), TaskTraces.resolve(traces)
     model = ReplayModel(traces.train)
     trace = model.trace
-    actions = _size_actions(model, spec.size_actions) if spec.kind == "size" else None
+    actions = size_actions_for(model, spec.size_actions) if spec.kind == "size" else None
     if spec.kind == "size":
         obs_spec = ObservationSpec.for_size(trace.width, trace.max_depth, size_actions=actions,
                                             max_context=options.max_context)
