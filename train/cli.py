@@ -5,6 +5,7 @@
     specpilot train coadapt --run RUN --rounds 3 [--steps 10000]
     specpilot train ablation --run RUN [--kind size] [--rewards throughput,acceptance,time,dinkelbach]
     specpilot train all --run RUN            # stage 1 (size, depth) + co-adaptation
+    specpilot train all --run RUN --bc       # stage 1 cloned from the replay oracle (DAgger), then co-adaptation
     specpilot train size --run RUN --backend live --ray auto --workers 8   # one live env per Ray worker
 
 Traces default to RUN/traces/{train,validation} (`specpilot record --suite train --out RUN/traces/train`, the same
@@ -123,6 +124,12 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--depth-steps", type=positive_int, default=40_000, help="depth stage budget (env steps)")
         p.add_argument("--coadapt-steps", type=positive_int, default=10_000, help="budget per co-adaptation stage")
         p.add_argument("--rounds", type=positive_int, default=3, help="co-adaptation stages")
+        p.add_argument("--bc", action="store_true",
+                       help="stage 1 = behaviour cloning from the replay oracle with DAgger relabelling (instead of "
+                            "PPO from scratch; --size-steps/--depth-steps unused); co-adaptation fine-tunes with PPO")
+        p.add_argument("--bc-iters", type=positive_int, default=4, help="DAgger iterations of --bc (default 4)")
+        p.add_argument("--bc-epochs", type=positive_int, default=30,
+                       help="supervised epochs per DAgger iteration of --bc (default 30)")
 
 
 def _options(args, static, pair, cluster=None):
@@ -132,8 +139,9 @@ def _options(args, static, pair, cluster=None):
     ppo = PPOOverrides(n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.n_epochs,
                        pi_arch=args.pi_arch, vf_arch=args.vf_arch, gamma=args.gamma, learning_rate=args.lr,
                        ent_coef=args.ent_coef, eval_every=args.eval_every)
+    bc = dict(bc_iters=args.bc_iters, bc_epochs=args.bc_epochs) if getattr(args, "bc", False) else {}
     return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, cluster=cluster, static=static,
-                        resume=args.resume, seed=args.seed, ppo=ppo)
+                        resume=args.resume, seed=args.seed, ppo=ppo, **bc)
 
 
 def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
