@@ -6,6 +6,7 @@
     specpilot train ablation --run RUN [--kind size] [--rewards throughput,acceptance,time,dinkelbach]
     specpilot train all --run RUN            # stage 1 (size, depth) + co-adaptation
     specpilot train all --run RUN --bc       # stage 1 cloned from the replay oracle (DAgger), then co-adaptation
+    specpilot train all --run RUN --seeds 3  # 3 seeds in RUN/seed<k>/, the best on validation deployed
     specpilot train size --run RUN --backend live --ray auto --workers 8   # one live env per Ray worker
 
 Traces default to RUN/traces/{train,validation} (`specpilot record --suite train --out RUN/traces/train`, the same
@@ -124,6 +125,9 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--depth-steps", type=positive_int, default=40_000, help="depth stage budget (env steps)")
         p.add_argument("--coadapt-steps", type=positive_int, default=10_000, help="budget per co-adaptation stage")
         p.add_argument("--rounds", type=positive_int, default=3, help="co-adaptation stages")
+        p.add_argument("--seeds", type=positive_int, default=1,
+                       help="train N seeds of the pipeline in RUN/seed<k>/ and deploy the best on validation "
+                            "(RUN/seeds.json: each seed's ltd-vs-static ratio and their median/IQM; default 1)")
         p.add_argument("--bc", action="store_true",
                        help="stage 1 = behaviour cloning from the replay oracle with DAgger relabelling (instead of "
                             "PPO from scratch; --size-steps/--depth-steps unused); co-adaptation fine-tunes with PPO")
@@ -234,6 +238,11 @@ def _run_stage(cmd: str, args, run_dir: Path, traces, options) -> int:
         out = P.coadapt(run_dir, traces, rounds=args.rounds, steps=args.steps, **common)
     elif cmd == "ablation":
         out = P.reward_ablation(run_dir, traces, kind=args.kind, rewards=args.rewards, steps=args.steps, **common)
+    elif args.seeds > 1:
+        from specpilot.train.seeds import run_seeds
+
+        out = run_seeds(run_dir, traces, seeds=args.seeds, size_steps=args.size_steps, depth_steps=args.depth_steps,
+                        coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
     else:
         out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
                              coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
