@@ -9,8 +9,8 @@ that cost-to-go, every question the cycle asks has an exact best answer in hinds
                        draft time is spent either way)
     size (depth l)     the size action minimising verify time + cost-to-go at the l levels drafted
 
-`imitate` trains the SB3 policy networks themselves on those labels by cross-entropy (so PPO fine-tunes the same
-weights afterwards): iteration 0 rolls the oracle itself, every later one rolls the current policies and labels the
+`imitate` trains the SB3 policy networks themselves on those labels by cross-entropy against the set of actions tied
+for the least cost (so PPO fine-tunes the same weights afterwards): iteration 0 rolls the oracle itself, every later one rolls the current policies and labels the
 states THEY visit (DAgger: the policy learns to recover from its own mistakes), aggregating all labelled states.
 Rollouts replay the train trace through `run_cycle`, the cycle `generate()` runs; the iteration that validates best
 (replay tokens/s on the validation trace, both policies deciding) is kept.
@@ -90,18 +90,26 @@ class OracleLabels:
     def _q(self, session: ReplaySession) -> np.ndarray:
         return self.tables(session.index).q(session.t, session.n_new)
 
+    def depth_costs(self, session: ReplaySession, depth: int) -> np.ndarray:
+        """Hindsight time to finish after answering [CONTINUE, STOP] at `depth` levels drafted (0: the skip
+        question, where STOP is a plain target step; STOP costs inf when it is not a choice)."""
+        best = self._q(session).min(axis=1)                                                # [nd]
+        costs = np.full(2, np.inf)
+        costs[CONTINUE] = best[self.depths > depth].min(initial=np.inf)
+        costs[STOP] = best[self.depths == depth].min(initial=np.inf)
+        return costs
+
+    def size_costs(self, session: ReplaySession, depth: int) -> np.ndarray:
+        """Hindsight time to finish after verifying each size action at `depth` levels drafted."""
+        return self._q(session)[int(np.searchsorted(self.depths, depth))]
+
     def depth(self, session: ReplaySession, depth: int) -> int:
-        """CONTINUE / STOP at `depth` levels drafted (0: the skip question)."""
-        q = self._q(session)
-        allowed = self.depths >= max(depth, 1) if depth else np.ones(len(self.depths), dtype=bool)
-        best = np.where(allowed[:, None], q, np.inf).min(axis=1)                           # [nd]
-        chosen = int(self.depths[int(best.argmin())])
-        return STOP if chosen == depth else CONTINUE
+        """CONTINUE / STOP at `depth` levels drafted (0: the skip question); CONTINUE on exact ties."""
+        return int(self.depth_costs(session, depth).argmin())
 
     def size(self, session: ReplaySession, depth: int) -> int:
         """Index into size_actions of the best size at `depth` levels drafted (the first of equal ones)."""
-        q = self._q(session)
-        return int(q[int(np.searchsorted(self.depths, depth))].argmin())
+        return int(self.size_costs(session, depth).argmin())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,17 +122,45 @@ class Dataset:
 
     obs: list[np.ndarray] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
+    best: list[np.ndarray] = field(default_factory=list)  # per sample, the actions tied for the least cost
+    regret: list[np.ndarray] = field(default_factory=list)  # per sample and action, hindsight seconds lost
     agreed: int = 0  # decisions the rolled-out controller answered as the oracle would (this iteration)
     asked: int = 0
 
-    def add(self, obs: np.ndarray, label: int, action: int) -> None:
+    def add(self, obs: np.ndarray, costs: np.ndarray, action: int) -> int:
+        """Record a question: its observation and the oracle's costs per action; returns the label (the first
+        least-cost action)."""
+        label = int(costs.argmin())
+        # exact ties are common (sizes above the candidates drafted verify the same tree): all count as right
+        tied = costs <= costs[label] + 1e-12 * max(abs(float(costs[label])), 1.0)
         self.obs.append(obs)
-        self.labels.append(int(label))
+        self.labels.append(label)
+        self.best.append(tied)
+        regret = costs - costs[label]
+        self.regret.append(np.where(np.isfinite(regret), regret, np.nan))
         self.asked += 1
-        self.agreed += int(label == action)
+        self.agreed += int(bool(tied[action]))
+        return label
+
+    def extend(self, other: "Dataset") -> None:
+        self.obs += other.obs
+        self.labels += other.labels
+        self.best += other.best
+        self.regret += other.regret
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.stack(self.obs).astype(np.float32), np.asarray(self.labels, dtype=np.int64)
+
+    def best_mask(self) -> np.ndarray:
+        return np.stack(self.best)
+
+    def regrets(self) -> np.ndarray:
+        """[n, actions] hindsight regret of each action, scaled to mean 1 over the non-zero ones (an action that was
+        no choice costs the largest regret)."""
+        r = np.stack(self.regret)
+        r = np.where(np.isnan(r), np.nanmax(r) if np.isfinite(np.nanmax(r)) else 1.0, r)
+        positive = r[r > 0]
+        return r / (positive.mean() if positive.size else 1.0)
 
 
 class LabellingController(Controller):
@@ -147,9 +183,9 @@ class LabellingController(Controller):
         return self.policy is None or (self.expert_share > 0 and self.rng.random() < self.expert_share)
 
     def _depth(self, state: DraftState, ask) -> bool:
-        label = self.labels.depth(self.session, state.depth)
-        action = label if self._expert() else (STOP if ask(state) else CONTINUE)
-        self.depth_data.add(depth_observation(state, self.depth_spec), label, action)
+        costs = self.labels.depth_costs(self.session, state.depth)
+        action = int(costs.argmin()) if self._expert() else (STOP if ask(state) else CONTINUE)
+        self.depth_data.add(depth_observation(state, self.depth_spec), costs, action)
         return action == STOP
 
     def skip_drafting(self, state: DraftState) -> bool:
@@ -159,9 +195,10 @@ class LabellingController(Controller):
         return self._depth(state, lambda s: self.policy.should_stop(s))
 
     def choose_size(self, state: DraftState) -> int:
-        label = self.labels.size(self.session, state.depth)
-        action = label if self._expert() else self.size_actions.index(int(self.policy.choose_size(state)))
-        self.size_data.add(size_observation(state, self.size_spec), label, action)
+        costs = self.labels.size_costs(self.session, state.depth)
+        action = int(costs.argmin()) if self._expert() else \
+            self.size_actions.index(int(self.policy.choose_size(state)))
+        self.size_data.add(size_observation(state, self.size_spec), costs, action)
         return self.size_actions[action]
 
     def reset(self) -> None:
@@ -189,13 +226,26 @@ def rollout(model: ReplayModel, controller: LabellingController, prompts: Sequen
 # supervised training of the SB3 policy network
 
 
-def fit_policy(policy, obs: np.ndarray, labels: np.ndarray, *, epochs: int = 30, batch_size: int = 256,
-               lr: float = 1e-3, weight_decay: float = 0.0, seed: int = 0) -> dict:
+def _set_nll(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """-log P(an optimal action): cross-entropy against the set of actions tied for the least cost."""
+    return (torch.logsumexp(logits, dim=1) - torch.logsumexp(logits.masked_fill(~best, -torch.inf), dim=1)).mean()
+
+
+def fit_policy(policy, obs: np.ndarray, labels: np.ndarray, *, best: np.ndarray | None = None,
+               regret: np.ndarray | None = None, epochs: int = 30, batch_size: int = 256, lr: float = 1e-3,
+               weight_decay: float = 0.0, seed: int = 0) -> dict:
     """Cross-entropy of `policy`'s action distribution (an SB3 ActorCriticPolicy, trained in place) on (obs, label)
-    pairs; only the actor's weights receive gradients. Returns {"loss", "accuracy"} on the data after training."""
+    pairs, or, with `best` ([n, actions] bool: the actions tied for the least cost), on the probability of any
+    optimal action; with `regret` ([n, actions], scaled hindsight regrets) the policy's expected regret is added
+    (cost-sensitive: where the observation cannot tell the future, the answer that is cheapest on average wins,
+    not the most frequent hindsight label); only the actor's weights receive gradients. Returns {"loss", "accuracy"} after training
+    (accuracy: the argmax is one of the optimal actions)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.as_tensor(obs, dtype=torch.float32, device=policy.device)
     y = torch.as_tensor(labels, dtype=torch.int64, device=policy.device)
+    b = torch.nn.functional.one_hot(y, policy.action_net.out_features).bool() if best is None else \
+        torch.as_tensor(best, dtype=torch.bool, device=policy.device)
+    r = None if regret is None else torch.as_tensor(regret, dtype=torch.float32, device=policy.device)
     params = list(policy.mlp_extractor.policy_net.parameters()) + list(policy.action_net.parameters())
     optim = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     policy.set_training_mode(True)
@@ -205,15 +255,17 @@ def fit_policy(policy, obs: np.ndarray, labels: np.ndarray, *, epochs: int = 30,
         for start in range(0, n, batch_size):
             idx = order[start:start + batch_size].to(policy.device)
             logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.extract_features(x[idx])))
-            loss = torch.nn.functional.cross_entropy(logits, y[idx])
+            loss = _set_nll(logits, b[idx])
+            if r is not None:
+                loss = loss + (torch.softmax(logits, dim=1) * r[idx]).sum(dim=1).mean()
             optim.zero_grad()
             loss.backward()
             optim.step()
     policy.set_training_mode(False)
     with torch.no_grad():
         logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.extract_features(x)))
-        return {"loss": float(torch.nn.functional.cross_entropy(logits, y)),
-                "accuracy": float((logits.argmax(dim=1) == y).float().mean())}
+        chosen = b.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
+        return {"loss": float(_set_nll(logits, b)), "accuracy": float(chosen.float().mean())}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,12 +275,14 @@ def fit_policy(policy, obs: np.ndarray, labels: np.ndarray, *, epochs: int = 30,
 @dataclass
 class ImitationSettings:
     """iters: DAgger iterations (1: plain behaviour cloning on the oracle's own rollouts). epochs / batch_size / lr:
-    the supervised fit after each iteration (from the previous iteration's weights). expert_share: after iteration
+    the supervised fit after each iteration (from the previous iteration's weights); loss: "set" (cross-entropy on
+    the optimal actions) or "regret" (plus the expected hindsight regret, see `fit_policy`). expert_share: after iteration
     0, the share of decisions the oracle still takes in rollouts (0: pure DAgger relabelling of the policy's own
     states)."""
 
     iters: int = 4
     epochs: int = 30
+    loss: str = "regret"
     batch_size: int = 256
     lr: float = 1e-3
     expert_share: float = 0.0
@@ -297,13 +351,13 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
         if not options.skip_decisions:  # the partner's answer to the skip question: always draft
             labeller.skip_drafting = lambda state: False
         rolled = rollout(model, labeller)
-        for data, into in ((labeller.depth_data, depth_all), (labeller.size_data, size_all)):
-            into.obs += data.obs
-            into.labels += data.labels
+        depth_all.extend(labeller.depth_data)
+        size_all.extend(labeller.size_data)
         fits = {}
         for kind, ppo, data in (("depth", depth_ppo, depth_all), ("size", size_ppo, size_all)):
             obs, y = data.arrays()
-            fits[kind] = fit_policy(ppo.policy, obs, y, epochs=settings.epochs, batch_size=settings.batch_size,
+            fits[kind] = fit_policy(ppo.policy, obs, y, best=data.best_mask(), epochs=settings.epochs,
+                                    regret=data.regrets() if settings.loss == "regret" else None, batch_size=settings.batch_size,
                                     lr=settings.lr, seed=options.seed + it)
         ctrl = PPOController(depth_ppo, size_ppo, depth_spec=depth_spec, size_spec=size_spec, size_actions=actions,
                              fallback=fallback, name="bc")
