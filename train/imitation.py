@@ -355,6 +355,9 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
         size_all.extend(labeller.size_data)
         fits = {}
         for kind, ppo, data in (("depth", depth_ppo, depth_all), ("size", size_ppo, size_all)):
+            if not data.labels:  # never asked (e.g. the oracle never drafts): the policy keeps its weights
+                fits[kind] = {"loss": None, "accuracy": None}
+                continue
             obs, y = data.arrays()
             fits[kind] = fit_policy(ppo.policy, obs, y, best=data.best_mask(), epochs=settings.epochs,
                                     regret=data.regrets() if settings.loss == "regret" else None, batch_size=settings.batch_size,
@@ -370,8 +373,9 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
                  "fit": fits, "val_tokens_per_s": val["tokens_per_s"], "val_speedup": val.get("speedup")}
         history.append(entry)
         if logger is not None:
-            logger.log({"bc/val/tokens_per_s": val["tokens_per_s"], "bc/fit/depth_accuracy": fits["depth"]["accuracy"],
-                        "bc/fit/size_accuracy": fits["size"]["accuracy"]}, step=it)
+            logger.log({"bc/val/tokens_per_s": val["tokens_per_s"],
+                        **{f"bc/fit/{k}_accuracy": f["accuracy"] for k, f in fits.items() if f["accuracy"] is not None}},
+                       step=it)
         if best is None or val["tokens_per_s"] > best:
             best = val["tokens_per_s"]
             for kind, ppo in (("depth", depth_ppo), ("size", size_ppo)):
