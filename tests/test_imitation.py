@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.oracle import replay_oracle
@@ -77,7 +78,7 @@ def test_behaviour_cloning_reproduces_the_oracle_labels(traces, tmp_path):
     """The cloned SB3 networks answer as the oracle: every size label, and the depth labels well beyond the majority
     answer (hindsight labels depend on the future, so identical-looking states can carry different labels)."""
     out = imitate(tmp_path / "run", traces, size_actions=SIZES, options=_options(),
-                  settings=ImitationSettings(iters=1, epochs=300, lr=1e-2))
+                  settings=ImitationSettings(iters=1, epochs=300, lr=1e-2, loss="set"))
     model = ReplayModel(traces.train)
     labels = OracleLabels(model, SIZES)
     spec_d = ObservationSpec.for_depth(TREE.width, TREE.max_depth)
@@ -112,3 +113,22 @@ def test_dagger_aggregates_and_pipeline_fine_tunes(traces, tmp_path):
     assert {"ltd", "depth_only", "size_only"} <= set(load_run_controllers(run))
     ev = P.evaluate_run(run, traces, static=STATIC)
     assert {"bc_ltd", "ltd", "oracle"} <= set(ev)
+
+
+def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict():
+    """Two identical observations, hindsight labels 0 and 1; answering 0 wrongly costs little, answering 1 wrongly
+    costs much: plain cross-entropy cannot choose, the regret term chooses 0 (the cheaper answer on average)."""
+    from stable_baselines3 import PPO
+
+    from specpilot.train.imitation import fit_policy
+    from test_ppo_learning import ToyStopEnv
+
+    policy = PPO("MlpPolicy", ToyStopEnv(), policy_kwargs=dict(net_arch=[16]), seed=0, device="cpu").policy
+    obs = np.array([[0.5, 0.5], [0.5, 0.5]], dtype=np.float32)
+    labels = np.array([1, 0])
+    best = np.array([[False, True], [True, False]])
+    regret = np.array([[0.2, 0.0], [0.0, 5.0]])
+    fit_policy(policy, obs, labels, best=best, regret=regret, epochs=200, batch_size=2, lr=1e-2)
+    with torch.no_grad():
+        logits = policy.action_net(policy.mlp_extractor.forward_actor(torch.as_tensor(obs[:1])))
+    assert int(logits.argmax()) == 0
