@@ -96,7 +96,6 @@ def test_behaviour_cloning_reproduces_the_oracle_labels(traces, tmp_path):
         assert np.mean(right) == pytest.approx(fit[kind]["accuracy"])
 
 
-@pytest.mark.slow
 def test_dagger_aggregates_and_pipeline_fine_tunes(traces, tmp_path):
     run = tmp_path / "run"
     out = P.run_pipeline(run, traces, size_steps=64, depth_steps=64, coadapt_steps=128, rounds=2,
