@@ -57,7 +57,7 @@ def replay_static(trace, profile=None, depth: int = 4, size: int = 12, *, max_ne
     return replay_controller(model, controller=controller, prompts=prompts)
 
 
-def _cell_tables(model: ReplayModel, index: int, depths: np.ndarray, sizes: np.ndarray
+def cell_tables(model: ReplayModel, index: int, depths: np.ndarray, sizes: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(emitted [n, nd, nv], verify time [n, nd, nv]) of every (depth, size) cell at every position."""
     tab = model.tables(index)
@@ -70,7 +70,7 @@ def _cell_tables(model: ReplayModel, index: int, depths: np.ndarray, sizes: np.n
     return emitted, tab.verify[:, clipped]
 
 
-def _next_fed(depths: np.ndarray, fed: np.ndarray, emitted: np.ndarray, k_max: int) -> np.ndarray:
+def next_fed_capped(depths: np.ndarray, fed: np.ndarray, emitted: np.ndarray, k_max: int) -> np.ndarray:
     """`cycle_math.next_fed`, capped at k_max (larger counts cost like the largest: the DP's state space)."""
     return np.minimum(next_fed(depths, fed, emitted), k_max)
 
@@ -88,7 +88,7 @@ def _hindsight(model: ReplayModel, emitted: np.ndarray, verify: np.ndarray, dept
     cycles = np.zeros((n + 1, k_max + 1), dtype=np.int64)
     for t in range(n - 1, -1, -1):
         e = emitted[t]                                                              # [nd, nv]
-        nxt = _next_fed(depths[None, :, None], ks[:, None, None], e[None], k_max)   # [k, nd, nv]
+        nxt = next_fed_capped(depths[None, :, None], ks[:, None, None], e[None], k_max)   # [k, nd, nv]
         total = draft[ks][:, :, None] + verify[t][None] + cost[t + e[None], nxt]    # [k, nd, nv]
         flat = total.reshape(len(ks), -1).argmin(axis=1)
         d_i, v_i = np.unravel_index(flat, e.shape)
@@ -115,7 +115,7 @@ def _static_sweep(model: ReplayModel, emitted: np.ndarray, verify: np.ndarray, d
         time_s += np.where(active, step, 0.0)
         tokens += np.where(active, e, 0)
         cycles += active
-        fed = np.where(active, _next_fed(d, fed, e, k_max), fed)
+        fed = np.where(active, next_fed_capped(d, fed, e, k_max), fed)
         t = np.where(active, t + e, t)
     return tokens, time_s, cycles
 
@@ -129,7 +129,7 @@ class _HindsightGreedy(Controller):
     def __init__(self, model: ReplayModel, index: int, session: ReplaySession, depths: np.ndarray,
                  sizes: np.ndarray) -> None:
         self.session, self.depths, self.sizes = session, depths, sizes
-        self.emitted, self.verify = _cell_tables(model, index, depths, sizes)
+        self.emitted, self.verify = cell_tables(model, index, depths, sizes)
         self.choice = (1, 1)
 
     def skip_drafting(self, state) -> bool:
@@ -179,7 +179,7 @@ def replay_oracle(trace, profile=None, depths: list[int] | None = None, sizes: l
     best_tokens, best_time, best_cycles = 0, 0.0, 0
     static_tokens, static_time, static_cycles = np.zeros(grid), np.zeros(grid), np.zeros(grid, dtype=np.int64)
     for i in indices:
-        emitted, verify = _cell_tables(model, i, depths, sizes)
+        emitted, verify = cell_tables(model, i, depths, sizes)
         time_i, cycles_i = _hindsight(model, emitted, verify, depths)
         best_tokens, best_time, best_cycles = best_tokens + emitted.shape[0], best_time + time_i, best_cycles + cycles_i
         tok, tim, cyc = _static_sweep(model, emitted, verify, depths)

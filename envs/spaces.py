@@ -4,12 +4,12 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from specpilot.policies.observation import NUM_SCALARS, ObservationSpec
+from specpilot.policies.observation import ObservationSpec
 
 
 def observation_space(spec: ObservationSpec) -> gym.spaces.Box:
     """Box matching the layout (bounds exact, so check_env and SB3 agree with the features)."""
     n = spec.num_scores
-    low = np.concatenate([np.full(n, -1.0), np.zeros(n), np.zeros(NUM_SCALARS)]).astype(np.float32)
-    high = np.concatenate([np.zeros(n), np.ones(n), np.ones(NUM_SCALARS)]).astype(np.float32)
+    low = np.concatenate([np.full(n, -1.0), np.zeros(n), np.zeros(spec.num_scalars)]).astype(np.float32)
+    high = np.concatenate([np.zeros(n), np.ones(n), np.ones(spec.num_scalars)]).astype(np.float32)
     return gym.spaces.Box(low=low, high=high, dtype=np.float32)

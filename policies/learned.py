@@ -11,7 +11,7 @@ from __future__ import annotations
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import CycleRecord, DraftState
 from specpilot.policies.actor import Actor
-from specpilot.policies.observation import NUM_SCALARS, ObservationSpec, depth_observation, size_observation
+from specpilot.policies.observation import ObservationSpec, depth_observation, size_observation
 
 CONTINUE, STOP = 0, 1  # depth actions
 DEPTH_ACTIONS = ["continue", "stop"]
@@ -23,7 +23,7 @@ def check_actor(actor: Actor, spec: ObservationSpec | None, kind: str, n_actions
         raise ValueError(f"{actor.source}: a {kind} policy needs a {kind} observation spec")
     if actor.in_features != spec.dim:
         raise ValueError(f"{actor.source}: the actor takes {actor.in_features} inputs but its {kind} observation "
-                         f"spec produces {spec.dim} (2 x {spec.num_scores} scores/mask + {NUM_SCALARS} scalars): "
+                         f"spec produces {spec.dim} (2 x {spec.num_scores} scores/mask + {spec.num_scalars} scalars): "
                          "observation-spec mismatch (was the policy trained with another specpilot version?)")
     if actor.n_actions != n_actions:
         raise ValueError(f"{actor.source}: the actor has {actor.n_actions} actions but {n_actions} are expected")

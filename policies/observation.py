@@ -14,6 +14,10 @@ Layout of an observation vector (float32, length 2*num_scores + 6):
     2n + 4        min(prev_depth / max_depth, 1)          [0, 1]   draft scores alone predict acceptance poorly)
     2n + 5        acceptance                              [0, 1]   running acceptance rate of the speculative
                                                                    cycles: what a policy that stopped drafting sees
+    2n + 6 ...    optional drafter features (`ObservationSpec.features`, in FEATURES order):
+                  top_prob: last_top_prob, the drafter's conditional probability of its best child at the last
+                  level [0, 1]; entropy: min(last_entropy / ENTROPY_SCALE, 1), the entropy of that distribution
+                  (both 0 / 1 before drafting, as DraftState gives them)
 
 The depth policy sees the last level's W*W children (W at depth 1) in drafting order (`DraftState.level_scores`:
 parents best-first, each parent's children best-first; no sort, which matters because the depth policy decides after
@@ -27,8 +31,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from specpilot.drafting.types import DraftState
 
-SPEC_VERSION = 3  # 2: + previous cycle's accepted length and depth; 3: + depth-0 (skip) states, acceptance rate
+SPEC_VERSION = 4  # 2: + previous cycle's accepted length and depth; 3: + depth-0 (skip) states, acceptance rate;
+# 4: + optional drafter features (a version-3 spec is a version-4 spec without features: it still loads)
+READABLE_VERSIONS = (3, 4)
 NUM_SCALARS = 6  # depth, context length, generation progress, previous accepted, previous depth, acceptance
+FEATURES = ("top_prob", "entropy")  # optional extra scalars, in this order
+ENTROPY_SCALE = 5.0  # nats mapped to 1.0 (a near-uniform draft distribution over >= e^5 ~ 150 tokens)
+DEFAULT_FEATURES: tuple[str, ...] = ()  # what for_depth / for_size (and so the environments) observe by default
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class ObservationSpec:
     num_scores: score slots (depth: W*W; size: the largest verification size).
     score_floor: log-probs below it are clipped to it (-20: p < 2e-9 is indistinguishable from 0 for a policy).
     max_context: context length mapped to 1.0 (longer contexts saturate).
+    features: optional drafter features appended to the scalars (a subset of FEATURES, kept in FEATURES order).
     """
 
     kind: str
@@ -51,8 +61,13 @@ class ObservationSpec:
     score_floor: float = -20.0
     max_context: int = 4096
     version: int = SPEC_VERSION
+    features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        unknown = [f for f in self.features if f not in FEATURES]
+        if unknown:
+            raise ValueError(f"ObservationSpec.features: unknown feature(s) {unknown}; known: {list(FEATURES)}")
+        object.__setattr__(self, "features", tuple(f for f in FEATURES if f in self.features))
         if self.kind not in ("depth", "size"):
             raise ValueError(f"ObservationSpec.kind must be 'depth' or 'size', got {self.kind!r}")
         if self.num_scores < 1 or self.width < 1 or self.max_depth < 1 or self.max_context < 1:
@@ -61,25 +76,36 @@ class ObservationSpec:
             raise ValueError(f"ObservationSpec.score_floor must be negative, got {self.score_floor}")
 
     @property
+    def num_scalars(self) -> int:
+        return NUM_SCALARS + len(self.features)
+
+    @property
     def dim(self) -> int:
-        return 2 * self.num_scores + NUM_SCALARS
+        return 2 * self.num_scores + self.num_scalars
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["features"] = list(self.features)
+        return d
 
     @classmethod
     def from_dict(cls, data: dict) -> "ObservationSpec":
         version = int(data.get("version", -1))
-        if version != SPEC_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(
-                f"observation spec version {version} does not match this specpilot's version {SPEC_VERSION}: "
-                "retrain the policy (or use the specpilot version that trained it)"
+                f"observation spec version {version} does not match this specpilot's version {SPEC_VERSION} (it "
+                f"reads {', '.join(map(str, READABLE_VERSIONS))}): retrain the policy (or use the specpilot version "
+                "that trained it)"
             )
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
+        known["features"] = tuple(known.get("features") or ())
+        if version < 4 and known["features"]:
+            raise ValueError(f"observation spec version {version} has no drafter features, got {known['features']}")
+        return cls(**{**known, "version": SPEC_VERSION})
 
     @classmethod
     def for_depth(cls, width: int, max_depth: int, **kw) -> "ObservationSpec":
+        kw.setdefault("features", DEFAULT_FEATURES)
         return cls(kind="depth", width=width, max_depth=max_depth, num_scores=width * width, **kw)
 
     @classmethod
@@ -89,6 +115,7 @@ class ObservationSpec:
             if not size_actions:
                 raise ValueError("ObservationSpec.for_size needs size_actions or num_scores")
             num_scores = max(size_actions)
+        kw.setdefault("features", DEFAULT_FEATURES)
         return cls(kind="size", width=width, max_depth=max_depth, num_scores=int(num_scores), **kw)
 
 
@@ -98,7 +125,7 @@ def _template(spec: ObservationSpec) -> tuple[np.ndarray, np.float32]:
     entry = spec.__dict__.get("_template")
     if entry is None:
         n = spec.num_scores
-        blank = np.zeros(2 * n + NUM_SCALARS, dtype=np.float32)
+        blank = np.zeros(2 * n + spec.num_scalars, dtype=np.float32)
         blank[:n] = -1.0
         entry = (blank, np.float32(-1.0 / spec.score_floor))
         object.__setattr__(spec, "_template", entry)  # frozen dataclass: set past the frozen __setattr__
@@ -121,10 +148,18 @@ def _build(scores: np.ndarray, state: DraftState, spec: ObservationSpec) -> np.n
     np.minimum(head, 0.0, out=head)
     out[n:n + k] = 1.0
     depth = spec.max_depth
-    out[2 * n:] = (min(state.depth / depth, 1.0), min(state.context_len / spec.max_context, 1.0),
-                   min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0,
-                   min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0),
-                   min(max(state.acceptance, 0.0), 1.0))
+    out[2 * n:2 * n + NUM_SCALARS] = (
+        min(state.depth / depth, 1.0), min(state.context_len / spec.max_context, 1.0),
+        min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0,
+        min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0),
+        min(max(state.acceptance, 0.0), 1.0))
+    if spec.features:
+        i = 2 * n + NUM_SCALARS
+        if "top_prob" in spec.features:
+            out[i] = min(max(state.last_top_prob, 0.0), 1.0)
+            i += 1
+        if "entropy" in spec.features:
+            out[i] = min(max(state.last_entropy, 0.0) / ENTROPY_SCALE, 1.0)
     return out
 
 

@@ -5,6 +5,8 @@
     specpilot train coadapt --run RUN --rounds 3 [--steps 10000]
     specpilot train ablation --run RUN [--kind size] [--rewards throughput,acceptance,time,dinkelbach]
     specpilot train all --run RUN            # stage 1 (size, depth) + co-adaptation
+    specpilot train all --run RUN --bc       # stage 1 cloned from the replay oracle (DAgger), then co-adaptation
+    specpilot train all --run RUN --seeds 3  # 3 seeds in RUN/seed<k>/, the best on validation deployed
     specpilot train size --run RUN --backend live --ray auto --workers 8   # one live env per Ray worker
 
 Traces default to RUN/traces/{train,validation} (`specpilot record --suite train --out RUN/traces/train`, the same
@@ -128,6 +130,15 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--depth-steps", type=positive_int, default=40_000, help="depth stage budget (env steps)")
         p.add_argument("--coadapt-steps", type=positive_int, default=10_000, help="budget per co-adaptation stage")
         p.add_argument("--rounds", type=positive_int, default=3, help="co-adaptation stages")
+        p.add_argument("--seeds", type=positive_int, default=1,
+                       help="train N seeds of the pipeline in RUN/seed<k>/ and deploy the best on validation "
+                            "(RUN/seeds.json: each seed's ltd-vs-static ratio and their median/IQM; default 1)")
+        p.add_argument("--bc", action="store_true",
+                       help="stage 1 = behaviour cloning from the replay oracle with DAgger relabelling (instead of "
+                            "PPO from scratch; --size-steps/--depth-steps unused); co-adaptation fine-tunes with PPO")
+        p.add_argument("--bc-iters", type=positive_int, default=4, help="DAgger iterations of --bc (default 4)")
+        p.add_argument("--bc-epochs", type=positive_int, default=30,
+                       help="supervised epochs per DAgger iteration of --bc (default 30)")
 
 
 def _options(args, static, pair, cluster=None):
@@ -137,9 +148,10 @@ def _options(args, static, pair, cluster=None):
     ppo = PPOOverrides(n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.n_epochs,
                        pi_arch=args.pi_arch, vf_arch=args.vf_arch, gamma=args.gamma, learning_rate=args.lr,
                        ent_coef=args.ent_coef, eval_every=args.eval_every)
+    bc = dict(bc_iters=args.bc_iters, bc_epochs=args.bc_epochs) if getattr(args, "bc", False) else {}
     return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, cluster=cluster, static=static,
                         resume=args.resume, seed=args.seed, ppo=ppo,
-                        allow_partial=bool(getattr(args, "allow_partial", False)))
+                        allow_partial=bool(getattr(args, "allow_partial", False)), **bc)
 
 
 def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
@@ -339,6 +351,11 @@ def _run_command(cmd: str, args, run_dir: Path, traces, options, logger) -> dict
         out = P.coadapt(run_dir, traces, rounds=args.rounds, steps=args.steps, **common)
     elif cmd == "ablation":
         out = P.reward_ablation(run_dir, traces, kind=args.kind, rewards=args.rewards, steps=args.steps, **common)
+    elif args.seeds > 1:
+        from specpilot.train.seeds import run_seeds
+
+        out = run_seeds(run_dir, traces, seeds=args.seeds, size_steps=args.size_steps, depth_steps=args.depth_steps,
+                        coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
     else:
         out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
                              coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)

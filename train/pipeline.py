@@ -13,6 +13,7 @@ Stages: `train_size` / `train_depth` (stage 1, train/stages.py), `coadapt` (stag
     RUN/size_s1, RUN/depth_s1        stage 1;   RUN/co1_size, RUN/co2_depth, RUN/co3_size ... stage 2
     RUN/policies.json                final (co-adapted) depth + size policies; fallback = the static config
     RUN/stage1/policies.json         the stage-1 policies
+    RUN/bc_size, RUN/bc_depth, RUN/bc/   with options.bc_iters: stage 1 cloned from the replay oracle (train/imitation.py)
     RUN/ablation/ablation.json       reward ablation
 """
 from __future__ import annotations
@@ -36,22 +37,35 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
                  size_actions: Sequence[int] | None = None, depth_range: tuple[int, int] | None = None,
                  options: TrainOptions | None = None, wandb: str | None = None, logger=None) -> dict:
     """Stage 1 (size, depth) + RUN/stage1/policies.json, then `rounds` of co-adaptation (0: stage 1 only, in
-    which case RUN/policies.json points at the stage-1 policies). Returns the StageResults and index paths."""
+    which case RUN/policies.json points at the stage-1 policies). Returns the StageResults and index paths.
+
+    options.bc_iters > 0: stage 1 is behaviour cloning of both policies from the replay oracle with that many DAgger
+    iterations (`specpilot.train.imitation`, `options.bc_epochs` supervised epochs each) instead of PPO from
+    scratch (size_steps / depth_steps are then unused); co-adaptation fine-tunes the cloned policies with PPO."""
     run_dir, options = Path(run_dir), options or TrainOptions()
     config = {"pipeline": True, "size_steps": size_steps, "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
-              "rounds": rounds, "reward": options.reward, "seed": options.seed}
+              "rounds": rounds, "reward": options.reward, "seed": options.seed, "bc_iters": options.bc_iters}
     with run_logger(run_dir, logger, wandb, config) as log:
-        size1 = train_size(run_dir, traces, steps=size_steps, size_actions=size_actions, depth_range=depth_range,
-                           options=options, logger=log)
-        depth1 = train_depth(run_dir, traces, steps=depth_steps, options=options, logger=log)
+        if options.bc_iters > 0:
+            from specpilot.train.imitation import ImitationSettings, imitate
+
+            bc = imitate(run_dir, traces, size_actions=size_actions, options=options, logger=log,
+                         settings=ImitationSettings(iters=options.bc_iters, epochs=options.bc_epochs))
+            size1, depth1 = bc["size"], bc["depth"]
+        else:
+            size1 = train_size(run_dir, traces, steps=size_steps, size_actions=size_actions,
+                               depth_range=depth_range, options=options, logger=log)
+            depth1 = train_depth(run_dir, traces, steps=depth_steps, options=options, logger=log)
         stage1 = write_stage1_index(run_dir, depth1, size1, options.static)
         final = None
         if rounds > 0:
-            final = coadapt(run_dir, traces, rounds=rounds, steps=coadapt_steps, options=options, logger=log)
+            final = coadapt(run_dir, traces, rounds=rounds, steps=coadapt_steps, options=options, logger=log,
+                            size_stage=size1.stage, depth_stage=depth1.stage)
             policies = final["policies"]
         else:
             policies = write_index(run_dir, depth1, size1, static_config(run_dir, options.static), copy=False)
     return {"size_s1": size1.to_dict(), "depth_s1": depth1.to_dict(), "stage1_policies": stage1,
+            **({"imitation": bc["iterations"]} if options.bc_iters > 0 else {}),
             "coadapt": final, "policies": policies}
 
 
@@ -70,7 +84,8 @@ def evaluate_run(run_dir: str | Path, traces: TaskTraces | str | Path, *, split:
     static_cfg = static_config(run_dir, static)
     out: dict[str, dict] = {"static": {**evaluate_replay(FixedController(*static_cfg), model, ar["tokens_per_s"]),
                                        "config": list(static_cfg)}}
-    sets = [("", run_dir)] + ([("s1_", run_dir / "stage1")] if include_stage1 else [])
+    sets = [("", run_dir)] + ([("s1_", run_dir / "stage1")] if include_stage1 else []) + \
+        ([("bc_", run_dir / "bc")] if (run_dir / "bc" / "policies.json").is_file() else [])
     size_actions = None
     for prefix, d in sets:
         if (d / POLICIES_FILE).is_file():

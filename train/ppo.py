@@ -325,7 +325,7 @@ def _make_venv(env_factory: Callable[[], gym.Env], n_envs: int) -> DummyVecEnv:
     return DummyVecEnv([lambda: Monitor(env_factory()) for _ in range(n_envs)])
 
 
-def _build_model(venv, settings: PPOSettings) -> PPO:
+def build_model(venv, settings: PPOSettings) -> PPO:
     return PPO(
         "MlpPolicy", venv,
         learning_rate=WarmupLinearSchedule(settings.learning_rate, settings.warmup_fraction),
@@ -414,7 +414,7 @@ def train_policy(
     else:
         env = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=settings.gamma) \
             if settings.normalize_reward else venv
-        model = _build_model(env, settings)
+        model = build_model(env, settings)
         if init_from is not None:
             model.set_parameters(str(init_from), exact_match=True, device=settings.device)
         done = 0

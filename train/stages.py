@@ -47,6 +47,8 @@ class TrainOptions:
     resume: continue interrupted stages; finished stages are skipped. seed: base seed of every stage.
     max_context: context length mapped to 1.0 in the observations. ppo: changes to the paper's PPO settings.
     allow_partial: later stages may start from an earlier stage that did not finish (interrupted); refused otherwise.
+    bc_iters / bc_epochs: > 0 makes the pipeline's stage 1 behaviour cloning from the replay oracle with that many
+        DAgger iterations of bc_epochs supervised epochs (`specpilot.train.imitation`); PPO then fine-tunes.
     """
 
     reward: str = "dinkelbach"
@@ -62,6 +64,8 @@ class TrainOptions:
     max_context: int = 4096
     ppo: PPOOverrides = field(default_factory=PPOOverrides)
     allow_partial: bool = False
+    bc_iters: int = 0
+    bc_epochs: int = 30
 
     def __post_init__(self) -> None:
         if self.reward not in REWARD_MODES:
@@ -70,6 +74,8 @@ class TrainOptions:
             raise ValueError(f"backend must be 'replay' or 'live', got {self.backend!r}")
         if self.backend == "live" and self.pair is None and self.cluster is None:
             raise ValueError("backend='live' needs pair= (the models to decode with) or cluster= (a WorkerPool)")
+        if self.bc_iters < 0 or self.bc_epochs < 1:
+            raise ValueError(f"bc_iters must be >= 0 and bc_epochs >= 1, got {self.bc_iters}, {self.bc_epochs}")
 
 
 def budget_settings(kind: str, steps: int, *, seed: int = 0, ppo: PPOOverrides | None = None):

@@ -1,0 +1,44 @@
+"""Several pipeline seeds: the deployed one is the best on validation, every seed's ratio and their aggregate are
+reported."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specpilot.policies.ppo import load_run_controllers
+from specpilot.train.seeds import aggregate, choose_seed, evaluate_seeds, iqm, run_seeds
+
+from test_imitation import STATIC, _options, traces  # noqa: F401 (fixture)
+
+
+def test_iqm_and_aggregate():
+    assert iqm([1.0, 2.0, 3.0]) == pytest.approx(2.0)
+    assert iqm([0.0, 1.0, 2.0, 100.0]) == pytest.approx(1.5)  # the outer quarters do not count
+    agg = aggregate([1.1, 0.9, 1.3])
+    assert agg["median"] == pytest.approx(1.1) and agg["min"] == pytest.approx(0.9) and agg["n"] == 3
+
+
+def test_choose_seed_takes_the_best_validation_score_and_the_smallest_on_ties():
+    assert choose_seed({0: 1.0, 1: 3.0, 2: 2.0}) == 1
+    assert choose_seed({4: 2.0, 3: 2.0}) == 3
+
+
+def test_run_seeds_deploys_the_best_on_validation(traces, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    out = run_seeds(run, traces, seeds=2, size_steps=64, depth_steps=64, rounds=0, options=_options(seed=5),
+                    size_actions=[2, 4, 8], wandb="disabled")
+    assert [s["seed"] for s in out["seeds"]] == [5, 6]
+    best = max(out["seeds"], key=lambda s: s["val_tokens_per_s"])
+    assert out["chosen"] == best["seed"] and out["static"] == list(STATIC)
+    assert json.loads((run / "seeds.json").read_text())["chosen"] == out["chosen"]
+    # the deployed policies are the chosen seed's: the same decisions, the same validation score
+    from specpilot.envs.replay import ReplayModel
+    from specpilot.train.validation import evaluate_replay
+
+    deployed = evaluate_replay(load_run_controllers(run)["ltd"], ReplayModel(traces.validation))["tokens_per_s"]
+    assert deployed == pytest.approx(best["val_tokens_per_s"])
+    agg = evaluate_seeds(run, traces.validation)
+    assert [r["ltd_vs_static"] for r in agg["seeds"]] == pytest.approx([s["ltd_vs_static"] for s in out["seeds"]])
+    assert np.isfinite(agg["ltd_vs_static"]["iqm"])

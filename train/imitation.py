@@ -1,0 +1,400 @@
+"""Behaviour cloning from the replay oracle, with DAgger relabelling: a warm start for both PPO policies.
+
+The hindsight oracle (`specpilot.envs.oracle.replay_oracle`) knows, for every position of a recorded generation, the
+least time still needed to finish it (a dynamic programme over (position, tokens the drafter must catch up)). From
+that cost-to-go, every question the cycle asks has an exact best answer in hindsight:
+
+    skip (depth 0)     STOP (do not draft) iff the best cell from here is a plain target step
+    stop (depth l)     STOP iff, among the cells drafting >= l levels, the best drafts exactly l (earlier levels'
+                       draft time is spent either way)
+    size (depth l)     the size action minimising verify time + cost-to-go at the l levels drafted
+
+`imitate` trains the SB3 policy networks themselves on those labels by cross-entropy against the set of actions tied
+for the least cost (so PPO fine-tunes the same weights afterwards): iteration 0 rolls the oracle itself, every later one rolls the current policies and labels the
+states THEY visit (DAgger: the policy learns to recover from its own mistakes), aggregating all labelled states.
+Rollouts replay the train trace through `run_cycle`, the cycle `generate()` runs; the iteration that validates best
+(replay tokens/s on the validation trace, both policies deciding) is kept.
+
+    RUN/bc_depth/best.zip, RUN/bc_size/best.zip   SB3 PPO zips (stage results: co-adaptation starts from them)
+    RUN/bc/policies.json                          the cloned policies as a run index (`load_run_controllers`)
+    RUN/bc/imitation.json                         per iteration: samples, label agreement, validation tokens/s
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.cycle import run_generation
+from specpilot.drafting.types import CycleRecord, DraftState
+from specpilot.envs.oracle import cell_tables, next_fed_capped
+from specpilot.envs.replay import ReplayModel, ReplaySession
+from specpilot.policies.learned import CONTINUE, STOP, LearnedController
+from specpilot.policies.observation import ObservationSpec, depth_observation, size_observation
+
+BC_DEPTH_STAGE, BC_SIZE_STAGE, BC_DIR = "bc_depth", "bc_size", "bc"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the oracle's answers
+
+
+class OracleTables:
+    """One prompt's hindsight Q-values: q(t, k) [nd, nv] = time of cell (depth, size) at position t with k tokens to
+    catch up, plus the optimal time to finish from where it lands (`cost`)."""
+
+    def __init__(self, model: ReplayModel, index: int, depths: np.ndarray, sizes: np.ndarray) -> None:
+        self.depths, self.sizes = depths, sizes
+        self.k_max = model.trace.max_depth + 1
+        self.draft = model.draft[:, depths]                                                # [k_max + 1, nd]
+        self.emitted, self.verify = cell_tables(model, index, depths, sizes)              # [n, nd, nv]
+        n = self.emitted.shape[0]
+        ks = np.arange(1, self.k_max + 1)
+        self.cost = np.zeros((n + 1, self.k_max + 1))
+        for t in range(n - 1, -1, -1):  # the same recursion as the oracle's, keeping the whole cost-to-go table
+            self.cost[t, 1:] = self._q(t, ks).reshape(len(ks), -1).min(axis=1)
+
+    def _q(self, t: int, ks: np.ndarray) -> np.ndarray:
+        e = self.emitted[t]                                                                # [nd, nv]
+        nxt = next_fed_capped(self.depths[None, :, None], ks[:, None, None], e[None], self.k_max)
+        return self.draft[ks][:, :, None] + self.verify[t][None] + self.cost[t + e[None], nxt]
+
+    def q(self, t: int, fed: int) -> np.ndarray:
+        """[nd, nv] hindsight time to finish the generation choosing each cell now."""
+        return self._q(t, np.array([min(max(int(fed), 1), self.k_max)]))[0]
+
+
+class OracleLabels:
+    """The oracle's answer to each cycle question of a replayed generation (`ReplaySession`'s position and fed
+    tokens index the Q table). depths: the depth choices (0 included when skipping is allowed); size_actions: the
+    size policy's choices."""
+
+    def __init__(self, model: ReplayModel, size_actions: Sequence[int], *, allow_skip: bool = True) -> None:
+        self.model = model
+        d_max = model.trace.max_depth
+        self.depths = np.arange(0 if allow_skip else 1, d_max + 1)
+        self.sizes = np.asarray([int(v) for v in size_actions])
+        self._tables: dict[int, OracleTables] = {}
+
+    def tables(self, index: int) -> OracleTables:
+        tab = self._tables.get(index)
+        if tab is None:
+            tab = self._tables[index] = OracleTables(self.model, index, self.depths, self.sizes)
+        return tab
+
+    def _q(self, session: ReplaySession) -> np.ndarray:
+        return self.tables(session.index).q(session.t, session.n_new)
+
+    def depth_costs(self, session: ReplaySession, depth: int) -> np.ndarray:
+        """Hindsight time to finish after answering [CONTINUE, STOP] at `depth` levels drafted (0: the skip
+        question, where STOP is a plain target step; STOP costs inf when it is not a choice)."""
+        best = self._q(session).min(axis=1)                                                # [nd]
+        costs = np.full(2, np.inf)
+        costs[CONTINUE] = best[self.depths > depth].min(initial=np.inf)
+        costs[STOP] = best[self.depths == depth].min(initial=np.inf)
+        return costs
+
+    def size_costs(self, session: ReplaySession, depth: int) -> np.ndarray:
+        """Hindsight time to finish after verifying each size action at `depth` levels drafted."""
+        return self._q(session)[int(np.searchsorted(self.depths, depth))]
+
+    def depth(self, session: ReplaySession, depth: int) -> int:
+        """CONTINUE / STOP at `depth` levels drafted (0: the skip question); CONTINUE on exact ties."""
+        return int(self.depth_costs(session, depth).argmin())
+
+    def size(self, session: ReplaySession, depth: int) -> int:
+        """Index into size_actions of the best size at `depth` levels drafted (the first of equal ones)."""
+        return int(self.size_costs(session, depth).argmin())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rollouts
+
+
+@dataclass
+class Dataset:
+    """Labelled observations of one policy (aggregated over DAgger iterations)."""
+
+    obs: list[np.ndarray] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    best: list[np.ndarray] = field(default_factory=list)  # per sample, the actions tied for the least cost
+    regret: list[np.ndarray] = field(default_factory=list)  # per sample and action, hindsight seconds lost
+    agreed: int = 0  # decisions the rolled-out controller answered as the oracle would (this iteration)
+    asked: int = 0
+
+    def add(self, obs: np.ndarray, costs: np.ndarray, action: int) -> int:
+        """Record a question: its observation and the oracle's costs per action; returns the label (the first
+        least-cost action)."""
+        label = int(costs.argmin())
+        # exact ties are common (sizes above the candidates drafted verify the same tree): all count as right
+        tied = costs <= costs[label] + 1e-12 * max(abs(float(costs[label])), 1.0)
+        self.obs.append(obs)
+        self.labels.append(label)
+        self.best.append(tied)
+        regret = costs - costs[label]
+        self.regret.append(np.where(np.isfinite(regret), regret, np.nan))
+        self.asked += 1
+        self.agreed += int(bool(tied[action]))
+        return label
+
+    def extend(self, other: "Dataset") -> None:
+        self.obs += other.obs
+        self.labels += other.labels
+        self.best += other.best
+        self.regret += other.regret
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.stack(self.obs).astype(np.float32), np.asarray(self.labels, dtype=np.int64)
+
+    def best_mask(self) -> np.ndarray:
+        return np.stack(self.best)
+
+    def regrets(self) -> np.ndarray:
+        """[n, actions] hindsight regret of each action, scaled to mean 1 over the non-zero ones (an action that was
+        no choice costs the largest regret)."""
+        r = np.stack(self.regret)
+        r = np.where(np.isnan(r), np.nanmax(r) if np.isfinite(np.nanmax(r)) else 1.0, r)
+        positive = r[r > 0]
+        return r / (positive.mean() if positive.size else 1.0)
+
+
+class LabellingController(Controller):
+    """Answers like `policy` (or, where the policy is None or a draw under `expert_share` says so, like the oracle)
+    and records every question's observation with the oracle's label. `session` is the ReplaySession being run."""
+
+    name = "dagger"
+
+    def __init__(self, labels: OracleLabels, depth_spec: ObservationSpec, size_spec: ObservationSpec,
+                 size_actions: Sequence[int], policy: LearnedController | None, *, expert_share: float = 0.0,
+                 rng: np.random.Generator | None = None) -> None:
+        self.labels, self.depth_spec, self.size_spec = labels, depth_spec, size_spec
+        self.size_actions = [int(v) for v in size_actions]
+        self.policy, self.expert_share = policy, float(expert_share)
+        self.rng = rng or np.random.default_rng(0)
+        self.depth_data, self.size_data = Dataset(), Dataset()
+        self.session: ReplaySession | None = None
+
+    def _expert(self) -> bool:
+        return self.policy is None or (self.expert_share > 0 and self.rng.random() < self.expert_share)
+
+    def _depth(self, state: DraftState, ask) -> bool:
+        costs = self.labels.depth_costs(self.session, state.depth)
+        action = int(costs.argmin()) if self._expert() else (STOP if ask(state) else CONTINUE)
+        self.depth_data.add(depth_observation(state, self.depth_spec), costs, action)
+        return action == STOP
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        return self._depth(state, lambda s: self.policy.skip_drafting(s))
+
+    def should_stop(self, state: DraftState) -> bool:
+        return self._depth(state, lambda s: self.policy.should_stop(s))
+
+    def choose_size(self, state: DraftState) -> int:
+        costs = self.labels.size_costs(self.session, state.depth)
+        action = int(costs.argmin()) if self._expert() else \
+            self.size_actions.index(int(self.policy.choose_size(state)))
+        self.size_data.add(size_observation(state, self.size_spec), costs, action)
+        return self.size_actions[action]
+
+    def reset(self) -> None:
+        if self.policy is not None:
+            self.policy.reset()
+
+    def observe(self, record: CycleRecord) -> None:
+        if self.policy is not None:
+            self.policy.observe(record)
+
+
+def rollout(model: ReplayModel, controller: LabellingController, prompts: Sequence[int] | None = None) -> dict:
+    """Replay every prompt with `controller` deciding (through `run_generation`, the decoder's cycle); returns the
+    replay totals {tokens, time_s, tokens_per_s}."""
+    tokens, time_s = 0, 0.0
+    for i in range(model.num_prompts) if prompts is None else prompts:
+        controller.session = ReplaySession(model, i)
+        records = run_generation(controller.session, controller)
+        tokens += sum(r.emitted for r in records)
+        time_s += sum(r.draft_s + r.verify_s for r in records)
+    return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# supervised training of the SB3 policy network
+
+
+def _set_nll(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """-log P(an optimal action): cross-entropy against the set of actions tied for the least cost."""
+    return (torch.logsumexp(logits, dim=1) - torch.logsumexp(logits.masked_fill(~best, -torch.inf), dim=1)).mean()
+
+
+def fit_policy(policy, obs: np.ndarray, labels: np.ndarray, *, best: np.ndarray | None = None,
+               regret: np.ndarray | None = None, epochs: int = 30, batch_size: int = 256, lr: float = 1e-3,
+               weight_decay: float = 0.0, seed: int = 0) -> dict:
+    """Cross-entropy of `policy`'s action distribution (an SB3 ActorCriticPolicy, trained in place) on (obs, label)
+    pairs, or, with `best` ([n, actions] bool: the actions tied for the least cost), on the probability of any
+    optimal action; with `regret` ([n, actions], scaled hindsight regrets) the policy's expected regret is added
+    (cost-sensitive: where the observation cannot tell the future, the answer that is cheapest on average wins,
+    not the most frequent hindsight label); only the actor's weights receive gradients. Returns {"loss", "accuracy"} after training
+    (accuracy: the argmax is one of the optimal actions)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.as_tensor(obs, dtype=torch.float32, device=policy.device)
+    y = torch.as_tensor(labels, dtype=torch.int64, device=policy.device)
+    b = torch.nn.functional.one_hot(y, policy.action_net.out_features).bool() if best is None else \
+        torch.as_tensor(best, dtype=torch.bool, device=policy.device)
+    r = None if regret is None else torch.as_tensor(regret, dtype=torch.float32, device=policy.device)
+    params = list(policy.mlp_extractor.policy_net.parameters()) + list(policy.action_net.parameters())
+    optim = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    policy.set_training_mode(True)
+    n = len(y)
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, batch_size):
+            idx = order[start:start + batch_size].to(policy.device)
+            logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.extract_features(x[idx])))
+            loss = _set_nll(logits, b[idx])
+            if r is not None:
+                loss = loss + (torch.softmax(logits, dim=1) * r[idx]).sum(dim=1).mean()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+    policy.set_training_mode(False)
+    with torch.no_grad():
+        logits = policy.action_net(policy.mlp_extractor.forward_actor(policy.extract_features(x)))
+        chosen = b.gather(1, logits.argmax(dim=1, keepdim=True)).squeeze(1)
+        return {"loss": float(_set_nll(logits, b)), "accuracy": float(chosen.float().mean())}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the DAgger loop
+
+
+@dataclass
+class ImitationSettings:
+    """iters: DAgger iterations (1: plain behaviour cloning on the oracle's own rollouts). epochs / batch_size / lr:
+    the supervised fit after each iteration (from the previous iteration's weights); loss: "set" (cross-entropy on
+    the optimal actions) or "regret" (plus the expected hindsight regret, see `fit_policy`). expert_share: after iteration
+    0, the share of decisions the oracle still takes in rollouts (0: pure DAgger relabelling of the policy's own
+    states)."""
+
+    iters: int = 4
+    epochs: int = 30
+    loss: str = "regret"
+    batch_size: int = 256
+    lr: float = 1e-3
+    expert_share: float = 0.0
+
+
+def _ppo_model(kind: str, source, size_actions, options, seed_offset: int, partner: Controller):
+    """A fresh SB3 PPO with exactly the settings the PPO stages use (so their init_from loads it exactly)."""
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from specpilot.train.ppo import build_model
+    from specpilot.train.stages import StageSpec, _make_env, budget_settings
+
+    settings = budget_settings(kind, 1 << 15, seed=options.seed + seed_offset, ppo=options.ppo)
+    spec = StageSpec(kind, f"bc_{kind}", 1, partner=partner, val_partner=partner, size_actions=size_actions)
+    env = _make_env(source, spec, size_actions, reward=options.reward, max_context=options.max_context,
+                    skip_decisions=options.skip_decisions)
+    return build_model(DummyVecEnv([lambda: env]), settings)
+
+
+def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None = None, options=None,
+            settings: ImitationSettings | None = None, logger=None) -> dict:
+    """Behaviour cloning + DAgger of both policies from the replay oracle on the train trace (see the module
+    docstring). Writes RUN/bc_depth/best.zip, RUN/bc_size/best.zip (+ best.json, manifest stage setups, so
+    `coadapt(size_stage="bc_size", depth_stage="bc_depth")` fine-tunes them) and RUN/bc/policies.json. Returns
+    {"depth": StageResult, "size": StageResult, "iterations": [...], "policies": path}."""
+    from specpilot.envs.environments import ReplaySource
+    from specpilot.policies.ppo import PPOController
+    from specpilot.train.coadapt import write_index
+    from specpilot.train.ppo import update_manifest, write_json
+    from specpilot.train.stages import StageResult, TaskTraces, TrainOptions, _size_actions, static_config
+    from specpilot.train.validation import evaluate_replay, replay_ar
+
+    run_dir, options = Path(run_dir), options or TrainOptions()
+    settings = settings or ImitationSettings()
+    if settings.iters < 1:
+        raise ValueError(f"imitation needs iters >= 1, got {settings.iters}")
+    traces = TaskTraces.resolve(traces)
+    done = run_dir / BC_DIR / "imitation.json"
+    if options.resume and done.is_file():  # a resumed pipeline keeps its finished behaviour cloning
+        from specpilot.train.stages import stage_result
+
+        return {"depth": stage_result(run_dir, BC_DEPTH_STAGE), "size": stage_result(run_dir, BC_SIZE_STAGE),
+                "iterations": json.loads(done.read_text())["iterations"], "policies": run_dir / BC_DIR / "policies.json"}
+    source = ReplaySource(traces.train)
+    model, val_model = source.model, ReplayModel(traces.validation)
+    trace = model.trace
+    actions = _size_actions(model, size_actions)
+    static = static_config(run_dir, options.static)
+    fallback = FixedController(*static)
+    depth_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context)
+    size_spec = ObservationSpec.for_size(trace.width, trace.max_depth, size_actions=actions,
+                                         max_context=options.max_context)
+    depth_ppo = _ppo_model("depth", source, actions, options, 0, fallback)
+    size_ppo = _ppo_model("size", source, actions, options, 1, fallback)
+    labels = OracleLabels(model, actions, allow_skip=options.skip_decisions)
+    ar = replay_ar(val_model)
+    depth_all, size_all = Dataset(), Dataset()
+    rng = np.random.default_rng(options.seed)
+    history, best = [], None
+    dirs = {k: run_dir / s for k, s in (("depth", BC_DEPTH_STAGE), ("size", BC_SIZE_STAGE))}
+    for it in range(settings.iters):
+        policy = None if it == 0 else PPOController(depth_ppo, size_ppo, depth_spec=depth_spec, size_spec=size_spec,
+                                                    size_actions=actions, fallback=fallback)
+        labeller = LabellingController(labels, depth_spec, size_spec, actions, policy,
+                                       expert_share=settings.expert_share, rng=rng)
+        if not options.skip_decisions:  # the partner's answer to the skip question: always draft
+            labeller.skip_drafting = lambda state: False
+        rolled = rollout(model, labeller)
+        depth_all.extend(labeller.depth_data)
+        size_all.extend(labeller.size_data)
+        fits = {}
+        for kind, ppo, data in (("depth", depth_ppo, depth_all), ("size", size_ppo, size_all)):
+            if not data.labels:  # never asked (e.g. the oracle never drafts): the policy keeps its weights
+                fits[kind] = {"loss": None, "accuracy": None}
+                continue
+            obs, y = data.arrays()
+            fits[kind] = fit_policy(ppo.policy, obs, y, best=data.best_mask(), epochs=settings.epochs,
+                                    regret=data.regrets() if settings.loss == "regret" else None, batch_size=settings.batch_size,
+                                    lr=settings.lr, seed=options.seed + it)
+        ctrl = PPOController(depth_ppo, size_ppo, depth_spec=depth_spec, size_spec=size_spec, size_actions=actions,
+                             fallback=fallback, name="bc")
+        val = evaluate_replay(ctrl, val_model, ar["tokens_per_s"])
+        entry = {"iteration": it, "rollout": "oracle" if policy is None else "policy",
+                 "rollout_tokens_per_s": rolled["tokens_per_s"],
+                 "agreement": {"depth": labeller.depth_data.agreed / max(labeller.depth_data.asked, 1),
+                               "size": labeller.size_data.agreed / max(labeller.size_data.asked, 1)},
+                 "samples": {"depth": len(depth_all.labels), "size": len(size_all.labels)},
+                 "fit": fits, "val_tokens_per_s": val["tokens_per_s"], "val_speedup": val.get("speedup")}
+        history.append(entry)
+        if logger is not None:
+            logger.log({"bc/val/tokens_per_s": val["tokens_per_s"],
+                        **{f"bc/fit/{k}_accuracy": f["accuracy"] for k, f in fits.items() if f["accuracy"] is not None}},
+                       step=it)
+        if best is None or val["tokens_per_s"] > best:
+            best = val["tokens_per_s"]
+            for kind, ppo in (("depth", depth_ppo), ("size", size_ppo)):
+                dirs[kind].mkdir(parents=True, exist_ok=True)
+                ppo.save(dirs[kind] / "best.zip")
+                write_json(dirs[kind] / "best.json", {"score": best, "iteration": it, "stage": dirs[kind].name})
+    results = {
+        "depth": StageResult(BC_DEPTH_STAGE, "depth", dirs["depth"] / "best.zip", depth_spec, None, best),
+        "size": StageResult(BC_SIZE_STAGE, "size", dirs["size"] / "best.zip", size_spec, actions, best)}
+    setup = {"backend": "replay", "reward": options.reward, "imitation": True, "temperature": 0.0}
+    update_manifest(run_dir, traces={"train": str(traces.train), "validation": str(traces.validation),
+                                     "train_pair": trace.header.get("pair")},
+                    seeds={BC_DEPTH_STAGE: options.seed, BC_SIZE_STAGE: options.seed + 1},
+                    stage_setup={BC_DEPTH_STAGE: {**setup, "kind": "depth", "spec": depth_spec.to_dict(),
+                                                  "size_actions": None},
+                                 BC_SIZE_STAGE: {**setup, "kind": "size", "spec": size_spec.to_dict(),
+                                                 "size_actions": actions}},
+                    imitation={"settings": settings.__dict__, "iterations": history})
+    policies = write_index(run_dir / BC_DIR, results["depth"], results["size"], static, copy=True)
+    write_json(run_dir / BC_DIR / "imitation.json", {"settings": settings.__dict__, "iterations": history,
+                                                    "best_val_tokens_per_s": best})
+    return {**results, "iterations": history, "policies": policies}

@@ -1,0 +1,119 @@
+"""Several PPO seeds of the whole pipeline, one deployed: chosen on validation, every seed reported.
+
+    out = run_seeds("runs/r1", traces, seeds=3, size_steps=..., options=TrainOptions(...))
+
+Each seed trains the full pipeline (`run_pipeline`) in RUN/seed<k>/ with TrainOptions.seed = base + k; the seed whose
+ltd controller (both policies) replays fastest on the VALIDATION trace is deployed: its policies are copied to
+RUN/policies.json (and RUN/stage1/). RUN/seeds.json records, per seed, the validation tokens/s and the ltd-vs-static
+replay ratio (the static config is the grid's best: the baseline ltd must beat), and the aggregate over seeds
+(median, IQM, min, max), so a verdict never rests on one lucky seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specpilot.drafting.control import FixedController
+from specpilot.envs.replay import ReplayModel
+from specpilot.train.stages import TaskTraces, TrainOptions, static_config
+
+SEEDS_FILE = "seeds.json"
+
+
+def iqm(values) -> float:
+    """Interquartile mean: the mean of the middle half (the whole sample below 4 values, as quartiles of 2-3
+    values are the extremes themselves)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    if len(v) < 4:
+        return float(v.mean())
+    lo, hi = int(np.floor(len(v) * 0.25)), int(np.ceil(len(v) * 0.75))
+    return float(v[lo:hi].mean())
+
+
+def aggregate(values) -> dict:
+    v = np.asarray(values, dtype=float)
+    return {"median": float(np.median(v)), "iqm": iqm(v), "min": float(v.min()), "max": float(v.max()),
+            "n": int(len(v))}
+
+
+def choose_seed(scores: dict[int, float]) -> int:
+    """The seed with the highest validation score (the smallest seed on ties)."""
+    return min(scores, key=lambda s: (-scores[s], s))
+
+
+def _copy_policies(src: Path, dest: Path) -> None:
+    """dest/policies.json (+ zips, made relative to dest) pointing at the same policies as src/policies.json."""
+    import shutil
+
+    index = json.loads((src / "policies.json").read_text())
+    dest.mkdir(parents=True, exist_ok=True)
+    for kind in ("depth", "size"):
+        if index.get(kind):
+            name = f"{kind}.zip"
+            source = Path(index[kind]["path"])
+            shutil.copyfile(source if source.is_absolute() else src / source, dest / name)
+            index[kind]["path"] = name
+    from specpilot.train.ppo import write_json
+
+    write_json(dest / "policies.json", index)
+
+
+def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: int = 3,
+              options: TrainOptions | None = None, **pipeline) -> dict:
+    """`seeds` full pipelines (seed = options.seed + k) in RUN/seed<k>/, the best on validation deployed (see the
+    module docstring). `pipeline`: run_pipeline's keyword arguments. Returns the RUN/seeds.json content."""
+    from specpilot.policies.ppo import load_run_controllers
+    from specpilot.train.pipeline import run_pipeline
+    from specpilot.train.ppo import update_manifest, write_json
+    from specpilot.train.validation import evaluate_replay
+
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    run_dir, options = Path(run_dir), options or TrainOptions()
+    traces = TaskTraces.resolve(traces)
+    static = static_config(run_dir, options.static)  # fixed once: the seed directories hold no grid.json
+    val = ReplayModel(traces.validation)
+    static_val = evaluate_replay(FixedController(*static), val)["tokens_per_s"]
+    per_seed = []
+    for k in range(seeds):
+        seed_dir = run_dir / f"seed{k}"
+        seed_options = dataclasses.replace(options, seed=options.seed + k, static=static)
+        run_pipeline(seed_dir, traces, options=seed_options, **pipeline)
+        ltd = load_run_controllers(seed_dir)["ltd"]
+        score = evaluate_replay(ltd, val)["tokens_per_s"]
+        per_seed.append({"seed": options.seed + k, "dir": str(seed_dir), "val_tokens_per_s": score,
+                         "ltd_vs_static": score / static_val})
+    chosen = choose_seed({s["seed"]: s["val_tokens_per_s"] for s in per_seed})
+    chosen_dir = Path(next(s["dir"] for s in per_seed if s["seed"] == chosen))
+    _copy_policies(chosen_dir, run_dir)
+    if (chosen_dir / "stage1" / "policies.json").is_file():
+        _copy_policies(chosen_dir / "stage1", run_dir / "stage1")
+    out = {"seeds": per_seed, "chosen": chosen, "chosen_dir": str(chosen_dir), "static": list(static),
+           "static_val_tokens_per_s": static_val, "split": "validation",
+           "ltd_vs_static": aggregate([s["ltd_vs_static"] for s in per_seed])}
+    write_json(run_dir / SEEDS_FILE, out)
+    update_manifest(run_dir, seeds_run={"chosen": chosen, "n": seeds})
+    return out
+
+
+def evaluate_seeds(run_dir: str | Path, trace: str | Path, *, static: tuple[int, int] | None = None) -> dict:
+    """Replay ltd-vs-static ratio of every seed of a `run_seeds` run on any trace (e.g. held-out prompts) and
+    their aggregate: {"seeds": [{"seed", "ltd_tokens_per_s", "ltd_vs_static"}], "ltd_vs_static": aggregate}."""
+    from specpilot.policies.ppo import load_run_controllers
+    from specpilot.train.validation import evaluate_replay
+
+    run_dir = Path(run_dir)
+    info = json.loads((run_dir / SEEDS_FILE).read_text())
+    static = tuple(static or info["static"])
+    model = ReplayModel(trace)
+    base = evaluate_replay(FixedController(*static), model)["tokens_per_s"]
+    rows = []
+    for s in info["seeds"]:
+        ltd = evaluate_replay(load_run_controllers(s["dir"])["ltd"], model)["tokens_per_s"]
+        rows.append({"seed": s["seed"], "ltd_tokens_per_s": ltd, "ltd_vs_static": ltd / base,
+                     "chosen": s["seed"] == info["chosen"]})
+    return {"seeds": rows, "static": list(static), "static_tokens_per_s": base,
+            "ltd_vs_static": aggregate([r["ltd_vs_static"] for r in rows])}
