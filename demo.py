@@ -62,7 +62,7 @@ class DemoBudget:
 
     train_prompts: int = 0
     val_prompts: int = 0
-    heldout_prompts: int = 17  # round-robin over the held-out suite's (task, language) groups
+    heldout_prompts: int = 30  # round-robin over the held-out suite's groups (5 per group of the code suite)
     max_new_tokens: int = 96
     width: int = 4
     max_depth: int = 8
