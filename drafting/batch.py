@@ -46,7 +46,7 @@ PAD = 0  # token id written into holes (never attended to by a real query)
 def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list[list[int]], list[int]]:
     """Prompts as token-id lists and one max_new_tokens per prompt (an int applies to all), each checked as
     `generate` checks its prompt (non-empty, fits the context with `lookahead` draft positions)."""
-    from specpilot.drafting.decoder import _check_context
+    from specpilot.drafting.checks import check_context
 
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
@@ -56,7 +56,7 @@ def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list
         raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(ids)} prompts")
     for prompt, budget in zip(ids, budgets):
         check_int("max_new_tokens", budget, minimum=1)
-        _check_context(pair, len(prompt), budget, lookahead)
+        check_context(pair, len(prompt), budget, lookahead)
     return ids, budgets
 
 

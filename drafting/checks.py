@@ -50,3 +50,17 @@ def _int_range(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f"<= {maximum}"
     return ""
+
+
+def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
+    """ValueError unless a prompt of `prompt_len` tokens, `max_new_tokens` and the deepest draft `lookahead` fit in
+    the pair's context (`pair.max_context`); the one rule `generate`, `generate_batch` and the CLI apply."""
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty: give at least one token")
+    need = prompt_len + max_new_tokens + lookahead
+    limit = pair.max_context
+    if need > limit:
+        raise ValueError(
+            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
+            f"{need} positions but the models' context is {limit}; shorten the prompt or lower max_new_tokens"
+        )

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from specpilot.drafting import autoregressive_generate
-    from specpilot.drafting.decoder import check_context
+    from specpilot.drafting.checks import check_context
 
     check_sampling_options(args)
     decoder, controller = _decoder(args)

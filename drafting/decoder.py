@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from specpilot.drafting.cache import cache_length, keep_positions, new_cache
-from specpilot.drafting.checks import check_float, check_int
+from specpilot.drafting.checks import check_context, check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, update_acceptance
@@ -40,18 +40,6 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: 
     check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
     if seed is not None:
         check_int("seed", seed)
-
-
-def check_context(pair: ModelPair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
-    if prompt_len < 1:
-        raise ValueError("the prompt is empty: give at least one token")
-    need = prompt_len + max_new_tokens + lookahead
-    limit = pair.max_context
-    if need > limit:
-        raise ValueError(
-            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
-            f"{need} positions but the models' context is {limit}; shorten the prompt or lower max_new_tokens"
-        )
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -293,11 +293,11 @@ def _ppo_model(kind: str, source, size_actions, options, seed_offset: int, partn
     from stable_baselines3.common.vec_env import DummyVecEnv
 
     from specpilot.train.ppo import build_model
-    from specpilot.train.stages import StageSpec, _make_env, budget_settings
+    from specpilot.train.stages import StageSpec, make_env, budget_settings
 
     settings = budget_settings(kind, 1 << 15, seed=options.seed + seed_offset, ppo=options.ppo)
     spec = StageSpec(kind, f"bc_{kind}", 1, partner=partner, val_partner=partner, size_actions=size_actions)
-    env = _make_env(source, spec, size_actions, reward=options.reward, max_context=options.max_context,
+    env = make_env(source, spec, size_actions, reward=options.reward, max_context=options.max_context,
                     skip_decisions=options.skip_decisions)
     return build_model(DummyVecEnv([lambda: env]), settings)
 
@@ -312,7 +312,7 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     from specpilot.policies.ppo import PPOController
     from specpilot.train.coadapt import write_index
     from specpilot.train.ppo import update_manifest, write_json
-    from specpilot.train.stages import StageResult, TaskTraces, TrainOptions, _size_actions, static_config
+    from specpilot.train.stages import StageResult, TaskTraces, TrainOptions, size_actions_for, static_config
     from specpilot.train.validation import evaluate_replay, replay_ar
 
     run_dir, options = Path(run_dir), options or TrainOptions()
@@ -329,7 +329,7 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     source = ReplaySource(traces.train)
     model, val_model = source.model, ReplayModel(traces.validation)
     trace = model.trace
-    actions = _size_actions(model, size_actions)
+    actions = size_actions_for(model, size_actions)
     static = static_config(run_dir, options.static)
     fallback = FixedController(*static)
     depth_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context)

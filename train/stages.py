@@ -217,7 +217,7 @@ def size_actions_for(model: ReplayModel, size_actions: Sequence[int] | None) -> 
     return [v for v in acts if v <= model.trace.max_size] or [model.trace.max_size]
 
 
-def _make_env(source, spec: StageSpec, actions, *, reward: str, max_context: int, skip_decisions: bool):
+def make_env(source, spec: StageSpec, actions, *, reward: str, max_context: int, skip_decisions: bool):
     from specpilot.envs.environments import DepthEnv, SizeEnv
 
     if spec.kind == "size":
@@ -232,7 +232,7 @@ def _live_env(pair, *, prompts, tree, max_new_tokens, temperature, spec, actions
     from specpilot.envs.environments import LiveSource
 
     source = LiveSource(pair, prompts, tree=tree, max_new_tokens=max_new_tokens, temperature=temperature)
-    return _make_env(source, spec, actions, **env_settings)
+    return make_env(source, spec, actions, **env_settings)
 
 
 def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, actions, options: TrainOptions):
@@ -245,7 +245,7 @@ def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, acti
     trace = model.trace
     settings = dict(reward=options.reward, max_context=options.max_context, skip_decisions=options.skip_decisions)
     if options.backend == "replay":
-        return (lambda: _make_env(ReplaySource(traces.train), spec, actions, **settings)), None
+        return (lambda: make_env(ReplaySource(traces.train), spec, actions, **settings)), None
     prompts = list(options.train_prompts) if options.train_prompts is not None else \
         [trace.prompt(i) for i in range(trace.num_prompts)]
     tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
