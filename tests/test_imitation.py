@@ -11,7 +11,6 @@ import torch
 
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.oracle import replay_oracle
-from specpilot.envs.record import record_trace
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.ppo import load_run_controllers
@@ -20,8 +19,7 @@ from specpilot.train.imitation import (ImitationSettings, LabellingController, O
                                        rollout)
 from specpilot.train.ppo import PPOOverrides
 
-from test_grid import synthetic_profile
-from tiny import tiny_pair
+from test_pipeline import tiny_task_traces
 
 TREE = TreeConfig(width=3, max_depth=4, max_size=8)
 SIZES = [2, 4, 8]
@@ -30,14 +28,7 @@ STATIC = (2, 4)
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    pair = tiny_pair(noise=0.3, eos=None)
-    rng = np.random.default_rng(3)
-    root = tmp_path_factory.mktemp("traces")
-    for split, n in (("train", 3), ("validation", 2)):
-        prompts = [rng.integers(0, 95, size=5).tolist() for _ in range(n)]
-        record_trace(pair, TREE, prompts, max_new_tokens=16).save(root / split)
-        synthetic_profile(TREE).save(root / split / "profile.json")
-    return P.TaskTraces.resolve(root)
+    return tiny_task_traces(tmp_path_factory.mktemp("traces"), TREE, noise=0.3, seed=3)
 
 
 def _options(**kw):

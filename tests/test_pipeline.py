@@ -22,16 +22,20 @@ SMALL = PPOOverrides(pi_arch=[16], vf_arch=[16], n_steps=64, batch_size=32, n_ep
 STATIC = (2, 4)
 
 
-@pytest.fixture(scope="module")
-def traces(tmp_path_factory):
-    pair = tiny_pair(noise=0.2, eos=None)
-    rng = np.random.default_rng(1)
-    root = tmp_path_factory.mktemp("traces")
+def tiny_task_traces(root, tree: TreeConfig, *, noise: float, seed: int) -> P.TaskTraces:
+    """train (3 prompts) and validation (2) traces of a tiny pair, each with a synthetic latency profile."""
+    pair = tiny_pair(noise=noise, eos=None)
+    rng = np.random.default_rng(seed)
     for split, n in (("train", 3), ("validation", 2)):
         prompts = [rng.integers(0, 95, size=5).tolist() for _ in range(n)]
-        record_trace(pair, TREE, prompts, max_new_tokens=16).save(root / split)
-        synthetic_profile(TREE).save(root / split / "profile.json")
+        record_trace(pair, tree, prompts, max_new_tokens=16).save(root / split)
+        synthetic_profile(tree).save(root / split / "profile.json")
     return P.TaskTraces.resolve(root)
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    return tiny_task_traces(tmp_path_factory.mktemp("traces"), TREE, noise=0.2, seed=1)
 
 
 def _kw(**options):
