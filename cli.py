@@ -131,16 +131,20 @@ def main(argv: list[str] | None = None) -> int:
 def _quiet_third_party() -> None:
     """Keep other libraries' noise off stderr (it carries our messages: an error is one line); --debug keeps it:
     transformers' / the hub's progress bars (the weight-loading bar), matplotlib's tight-layout warning, and Ray's
-    token-authentication notice on starting a local cluster. Set before those libraries are imported."""
+    token-authentication notice on starting a local cluster, and transformers' warnings. Set before those libraries are imported."""
     import logging
     import os
     import warnings
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it when imported
+    # transformers' warnings (e.g. generate()'s generation_config deprecation notice, printed per call by the
+    # hf_generate baseline) are for its API users, not ours; errors still show
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=r".*[Tt]ight[ _]layout", category=UserWarning)
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
