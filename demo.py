@@ -308,10 +308,19 @@ def format_summary(summary: dict) -> str:
     if summary.get("label"):
         lines.append(str(summary["label"]))
     lines += format_summary_lines(summary)
-    if summary.get("grid_best"):
-        lines.append(f"grid best: {summary['grid_best']}")
-    if summary.get("replay_oracle"):
-        lines.append(f"replay oracle (training trace): {summary['replay_oracle']}")
+    best = summary.get("grid_best")
+    if best:
+        live = (f", live {best['live_tokens_per_s']:.1f} tok/s ({best['live_speedup']:.2f}x AR)"
+                if best.get("live_tokens_per_s") is not None else "")
+        lines.append(f"grid best ({best.get('source')}): W={best.get('width')} depth={best.get('depth')} "
+                     f"size={best.get('size')}, replay {best['replay_tokens_per_s']:.1f} tok/s "
+                     f"({best['replay_speedup']:.2f}x AR){live}")
+    for width, entry in (summary.get("replay_oracle") or {}).items():
+        oracle, ar = entry.get("oracle") or {}, entry.get("ar") or {}
+        if oracle.get("tokens_per_s") and ar.get("tokens_per_s"):
+            lines.append(f"replay oracle (training trace, W={width}): {oracle['tokens_per_s']:.1f} tok/s, "
+                         f"{oracle['tokens_per_s'] / ar['tokens_per_s']:.2f}x AR, tau "
+                         f"{oracle.get('mean_accepted_length', float('nan')):.2f}")
     lines.append(f"files: {summary['run_dir']}/eval/report.md, {summary['run_dir']}/export/decoder.json")
     return "\n".join(lines)
 
