@@ -21,18 +21,18 @@ import importlib
 import sys
 
 from specpilot.drafting.cliargs import Parser, positive_int
-from specpilot.train.cluster_cli import CLUSTER_COMMANDS, add_cluster_arguments, with_cluster
+from specpilot.train.scale.cluster_cli import CLUSTER_COMMANDS, add_cluster_arguments, with_cluster
 
 # (command, module, one-line help)
 COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "specpilot.demo", "run the whole mission end to end on the embedded pair (or your own)"),
     ("generate", "specpilot.drafting.cli", "generate text with the speculative decoder"),
-    ("models", "specpilot.train.build_pair", "build the embedded default model pair (`specpilot models build`)"),
+    ("models", "specpilot.train.models.build_pair", "build the embedded default model pair (`specpilot models build`)"),
     ("record", "specpilot.envs.cli", "record replay traces and a latency profile for a task"),
-    ("grid", "specpilot.train.grid", "grid-search the best static (depth, size) configuration"),
+    ("grid", "specpilot.train.grid.search", "grid-search the best static (depth, size) configuration"),
     ("train", "specpilot.train.cli", "train PPO depth/size policies (stage 1) or co-adapt them (stage 2)"),
     ("eval", "specpilot.eval.cli", "evaluate methods on held-out task suites and write a report"),
-    ("export", "specpilot.train.export", "export a trained run to decoder.json + safetensors + engine configs"),
+    ("export", "specpilot.train.export.writer", "export a trained run to decoder.json + safetensors + engine configs"),
     ("agreement", "specpilot.eval.agreement", "greedy speculative vs AR output in half precision: agreement report"),
 ]
 # commands whose module imports torch at the top keep their options in a light module ("module:function")

@@ -4,7 +4,7 @@ on held-out tasks, export, summarise — in one run directory, reusing finished 
     specpilot demo [--quick] [--out runs/demo] [--target T --draft D] [--ray auto --workers 8]
 
 Budgets (`DemoBudget`) are sized for the embedded pair on a 2-core CPU: the full run aims at <= 25 minutes,
-`--quick` at <= 6 minutes with every stage still present. With `executor` (a `specpilot.train.cluster.WorkerPool`,
+`--quick` at <= 6 minutes with every stage still present. With `executor` (a `specpilot.train.scale.cluster.WorkerPool`,
 `--ray`), recording, the grid's live phases and the evaluation run on the Ray workers, through the same
 orchestrators and into the same files (plus which worker ran what); the cost-model check, training (replay) and
 the export stay in this process.
@@ -55,7 +55,7 @@ class DemoBudget:
     sampled_depth_steps / sampled_size_steps: live PPO steps of the policies fine-tuned at each temperature > 0 of
         `temperatures` (replay models greedy decoding only; the grid measures its candidates live there too);
     bc_iters / bc_epochs: stage 1 is behaviour cloning from the replay oracle with this many DAgger iterations
-        (`specpilot.train.imitation`; co-adaptation then fine-tunes with PPO, and size_steps / depth_steps are
+        (`specpilot.train.rl.imitation`; co-adaptation then fine-tunes with PPO, and size_steps / depth_steps are
         unused); bc_iters = 0 trains stage 1 with PPO from scratch instead. Measured in replay on held-out code
         at equal co-adaptation budgets: BC + PPO captured 63% of the oracle's gain over AR, PPO alone 45%.
     """
@@ -209,7 +209,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
 # -- stages --------------------------------------------------------------------------------------------------------
 
 def _record(*, run_dir, tree, budget, seed, train, val, executor, **_) -> dict:
-    from specpilot.train.pipeline import record_traces
+    from specpilot.train.rl.pipeline import record_traces
 
     traces = record_traces(None, run_dir / "traces", tree=tree, train_prompts=[p.prompt for p in train],
                            val_prompts=[p.prompt for p in val], max_new_tokens=budget.max_new_tokens,
@@ -219,7 +219,7 @@ def _record(*, run_dir, tree, budget, seed, train, val, executor, **_) -> dict:
 
 def _grid(*, run_dir, pair, budget, val, executor, **_) -> dict:
     from specpilot.eval.costcheck import check_and_refresh
-    from specpilot.train.grid import grid_search
+    from specpilot.train.grid.search import grid_search
 
     # the latency profile behind the grid search and training, checked against live first (re-measured if stale)
     traces = run_dir / "traces"
@@ -235,9 +235,9 @@ def _grid(*, run_dir, pair, budget, val, executor, **_) -> dict:
 
 
 def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
-    from specpilot.train.pipeline import TaskTraces, TrainOptions, run_pipeline
-    from specpilot.train.ppo import PPOOverrides
-    from specpilot.train.sampled import train_sampled
+    from specpilot.train.rl.pipeline import TaskTraces, TrainOptions, run_pipeline
+    from specpilot.train.rl.ppo import PPOOverrides
+    from specpilot.train.rl.sampled import train_sampled
 
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
@@ -274,7 +274,7 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
 
 
 def _export(*, run_dir, pair, **_) -> dict:
-    from specpilot.train.export import export_run
+    from specpilot.train.export.writer import export_run
 
     meta = export_run(run_dir, run_dir / "export", pair=pair)
     return {"dir": str(run_dir / "export"), "measured": (meta or {}).get("measured")}
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, eagle=args.eagle,
                   seed=args.seed, wandb=args.wandb, device=args.device, suite=args.suite)
     if getattr(args, "ray", None):  # a ClusterError is reported in one line by the command's handler
-        from specpilot.train.cluster_cli import open_pool
+        from specpilot.train.scale.cluster_cli import open_pool
 
         with open_pool(args) as pool:
             run(executor=pool)

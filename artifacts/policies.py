@@ -4,7 +4,7 @@
      "depth": null | {"path": "co2_depth/best.zip", "spec": ObservationSpec.to_dict()},
      "size":  null | {"path": ..., "spec": ..., "size_actions": [4, 8, ...]},
      "fallback": {"depth": int | null, "size": int | null},     the static config for the undecided half
-     "off_switch": {...}}                                       optional: train/sampled.py's live verdict
+     "off_switch": {...}}                                       optional: train/rl/sampled.py's live verdict
 
 Paths are relative to the index's folder (absolute when the zip lies outside it). Specs stay dicts here: the
 `ObservationSpec` class belongs to the policies layer above.

@@ -170,7 +170,7 @@ SAMPLED_DIR = "sampled"
 
 
 def sampled_dir(run_dir: str | Path, temperature: float) -> Path:
-    """RUN/sampled/T<t>: the policies trained live at sampling temperature t (train/sampled.py)."""
+    """RUN/sampled/T<t>: the policies trained live at sampling temperature t (train/rl/sampled.py)."""
     return Path(run_dir) / SAMPLED_DIR / f"T{temperature:g}"
 
 

@@ -61,7 +61,7 @@ def main() -> None:
     from specpilot.drafting.types import TreeConfig
     from specpilot.eval.suites import load_prompts
     from specpilot.envs.record import record_task
-    from specpilot.train.cluster import PairSpec, WorkerPool, connect, shutdown
+    from specpilot.train.scale.cluster import PairSpec, WorkerPool, connect, shutdown
 
     prompts = load_prompts("train", limit=args.prompts)
     tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=args.max_size)

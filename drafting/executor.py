@@ -9,7 +9,7 @@ code whichever executor runs the tasks, so it writes the same files. A work unit
 is True the first time the worker's process does `what` (its warm-up) and `worker.say(msg)` reports progress.
 
 - `LocalExecutor(pair)`: one worker, this process, tasks in order; a task that raises stops the job.
-- `specpilot.train.cluster.WorkerPool`: N Ray actors, each with its own pair on its own device; the next idle
+- `specpilot.train.scale.cluster.WorkerPool`: N Ray actors, each with its own pair on its own device; the next idle
   worker takes the next task, a failed task is retried once (`ShardOutcome.retried`).
 
 Both give `len(executor)` (workers), `executor.workers` (one description per worker: device, host, ...) and

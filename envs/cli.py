@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.types import TreeConfig
     from specpilot.envs.record import record_task
     from specpilot.policies.observation import default_size_actions
-    from specpilot.train.cluster_cli import open_executor
+    from specpilot.train.scale.cluster_cli import open_executor
 
     prompts = load_prompts(args.suite, args.split, args.limit)
     with open_executor(args) as executor:

@@ -60,7 +60,7 @@ def as_size_controller(partner: Any, device: str | None = None) -> Controller:
 
 
 def cycle_info(record: CycleRecord, **extra) -> dict:
-    """The info of a step that ends a cycle (train/logging.py's CycleMetricsCallback reads CYCLE_INFO_KEYS)."""
+    """The info of a step that ends a cycle (train/rl/logging.py's CycleMetricsCallback reads CYCLE_INFO_KEYS)."""
     info = {"accepted": record.accepted, "emitted": record.emitted, "depth": record.depth, "size": record.size,
             "draft_s": record.draft_s, "verify_s": record.verify_s, "context_len": record.context_len}
     info.update(extra)

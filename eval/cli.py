@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.executor import LocalExecutor
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.inputs import check_inputs_pair, check_methods
-    from specpilot.train.cluster_cli import open_executor
+    from specpilot.train.scale.cluster_cli import open_executor
 
     plan = prepare(args)
     with open_executor(args) as executor:

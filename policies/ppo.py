@@ -3,7 +3,7 @@
 A policy decides through `Actor.from_sb3` (numpy on views of its actor weights): SB3's `predict` adds numpy/space
 checks that cost more than the tiny MLP itself, and the depth policy runs after every draft level.
 
-Run directory contract (written by `specpilot.train.ppo.write_policies_index`):
+Run directory contract (written by `specpilot.train.rl.ppo.write_policies_index`):
     run_dir/policies.json = {"depth": {"path": "<rel path to .zip>", "spec": {...}} | null,
                              "size":  {"path": ..., "spec": {...}, "size_actions": [...]} | null,
                              "fallback": {"depth": int, "size": int}}
@@ -50,16 +50,26 @@ class PPOController(LearnedController):
         super().__init__(depth_actor, size_actor, depth_spec, size_spec, size_actions, fallback, name=name)
 
 
-def load_sb3_policy(path: str | Path, device: str = "cpu"):
-    """Load the policy of an SB3 PPO zip; a clear PolicyLoadError naming the file when it is missing/corrupt."""
+# SB3 pickles the learning-rate schedule (a specpilot class) by its module path. Deciding never uses it, so it is not
+# unpickled: a policy file stays loadable when that class moves (it did: train/ppo.py -> train/rl/ppo.py).
+INFERENCE_OBJECTS = {"learning_rate": 0.0, "lr_schedule": 0.0}
+
+
+def load_sb3_model(path: str | Path, device: str = "cpu"):
+    """The SB3 PPO model of a zip for deciding and scoring (not for resuming training: no schedule)."""
     from stable_baselines3 import PPO
 
+    return PPO.load(path, device=device, custom_objects=INFERENCE_OBJECTS)
+
+
+def load_sb3_policy(path: str | Path, device: str = "cpu"):
+    """Load the policy of an SB3 PPO zip; a clear PolicyLoadError naming the file when it is missing/corrupt."""
     path = Path(path)
     if not path.is_file():
         raise PolicyLoadError(f"policy file {path} does not exist: train the stage that writes it, or fix "
                               "policies.json to point at an existing best.zip")
     try:
-        model = PPO.load(path, device=device)
+        model = load_sb3_model(path, device=device)
     except (zipfile.BadZipFile, EOFError, KeyError, ValueError, RuntimeError, OSError) as err:
         raise PolicyLoadError(f"policy file {path} is corrupted or not an SB3 PPO zip ({type(err).__name__}: "
                               f"{err}); retrain that stage or restore the file") from err
@@ -94,7 +104,7 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
                          off_switch: bool = True) -> dict[str, Controller]:
     """{"ltd": both policies, "depth_only": depth policy + fixed size, "size_only": fixed depth + size policy},
     from run_dir/policies.json; entries whose policies are absent are left out. An index whose `off_switch` says
-    "plain_steps" (train/sampled.py) gives `PlainSteps` controllers under the same names, unless `off_switch` is
+    "plain_steps" (train/rl/sampled.py) gives `PlainSteps` controllers under the same names, unless `off_switch` is
     False (the policies themselves, as the off-switch check measures them)."""
     run_dir = Path(run_dir)
     index = _read_index(run_dir)
@@ -129,6 +139,6 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
     if not out:
         raise PolicyLoadError(f"{run_dir / POLICIES_FILE} names neither a depth nor a size policy")
     switch = index.off_switch or {}
-    if off_switch and switch.get("plain_steps"):  # measured no faster than plain target steps (train/sampled.py)
+    if off_switch and switch.get("plain_steps"):  # measured no faster than plain target steps (train/rl/sampled.py)
         return {name: PlainSteps(name, switch) for name in out}
     return out

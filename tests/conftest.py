@@ -40,7 +40,7 @@ def ray_pool(saved_pair):
     """A local Ray (2 CPUs, no dashboard) with two CPU workers, each loading `saved_pair` by path on 1 thread.
     Session-scoped: Ray and the workers start once (~20 s) for every test module that uses them."""
     pytest.importorskip("ray", reason="Ray is not installed: pip install 'specpilot[ray]'")
-    from specpilot.train.cluster import PairSpec, WorkerPool, connect, shutdown
+    from specpilot.train.scale.cluster import PairSpec, WorkerPool, connect, shutdown
 
     connect("local", num_cpus=2)
     pool = WorkerPool(PairSpec(str(saved_pair / "target"), str(saved_pair / "draft"), device="cpu"), workers=2)

@@ -177,8 +177,8 @@ def test_contract_refuses_a_grid_of_another_pair_or_tree(tmp_path, grid, fragmen
 
 
 def test_train_stage_refuses_traces_or_grid_not_of_the_run(tmp_path):
-    from specpilot.train.stages import _record_contract
-    from specpilot.train.traces import TaskTraces
+    from specpilot.train.rl.stages import _record_contract
+    from specpilot.train.rl.traces import TaskTraces
 
     run = _run_with_contract(tmp_path / "run")
     other = TaskTraces(_trace(tmp_path / "o" / "train", pair=DRAFT_LM), _trace(tmp_path / "o" / "validation",
@@ -212,7 +212,7 @@ def test_eval_refuses_a_run_or_grid_of_another_pair(tmp_path):
 
 @pytest.mark.parametrize("trace_kwargs, fragment", [({"pair": DRAFT_LM}, "draft drafter"), ({"width": 2}, "W=2")])
 def test_export_refuses_a_trace_of_another_pair_or_tree(tmp_path, trace_kwargs, fragment):
-    from specpilot.train.export import _check_contract
+    from specpilot.train.export.writer import _check_contract
 
     run = _run_with_contract(tmp_path / "run")
     PoliciesIndex(PolicyEntry("d.zip", SPEC)).save(run)
@@ -242,7 +242,7 @@ def _interrupted_run(run: Path) -> Path:
 
 
 def test_a_later_stage_refuses_an_interrupted_one_unless_allowed(tmp_path):
-    from specpilot.train.stages import stage_result
+    from specpilot.train.rl.stages import stage_result
 
     run = _interrupted_run(tmp_path / "run")
     msg = _refused(lambda: stage_result(run, "size_s1"))
@@ -260,7 +260,7 @@ def test_train_coadapt_after_an_interrupted_stage_is_one_line_exit_2(tmp_path, c
 
 
 def test_export_refuses_a_grid_of_another_tree(tmp_path):
-    from specpilot.train.export import _check_contract
+    from specpilot.train.export.writer import _check_contract
 
     run = _run_with_contract(tmp_path / "run")
     PoliciesIndex(PolicyEntry("d.zip", SPEC)).save(run)

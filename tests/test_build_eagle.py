@@ -10,8 +10,8 @@ import torch
 from tiny import tiny_model
 
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
-from specpilot.train.build_eagle import choose_draft_vocab, ttt_mask, unroll
-from specpilot.train.eagle_metrics import _tau, calibration
+from specpilot.train.models.build_eagle import choose_draft_vocab, ttt_mask, unroll
+from specpilot.train.models.eagle_metrics import _tau, calibration
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 6
 
@@ -88,7 +88,7 @@ def test_draft_vocab_is_the_most_predicted_tokens(target):
 
 
 def test_train_target_is_deterministic():
-    from specpilot.train.build_pair import train_target
+    from specpilot.train.models.build_pair import train_target
 
     stream = torch.randint(0, 64, (5000,), generator=torch.Generator().manual_seed(0))
     weights = []
@@ -105,7 +105,7 @@ def _digest(path: Path) -> bytes:
 
 
 def test_quick_build_with_eagle_then_eagle_only(tmp_path: Path):
-    from specpilot.train.build_pair import build_pair
+    from specpilot.train.models.build_pair import build_pair
 
     metrics = build_pair(tmp_path, quick=True, eagle=True)
     from transformers import AutoModelForCausalLM
@@ -132,7 +132,7 @@ def test_quick_build_with_eagle_then_eagle_only(tmp_path: Path):
 
 
 def test_init_from_target_copies_the_draft_vocabulary_rows(target):
-    from specpilot.train.build_eagle import init_from_target
+    from specpilot.train.models.build_eagle import init_from_target
 
     head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=5), target)
     head.set_draft_vocab(torch.tensor([7, 1, 30, 2, 95]))

@@ -235,7 +235,7 @@ def _interrupting_train_size(interrupt_at):
     import gymnasium as gym
     import numpy as np
 
-    from specpilot.train.ppo import settings_for, train_policy
+    from specpilot.train.rl.ppo import settings_for, train_policy
 
     class Env(gym.Env):
         observation_space = gym.spaces.Box(0.0, 1.0, shape=(2,), dtype=np.float32)
@@ -266,7 +266,7 @@ def _interrupting_train_size(interrupt_at):
 
 
 def test_ctrl_c_prints_checkpoint_and_resume_command(fake_traces, monkeypatch, capsys):
-    import specpilot.train.pipeline as pipeline
+    import specpilot.train.rl.pipeline as pipeline
 
     argv = ["train", "size", "--run", str(fake_traces), "--wandb", "disabled"]
     monkeypatch.setattr(pipeline, "train_size", _interrupting_train_size(interrupt_at=150))

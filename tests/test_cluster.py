@@ -17,7 +17,7 @@ from specpilot.eval.runner import evaluate
 from specpilot.eval.suites import Prompt
 from specpilot.drafting.errors import InputFileError
 from specpilot.envs.shards import CLUSTER_FILE
-from specpilot.train.grid import grid_search
+from specpilot.train.grid.search import grid_search
 
 TREE = TreeConfig(width=2, max_depth=3, max_size=6)
 PROMPTS = ["def f(x):\n    return", "def g(y):", "return x + 1", "def add(a, b):", "x = f(1)", "def h():"]
@@ -203,7 +203,7 @@ def test_an_unreachable_address_is_one_clear_error_before_ray_starts():
     """Nothing listens there: refused by a socket probe, not after Ray's ~20 s of client retries and log lines."""
     import socket
 
-    from specpilot.train.cluster import ClusterError, _check_reachable  # what connect() runs first
+    from specpilot.train.scale.cluster import ClusterError, _check_reachable  # what connect() runs first
 
     with socket.socket() as probe:  # a port that was free a moment ago, with nothing listening on it now
         probe.bind(("127.0.0.1", 0))

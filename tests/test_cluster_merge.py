@@ -24,8 +24,8 @@ TREE = TreeConfig(width=2, max_depth=3, max_size=6)
 
 
 def test_importing_specpilot_and_building_the_cli_never_imports_ray():
-    code = ("import sys, specpilot, specpilot.cli, specpilot.train.cluster, specpilot.drafting.executor, "
-            "specpilot.envs.shards, specpilot.train.ray_vecenv, specpilot.train.cluster_cli\n"
+    code = ("import sys, specpilot, specpilot.cli, specpilot.train.scale.cluster, specpilot.drafting.executor, "
+            "specpilot.envs.shards, specpilot.train.scale.ray_vecenv, specpilot.train.scale.cluster_cli\n"
             "specpilot.cli.build_parser()\n"
             "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ))

@@ -172,7 +172,7 @@ def test_record_profile_grid_and_eval_run_in_bf16(tmp_path):
     from specpilot.envs.record import record_trace
     from specpilot.eval.runner import evaluate
     from specpilot.eval.suites import Prompt
-    from specpilot.train.grid import measure_live
+    from specpilot.train.grid.search import measure_live
 
     pair = _pairs(torch.bfloat16)["draft_lm"]
     tree = TreeConfig(width=3, max_depth=3, max_size=8)

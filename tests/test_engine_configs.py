@@ -16,8 +16,8 @@ from tiny import noisy_copy, tiny_model
 from specpilot.drafting import ModelPair, SpeculativeDecoder, autoregressive_generate
 from specpilot.policies.engine_configs import write_engine_configs
 from specpilot.policies.observation import ObservationSpec
-from specpilot.train.export import export_run
-from specpilot.train.ppo import update_manifest, write_policies_index
+from specpilot.train.export.writer import export_run
+from specpilot.train.rl.ppo import update_manifest, write_policies_index
 
 yaml = pytest.importorskip("yaml")
 

@@ -16,7 +16,7 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.envs.record import record_task
 from specpilot.eval.full import full_evaluation
 from specpilot.eval.suites import Prompt
-from specpilot.train.grid import grid_search
+from specpilot.train.grid.search import grid_search
 
 TREE = TreeConfig(width=2, max_depth=3, max_size=6)
 PROMPTS = ["def f(x):\n    return", "def g(y):", "return x + 1", "def add(a, b):", "x = f(1)", "def h():"]

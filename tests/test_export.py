@@ -23,11 +23,11 @@ from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_ge
 from specpilot.envs.spaces import observation_space
 from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.engine_configs import fit_confidence_threshold, sglang_adaptive_config, sglang_args
-from specpilot.train.export import export_run
-from specpilot.train.export_checks import RecordingController, sb3_actions, synthetic_states
+from specpilot.train.export.writer import export_run
+from specpilot.train.export.checks import RecordingController, sb3_actions, synthetic_states
 from specpilot.policies.exported import ExportedConfigError, ExportedController, load_exported
 from specpilot.policies.ppo import PPOController, load_sb3_policy
-from specpilot.train.ppo import update_manifest, write_policies_index
+from specpilot.train.rl.ppo import update_manifest, write_policies_index
 
 WIDTH, MAX_DEPTH = 2, 5
 SIZE_ACTIONS = [1, 2, 4, 6, 8]
@@ -72,7 +72,7 @@ def pair():
 
 
 def write_run(run: Path, pair, depth_model: PPO | None = None) -> Path:
-    """A run directory in train/ppo.py's layout: <stage>/best.zip + policies.json + manifest.json."""
+    """A run directory in train/rl/ppo.py's layout: <stage>/best.zip + policies.json + manifest.json."""
     run.mkdir(parents=True, exist_ok=True)
     depth_spec = ObservationSpec.for_depth(WIDTH, MAX_DEPTH)
     size_spec = ObservationSpec.for_size(WIDTH, MAX_DEPTH, SIZE_ACTIONS)
@@ -346,12 +346,12 @@ def test_pair_none_loads_recorded_paths_or_says_what_to_do(export_dir, pair, tmp
 
 
 def test_observation_normalisation_stats_are_exported_and_applied(tmp_path):
-    """train/ppo.py normalises rewards only, but a run trained with VecNormalize(norm_obs=True) must export its
+    """train/rl/ppo.py normalises rewards only, but a run trained with VecNormalize(norm_obs=True) must export its
     statistics, and the exported actor must then see what the SB3 policy saw in training."""
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
     from specpilot.policies.actor import Actor
-    from specpilot.train.export import _obs_norm
+    from specpilot.train.export.writer import _obs_norm
 
     spec = ObservationSpec.for_depth(WIDTH, MAX_DEPTH)
     model = make_policy(spec, 2, [32], seed=4)
@@ -414,7 +414,7 @@ def _snapshot(folder: Path) -> dict:
 
 def _fail_half_way(monkeypatch):
     """Break the export after the policies' weights are written (the engine configs come last)."""
-    import specpilot.train.export as export_module
+    import specpilot.train.export.writer as export_module
 
     def broken(*args, **kwargs):
         raise OSError("disk full (simulated)")

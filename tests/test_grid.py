@@ -11,7 +11,7 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.envs.profile import LatencyProfile
 from specpilot.envs.record import record_trace
 from specpilot.envs.oracle import replay_static
-from specpilot.train.grid import grid_search, pick_sampled, resolve_train_trace
+from specpilot.train.grid.search import grid_search, pick_sampled, resolve_train_trace
 
 from tiny import tiny_pair
 

@@ -14,10 +14,10 @@ from specpilot.envs.oracle import replay_oracle
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.ppo import load_run_controllers
-from specpilot.train import pipeline as P
-from specpilot.train.imitation import (ImitationSettings, LabellingController, OracleLabels, OracleTables, imitate,
+from specpilot.train.rl import pipeline as P
+from specpilot.train.rl.imitation import (ImitationSettings, LabellingController, OracleLabels, OracleTables, imitate,
                                        rollout)
-from specpilot.train.ppo import PPOOverrides
+from specpilot.train.rl.ppo import PPOOverrides
 
 from test_pipeline import tiny_task_traces
 
@@ -110,7 +110,7 @@ def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict()
     costs much: plain cross-entropy cannot choose, the regret term chooses 0 (the cheaper answer on average)."""
     from stable_baselines3 import PPO
 
-    from specpilot.train.imitation import fit_policy
+    from specpilot.train.rl.imitation import fit_policy
     from test_ppo_learning import ToyStopEnv
 
     policy = PPO("MlpPolicy", ToyStopEnv(), policy_kwargs=dict(net_arch=[16]), seed=0, device="cpu").policy

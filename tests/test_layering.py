@@ -70,7 +70,7 @@ def test_no_upward_imports():
 @pytest.mark.parametrize("rel,module,upward", [
     ("policies/heuristics.py", "specpilot.envs.environments", True),
     ("envs/oracle.py", "specpilot.eval.suites", True),
-    ("train/grid.py", "specpilot.eval.runner", False),
+    ("train/grid/search.py", "specpilot.eval.runner", False),
     ("envs/cli.py", "specpilot.eval.suites", False),
     ("drafting/decoder.py", "specpilot.policies.exported", True),
     ("artifacts/grid.py", "specpilot.policies.observation", True),
@@ -201,3 +201,52 @@ def test_the_circle_checker_sees_a_lazy_circle():
     graph["specpilot.c"] = set()
     assert import_cycles(graph) == []
     assert private_imports(SYNTHETIC) == [("specpilot.d", "specpilot.b", "_private")]
+
+
+# ------------------------------------------------------------------ train/ by concern
+
+# Inside train/, folders import only lower folders (or themselves): the model builders need nothing of the rest,
+# Ray plumbing needs no RL, the RL stages may run on Ray, grid search and export use the RL validation / PPO files.
+TRAIN_FOLDERS = {"models": 0, "scale": 1, "rl": 2, "grid": 3, "export": 3}
+TRAIN_LOOSE = {"__init__.py", "cli.py", "cli_args.py"}  # the `specpilot train` CLI and the torch-free options
+
+
+def _train_folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["specpilot", "train"] else None
+
+
+def train_folder_violations(sources: dict[str, str]) -> list[tuple[str, str]]:
+    bad = []
+    for name, edges in import_graph(sources).items():
+        own = _train_folder(name)
+        if own is None:
+            continue
+        for target in edges:
+            other = _train_folder(target)
+            if other is not None and other != own and TRAIN_FOLDERS[other] >= TRAIN_FOLDERS[own]:
+                bad.append((name, target))
+            elif other is None and target.startswith("specpilot.train.") and target.rpartition(".")[2] != "cli_args":
+                bad.append((name, target))  # a folder module reaching the CLI layer
+    return sorted(bad)
+
+
+def test_train_is_split_into_folders_by_concern():
+    loose = sorted(p.name for p in (ROOT / "train").glob("*.py") if p.name not in TRAIN_LOOSE)
+    assert loose == [], "train/ modules belong in a folder that says what they are"
+    assert {p.name for p in (ROOT / "train").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(TRAIN_FOLDERS)
+
+
+def test_train_folders_import_only_lower_folders():
+    assert train_folder_violations(_package_sources()) == []
+
+
+def test_the_train_folder_checker_sees_a_violation():
+    sources = {"specpilot.train.models.a": "from specpilot.train.rl.b import f\n",
+               "specpilot.train.rl.b": "def f():\n    from specpilot.train.models.a import g\n",
+               "specpilot.train.grid.c": "from specpilot.train.export.d import h\n",
+               "specpilot.train.export.d": "import specpilot.train.cli\n",
+               "specpilot.train.cli": ""}
+    assert train_folder_violations(sources) == [("specpilot.train.export.d", "specpilot.train.cli"),
+                                                ("specpilot.train.grid.c", "specpilot.train.export.d"),
+                                                ("specpilot.train.models.a", "specpilot.train.rl.b")]

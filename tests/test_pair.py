@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specpilot.drafting.pair import DEFAULT_PAIR_DIR, ModelPair, VocabularyMismatchError
-from specpilot.train.build_pair import _excluded, build_pair, train_tokenizer
+from specpilot.train.models.build_pair import _excluded, build_pair, train_tokenizer
 
 ROUND_TRIP_TEXTS = [
     "def f(x):\n    return x + 1\n",
@@ -133,7 +133,7 @@ def test_quick_target_build_is_deterministic(tmp_path: Path):
 
 
 def test_draft_init_from_target():
-    from specpilot.train.build_pair import init_draft_from_target
+    from specpilot.train.models.build_pair import init_draft_from_target
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def llama(hidden: int, layers: int):

@@ -11,8 +11,8 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.envs.record import record_trace
 from specpilot.envs.oracle import replay_controller
 from specpilot.policies.ppo import load_run_controllers
-from specpilot.train import pipeline as P
-from specpilot.train.ppo import PPOOverrides
+from specpilot.train.rl import pipeline as P
+from specpilot.train.rl.ppo import PPOOverrides
 
 from test_grid import synthetic_profile
 from tiny import tiny_pair
@@ -79,7 +79,7 @@ def test_resume_skips_finished_stages(traces, tmp_path, monkeypatch):
     P.train_depth(run, traces, steps=128, **_kw())
     first = P.coadapt(run, traces, rounds=2, steps=64, **_kw())
 
-    import specpilot.train.ppo as ppo
+    import specpilot.train.rl.ppo as ppo
 
     def boom(*args, **kwargs):
         raise AssertionError("a finished stage was trained again")
@@ -157,7 +157,7 @@ def test_off_switch_is_measured_and_loaders_honour_it(traces, tmp_path):
     """check_off_switch measures the policies against plain steps and writes its verdict; an index whose verdict is
     "plain steps" loads as controllers that never draft, under the same names, with the evidence attached."""
     from specpilot.policies.ppo import PlainSteps
-    from specpilot.train.sampled import check_off_switch
+    from specpilot.train.rl.sampled import check_off_switch
 
     run = tmp_path / "run"
     P.run_pipeline(run, traces, size_steps=64, depth_steps=64, coadapt_steps=64, rounds=0, **_kw())

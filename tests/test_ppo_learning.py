@@ -16,7 +16,7 @@ from specpilot.policies import FixedController
 from specpilot.policies.actor import Actor, ActorError
 from specpilot.policies.observation import ObservationSpec, depth_observation, size_observation
 from specpilot.policies.ppo import PPOController
-from specpilot.train.ppo import WarmupLinearSchedule, settings_for, train_policy
+from specpilot.train.rl.ppo import WarmupLinearSchedule, settings_for, train_policy
 
 MAX_DEPTH = 10
 ACCEPT = {0: 0.2, 1: 0.95}  # per-token acceptance rate given the observed feature x

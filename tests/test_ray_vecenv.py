@@ -15,7 +15,7 @@ from stable_baselines3.common.vec_env import DummyVecEnv, VecCheckNan
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.environments import live_depth_env, live_size_env
-from specpilot.train.ray_vecenv import RayVecEnv
+from specpilot.train.scale.ray_vecenv import RayVecEnv
 
 PROMPTS = ["def f(x):\n    return", "def g(y):", "x = f(1)"]
 TREE = TreeConfig(width=2, max_depth=4, max_size=8)
@@ -77,12 +77,12 @@ def test_ppo_trains_a_few_hundred_steps_on_ray_workers(ray_pool):
 
 def test_pipeline_live_stage_trains_on_the_pool(ray_pool, local_pair, tmp_path):
     from specpilot.envs.record import record_task
-    from specpilot.train.pipeline import train_size
+    from specpilot.train.rl.pipeline import train_size
 
     for split in ("train", "validation"):
         record_task(local_pair, TREE, PROMPTS, tmp_path / "traces" / split, max_new_tokens=8, profile_prompts=1)
-    from specpilot.train.ppo import PPOOverrides
-    from specpilot.train.stages import TrainOptions
+    from specpilot.train.rl.ppo import PPOOverrides
+    from specpilot.train.rl.stages import TrainOptions
 
     ppo = PPOOverrides(n_steps=64, batch_size=64, n_epochs=1, pi_arch=[16], vf_arch=[16])
     options = TrainOptions(static=(2, 4), backend="live", cluster=ray_pool, train_prompts=PROMPTS, ppo=ppo)

@@ -17,8 +17,8 @@ from specpilot.drafting import ModelPair, TreeConfig
 from specpilot.envs.record import record_task
 from specpilot.eval.inputs import EvalInputError, check_methods, resolve_tree, run_tree
 from specpilot.policies.observation import ObservationSpec
-from specpilot.train.export import ExportError, export_run
-from specpilot.train.ppo import update_manifest, write_policies_index
+from specpilot.train.export.writer import ExportError, export_run
+from specpilot.train.rl.ppo import update_manifest, write_policies_index
 
 WIDTH, MAX_DEPTH = 2, 5
 VOCAB = 64
@@ -32,7 +32,7 @@ def tiny_text_pair():
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A trained run in train/ppo.py's layout (W=2, D=5, sizes up to 8) with a recorded validation trace."""
+    """A trained run in train/rl/ppo.py's layout (W=2, D=5, sizes up to 8) with a recorded validation trace."""
     run = tmp_path_factory.mktemp("runs") / "original"
     depth_spec = ObservationSpec.for_depth(WIDTH, MAX_DEPTH)
     size_spec = ObservationSpec.for_size(WIDTH, MAX_DEPTH, SIZE_ACTIONS)
@@ -45,7 +45,7 @@ def run_dir(tmp_path_factory):
     pair = tiny_text_pair()
     trace = record_task(pair, TreeConfig(WIDTH, MAX_DEPTH, max(SIZE_ACTIONS)), [[5, 17, 3, 42], [60, 2, 2, 9]],
                         run / "traces" / "validation", max_new_tokens=12)[0]
-    # what train/stages.py records: absolute paths into this run folder
+    # what train/rl/stages.py records: absolute paths into this run folder
     update_manifest(run, pair=pair.identity(), traces={"validation": str(trace.resolve()), "train": str(trace)})
     return run
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specpilot.policies.ppo import load_run_controllers
-from specpilot.train.seeds import aggregate, choose_seed, evaluate_seeds, iqm, run_seeds
+from specpilot.train.rl.seeds import aggregate, choose_seed, evaluate_seeds, iqm, run_seeds
 
 from test_imitation import STATIC, _options, traces  # noqa: F401 (fixture)
 
@@ -35,7 +35,7 @@ def test_run_seeds_deploys_the_best_on_validation(traces, tmp_path):  # noqa: F8
     assert json.loads((run / "seeds.json").read_text())["chosen"] == out["chosen"]
     # the deployed policies are the chosen seed's: the same decisions, the same validation score
     from specpilot.envs.replay import ReplayModel
-    from specpilot.train.validation import evaluate_replay
+    from specpilot.train.rl.validation import evaluate_replay
 
     deployed = evaluate_replay(load_run_controllers(run)["ltd"], ReplayModel(traces.validation))["tokens_per_s"]
     assert deployed == pytest.approx(best["val_tokens_per_s"])

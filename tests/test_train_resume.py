@@ -14,8 +14,8 @@ from specpilot.envs.spaces import observation_space
 from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.ppo import PolicyLoadError, PPOController, load_run_controllers
 from specpilot.policies.exported import file_sha256
-from specpilot.train.logging import CycleMetricsCallback, RunLogger, resolve_wandb_mode
-from specpilot.train.ppo import (
+from specpilot.train.rl.logging import CycleMetricsCallback, RunLogger, resolve_wandb_mode
+from specpilot.train.rl.ppo import (
     CheckpointError,
     read_progress,
     settings_for,
@@ -235,3 +235,40 @@ def test_missing_policy_file_names_the_file(tmp_path):
         load_run_controllers(tmp_path)
     with pytest.raises(PolicyLoadError, match="policies.json"):
         load_run_controllers(tmp_path / "nowhere")
+
+
+def _pickle_schedule_from_a_module_that_then_vanishes(zip_path, monkeypatch):
+    """Re-save a zip whose learning-rate schedule is a class of a module that no longer exists when it loads (as
+    when specpilot.train.ppo moved to specpilot.train.rl.ppo)."""
+    import sys
+    import types
+
+    gone = types.ModuleType("specpilot_moved_away")
+    exec("class Schedule:\n    def __call__(self, progress):\n        return 1e-3\n", gone.__dict__)
+    gone.Schedule.__module__ = "specpilot_moved_away"
+    monkeypatch.setitem(sys.modules, "specpilot_moved_away", gone)
+    model = PPO.load(zip_path, device="cpu")
+    model.learning_rate = model.lr_schedule = gone.Schedule()
+    model.save(zip_path)
+    monkeypatch.delitem(sys.modules, "specpilot_moved_away")
+    with pytest.raises(ImportError):
+        PPO.load(zip_path, device="cpu")  # the plain load: what the fallback below is for
+
+
+def test_policy_files_load_after_their_schedule_class_moved(tmp_path, monkeypatch):
+    best = train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
+    _pickle_schedule_from_a_module_that_then_vanishes(best, monkeypatch)
+    from specpilot.policies.ppo import load_sb3_policy
+
+    assert load_sb3_policy(best) is not None
+
+
+def test_checkpoints_resume_after_their_schedule_class_moved(tmp_path, monkeypatch):
+    CountingEnv.interrupt_at = 600
+    with pytest.raises(KeyboardInterrupt):
+        train_policy(CountingEnv, val_fn, tiny(), tmp_path, "stage")
+    checkpoint = tmp_path / "stage" / "checkpoints" / read_progress(tmp_path / "stage")["checkpoint"]
+    _pickle_schedule_from_a_module_that_then_vanishes(checkpoint, monkeypatch)
+    CountingEnv.steps, CountingEnv.interrupt_at = 0, None
+    train_policy(CountingEnv, val_fn, tiny(), tmp_path, "stage", resume=True)
+    assert read_progress(tmp_path / "stage")["timesteps_done"] == 1024

@@ -1,4 +1,4 @@
-"""`specpilot train size|depth|coadapt|ablation|all`: the CLI over `specpilot.train.pipeline`.
+"""`specpilot train size|depth|coadapt|ablation|all`: the CLI over `specpilot.train.rl.pipeline`.
 
     specpilot train size --run RUN [--traces RUN/traces] [--steps 20000] [--reward dinkelbach] [--resume]
     specpilot train depth --run RUN [--steps 40000] [--static 4,12 | --grid RUN/grid.json]
@@ -11,7 +11,7 @@
 
 Traces default to RUN/traces/{train,validation} (`specpilot record --suite train --out RUN/traces/train`, the same
 for validation); the static baseline to RUN/grid.json (`specpilot grid`). Every PPO hyper-parameter defaults to the
-paper's (scaled for small budgets, see `specpilot.train.pipeline.budget_settings`) and can be overridden.
+paper's (scaled for small budgets, see `specpilot.train.rl.pipeline.budget_settings`) and can be overridden.
 
 Ctrl-C saves a checkpoint at the last update boundary; the command then prints where it is and the exact command
 that resumes it (the same command with --resume), and exits with 130.
@@ -30,7 +30,7 @@ from specpilot.artifacts.run import RunManifest
 from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, name_list,
                                         non_negative_float, output_dir, positive_float, positive_int, seed,
                                         stage_name)
-from specpilot.train.cluster_cli import add_cluster_arguments, open_pool
+from specpilot.train.scale.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
 REWARDS = ("throughput", "acceptance", "time", "dinkelbach")
@@ -142,8 +142,8 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
 
 
 def _options(args, static, pair, cluster=None):
-    from specpilot.train.ppo import PPOOverrides
-    from specpilot.train.stages import TrainOptions
+    from specpilot.train.rl.ppo import PPOOverrides
+    from specpilot.train.rl.stages import TrainOptions
 
     ppo = PPOOverrides(n_steps=args.n_steps, batch_size=args.batch_size, n_epochs=args.n_epochs,
                        pi_arch=args.pi_arch, vf_arch=args.vf_arch, gamma=args.gamma, learning_rate=args.lr,
@@ -158,7 +158,7 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
     """(traces, static) after the checks that need no model: options that would be ignored are refused, the
     traces and the grid result are readable."""
     from specpilot.eval.inputs import read_grid_best
-    from specpilot.train.traces import TaskTraces
+    from specpilot.train.rl.traces import TaskTraces
 
     ray = getattr(args, "ray", None)
     if ray and (args.backend != "live" or cmd not in ("size", "depth", "coadapt")):
@@ -184,12 +184,12 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
 
 def _check_tree_values(args: argparse.Namespace, traces) -> None:
     """--static / --size-actions / --depth-range beyond the training trace's tree: refused before the run folder
-    is touched (train/stages.py checks the same for library callers)."""
+    is touched (train/rl/stages.py checks the same for library callers)."""
     given = (args.static, getattr(args, "size_actions", None), getattr(args, "depth_range", None))
     if all(v is None for v in given):
         return
     from specpilot.artifacts.trace import TraceHeader
-    from specpilot.train.stages import check_tree_options
+    from specpilot.train.rl.stages import check_tree_options
 
     # the header (trace.json) is all the check needs: the arrays are read when a stage trains
     check_tree_options(TraceHeader.load(traces.train), static=args.static, size_actions=getattr(args, "size_actions", None),
@@ -201,8 +201,8 @@ def _check_start_arch(cmd: str, args: argparse.Namespace, run_dir: Path) -> None
     must match them: checked here, before any stage trains, not when the weights fail to load."""
     if args.pi_arch is None and args.vf_arch is None:
         return
-    from specpilot.train.ppo import PPOOverrides
-    from specpilot.train.stages import start_arch
+    from specpilot.train.rl.ppo import PPOOverrides
+    from specpilot.train.rl.stages import start_arch
 
     ppo = PPOOverrides(pi_arch=args.pi_arch, vf_arch=args.vf_arch)
     if args.init_from is not None and cmd in ("size", "depth"):
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     traces, static = _check(cmd, args, run_dir)
     ray = getattr(args, "ray", None)
     pair = load_pair(args) if args.backend == "live" and not ray else None
-    from specpilot.train.ppo import StageExistsError
+    from specpilot.train.rl.ppo import StageExistsError
 
     try:
         with open_pool(args) if ray else nullcontext() as pool:
@@ -267,7 +267,7 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
     training rollouts at most every `every_s` seconds (env steps, mean reward, replay tokens/s of the cycles)."""
     import time
 
-    from specpilot.train.logging import RunLogger
+    from specpilot.train.rl.logging import RunLogger
 
     class ProgressLogger(RunLogger):
         last = 0.0
@@ -337,7 +337,7 @@ def _run_stage(cmd: str, args, run_dir: Path, traces, options) -> int:
 
 
 def _run_command(cmd: str, args, run_dir: Path, traces, options, logger) -> dict:
-    from specpilot.train import pipeline as P
+    from specpilot.train.rl import pipeline as P
 
     common = dict(options=options, wandb=args.wandb, logger=logger)
     if cmd == "size":
@@ -352,7 +352,7 @@ def _run_command(cmd: str, args, run_dir: Path, traces, options, logger) -> dict
     elif cmd == "ablation":
         out = P.reward_ablation(run_dir, traces, kind=args.kind, rewards=args.rewards, steps=args.steps, **common)
     elif args.seeds > 1:
-        from specpilot.train.seeds import run_seeds
+        from specpilot.train.rl.seeds import run_seeds
 
         out = run_seeds(run_dir, traces, seeds=args.seeds, size_steps=args.size_steps, depth_steps=args.depth_steps,
                         coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)

@@ -10,7 +10,7 @@ setuptools wheels that `ensurepip` bundles. The steps:
 4. have the target write text from corpus prompts (greedy and sampled at T=1): speculative acceptance is decided
    on such text, so both drafters train on it;
 5. distil a one-layer draft towards the target (KL to the target's logits on that text and on corpus text);
-6. optionally (--eagle) train an EAGLE-3 head on the target's features (specpilot.train.build_eagle);
+6. optionally (--eagle) train an EAGLE-3 head on the target's features (specpilot.train.models.build_eagle);
 7. measure on held-out code (the standard library's `test/` and `idlelib/` files, never trained on): target
    accuracy and perplexity, draft/target argmax agreement along the target's own greedy generations, the head's
    metrics beside the draft's, and the cost of one cached decode step (fp32, inference_mode, batch 1, 1 and 2
@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpilot.train.model_training import bf16_teacher, generate, log, random_windows, steps_for, train_loop
-from specpilot.train.optim import use_bf16
+from specpilot.train.models.training import bf16_teacher, generate, log, random_windows, steps_for, train_loop
+from specpilot.train.models.optim import use_bf16
 
 EOS = "<|endoftext|>"
 
@@ -178,7 +178,7 @@ def train_target(model, stream: torch.Tensor, *, tokens: int, seed: int, device:
     """Next-token training on random corpus windows for a fixed step budget (ceil(tokens / (batch*seq)) steps):
     the windows, the schedule and so the weights depend on the seed and budget only, not on machine speed.
     `max_minutes` is a safety cap; a run it stops is flagged `stopped_by_time_cap` (and is not reproducible).
-    bf16 weights with fp32 masters where the hardware does bf16 natively (see specpilot.train.optim)."""
+    bf16 weights with fp32 masters where the hardware does bf16 natively (see specpilot.train.models.optim)."""
     gen = torch.Generator().manual_seed(seed)
     bf16 = use_bf16(device)
     ema = None
@@ -402,7 +402,7 @@ def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: 
     target_only: stop after saving the tokenizer and target (a later call can reuse them).
     reuse_target: keep the tokenizer and target an earlier build saved in out_dir (same corpus required).
     eagle_only: keep tokenizer, target and draft; train and measure only the head (implies eagle).
-    eagle_budget: the head's specpilot.train.build_eagle.EagleBudget (default: its defaults, or quick())."""
+    eagle_budget: the head's specpilot.train.models.build_eagle.EagleBudget (default: its defaults, or quick())."""
     out = Path(out_dir)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     budget = budget or (BuildBudget.quick() if quick else BuildBudget())
@@ -481,8 +481,8 @@ def _eagle_stage(out: Path, target, metrics: dict, train_stream: torch.Tensor, h
     """Train the EAGLE-3 head (train=True), or re-measure the one an earlier build trained against this same
     target beside the new draft. Returns its metrics."""
     from specpilot.drafting.eagle import Eagle3Head
-    from specpilot.train.build_eagle import EagleBudget, build_eagle_head
-    from specpilot.train.eagle_metrics import eagle_metrics
+    from specpilot.train.models.build_eagle import EagleBudget, build_eagle_head
+    from specpilot.train.models.eagle_metrics import eagle_metrics
 
     if train:
         t0 = time.time()

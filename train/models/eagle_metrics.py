@@ -22,8 +22,8 @@ import torch
 from transformers import DynamicCache
 
 from specpilot.drafting.eagle import Eagle3Head
-from specpilot.train.build_eagle import unroll
-from specpilot.train.model_training import generate
+from specpilot.train.models.build_eagle import unroll
+from specpilot.train.models.training import generate
 
 TAU_DEPTHS = (2, 3, 4, 6)
 

@@ -292,8 +292,8 @@ def _ppo_model(kind: str, source, size_actions, options, seed_offset: int, partn
     """A fresh SB3 PPO with exactly the settings the PPO stages use (so their init_from loads it exactly)."""
     from stable_baselines3.common.vec_env import DummyVecEnv
 
-    from specpilot.train.ppo import build_model
-    from specpilot.train.stages import StageSpec, make_env, budget_settings
+    from specpilot.train.rl.ppo import build_model
+    from specpilot.train.rl.stages import StageSpec, make_env, budget_settings
 
     settings = budget_settings(kind, 1 << 15, seed=options.seed + seed_offset, ppo=options.ppo)
     spec = StageSpec(kind, f"bc_{kind}", 1, partner=partner, val_partner=partner, size_actions=size_actions)
@@ -310,10 +310,10 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     {"depth": StageResult, "size": StageResult, "iterations": [...], "policies": path}."""
     from specpilot.envs.environments import ReplaySource
     from specpilot.policies.ppo import PPOController
-    from specpilot.train.coadapt import write_index
-    from specpilot.train.ppo import update_manifest, write_json
-    from specpilot.train.stages import StageResult, TaskTraces, TrainOptions, size_actions_for, static_config
-    from specpilot.train.validation import evaluate_replay, replay_ar
+    from specpilot.train.rl.coadapt import write_index
+    from specpilot.train.rl.ppo import update_manifest, write_json
+    from specpilot.train.rl.stages import StageResult, TaskTraces, TrainOptions, size_actions_for, static_config
+    from specpilot.train.rl.validation import evaluate_replay, replay_ar
 
     run_dir, options = Path(run_dir), options or TrainOptions()
     settings = settings or ImitationSettings()
@@ -322,7 +322,7 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     traces = TaskTraces.resolve(traces)
     done = run_dir / BC_DIR / "imitation.json"
     if options.resume and done.is_file():  # a resumed pipeline keeps its finished behaviour cloning
-        from specpilot.train.stages import stage_result
+        from specpilot.train.rl.stages import stage_result
 
         return {"depth": stage_result(run_dir, BC_DEPTH_STAGE), "size": stage_result(run_dir, BC_SIZE_STAGE),
                 "iterations": json.loads(done.read_text())["iterations"], "policies": run_dir / BC_DIR / "policies.json"}

@@ -23,8 +23,8 @@ from specpilot.artifacts.policies import PoliciesIndex
 from specpilot.artifacts.run import sampled_dir  # noqa: F401 (re-exported: RUN/sampled/T<t>)
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.environments import as_size_controller
-from specpilot.train.coadapt import write_index
-from specpilot.train.stages import (StageSpec, TaskTraces, TrainOptions, load_partner, run_logger, static_config,
+from specpilot.train.rl.coadapt import write_index
+from specpilot.train.rl.stages import (StageSpec, TaskTraces, TrainOptions, load_partner, run_logger, static_config,
                                     train_stage)
 
 

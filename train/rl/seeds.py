@@ -18,7 +18,7 @@ import numpy as np
 
 from specpilot.drafting.control import FixedController
 from specpilot.envs.replay import ReplayModel
-from specpilot.train.stages import TaskTraces, TrainOptions, static_config
+from specpilot.train.rl.stages import TaskTraces, TrainOptions, static_config
 
 SEEDS_FILE = "seeds.json"
 
@@ -56,7 +56,7 @@ def _copy_policies(src: Path, dest: Path) -> None:
             source = Path(index[kind]["path"])
             shutil.copyfile(source if source.is_absolute() else src / source, dest / name)
             index[kind]["path"] = name
-    from specpilot.train.ppo import write_json
+    from specpilot.train.rl.ppo import write_json
 
     write_json(dest / "policies.json", index)
 
@@ -66,9 +66,9 @@ def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: in
     """`seeds` full pipelines (seed = options.seed + k) in RUN/seed<k>/, the best on validation deployed (see the
     module docstring). `pipeline`: run_pipeline's keyword arguments. Returns the RUN/seeds.json content."""
     from specpilot.policies.ppo import load_run_controllers
-    from specpilot.train.pipeline import run_pipeline
-    from specpilot.train.ppo import update_manifest, write_json
-    from specpilot.train.validation import evaluate_replay
+    from specpilot.train.rl.pipeline import run_pipeline
+    from specpilot.train.rl.ppo import update_manifest, write_json
+    from specpilot.train.rl.validation import evaluate_replay
 
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
@@ -103,7 +103,7 @@ def evaluate_seeds(run_dir: str | Path, trace: str | Path, *, static: tuple[int,
     """Replay ltd-vs-static ratio of every seed of a `run_seeds` run on any trace (e.g. held-out prompts) and
     their aggregate: {"seeds": [{"seed", "ltd_tokens_per_s", "ltd_vs_static"}], "ltd_vs_static": aggregate}."""
     from specpilot.policies.ppo import load_run_controllers
-    from specpilot.train.validation import evaluate_replay
+    from specpilot.train.rl.validation import evaluate_replay
 
     run_dir = Path(run_dir)
     info = json.loads((run_dir / SEEDS_FILE).read_text())

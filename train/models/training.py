@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from specpilot.train.optim import MasterWeightsAdamW, lr_at, use_bf16
+from specpilot.train.models.optim import MasterWeightsAdamW, lr_at, use_bf16
 
 
 def log(msg: str) -> None:

@@ -24,9 +24,9 @@ from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import ObservationSpec, default_size_actions
-from specpilot.train.ppo import PPOOverrides
-from specpilot.train.traces import TaskTraces
-from specpilot.train.validation import validation_fn
+from specpilot.train.rl.ppo import PPOOverrides
+from specpilot.train.rl.traces import TaskTraces
+from specpilot.train.rl.validation import validation_fn
 
 REWARD_MODES = ("throughput", "acceptance", "time", "dinkelbach")
 STATIC_FALLBACK = (4, 12)
@@ -40,15 +40,15 @@ class TrainOptions:
     reward: environment reward (`specpilot.envs.rewards`); "dinkelbach" optimises long-run tokens/s.
     backend: "replay" (trace + profile, fast, greedy) or "live" (the real decoder, wall-clock rewards).
     pair / train_prompts / temperature: the live backend's models, prompts (default: the trace's prompts) and
-        sampling temperature. cluster: a `specpilot.train.cluster.WorkerPool`: with the live backend, one
-        environment per Ray worker on the worker's own pair (`specpilot.train.ray_vecenv.RayVecEnv`).
+        sampling temperature. cluster: a `specpilot.train.scale.cluster.WorkerPool`: with the live backend, one
+        environment per Ray worker on the worker's own pair (`specpilot.train.scale.ray_vecenv.RayVecEnv`).
     static: the static baseline (depth, size), a grid.json path, or None for RUN/grid.json; it fixes the partners.
     skip_decisions: the depth policy also decides, before drafting, whether to draft at all.
     resume: continue interrupted stages; finished stages are skipped. seed: base seed of every stage.
     max_context: context length mapped to 1.0 in the observations. ppo: changes to the paper's PPO settings.
     allow_partial: later stages may start from an earlier stage that did not finish (interrupted); refused otherwise.
     bc_iters / bc_epochs: > 0 makes the pipeline's stage 1 behaviour cloning from the replay oracle with that many
-        DAgger iterations of bc_epochs supervised epochs (`specpilot.train.imitation`); PPO then fine-tunes.
+        DAgger iterations of bc_epochs supervised epochs (`specpilot.train.rl.imitation`); PPO then fine-tunes.
     """
 
     reward: str = "dinkelbach"
@@ -85,7 +85,7 @@ def budget_settings(kind: str, steps: int, *, seed: int = 0, ppo: PPOOverrides |
     (>= 64), batch_size to min(256, n_steps) and n_epochs to 10 (below 4096 steps); eval/checkpoint cadence
     defaults to ~10 validations per stage.
     """
-    from specpilot.train.ppo import settings_for
+    from specpilot.train.rl.ppo import settings_for
 
     changes = (ppo or PPOOverrides()).changes()
     steps = int(steps)
@@ -253,14 +253,14 @@ def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, acti
                      temperature=options.temperature, spec=spec, actions=actions, **settings)
     if options.cluster is None:
         return (lambda: env_fn(options.pair)), None
-    from specpilot.train.ray_vecenv import RayVecEnv
+    from specpilot.train.scale.ray_vecenv import RayVecEnv
 
     return (lambda: env_fn(options.pair)), (lambda: RayVecEnv(options.cluster, env_fn))
 
 
 def _finished(run_dir: Path, spec: StageSpec, obs_spec, actions, total: int) -> StageResult | None:
     """The stage's result when it already finished a budget >= total (a resumed pipeline skips it)."""
-    from specpilot.train.ppo import read_progress
+    from specpilot.train.rl.ppo import read_progress
 
     stage_dir = run_dir / spec.stage
     progress = read_progress(stage_dir) if (stage_dir / "checkpoints").is_dir() else None
@@ -294,7 +294,7 @@ def _record_contract(run_dir: Path, traces: TaskTraces, size_actions, static) ->
 def check_resume_budget(stage_dir: Path, total: int, *, resume: bool) -> None:
     """Resuming a stage whose checkpoint already passed the budget would train nothing (and never validate): refuse
     it, naming the checkpoint's step count."""
-    from specpilot.train.ppo import read_progress
+    from specpilot.train.rl.ppo import read_progress
 
     progress = read_progress(stage_dir) if resume else None
     if progress is not None and int(progress.get("timesteps_done", 0)) >= total:
@@ -335,7 +335,7 @@ def _describe(partner: Any) -> Any:
 def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str | Path, options: TrainOptions,
                 logger=None) -> StageResult:
     """Train (or resume, or skip when finished) one stage; returns its best policy by validation."""
-    from specpilot.train.ppo import train_policy, update_manifest
+    from specpilot.train.rl.ppo import train_policy, update_manifest
 
     run_dir, traces = Path(run_dir), TaskTraces.resolve(traces)
     model = ReplayModel(traces.train)
@@ -378,11 +378,10 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
 
 def _keep_init_if_better(result: StageResult, spec: StageSpec, val, run_dir: Path) -> StageResult:
     # validation only runs after training steps: the starting policy itself competes too
-    from stable_baselines3 import PPO
+    from specpilot.policies.ppo import load_sb3_model
+    from specpilot.train.rl.ppo import update_manifest
 
-    from specpilot.train.ppo import update_manifest
-
-    init_score = val(PPO.load(spec.init_from, device="cpu"))
+    init_score = val(load_sb3_model(spec.init_from))
     result.validation = {"init_score": init_score, "stage_best_score": result.score}
     if result.score is None or init_score > result.score:
         result = StageResult(spec.stage, spec.kind, Path(spec.init_from), result.spec, result.size_actions,
@@ -399,7 +398,7 @@ def run_logger(run_dir, logger, wandb: str | None, config: dict):
     if logger is not None:
         yield logger
         return
-    from specpilot.train.logging import RunLogger
+    from specpilot.train.rl.logging import RunLogger
 
     log = RunLogger(run_dir, config, mode=wandb)
     try:

@@ -1,19 +1,19 @@
 """The LTD training pipeline end to end, and the evaluation of a trained run (the `specpilot train` CLI and the demo
 call these):
 
-    traces = record_traces(pair, "runs/r1/traces", train_prompts=..., val_prompts=...)   # train/traces.py
-    grid = grid_search(traces.train, pair=pair, val_prompts=..., out="runs/r1/grid.json")  # train/grid.py
+    traces = record_traces(pair, "runs/r1/traces", train_prompts=..., val_prompts=...)   # train/rl/traces.py
+    grid = grid_search(traces.train, pair=pair, val_prompts=..., out="runs/r1/grid.json")  # train/grid/search.py
     out = run_pipeline("runs/r1", traces, size_steps=20_000, depth_steps=40_000, rounds=3)
     controllers = load_run_controllers("runs/r1")                  # ltd / depth_only / size_only
 
-Stages: `train_size` / `train_depth` (stage 1, train/stages.py), `coadapt` (stage 2, train/coadapt.py),
-`reward_ablation` (train/ablation.py). Run directory (besides `specpilot.train.ppo`'s layout):
+Stages: `train_size` / `train_depth` (stage 1, train/rl/stages.py), `coadapt` (stage 2, train/rl/coadapt.py),
+`reward_ablation` (train/rl/ablation.py). Run directory (besides `specpilot.train.rl.ppo`'s layout):
     RUN/traces/{train,validation}/   trace.npz, trace.json, profile.json, ar.json
     RUN/grid.json, RUN/grid.png      the static baseline; its best fixes the partners
     RUN/size_s1, RUN/depth_s1        stage 1;   RUN/co1_size, RUN/co2_depth, RUN/co3_size ... stage 2
     RUN/policies.json                final (co-adapted) depth + size policies; fallback = the static config
     RUN/stage1/policies.json         the stage-1 policies
-    RUN/bc_size, RUN/bc_depth, RUN/bc/   with options.bc_iters: stage 1 cloned from the replay oracle (train/imitation.py)
+    RUN/bc_size, RUN/bc_depth, RUN/bc/   with options.bc_iters: stage 1 cloned from the replay oracle (train/rl/imitation.py)
     RUN/ablation/ablation.json       reward ablation
 """
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Sequence
 from specpilot.artifacts.policies import POLICIES_FILE
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.envs.replay import ReplayModel
-from specpilot.train.ablation import reward_ablation  # noqa: F401 (part of the pipeline's API)
-from specpilot.train.coadapt import coadapt, write_index, write_stage1_index
-from specpilot.train.stages import (StageResult, TaskTraces, TrainOptions, budget_settings,  # noqa: F401
+from specpilot.train.rl.ablation import reward_ablation  # noqa: F401 (part of the pipeline's API)
+from specpilot.train.rl.coadapt import coadapt, write_index, write_stage1_index
+from specpilot.train.rl.stages import (StageResult, TaskTraces, TrainOptions, budget_settings,  # noqa: F401
                                     run_logger, static_config, train_depth, train_size)
-from specpilot.train.traces import record_traces  # noqa: F401
-from specpilot.train.validation import evaluate_replay, replay_ar
+from specpilot.train.rl.traces import record_traces  # noqa: F401
+from specpilot.train.rl.validation import evaluate_replay, replay_ar
 
 
 def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_steps: int = 20_000,
@@ -40,14 +40,14 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
     which case RUN/policies.json points at the stage-1 policies). Returns the StageResults and index paths.
 
     options.bc_iters > 0: stage 1 is behaviour cloning of both policies from the replay oracle with that many DAgger
-    iterations (`specpilot.train.imitation`, `options.bc_epochs` supervised epochs each) instead of PPO from
+    iterations (`specpilot.train.rl.imitation`, `options.bc_epochs` supervised epochs each) instead of PPO from
     scratch (size_steps / depth_steps are then unused); co-adaptation fine-tunes the cloned policies with PPO."""
     run_dir, options = Path(run_dir), options or TrainOptions()
     config = {"pipeline": True, "size_steps": size_steps, "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
               "rounds": rounds, "reward": options.reward, "seed": options.seed, "bc_iters": options.bc_iters}
     with run_logger(run_dir, logger, wandb, config) as log:
         if options.bc_iters > 0:
-            from specpilot.train.imitation import ImitationSettings, imitate
+            from specpilot.train.rl.imitation import ImitationSettings, imitate
 
             bc = imitate(run_dir, traces, size_actions=size_actions, options=options, logger=log,
                          settings=ImitationSettings(iters=options.bc_iters, epochs=options.bc_epochs))
@@ -76,7 +76,7 @@ def evaluate_run(run_dir: str | Path, traces: TaskTraces | str | Path, *, split:
     replay oracle over the same actions."""
     from specpilot.envs.oracle import replay_oracle
     from specpilot.policies.ppo import load_run_controllers
-    from specpilot.train.stages import size_actions_for
+    from specpilot.train.rl.stages import size_actions_for
 
     run_dir = Path(run_dir)
     model = ReplayModel(getattr(TaskTraces.resolve(traces), split))

@@ -41,7 +41,7 @@ from specpilot.envs.oracle import replay_oracle
 from specpilot.envs.record import Trace
 from specpilot.envs.replay import ReplayModel, load_profile, load_trace
 from specpilot.policies.observation import default_size_actions
-from specpilot.train.validation import replay_ar
+from specpilot.train.rl.validation import replay_ar
 
 
 def default_sizes(trace: Trace) -> list[int]:
@@ -402,7 +402,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
-    from specpilot.train.cluster_cli import open_executor
+    from specpilot.train.scale.cluster_cli import open_executor
 
     traces = [resolve_train_trace(t) for t in args.traces]
     for trace in traces:  # every trace (and its profile) readable, every cell asked for in range, before the sweep

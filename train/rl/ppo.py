@@ -34,7 +34,7 @@ from specpilot.artifacts.run import (BEST_JSON, BEST_ZIP, PROGRESS_FILE, RunMani
 from specpilot.artifacts.run import read_progress as artifact_progress
 from specpilot.drafting.errors import InputFileError
 from specpilot.policies.observation import ObservationSpec
-from specpilot.train.logging import CycleMetricsCallback, RunLogger
+from specpilot.train.rl.logging import CycleMetricsCallback, RunLogger
 
 
 
@@ -360,7 +360,12 @@ def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings
     elif settings.normalize_reward:
         env = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=settings.gamma)
     try:
-        model = PPO.load(zip_path, env=env, device=settings.device)
+        try:
+            model = PPO.load(zip_path, env=env, device=settings.device)
+        except ImportError:  # its schedule was pickled under a module path that moved: rebuild it from settings
+            schedule = WarmupLinearSchedule(settings.learning_rate, settings.warmup_fraction)
+            model = PPO.load(zip_path, env=env, device=settings.device,
+                             custom_objects={"learning_rate": schedule, "lr_schedule": 0.0})
     except Exception as err:
         # SB3 raises BadZipFile/EOFError on truncated files and ValueError on space mismatches
         raise CheckpointError(
@@ -396,7 +401,7 @@ def train_policy(
     rounds; ignored when resuming). KeyboardInterrupt saves a checkpoint at the last update boundary, then
     propagates. Validation and checkpoints happen at update boundaries, so they fire at the first rollout end
     after every `eval_every` / `checkpoint_every` steps, and once more at the end. venv_factory: builds the
-    VecEnv instead of DummyVecEnv over env_factory (e.g. `specpilot.train.ray_vecenv.RayVecEnv`).
+    VecEnv instead of DummyVecEnv over env_factory (e.g. `specpilot.train.scale.ray_vecenv.RayVecEnv`).
     """
     run_dir = Path(run_dir)
     stage_dir = run_dir / stage_name

@@ -1,5 +1,5 @@
 """The checks an export runs on itself: the policies' choices on recorded or live states, decision latency, and
-agreement between the exported actors and the SB3 ones (`train/export.py` writes the results into decoder.json)."""
+agreement between the exported actors and the SB3 ones (`train/export/writer.py` writes the results into decoder.json)."""
 from __future__ import annotations
 
 import statistics

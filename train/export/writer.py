@@ -11,7 +11,7 @@
     exports/ltd/engines/...               static configs for transformers / vLLM / SGLang (policies.engine_configs)
 
 Load with `SpeculativeDecoder.from_config("exports/ltd")` or `specpilot.policies.exported.load_exported`.
-The self-checks (choices, latency, agreement) live in train/export_checks.py.
+The self-checks (choices, latency, agreement) live in train/export/checks.py.
 
 Only the actor is exported (the value network is a training device): SB3's `pi_features_extractor` (Flatten) ->
 `mlp_extractor.policy_net` (Linear + activation layers) -> `action_net` (Linear); the deterministic action is the
@@ -51,8 +51,8 @@ from specpilot.policies.engine_configs import write_engine_configs
 from specpilot.policies.exported import (CONFIG_FILE, DEPTH_ACTIONS, FORMAT_NAME, FORMAT_VERSION, ExportedController,
                                          file_sha256, probe_observation)
 from specpilot.policies.observation import ObservationSpec
-from specpilot.train.ppo import library_versions
-from specpilot.train.export_checks import (agreement, decision_latency_us, record_choices_live, record_choices_replay,
+from specpilot.train.rl.ppo import library_versions
+from specpilot.train.export.checks import (agreement, decision_latency_us, record_choices_live, record_choices_replay,
                                            synthetic_states)
 
 
@@ -61,7 +61,7 @@ class ExportError(RuntimeError):
 
 
 def _obs_norm(stage_dir: Path, prefix: str) -> tuple[dict | None, dict[str, torch.Tensor]]:
-    """Observation-normalisation statistics, if the stage trained with VecNormalize(norm_obs=True). train/ppo.py
+    """Observation-normalisation statistics, if the stage trained with VecNormalize(norm_obs=True). train/rl/ppo.py
     normalises rewards only, so this is normally (None, {}). Reading SB3's VecNormalize file needs pickle: that
     happens here, at export, never at load."""
     progress = read_progress(stage_dir)
@@ -119,7 +119,7 @@ def read_manifest(root: Path) -> dict:
 
 def find_trace(root: Path) -> Path | None:
     """The run's validation trace (else its training trace): RUN/traces/{validation,train}, then the manifest's
-    "traces" (train/pipeline.py) and trace paths in its config, each resolved inside the run (`run_local`)."""
+    "traces" (train/rl/pipeline.py) and trace paths in its config, each resolved inside the run (`run_local`)."""
     manifest = read_manifest(root)
     traces = manifest.get("traces") if isinstance(manifest.get("traces"), dict) else {}
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
@@ -202,7 +202,7 @@ def _policy_zip(entry: dict, kind: str, run_dir: Path, root: Path) -> Path:
     index = run_dir / POLICIES_FILE
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or "spec" not in entry:
         raise ExportError(f"{index}: the {kind} entry lacks 'path' or 'spec'; rewrite it with "
-                          "specpilot.train.ppo.write_policies_index")
+                          "specpilot.train.rl.ppo.write_policies_index")
     path = run_local(entry["path"], run_dir, root)
     if path is None:
         owner = _owning_run(Path(entry["path"]))
@@ -304,7 +304,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     run_dir, out_dir = Path(run_dir), check_writable(out_dir, kind="dir", what="export folder")
     index_path = run_dir / POLICIES_FILE
     typed = PoliciesIndex.load(index_path, fix="train the run first (it is written by "
-                               "specpilot.train.ppo.write_policies_index)")
+                               "specpilot.train.rl.ppo.write_policies_index)")
     index = {kind: e.to_dict() for kind, e in typed.entries().items()}
     index["fallback"] = typed.fallback
     if not index.get("depth") and not index.get("size"):

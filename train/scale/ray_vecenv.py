@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn
 
-from specpilot.train.cluster import ClusterError, WorkerPool, import_ray
+from specpilot.train.scale.cluster import ClusterError, WorkerPool, import_ray
 
 
 class RayVecEnv(VecEnv):

@@ -12,14 +12,14 @@ from typing import Sequence
 import numpy as np
 
 from specpilot.drafting.control import FixedController
-from specpilot.train.stages import (StageResult, StageSpec, TaskTraces, TrainOptions, load_partner, run_logger,
+from specpilot.train.rl.stages import (StageResult, StageSpec, TaskTraces, TrainOptions, load_partner, run_logger,
                                     stage_result, static_config, train_stage)
 
 
 def write_index(index_dir: Path, depth: StageResult | None, size: StageResult | None, static: tuple[int, int],
                 copy: bool) -> Path:
     """index_dir/policies.json for these stage results (copying the zips in when `copy`)."""
-    from specpilot.train.ppo import write_policies_index
+    from specpilot.train.rl.ppo import write_policies_index
 
     index_dir.mkdir(parents=True, exist_ok=True)
 
@@ -50,7 +50,7 @@ def coadapt(run_dir: str | Path, traces: TaskTraces | str | Path, *, rounds: int
     policy of its kind (stage 1's `size_stage` / `depth_stage` best.zip first) and keeps its best validation
     checkpoint (or its starting policy when that validates better). Writes RUN/policies.json and returns
     {"rounds": [StageResult dicts], "policies": path, "depth": zip, "size": zip}. steps: per round, or a list."""
-    from specpilot.train.ppo import update_manifest
+    from specpilot.train.rl.ppo import update_manifest
 
     run_dir, options = Path(run_dir), options or TrainOptions()
     traces = TaskTraces.resolve(traces)

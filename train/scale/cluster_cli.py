@@ -42,7 +42,7 @@ def default_workers(resources: dict, threads: int) -> int:
 @contextmanager
 def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = None) -> Iterator:
     """Connect to args.ray and start a WorkerPool of args.workers workers loading args' pair; close it after."""
-    from specpilot.train.cluster import ClusterError, PairSpec, WorkerPool, connect, import_ray, shutdown
+    from specpilot.train.scale.cluster import ClusterError, PairSpec, WorkerPool, connect, import_ray, shutdown
 
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
     threads = max(1, int(getattr(args, "threads", None) or 1))
@@ -80,7 +80,7 @@ def open_executor(args: argparse.Namespace) -> Iterator:
 def with_cluster(command: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """The command's handler: `run`, with a cluster that cannot do what was asked reported in one line (exit 2)."""
     def handler(args: argparse.Namespace) -> int:
-        from specpilot.train.cluster import ClusterError
+        from specpilot.train.scale.cluster import ClusterError
 
         try:
             return run(args)

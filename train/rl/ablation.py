@@ -8,19 +8,17 @@ from typing import Any, Sequence
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.files import atomic_write_json
 from specpilot.envs.replay import ReplayModel
-from specpilot.train.stages import (REWARD_MODES, TaskTraces, TrainOptions, run_logger, static_config, train_depth,
+from specpilot.train.rl.stages import (REWARD_MODES, TaskTraces, TrainOptions, run_logger, static_config, train_depth,
                                     train_size)
-from specpilot.train.validation import evaluate_replay, replay_ar
+from specpilot.train.rl.validation import evaluate_replay, replay_ar
 
 _REPORTED = ("tokens_per_s", "speedup", "mean_accepted_length", "depth_mean", "size_mean", "cycles")
 
 
 def _policy_row(path: Path, res, kind: str, static: tuple[int, int], val_model: ReplayModel, ar: dict) -> dict:
-    from stable_baselines3 import PPO
+    from specpilot.policies.ppo import PPOController, load_sb3_model
 
-    from specpilot.policies.ppo import PPOController
-
-    policy = PPO.load(path, device="cpu").policy
+    policy = load_sb3_model(path).policy
     fallback = FixedController(*static)
     ctrl = (PPOController(None, policy, size_spec=res.spec, size_actions=res.size_actions, fallback=fallback)
             if kind == "size" else PPOController(policy, None, depth_spec=res.spec, fallback=fallback))
@@ -37,7 +35,7 @@ def reward_ablation(run_dir: str | Path, traces: TaskTraces | str | Path, *, kin
 
     Report the final policy to compare rewards: the best checkpoint is selected *by throughput*, which partly
     hides what a reward optimises."""
-    from specpilot.train.ppo import read_progress
+    from specpilot.train.rl.ppo import read_progress
 
     bad = [r for r in rewards if r not in REWARD_MODES]
     if bad:

@@ -9,12 +9,12 @@
   cluster address. Ray is imported here, inside functions: `import specpilot...` never imports it.
 - `PairWorker`: the body of one Ray actor. It loads the pair on its device (`num_gpus=1` on GPU clusters, which
   Ray maps to a GPU of its own; CPU workers take `threads` cores) and runs work units `fn(worker, **payload)`
-  (`specpilot.drafting.executor`); it can also host one live environment (`specpilot.train.ray_vecenv`).
+  (`specpilot.drafting.executor`); it can also host one live environment (`specpilot.train.scale.ray_vecenv`).
 - `WorkerPool`: N actors in a placement group of N bundles, so N workers land on N GPUs (or N x threads cores).
   `map` hands each idle worker the next task; a task that raises, or whose worker dies (Ray restarts the
   actor, which reloads its pair), is retried once and reported in `ShardOutcome.retried`.
 
-The orchestrators (`specpilot.envs.record.record_task`, `specpilot.train.grid.grid_search`,
+The orchestrators (`specpilot.envs.record.record_task`, `specpilot.train.grid.search.grid_search`,
 `specpilot.eval.runner.evaluate`) plan the tasks and merge what they return, the same way as in one process.
 """
 from __future__ import annotations
@@ -165,7 +165,7 @@ class PairWorker:
     def say(self, msg: str) -> None:
         print(f"[worker {self.index}]", msg, flush=True)  # Ray forwards a worker's stdout to the driver
 
-    # -- one live environment (specpilot.train.ray_vecenv.RayVecEnv) -----------------------------------------------
+    # -- one live environment (specpilot.train.scale.ray_vecenv.RayVecEnv) -----------------------------------------------
     def env_make(self, env_fn: Callable[[Any], Any]) -> tuple:
         """Build this worker's environment as env_fn(pair) on its own pair (Monitor-wrapped, as SB3's DummyVecEnv
         wraps it); return its spaces and metadata."""
@@ -234,7 +234,7 @@ class WorkerPool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            raise ClusterError("Ray is not connected: call specpilot.train.cluster.connect(address) first")
+            raise ClusterError("Ray is not connected: call specpilot.train.scale.cluster.connect(address) first")
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if inject_fault is not None and inject_fault.get("mode") not in FAULT_MODES:

@@ -13,7 +13,7 @@ Recipe (EAGLE-3 "training-time test", sized for a 2-core CPU):
    distribution restricted to the draft vocabulary, plus `hard_weight` x cross-entropy to the target's argmax,
    with step k weighted `step_decay**(k-1)`;
 5. seeded, step-budgeted (a wall-clock cap only as a safety), bf16 weights with fp32 masters; saved in the
-   released layout (bf16 safetensors) and measured by `specpilot.train.eagle_metrics`.
+   released layout (bf16 safetensors) and measured by `specpilot.train.models.eagle_metrics`.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
-from specpilot.train.model_training import bf16_teacher, log, random_windows, steps_for, train_loop
-from specpilot.train.optim import use_bf16
+from specpilot.train.models.training import bf16_teacher, log, random_windows, steps_for, train_loop
+from specpilot.train.models.optim import use_bf16
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ def init_from_target(head: Eagle3Head, target) -> None:
 def build_eagle_head(out_dir: str | Path, target, train_stream: torch.Tensor, *, pool: torch.Tensor, seed: int,
                      device: str, budget: EagleBudget) -> tuple[Eagle3Head, dict]:
     """Choose the draft vocabulary, train the head against `target` and save it to out_dir (released layout,
-    bf16). Returns (the head in fp32, its build metrics); `specpilot.train.eagle_metrics` measures it."""
+    bf16). Returns (the head in fp32, its build metrics); `specpilot.train.models.eagle_metrics` measures it."""
     teacher = bf16_teacher(target, device)
     t0 = time.time()
     vocab_ids, vocab_stats = choose_draft_vocab(teacher, train_stream, pool, size=budget.draft_vocab_size,
