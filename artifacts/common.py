@@ -31,6 +31,3 @@ def save_object(path: str | Path, data: dict, *, version: int, key: str = VERSIO
     return atomic_write_json(path, {key: version, **{k: v for k, v in data.items() if k != key}},
                              **dump_kwargs)
 
-
-def entry_error(path: str | Path, what: str, problem: str, fix: str) -> InputFileError:
-    return InputFileError(f"{path}: the {what} {problem}; {fix}")

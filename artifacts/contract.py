@@ -167,11 +167,3 @@ def check_grid(grid, contract: RunContract, *, grid_from: str, run: str, fix: st
         raise ContractError(f"{grid_from} was searched on tree {shapes}, but {run} has "
                             f"{tree_label({k: tree.get(k) for k in TREE_KEYS})}; {fix}")
 
-
-def check_trace(header, contract: RunContract | None, *, trace_from: str, run: str, fix: str) -> None:
-    """ContractError when a trace (`specpilot.artifacts.trace.TraceHeader`) was recorded with another pair or
-    tree than the run's."""
-    if contract is None:
-        return
-    check_pair(contract.pair, header.pair, expected_from=run, got_from=trace_from, fix=fix)
-    check_tree(contract.tree, header.tree, expected_from=run, got_from=trace_from, fix=fix)

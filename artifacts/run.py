@@ -26,7 +26,6 @@ from specpilot.drafting.files import read_json
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 TRACES_DIR = "traces"
-SPLITS = ("train", "validation")
 BEST_ZIP = "best.zip"
 BEST_JSON = "best.json"
 CHECKPOINTS_DIR = "checkpoints"

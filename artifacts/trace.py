@@ -93,6 +93,3 @@ def read_ar(trace: str | Path) -> dict | None:
             from None
     return data
 
-
-def write_ar(trace: str | Path, data: dict) -> Path:
-    return atomic_write_json(trace_dir(trace) / AR_FILE, data)

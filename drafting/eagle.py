@@ -28,7 +28,7 @@ Files: `config.json` (`"architectures": ["LlamaForCausalLMEagle3"]`, `num_hidden
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
