@@ -18,8 +18,8 @@ from specpilot.drafting.cliargs import (add_pair_arguments, float_list, name_lis
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
 # (tests/test_bad_options.py keeps the two equal)
-METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "ddd", "svip", "confidence", "hf_heuristic", "ltd",
-           "depth_only", "size_only")
+METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "batch_table", "ddd", "svip", "confidence",
+           "hf_heuristic", "ltd", "depth_only", "size_only")
 
 _methods = name_list(METHODS, "method")
 
