@@ -189,29 +189,3 @@ def _verdict(ci) -> str:
     from specpilot.eval.stats import Interval, verdict
 
     return verdict(Interval(math.nan, *(math.nan if v is None else v for v in ci), 0))
-
-
-def format_batch_lines(sections: list[dict]) -> list[str]:
-    """Markdown lines: one table per batch size (method, tokens/s, ms/token, speedup over batched ar [95% CI],
-    verdict, exact), then its comparisons."""
-    def ci(pair) -> str:
-        low, high = pair if pair else (None, None)
-        ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (low, high))
-        return f"[{low:.2f}, {high:.2f}]" if ok else "[n/a]"
-
-    lines = ["## Throughput by batch size (greedy; reference: batched ar)", ""]
-    for section in sections:
-        lines += [f"### Batch size {section['batch_size']} ({section['units']} batches x "
-                  f"{section['rounds']['rounds']} round(s))", "",
-                  "| method | tokens/s | ms/token | speedup vs ar [95% CI] | verdict | depth | size | exact |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for row in section["methods"]:
-            depth = "-" if row["depth_mean"] is None else f"{row['depth_mean']:.1f}"
-            size = "-" if row["size_mean"] is None else f"{row['size_mean']:.1f}"
-            lines.append(f"| {row['method']} | {row['tokens_per_s']:.1f} | {row['per_token_ms']:.1f} | "
-                         f"{row['speedup']:.3f} {ci(row['speedup_ci'])} | {row['verdict'] or '-'} | {depth} | "
-                         f"{size} | {'yes' if row['identical_to_ar'] else 'NO: ' + str(row['mismatched_sequences'])} |")
-        for c in section["comparisons"]:
-            lines.append(f"- {c['method']} vs {c['baseline']}: {c['ratio']:.3f} {ci(c['ci'])}, {c['verdict']}")
-        lines.append("")
-    return lines
