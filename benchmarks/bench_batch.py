@@ -12,14 +12,15 @@ including each row's EOS. Prints tokens/s per method and batch size, each method
 whether our batched AR emitted exactly HF's tokens.
 
     .venv/bin/python benchmarks/bench_batch.py --policies [--batch-sizes 1,2,4,8,16] [--grid GRID.json]
-        [--run RUN] [--prompts 4] [--max-new-tokens 32] [--candidates 0:0,1:2,2:4,4:12]
+        [--run RUN] [--prompts 4] [--max-new-tokens 32] [--candidates 0:0,1:2,2:4,4:12] [--table 1:2:4,16:0:0]
 
 --policies prints the issue's table instead, measured by `specpilot.eval.batched.evaluate_batches` (the code
 behind `specpilot eval --batch-sizes`; interleaved, per-sequence greedy identity checked): tokens/s vs batch size
 for batched AR, the best static config for batch size 1 used at every size, and the per-batch-size table, each
 with its ratio to batched AR and 95% paired interval (plus `ltd` with --run). The static configs come from
---grid (its best and its per_batch_size table) or, without one, from a small live sweep of --candidates at every
-batch size on validation prompts (not the measured held-out ones).
+--table, --grid (its best and its per_batch_size table) or, without either, from a small live sweep of
+--candidates at every batch size on validation prompts (not the measured held-out ones). With one batch per size
+and one round there is no interval: use --repeats 2 or more.
 """
 from __future__ import annotations
 
@@ -80,7 +81,11 @@ def policies(args, sizes: list[int]) -> int:
     deepest = max([d for d, _ in candidates] + [1])
     heldout = [pair.encode(p.prompt) for p in load_suite("heldout_code")][: args.prompts]
     t0 = time.perf_counter()
-    if args.grid:
+    if args.table:  # B:DEPTH:SIZE entries given (e.g. a sweep printed earlier): the batch-1 entry is the static
+        table = {int(b): (int(d), int(z)) for b, d, z in (e.split(":") for e in args.table.split(","))}
+        static, source = table[min(table)], f"--table {args.table}"
+        deepest = max([deepest] + [d for d, _ in table.values()])
+    elif args.grid:
         best = GridResult.load(args.grid).best
         cells = grid_batch_table(args.grid)
         table = {b: (c["depth"], c["size"]) for b, c in cells.items()}
@@ -116,7 +121,8 @@ def policies(args, sizes: list[int]) -> int:
                 cells.append(f"{'-':>34}")
                 continue
             ci = r["speedup_ci"]
-            interval = (f"[{ci[0]:.2f},{ci[1]:.2f}]" if ci and ci[0] is not None and ci[0] == ci[0] else "")
+            interval = (f"[{ci[0]:.2f},{ci[1]:.2f}]" if ci and ci[0] is not None and ci[0] == ci[0]
+                        else ("" if name == "ar" else "[n/a: 1 unit]"))
             cells.append(f"{r['tokens_per_s']:>8.1f} tok/s {r['speedup']:>5.2f}x {interval:>13}")
         exact = all(r["identical_to_ar"] for r in rows.values())
         print(f"{section['batch_size']:>5}  " + "  ".join(cells) + f"  {exact}")
@@ -137,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run", default=None, help="--policies: a trained run (adds ltd)")
     ap.add_argument("--prompts", type=int, default=4, help="--policies: held-out (and sweep) prompts")
     ap.add_argument("--candidates", default="0:0,1:2,2:4,4:12", help="--policies: DEPTH:SIZE configs swept")
+    ap.add_argument("--table", default=None, help="--policies: B:DEPTH:SIZE,... per-batch table (skips the sweep)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     if args.policies:
