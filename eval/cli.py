@@ -8,6 +8,9 @@ or with --ray on Ray workers: the same files either way. It prints the verdict-f
 Before anything is measured (`prepare`): the output folder is writable, every method asked for by name can run
 (`specpilot.eval.inputs.check_methods`: a missing or broken --run / --grid is an error, not a skipped method), and
 with --run the tree is the run's (its policies' contract; a conflicting --width/--max-depth/--max-size is refused).
+
+With --batch-sizes the command runs the batched evaluation instead (`specpilot.eval.batched.evaluate_batches`:
+greedy, in this process, every method decoding batches of each size vs batched ar) and writes its sections.
 """
 from __future__ import annotations
 
@@ -260,11 +263,10 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     result = evaluate_batches(tokens, pair=pair, batch_sizes=args.batch_sizes, tree=plan.tree, methods=methods,
                               max_new_tokens=args.max_new_tokens, plan=rounds, warmup=args.warmup, seed=args.seed,
                               grid=args.grid, run_dir=args.run_dir, progress=say)
+    repeats = max(s["rounds"]["rounds"] for s in result["batch_sizes"])
     meta = build_meta(pair, tree=plan.tree, prompts=plan.prompts, temperatures=(0.0,), top_k=0, top_p=1.0,
-                      max_new_tokens=args.max_new_tokens, repeats=max(s["rounds"]["rounds"]
-                                                                      for s in result["batch_sizes"]),
-                      warmup=args.warmup, concurrency=1, seed=args.seed, methods=result["methods"],
-                      skipped=result["skipped"])
+                      max_new_tokens=args.max_new_tokens, repeats=repeats, warmup=args.warmup, concurrency=1,
+                      seed=args.seed, methods=result["methods"], skipped=result["skipped"])
     meta.update(prompt_mix=prompt_mix(list(plan.prompts)), suite=plan.suite, batch_protocol=result["protocol"])
     paths = write_report([], meta, args.out, plots=False, analysis={"batch_sizes": result["batch_sizes"]})
     for name, reason in result["skipped"].items():
