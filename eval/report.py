@@ -331,7 +331,12 @@ def batch_lines(sections: list[dict]) -> list[str]:
         ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (low, high))
         return f"[{low:.2f}, {high:.2f}]" if ok else "[n/a]"
 
-    lines = ["## Throughput by batch size (greedy; reference: batched ar)", ""]
+    lines = ["## Throughput by batch size (greedy; reference: batched ar)", "",
+             "A unit is one batch of B prompts (in order, wrapping so every batch is full) in one round; per unit "
+             "every method decoded the same batch back to back, order rotated. tokens/s: all sequences' tokens over "
+             "the calls' wall time (prefill included); ms/token: per sequence, time to its last token over its "
+             "tokens, averaged; intervals: 95% paired bootstrap over batches (over (batch, round) units where there "
+             "is one batch); exact: every sequence equals batched ar's.", ""]
     for section in sections:
         lines += [f"### Batch size {section['batch_size']} ({section['units']} batches x "
                   f"{section['rounds']['rounds']} round(s))", "",
