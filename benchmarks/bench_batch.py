@@ -10,6 +10,17 @@ Greedy. Each round runs every method on the same batch of held-out prompts, the 
 and batch size; wall time of the whole call (prefill included, for every method alike), tokens counted up to and
 including each row's EOS. Prints tokens/s per method and batch size, each method's ratio to HF generate, and
 whether our batched AR emitted exactly HF's tokens.
+
+    .venv/bin/python benchmarks/bench_batch.py --policies [--batch-sizes 1,2,4,8,16] [--grid GRID.json]
+        [--run RUN] [--prompts 4] [--max-new-tokens 32] [--candidates 0:0,1:2,2:4,4:12] [--table 1:2:4,16:0:0]
+
+--policies prints the issue's table instead, measured by `specpilot.eval.batched.evaluate_batches` (the code
+behind `specpilot eval --batch-sizes`; interleaved, per-sequence greedy identity checked): tokens/s vs batch size
+for batched AR, the best static config for batch size 1 used at every size, and the per-batch-size table, each
+with its ratio to batched AR and 95% paired interval (plus `ltd` with --run). The static configs come from
+--table, --grid (its best and its per_batch_size table) or, without either, from a small live sweep of
+--candidates at every batch size on validation prompts (not the measured held-out ones). With one batch per size
+and one round there is no interval: use --repeats 2 or more.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ import torch
 
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig
 from specpilot.drafting.batch import autoregressive_generate_batch
+from specpilot.eval.rounds import RoundPlan
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
 
@@ -41,6 +53,84 @@ def hf_generate(pair: ModelPair, prompts: list[list[int]], max_new_tokens: int) 
     return rows
 
 
+def sweep_table(pair, tree, sizes, candidates, prompts, max_new_tokens) -> dict[int, tuple[int, int]]:
+    """{batch size: the candidate (depth, size) with the highest tokens/s at that batch size}, measured live (one
+    interleaved round of every candidate per batch size, `evaluate_batches`)."""
+    from specpilot.eval.batched import evaluate_batches
+
+    controllers = {f"d{d}_s{s}": (FixedController(d, s), tree) for d, s in candidates}
+    result = evaluate_batches(prompts, pair=pair, batch_sizes=sizes, tree=tree, methods=[], controllers=controllers,
+                              max_new_tokens=max_new_tokens, warmup=1)
+    table = {}
+    for section in result["batch_sizes"]:
+        rates = {r["method"]: r["tokens_per_s"] for r in section["methods"]}
+        table[section["batch_size"]] = max(candidates, key=lambda c: rates.get(f"d{c[0]}_s{c[1]}", 0.0))
+    return table
+
+
+def policies(args, sizes: list[int]) -> int:
+    """The issue's table (module docstring)."""
+    from specpilot.eval.batched import evaluate_batches
+    from specpilot.eval.methods import grid_batch_table
+    from specpilot.policies import BatchTableController
+    from specpilot.artifacts.grid import GridResult
+
+    pair = ModelPair.from_pretrained(draft="embedded")
+    n = args.max_new_tokens
+    candidates = [tuple(int(x) for x in c.split(":")) for c in args.candidates.split(",")]
+    deepest = max([d for d, _ in candidates] + [1])
+    heldout = [pair.encode(p.prompt) for p in load_suite("heldout_code")][: args.prompts]
+    t0 = time.perf_counter()
+    if args.table:  # B:DEPTH:SIZE entries given (e.g. a sweep printed earlier): the batch-1 entry is the static
+        table = {int(b): (int(d), int(z)) for b, d, z in (e.split(":") for e in args.table.split(","))}
+        static, source = table[min(table)], f"--table {args.table}"
+        deepest = max([deepest] + [d for d, _ in table.values()])
+    elif args.grid:
+        best = GridResult.load(args.grid).best
+        cells = grid_batch_table(args.grid)
+        table = {b: (c["depth"], c["size"]) for b, c in cells.items()}
+        static, source = (best["depth"], best["size"]), f"grid {args.grid}"
+        deepest = max([deepest, static[0]] + [d for d, _ in table.values()])
+    else:
+        tree = TreeConfig(width=4, max_depth=deepest, max_size=64)
+        tune = [pair.encode(p.prompt) for p in load_suite("validation")][: args.prompts]
+        table = sweep_table(pair, tree, sizes, candidates, tune, n)
+        static, source = table[min(sizes)], f"live sweep of {args.candidates} on {len(tune)} validation prompts"
+    sweep_s = time.perf_counter() - t0
+    tree = TreeConfig(width=4, max_depth=max(deepest, 1), max_size=64)
+    controllers = {f"static_b1_d{static[0]}_s{static[1]}": (FixedController(*static), tree),
+                   "batch_table": (BatchTableController(table), tree)}
+    result = evaluate_batches(heldout, pair=pair, batch_sizes=sizes, tree=tree, controllers=controllers,
+                              methods=["ltd"] if args.run else [], run_dir=args.run, max_new_tokens=n,
+                              plan=RoundPlan.make(args.repeats), warmup=1)
+    print(f"{pair.name} (draft LM), {pair.device} {str(pair.dtype).replace('torch.', '')}, "
+          f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}; greedy; "
+          f"{len(heldout)} held-out prompts, {n} new tokens, {args.repeats} round(s), tree width 4")
+    print(f"static configs from {source} ({sweep_s:.0f}s); batch table "
+          + ", ".join(f"B>={b}: ({d}, {s})" for b, (d, s) in sorted(table.items())))
+    if result["skipped"]:
+        print(f"skipped: {result['skipped']}")
+    names = [n for n in result["methods"]]
+    print(f"{'batch':>5}  " + "  ".join(f"{name:>34}" for name in names) + "  exact")
+    for section in result["batch_sizes"]:
+        rows = {r["method"]: r for r in section["methods"]}
+        cells = []
+        for name in names:
+            r = rows.get(name)
+            if r is None:
+                cells.append(f"{'-':>34}")
+                continue
+            ci = r["speedup_ci"]
+            interval = (f"[{ci[0]:.2f},{ci[1]:.2f}]" if ci and ci[0] is not None and ci[0] == ci[0]
+                        else ("" if name == "ar" else "[n/a: 1 unit]"))
+            cells.append(f"{r['tokens_per_s']:>8.1f} tok/s {r['speedup']:>5.2f}x {interval:>13}")
+        exact = all(r["identical_to_ar"] for r in rows.values())
+        print(f"{section['batch_size']:>5}  " + "  ".join(cells) + f"  {exact}")
+    print(f"({result['protocol']['seconds']:.0f}s measured; ratios vs batched ar with 95% paired bootstrap "
+          "intervals over batches, over rounds where there is one batch)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,2,4,8")
@@ -48,8 +138,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--size", type=int, default=12)
+    ap.add_argument("--policies", action="store_true", help="the static-vs-per-batch-table table (see above)")
+    ap.add_argument("--grid", default=None, help="--policies: grid.json with best and per_batch_size")
+    ap.add_argument("--run", default=None, help="--policies: a trained run (adds ltd)")
+    ap.add_argument("--prompts", type=int, default=4, help="--policies: held-out (and sweep) prompts")
+    ap.add_argument("--candidates", default="0:0,1:2,2:4,4:12", help="--policies: DEPTH:SIZE configs swept")
+    ap.add_argument("--table", default=None, help="--policies: B:DEPTH:SIZE,... per-batch table (skips the sweep)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
+    if args.policies:
+        return policies(args, sizes)
     pair = ModelPair.from_pretrained(draft="embedded")
     suite = [pair.encode(p.prompt) for p in load_suite("heldout")]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))

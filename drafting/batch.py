@@ -252,6 +252,7 @@ class BatchSession:
     def _state(self) -> DraftState:
         row = self.lead
         tree = row.tree
+        lengths = [len(r.committed) for r in self.active]   # the load the batch-aware controllers see
         prev = row.cycles[-1] if row.cycles else None
         scores, level_start = None, 0
         if tree is not None:
@@ -266,7 +267,8 @@ class BatchSession:
             last_entropy=self._last_entropy if tree is not None else 0.0,
             new_tokens=len(row.new_tokens), max_new_tokens=row.max_new_tokens,
             prev_accepted=prev.accepted if prev else 0, prev_depth=prev.depth if prev else 0,
-            acceptance=row.acceptance)
+            acceptance=row.acceptance, batch_size=len(self.active), context_max=max(lengths),
+            context_mean=sum(lengths) / len(lengths))
 
     def cycle_state(self) -> DraftState:
         if self.done:

@@ -101,17 +101,26 @@ class DraftState:
         stay easy), so the last outcome is the cheapest predictor of the next one.
     acceptance: running acceptance rate of this generation's speculative cycles (EMA of accepted / depth, starting
         at 1; plain steps leave it unchanged), so a policy that stopped speculating still sees when to come back.
+    batch_size: sequences decoded together in this cycle (1 for `generate`; the live rows of a batched session,
+        `specpilot.drafting.batch`): the load, which decides what a verified token costs.
+    context_max / context_mean: longest / mean committed length over those sequences (both = context_len at
+        batch size 1): the attention cost of the batch's verify pass grows with them.
     """
 
     __slots__ = ("depth", "max_depth", "width", "context_len", "new_tokens", "max_new_tokens", "prev_accepted",
-                 "prev_depth", "acceptance", "last_top_prob", "last_entropy", "_scores", "_level_start",
+                 "prev_depth", "acceptance", "last_top_prob", "last_entropy", "batch_size", "context_max",
+                 "context_mean", "_scores", "_level_start",
                  "_sorted_source", "_np", "_frontier", "_candidates")
 
     def __init__(self, *, depth: int, max_depth: int, width: int, context_len: int, scores=None,
                  level_start: int = 0, last_top_prob: float = 1.0, last_entropy: float = 0.0, new_tokens: int = 0,
                  max_new_tokens: int = 1, prev_accepted: int = 0, prev_depth: int = 0, acceptance: float = 1.0,
-                 sorted_scores=None) -> None:
+                 sorted_scores=None, batch_size: int = 1, context_max: int | None = None,
+                 context_mean: float | None = None) -> None:
         self.depth, self.max_depth, self.width, self.context_len = depth, max_depth, width, context_len
+        self.batch_size = batch_size
+        self.context_max = context_len if context_max is None else context_max
+        self.context_mean = float(context_len if context_mean is None else context_mean)
         self.new_tokens, self.max_new_tokens = new_tokens, max_new_tokens
         self.prev_accepted, self.prev_depth, self.acceptance = prev_accepted, prev_depth, acceptance
         self.last_top_prob, self.last_entropy = last_top_prob, last_entropy
@@ -135,7 +144,8 @@ class DraftState:
                           scores=self._all().copy(), level_start=self._level_start, last_top_prob=self.last_top_prob,
                           last_entropy=self.last_entropy, new_tokens=self.new_tokens,
                           max_new_tokens=self.max_new_tokens, prev_accepted=self.prev_accepted,
-                          prev_depth=self.prev_depth, acceptance=self.acceptance)
+                          prev_depth=self.prev_depth, acceptance=self.acceptance, batch_size=self.batch_size,
+                          context_max=self.context_max, context_mean=self.context_mean)
 
     def _all(self) -> np.ndarray:
         if self._np is None:
@@ -172,7 +182,7 @@ class DraftState:
 
     def __repr__(self) -> str:
         return (f"DraftState(depth={self.depth}/{self.max_depth}, width={self.width}, "
-                f"candidates={self.num_candidates}, context_len={self.context_len}, "
+                f"candidates={self.num_candidates}, context_len={self.context_len}, batch_size={self.batch_size}, "
                 f"new_tokens={self.new_tokens}/{self.max_new_tokens}, prev=({self.prev_accepted}, {self.prev_depth}))")
 
 

@@ -8,18 +8,21 @@ or with --ray on Ray workers: the same files either way. It prints the verdict-f
 Before anything is measured (`prepare`): the output folder is writable, every method asked for by name can run
 (`specpilot.eval.inputs.check_methods`: a missing or broken --run / --grid is an error, not a skipped method), and
 with --run the tree is the run's (its policies' contract; a conflicting --width/--max-depth/--max-size is refused).
+
+With --batch-sizes the command runs the batched evaluation instead (`specpilot.eval.batched.evaluate_batches`:
+greedy, in this process, every method decoding batches of each size vs batched ar) and writes its sections.
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-from specpilot.drafting.cliargs import (add_pair_arguments, float_list, name_list, non_negative_float,
+from specpilot.drafting.cliargs import (add_pair_arguments, float_list, int_list, name_list, non_negative_float,
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
 # (tests/test_bad_options.py keeps the two equal)
-METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "ddd", "svip", "confidence", "hf_heuristic", "ltd",
-           "depth_only", "size_only")
+METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "batch_table", "ddd", "svip", "confidence",
+           "hf_heuristic", "ltd", "depth_only", "size_only")
 
 _methods = name_list(METHODS, "method")
 
@@ -34,6 +37,11 @@ def _rounds(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of rounds or \"auto\", got {text!r}")
     return value
+
+
+def _batch_sizes(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]: distinct batch sizes >= 1, ascending."""
+    return sorted(set(int_list(1)(text)))
 
 
 def _decide(text: str) -> tuple[str, str]:
@@ -83,8 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed warm-up runs per method")
     parser.add_argument("--concurrency", type=positive_int, default=1,
                         help="also run N streams at once and report speedup/latency under that load")
+    parser.add_argument("--batch-sizes", type=_batch_sizes, default=None,
+                        help="comma list of batch sizes (e.g. 1,2,4,8,16): decode the prompts in batches of each "
+                             "size with every method, greedy, vs batched ar (default: none, one sequence at a time)")
     add_pair_arguments(parser)
-    parser.add_argument("--grid", default=None, help="grid-search result JSON (enables method `grid`; default: none)")
+    parser.add_argument("--grid", default=None,
+                        help="grid-search result JSON (enables methods `grid`, and `batch_table` when it has a "
+                             "per_batch_size table; default: none)")
     parser.add_argument("--run", dest="run_dir", default=None,
                         help="trained run dir (enables `ltd`, `depth_only`, `size_only`; its tree is used; "
                              "default: none)")
@@ -142,10 +155,24 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     # the round plan's own checks (e.g. --min-rounds above --max-rounds) before the replay recording, not after it
     RoundPlan.make(args.rounds, min_rounds=args.min_rounds, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
                    target_half_width=args.target_half_width, decide=tuple(args.decide), full_rounds=args.full_rounds)
+    if getattr(args, "batch_sizes", None):
+        check_batch_options(args)
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
                   grid=args.grid, run_dir=args.run_dir)
     return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
+
+
+def check_batch_options(args: argparse.Namespace) -> None:
+    """--batch-sizes runs the batched evaluation (greedy, in this process): options it cannot honour are refused."""
+    if 0.0 not in args.temperatures:
+        raise ValueError("--batch-sizes measures greedy decoding: add temperature 0 to --temperatures")
+    conflicts = [o for o, given in (("--replay-dir", args.replay_dir), ("--check-profile", args.check_profile),
+                                    ("--concurrency", args.concurrency > 1), ("--ray", getattr(args, "ray", None)))
+                 if given]
+    if conflicts:
+        raise ValueError(f"--batch-sizes cannot be combined with {', '.join(conflicts)}: the batched evaluation "
+                         "decodes greedy batches in this process; drop them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -156,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.train.scale.cluster_cli import open_executor
 
     plan = prepare(args)
+    if args.batch_sizes:
+        return run_batches(args, plan)
     with open_executor(args) as executor:
         if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= its vocabulary)
             SpeculativeDecoder(executor.pair, plan.tree)
@@ -198,6 +227,54 @@ def run(args: argparse.Namespace) -> int:
     if result.meta["executor"]["retried_prompts"]:
         say(f"retried prompts (their worker failed once): {result.meta['executor']['retried_prompts']}")
     _print_summary(paths["json"])
+    print(f"wrote {paths['md']} and {paths['json']}")
+    return 0
+
+
+def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
+    """`eval --batch-sizes`: `specpilot.eval.batched.evaluate_batches` on the loaded pair, one report section per
+    batch size (report.json "batch_sizes", report.md tables), and the tables printed."""
+    from specpilot.drafting.cliargs import load_pair
+    from specpilot.eval.batched import evaluate_batches
+    from specpilot.eval.inputs import check_inputs_pair
+    from specpilot.eval.report import batch_lines, write_report
+    from specpilot.eval.rounds import RoundPlan
+    from specpilot.eval.runner import build_meta
+    from specpilot.eval.suites import prompt_mix
+
+    pair = load_pair(args)
+    if pair.eagle is not None:
+        raise ValueError("--batch-sizes decodes with a draft LM; this pair drafts with an EAGLE-3 head: add "
+                         "--draft (e.g. --draft embedded)")
+    check_inputs_pair(pair.identity(), run_dir=args.run_dir, grid=args.grid)
+    ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
+    for note in check_prompt_lengths(plan.prompts, ids, context=pair.max_context, max_new_tokens=args.max_new_tokens,
+                                     max_depth=plan.tree.max_depth, truncate=args.truncate_prompts):
+        say(note)
+    limit = pair.max_context - args.max_new_tokens - plan.tree.max_depth - 2
+    tokens = [ids[p.prompt][-limit:] for p in plan.prompts]
+    rounds = RoundPlan.make(args.rounds, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
+                            time_budget_s=args.time_budget, target_half_width=args.target_half_width,
+                            decide=tuple(args.decide), full_rounds=args.full_rounds)
+    methods = plan.methods if plan.methods is not None else list(METHODS)
+    say(f"evaluating {len(plan.prompts)} prompts of suite {plan.suite['name']} in batches of "
+        f"{','.join(map(str, args.batch_sizes))} on {pair.name} ({pair.device}), tree {plan.tree}, greedy")
+    clear_outputs(args.out)
+    result = evaluate_batches(tokens, pair=pair, batch_sizes=args.batch_sizes, tree=plan.tree, methods=methods,
+                              max_new_tokens=args.max_new_tokens, plan=rounds, warmup=args.warmup, seed=args.seed,
+                              grid=args.grid, run_dir=args.run_dir, progress=say)
+    repeats = max(s["rounds"]["rounds"] for s in result["batch_sizes"])
+    meta = build_meta(pair, tree=plan.tree, prompts=plan.prompts, temperatures=(0.0,), top_k=0, top_p=1.0,
+                      max_new_tokens=args.max_new_tokens, repeats=repeats, warmup=args.warmup, concurrency=1,
+                      seed=args.seed, methods=result["methods"], skipped=result["skipped"])
+    meta.update(prompt_mix=prompt_mix(list(plan.prompts)), suite=plan.suite, batch_protocol=result["protocol"])
+    paths = write_report([], meta, args.out, plots=False, analysis={"batch_sizes": result["batch_sizes"]})
+    for name, reason in result["skipped"].items():
+        say(f"skipped {name}: {reason}")
+    print("\n".join(batch_lines(result["batch_sizes"])))
+    inexact = sorted({r["method"] for s in result["batch_sizes"] for r in s["methods"] if not r["identical_to_ar"]})
+    if inexact:  # a report, not a crash: near-ties under low precision can flip a token; the report counts them
+        say(f"WARNING: greedy output differs from batched ar for {', '.join(inexact)} (report: mismatched_sequences)")
     print(f"wrote {paths['md']} and {paths['json']}")
     return 0
 

@@ -85,6 +85,11 @@ def check_methods(names: list[str], *, grid: str | Path | None = None, run_dir: 
                 problems.append("grid needs a grid-search result (--grid GRID.json)")
             else:
                 read_grid_best(grid)
+        elif name == "batch_table":
+            if grid is None:
+                problems.append("batch_table needs a grid-search result with a per_batch_size table (--grid GRID.json)")
+            elif not (GridResult.load(grid).data.get("per_batch_size")):
+                problems.append(f"batch_table needs a per_batch_size table, which {grid} does not have")
     if problems:
         raise EvalInputError(f"method(s) asked for cannot run: {'; '.join(problems)}")
     if run_dir is not None and any(n in TRAINED_METHODS for n in names):

@@ -135,6 +135,40 @@ def _grid_by_temperature(ctx: EvalContext) -> dict:
     return out
 
 
+def grid_batch_table(grid: str | Path) -> dict[int, dict]:
+    """{batch_size: cell} of a grid.json's `per_batch_size` entries ([{batch_size, depth, size[, width]}, ...]:
+    the best static config measured per batch size); MethodUnavailable when the file has none."""
+    try:
+        result = GridResult.load(grid)
+    except (OSError, ValueError) as err:
+        raise MethodUnavailable(f"{grid}: not a readable grid result ({err})") from err
+    entries = getattr(result, "per_batch_size", None) or result.data.get("per_batch_size")
+    if not entries:
+        raise MethodUnavailable(f"{grid} has no per_batch_size table (a grid searched per batch size writes one)")
+    try:
+        return {int(e["batch_size"]): {**e, "depth": int(e["depth"]), "size": int(e["size"])} for e in entries}
+    except (KeyError, TypeError, ValueError) as err:
+        raise MethodUnavailable(f"{grid}: per_batch_size entries need batch_size, depth and size ({err!r})") from None
+
+
+def _batch_table(ctx: EvalContext):
+    """The grid's per-batch-size static configs as one controller (`BatchTableController`); at batch size 1
+    (single-sequence evaluation) it is the batch-1 entry."""
+    from specpilot.policies.heuristics import BatchTableController
+
+    if ctx.grid is None:
+        raise MethodUnavailable("no grid-search result given (--grid GRID.json with a per_batch_size table)")
+    cells = grid_batch_table(ctx.grid)
+    widths = {int(c.get("width", ctx.tree.width)) for c in cells.values() if c["depth"] > 0}
+    if len(widths) > 1:
+        raise MethodUnavailable(f"{ctx.grid}: per_batch_size mixes tree widths {sorted(widths)}; one decoder tree "
+                                "serves every batch size")
+    width = widths.pop() if widths else ctx.tree.width
+    tree = TreeConfig(width=width, max_depth=max([ctx.tree.max_depth] + [c["depth"] for c in cells.values()]),
+                      max_size=max([ctx.tree.max_size] + [c["size"] for c in cells.values()]))
+    return BatchTableController({b: (c["depth"], c["size"]) for b, c in cells.items()}), tree
+
+
 def _heuristic(key: str):
     def factory(ctx: EvalContext):
         try:
@@ -212,6 +246,7 @@ METHODS: dict[str, Callable[[EvalContext, str], Method]] = {
     "hf_assisted": _hf(assisted=True),
     "fixed": _controller(_fixed),
     "grid": _controller(_grid),
+    "batch_table": _controller(_batch_table),
     "ddd": _controller(_heuristic("ddd")),
     "svip": _controller(_heuristic("svip")),
     "confidence": _controller(_heuristic("confidence")),

@@ -2,11 +2,13 @@
 from specpilot.drafting.control import Controller, FixedController, default_static_config
 from specpilot.policies.heuristics import (
     HEURISTICS,
+    BatchTableController,
     ConfidenceController,
     DDDController,
     GammaTuneController,
     HFHeuristicController,
     RandomDepthController,
+    SpeculateBelowBatch,
     SVIPController,
     make_heuristic,
 )
@@ -16,6 +18,7 @@ from specpilot.policies.ppo import PPOController, load_run_controllers
 __all__ = [
     "Controller", "FixedController", "default_static_config",
     "HEURISTICS", "make_heuristic", "DDDController", "SVIPController", "ConfidenceController",
-    "HFHeuristicController", "GammaTuneController", "RandomDepthController",
+    "HFHeuristicController", "GammaTuneController", "RandomDepthController", "BatchTableController",
+    "SpeculateBelowBatch",
     "LearnedController", "PPOController", "load_run_controllers",
 ]

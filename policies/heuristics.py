@@ -9,11 +9,17 @@ Each heuristic decides *depth* only (when to stop drafting); the verification si
     HFHeuristicController transformers' "heuristic" schedule: a depth target, +2 after a fully accepted draft, else -1
     GammaTuneController   acceptance-rate EMA switching between a short and a long depth
 
+Decisions under load (batched decoding, `SpeculativeDecoder.generate_batch`: `state.batch_size` is the live rows):
+    BatchTableController  a static (depth, size) per batch size: the entry of the largest batch size <= the current
+                          one (the grid's per-batch-size answer; depth 0 = plain target steps, no drafting)
+    SpeculateBelowBatch   another controller below batch size b, plain target steps at b and above
+
 `HEURISTICS` maps short names to classes; `make_heuristic(name, **kw)` builds one.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -228,6 +234,99 @@ class RandomDepthController(Controller):
 
     def describe(self) -> dict:
         return {"name": self.name, "low": self.low, "high": self.high, "size": self.size}
+
+
+class BatchTableController(Controller):
+    """A static (depth, size) per batch size. `table` maps a batch size to (depth, size); a cycle at batch size B
+    uses the entry of the largest key <= B (below the smallest key: the smallest key's entry), as vLLM's
+    `num_speculative_tokens_per_batch_size` ranges and SGLang's batch-size-keyed parameters look K up. Depth 0
+    (size 0) never drafts: the target takes one plain step per cycle. At batch size 1 (`generate`) it is the
+    static config of key 1."""
+
+    name = "batch_table"
+
+    def __init__(self, table: Mapping[int, tuple[int, int]]) -> None:
+        if not isinstance(table, Mapping) or not table:
+            raise ValueError("BatchTableController needs a non-empty {batch_size: (depth, size)} table")
+        entries = []
+        for key, value in table.items():
+            try:
+                batch, (depth, size) = int(key), (int(value[0]), int(value[1]))
+            except (TypeError, ValueError, IndexError):
+                raise ValueError(f"batch table entry {key!r}: {value!r} is not batch_size: (depth, size)") from None
+            if batch < 1 or depth < 0 or size < (0 if depth == 0 else 1):
+                raise ValueError(f"batch table entry {batch}: ({depth}, {size}) needs batch size >= 1, depth >= 0 "
+                                 "and size >= 1 when drafting (0 with depth 0)")
+            entries.append((batch, depth, size))
+        self.entries = sorted(entries)
+
+    def lookup(self, batch_size: int) -> tuple[int, int]:
+        """(depth, size) for `batch_size`: the entry of the largest key <= it (the smallest key below all)."""
+        chosen = self.entries[0]
+        for entry in self.entries:
+            if entry[0] <= batch_size:
+                chosen = entry
+        return chosen[1], chosen[2]
+
+    def check_tree(self, tree) -> None:
+        deepest, largest = max(e[1] for e in self.entries), max(e[2] for e in self.entries)
+        if deepest > tree.max_depth or largest > tree.max_size:
+            raise ValueError(f"batch table needs depth {deepest} and size {largest}; the tree holds max_depth "
+                             f"{tree.max_depth}, max_size {tree.max_size}: use a larger TreeConfig")
+
+    # stateless: every answer looks the batch size up in the state it is given (it cannot change within a cycle)
+    def skip_drafting(self, state: DraftState) -> bool:
+        return self.lookup(int(state.batch_size))[0] == 0
+
+    def should_stop(self, state: DraftState) -> bool:
+        return state.depth >= self.lookup(int(state.batch_size))[0]
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.lookup(int(state.batch_size))[1]
+
+    def describe(self) -> dict:
+        return {"name": self.name, "table": {str(b): [d, s] for b, d, s in self.entries}}
+
+
+class SpeculateBelowBatch(Controller):
+    """Speculation only under light load: `inner` decides while the batch holds fewer than `max_batch` sequences;
+    at `max_batch` and above every cycle is a plain target step (batched autoregressive decoding). The plain steps
+    it forces are not reported to `inner` (its adaptive state tracks its own cycles only)."""
+
+    name = "speculate_below_batch"
+
+    def __init__(self, inner: Controller, max_batch: int) -> None:
+        if not isinstance(inner, Controller):
+            raise TypeError(f"inner must be a Controller, got {type(inner).__name__}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        self.inner, self.max_batch = inner, max_batch
+        self._forced = False
+
+    def reset(self) -> None:
+        self._forced = False
+        self.inner.reset()
+
+    def check_tree(self, tree) -> None:
+        if hasattr(self.inner, "check_tree"):
+            self.inner.check_tree(tree)
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        self._forced = int(state.batch_size) >= self.max_batch
+        return self._forced or self.inner.skip_drafting(state)
+
+    def should_stop(self, state: DraftState) -> bool:
+        return self.inner.should_stop(state)
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.inner.choose_size(state)
+
+    def observe(self, record: CycleRecord) -> None:
+        if not self._forced:
+            self.inner.observe(record)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "max_batch": self.max_batch, "inner": self.inner.describe()}
 
 
 HEURISTICS: dict[str, type[Controller]] = {
