@@ -157,3 +157,18 @@ def test_grid_measures_the_batch_profile_with_the_pair_when_the_trace_lacks_it(r
     assert LatencyProfile.load(tmp_path / "grid.profile_w3.json").batch_sizes == [1, 2]
     with pytest.raises(ValueError, match="give a pair to measure them"):
         grid_search(root / "train", depths=[1], sizes=[1], live_top=0, batch_sizes=[2], heatmap=False)
+
+
+def test_grid_cli_batch_sizes_writes_per_batch_size(recorded, tmp_path, capsys):
+    from specpilot.cli import main
+
+    _, _, root = recorded
+    profile = batched_synthetic_profile(TREE).save(tmp_path / "batch_profile.json")
+    out = tmp_path / "grid.json"
+    assert main(["grid", "--traces", str(root), "--out", str(out), "--live-top", "0", "--depths", "0,1,2",
+                 "--sizes", "1,3", "--batch-sizes", "1,2,4", "--batch-profile", str(profile)]) == 0
+    assert "  B=4: W=3" in capsys.readouterr().out
+    assert [r["batch_size"] for r in json.loads(out.read_text())["per_batch_size"]] == [1, 2, 4]
+    assert main(["grid", "--traces", str(root), "--out", str(out), "--live-top", "0", "--batch-sizes", "8",
+                 "--batch-profile", str(profile)]) == 2
+    assert "not up to 8" in capsys.readouterr().err
