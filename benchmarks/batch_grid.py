@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2,4,8,16,32")
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--min-batches", type=int, default=1, help="batches per batch size in the profile (at least)")
     ap.add_argument("--live", default="", help="batch sizes to re-check live, e.g. 1,16 (default: none)")
     ap.add_argument("--live-rounds", type=int, default=3)
     ap.add_argument("--out", required=True)
@@ -52,10 +53,11 @@ def main() -> None:
     prompts = [p.prompt for p in load_suite("train")][: args.prompts]
     started = time.perf_counter()
     trace = record_trace(pair, tree, prompts, max_new_tokens=args.max_new_tokens)
+    trace.save(out / "trace")
     print(f"trace: {trace.num_prompts} prompts, {time.perf_counter() - started:.0f}s", flush=True)
     started = time.perf_counter()
     profile = measure_batch_profile(pair, tree, prompts, batch_sizes, max_new_tokens=args.max_new_tokens,
-                                    progress=True)
+                                    min_batches=args.min_batches, progress=True)
     profile.save(out / "profile.json")
     print(f"batch profile: {time.perf_counter() - started:.0f}s", flush=True)
     model = ReplayModel(trace, profile)

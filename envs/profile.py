@@ -386,14 +386,17 @@ def measure_profile(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
 
 def collect_batch_samples(pair, tree, prompts, batch_sizes: list[int], *, max_new_tokens: int = 128,
                           sizes: list[int] | None = None, rng: np.random.Generator | int | None = 0,
-                          warmup_cycles: int = 8, progress: bool = False) -> dict[int, ProfileSamples]:
+                          warmup_cycles: int = 8, min_batches: int = 1,
+                          progress: bool = False) -> dict[int, ProfileSamples]:
     """{B: raw samples} of live batched greedy generations: for each B, the prompts go in batches of B (cycled to fill
     the last) through `BatchSession` with a random (depth, size) per cycle (`_RandomConfigs`, one decision per cycle
     for the batch, as the batched decoder takes them), each step timed by the session's own clock (its CycleRecord:
     `level_s`, `verify_s`). Only cycles with exactly B unfinished sequences are kept (rows finish at different
     times; a shrunken batch is not the size being measured). Keys: fed = the largest catch-up of the batch's rows
     (the first draft forward is padded to it), context = the longest row. A warm-up of `warmup_cycles` cycles per
-    B is run first and not kept. Measuring only: the decoding is drafting/batch.py's."""
+    B is run first and not kept; at least `min_batches` batches run per B (the prompts cycled), so that large batch
+    sizes, which fit few batches into the prompts, still get cycles. Measuring only: the decoding is
+    drafting/batch.py's."""
     from specpilot.drafting.batch import BatchSession, batch_inputs
     from specpilot.drafting.cycle import run_cycle
     from specpilot.drafting.decoder import SpeculativeDecoder
@@ -412,7 +415,7 @@ def collect_batch_samples(pair, tree, prompts, batch_sizes: list[int], *, max_ne
         samples = out[b] = ProfileSamples(max_depth=tree.max_depth, width=tree.width,
                                           meta={"device": str(pair.device), "dtype": str(pair.dtype), "sizes": sizes,
                                                 "batch_size": b, "max_new_tokens": max_new_tokens})
-        batches = [[ids[(k + j) % len(ids)] for j in range(b)] for k in range(0, len(ids), b)]
+        batches = [[ids[(k + j) % len(ids)] for j in range(b)] for k in range(0, max(len(ids), min_batches * b), b)]
         for i, batch in enumerate([batches[0]] + batches):  # a warm-up batch first, not kept
             session = BatchSession(decoder, batch, max_new_tokens=max_new_tokens)
             seen = 0
@@ -434,12 +437,13 @@ def collect_batch_samples(pair, tree, prompts, batch_sizes: list[int], *, max_ne
 
 def measure_batch_profile(pair, tree, prompts, batch_sizes: list[int], *, base: LatencyProfile | None = None,
                           max_new_tokens: int = 128, sizes: list[int] | None = None, seed: int = 0,
-                          warmup_cycles: int = 8, context_edges: list[int] | None = None,
+                          warmup_cycles: int = 8, min_batches: int = 1, context_edges: list[int] | None = None,
                           progress: bool = False) -> LatencyProfile:
     """A LatencyProfile carrying one batched profile per size in `batch_sizes` (`collect_batch_samples`, seeded).
     Its top-level curves are `base`'s (the single-sequence profile) when given, else the smallest batch size's."""
     samples = collect_batch_samples(pair, tree, prompts, batch_sizes, max_new_tokens=max_new_tokens, sizes=sizes,
-                                    rng=seed, warmup_cycles=warmup_cycles, progress=progress)
+                                    rng=seed, warmup_cycles=warmup_cycles, min_batches=min_batches,
+                                    progress=progress)
     parts = {}
     for b, s in samples.items():
         if not s.verify:
