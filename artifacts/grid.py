@@ -4,7 +4,10 @@
                           depth 0: plain target steps won)
     best_drafting         the best cell that drafts (depth >= 1): the partner of training stages
     best_by_temperature   {"<T>": cell}: the best cell measured live at sampling temperature T > 0
-    table, live, live_ar, oracle, sampled_live   the measurements
+    per_batch_size        [{"batch_size", "width", "depth", "size", "tokens_per_s", "speedup_vs_ar", ...}]: the best
+                          static cell per batch size in batch replay (depth 0: batched AR won), ascending batch
+                          sizes ([] in files written before it, or without --batch-sizes)
+    table, live, live_ar, oracle, sampled_live, batch_table   the measurements
     meta                  {"traces": [{"trace", "width", "max_depth", "max_size", "pair", ...}], "pair", ...}
 
 `GridResult.load` reads it once, checked, for every caller (eval's `grid` method, training's static partner, the
@@ -36,6 +39,28 @@ def _cell(value, path: Path, name: str) -> dict | None:
     return {**value, **ints}
 
 
+def _per_batch(value, path: Path) -> list[dict]:
+    """per_batch_size rows with int batch_size (>= 1, strictly ascending), depth, size (and width); [] when absent."""
+    if value is None:
+        return []
+    fix = f"{path}: per_batch_size must be a list of {{batch_size, depth, size}} rows, batch sizes ascending; {GRID_FIX}"
+    if not isinstance(value, list):
+        raise InputFileError(fix)
+    rows = []
+    for i, row in enumerate(value):
+        if not isinstance(row, dict) or "batch_size" not in row:
+            raise InputFileError(fix)
+        cell = _cell(row, path, f"per_batch_size[{i}]")
+        try:
+            cell["batch_size"] = int(row["batch_size"])
+        except (TypeError, ValueError):
+            raise InputFileError(fix) from None
+        if cell["batch_size"] < 1 or cell["depth"] < 0 or (rows and cell["batch_size"] <= rows[-1]["batch_size"]):
+            raise InputFileError(fix)
+        rows.append(cell)
+    return rows
+
+
 @dataclass
 class GridResult:
     """A grid search's result (see the module docstring); `data` is the whole file."""
@@ -46,6 +71,7 @@ class GridResult:
     meta: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict, repr=False)
     path: Path | None = None
+    per_batch_size: list[dict] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict, path: str | Path = GRID_FILE) -> "GridResult":
@@ -57,7 +83,8 @@ class GridResult:
             raise InputFileError(f"{path}: best_by_temperature must map temperatures to cells; {GRID_FIX}")
         meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
         return cls(_cell(data["best"], path, "best"), _cell(data.get("best_drafting"), path, "best_drafting"),
-                   {str(t): _cell(c, path, f"best_by_temperature[{t}]") for t, c in by_t.items()}, meta, data, path)
+                   {str(t): _cell(c, path, f"best_by_temperature[{t}]") for t, c in by_t.items()}, meta, data, path,
+                   _per_batch(data.get("per_batch_size"), path))
 
     @classmethod
     def load(cls, path: str | Path) -> "GridResult":
@@ -67,7 +94,8 @@ class GridResult:
 
     def save(self, path: str | Path) -> Path:
         data = {**self.data, "best": self.best, "best_drafting": self.best_drafting,
-                "best_by_temperature": self.best_by_temperature, "meta": self.meta}
+                "best_by_temperature": self.best_by_temperature, "meta": self.meta,
+                "per_batch_size": self.per_batch_size}
         self.path = save_object(path, data, version=GRID_VERSION, default=float)
         return self.path
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from specpilot.artifacts.trace import trace_dir
 
 PROFILE_FILE = "profile.json"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: optional per-batch-size profiles ("batch"); version-1 files (batch size 1 only) still load
+PROFILE_VERSIONS_READ = (1, 2)
 
 
 def profile_path(trace: str | Path) -> Path:

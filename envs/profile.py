@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,7 @@ import numpy as np
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import atomic_write_text, read_json
 
-from specpilot.artifacts.profile import PROFILE_VERSION  # noqa: E402 (one definition, beside the file name)
+from specpilot.artifacts.profile import PROFILE_VERSION, PROFILE_VERSIONS_READ  # noqa: E402 (one definition, beside the file name)
 
 
 def _stats(samples: dict) -> dict:
@@ -84,6 +84,7 @@ class LatencyProfile:
     meta: dict = field(default_factory=dict)
     shrink: float = 10.0         # pseudo-count of the line in each key's estimate
     version: int = PROFILE_VERSION
+    batch: dict = field(default_factory=dict)  # {"<B>": batch-B curves (see "Batches" below)}; {} = batch 1 only
 
     # -- lookups ------------------------------------------------------------------------------------------------------
     def first_time(self, n_new: np.ndarray | int) -> np.ndarray:
@@ -131,6 +132,55 @@ class LatencyProfile:
     def verify_time(self, size: int, context_len: int) -> float:
         return float(self.verify_table(size, np.array([context_len]))[0, size])
 
+    # -- batches -------------------------------------------------------------------------------------------------------
+    @property
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes measured with the batched decoder (`measure_batch_profile`); [] for a batch-1 profile."""
+        return sorted(int(b) for b in self.batch)
+
+    def for_batch(self, batch_size: int) -> "LatencyProfile":
+        """The profile of one measured batch size: the same curves, each step being ONE batched forward of
+        `batch_size` sequences (verify size V = V candidates per sequence, B * (V + 1) tokens verified; context =
+        the batch's longest sequence; fed = the batch's largest catch-up)."""
+        entry = self.batch.get(str(int(batch_size)))
+        if entry is None:
+            raise ValueError(f"the latency profile has no batch size {batch_size} (measured: "
+                             f"{self.batch_sizes or 'batch size 1 only'}); measure it with `measure_batch_profile`")
+        keep = {k: v for k, v in entry.items() if k in self.__dataclass_fields__ and k not in ("batch", "version")}
+        return LatencyProfile(**{"max_depth": self.max_depth, "width": self.width, "shrink": self.shrink, **keep})
+
+    def batch_tables(self, batch_size: int, max_size: int, context_lens: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """(draft_table [max_depth + 2, max_depth + 1], verify_table [len(context_lens), max_size + 1]) of one
+        batched cycle with `batch_size` sequences (see `draft_table` / `verify_table`), interpolated linearly in
+        the batch size between the measured sizes (below the smallest: the smallest). A batch larger than every
+        measured size is refused: its cost is not extrapolated."""
+        sizes = self.batch_sizes
+        if not sizes:
+            raise ValueError("the latency profile was measured at batch size 1 only; measure batch sizes with "
+                             "`specpilot.envs.profile.measure_batch_profile`")
+        b = max(int(batch_size), sizes[0])
+        if b > sizes[-1]:
+            raise ValueError(f"batch size {batch_size} is above the profile's largest measured batch size "
+                             f"{sizes[-1]} (measured: {sizes})")
+        hi = next(s for s in sizes if s >= b)
+        lo = max(s for s in sizes if s <= b)
+        tables = []
+        for s in sorted({lo, hi}):
+            part = self.for_batch(s)
+            tables.append((part.draft_table(), part.verify_table(max_size, context_lens)))
+        if hi == lo:
+            return tables[0]
+        w = (b - lo) / (hi - lo)
+        return tuple((1 - w) * a + w * c for a, c in zip(tables[0], tables[1]))
+
+    def with_batch(self, parts: dict[int, "LatencyProfile"]) -> "LatencyProfile":
+        """A copy of this profile carrying per-batch-size profiles {B: profile} (replacing those sizes)."""
+        batch = dict(self.batch)
+        for b, part in parts.items():
+            batch[str(int(b))] = {k: v for k, v in part.to_dict().items() if k not in ("batch", "version")}
+        return LatencyProfile(**{**{k: getattr(self, k) for k in self.__dataclass_fields__}, "batch": batch})
+
     # -- noise ---------------------------------------------------------------------------------------------------------
     def draft_std(self) -> float:
         """Typical std of one draft forward (pooled over levels), for optional replay noise."""
@@ -155,9 +205,9 @@ class LatencyProfile:
         path = Path(path)
         fix = "measure it again with `specpilot record --out DIR` (it writes profile.json)"
         data = read_json(path, what="latency profile", fix=fix)
-        if data.get("version") != PROFILE_VERSION:
-            raise InputFileError(f"{path}: latency profile version {data.get('version')!r} is not "
-                                 f"{PROFILE_VERSION}; {fix}")
+        if data.get("version") not in PROFILE_VERSIONS_READ:
+            raise InputFileError(f"{path}: latency profile version {data.get('version')!r} is not one of "
+                                 f"{', '.join(map(str, PROFILE_VERSIONS_READ))}; {fix}")
         required = ("max_depth", "width", "first_level", "levels", "verify_size", "context_edges", "context_offset")
         missing = [k for k in required if k not in data]
         curves = ("first_level", "levels", "verify_size")
@@ -166,9 +216,15 @@ class LatencyProfile:
         if data.get("plain") and not (isinstance(data["plain"], dict)
                                       and {"keys", "mean", "std", "count"} <= set(data["plain"])):
             bad.append("plain")
+        batch = data.get("batch") or {}
+        if not isinstance(batch, dict) or not all(str(k).isdigit() and int(k) >= 1 and isinstance(v, dict)
+                                                  and {"first_level", "levels", "verify_size"} <= set(v)
+                                                  for k, v in batch.items()):
+            bad.append("batch")
         if missing or bad:
             raise InputFileError(f"{path} is not a complete latency profile (missing {missing or 'nothing'}, "
                                  f"malformed {bad or 'nothing'}); {fix}")
+        data = {**data, "version": PROFILE_VERSION}  # read as the current version (older: no batch part)
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
     @classmethod
@@ -322,3 +378,78 @@ def measure_profile(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
                               warmup_cycles=warmup_cycles, progress=progress)
     samples.meta["seed"] = seed
     return samples.profile(context_edges)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batches: the same curves per batch size, measured with the batched decoder (`specpilot.drafting.batch`)
+
+
+def collect_batch_samples(pair, tree, prompts, batch_sizes: list[int], *, max_new_tokens: int = 128,
+                          sizes: list[int] | None = None, rng: np.random.Generator | int | None = 0,
+                          warmup_cycles: int = 8, min_batches: int = 1,
+                          progress: bool = False) -> dict[int, ProfileSamples]:
+    """{B: raw samples} of live batched greedy generations: for each B, the prompts go in batches of B (cycled to fill
+    the last) through `BatchSession` with a random (depth, size) per cycle (`_RandomConfigs`, one decision per cycle
+    for the batch, as the batched decoder takes them), each step timed by the session's own clock (its CycleRecord:
+    `level_s`, `verify_s`). Only cycles with exactly B unfinished sequences are kept (rows finish at different
+    times; a shrunken batch is not the size being measured). Keys: fed = the largest catch-up of the batch's rows
+    (the first draft forward is padded to it), context = the longest row. A warm-up of `warmup_cycles` cycles per
+    B is run first and not kept; at least `min_batches` batches run per B (the prompts cycled), so that large batch
+    sizes, which fit few batches into the prompts, still get cycles. Measuring only: the decoding is
+    drafting/batch.py's."""
+    from specpilot.drafting.batch import BatchSession, batch_inputs
+    from specpilot.drafting.cycle import run_cycle
+    from specpilot.drafting.decoder import SpeculativeDecoder
+    from specpilot.policies.observation import default_size_actions
+
+    decoder = SpeculativeDecoder(pair, tree)
+    rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    if sizes is None:
+        sizes = sorted({1, tree.width, tree.max_size, *default_size_actions(str(pair.device))})
+    sizes = sorted({min(int(s), tree.max_size) for s in sizes})
+    ids, _ = batch_inputs(pair, list(prompts), max_new_tokens, lookahead=tree.max_depth + 1)
+    configs = _RandomConfigs(rng, tree.max_depth, sizes)
+    out: dict[int, ProfileSamples] = {}
+    for b in sorted({int(x) for x in batch_sizes}):
+        started = time.perf_counter()
+        samples = out[b] = ProfileSamples(max_depth=tree.max_depth, width=tree.width,
+                                          meta={"device": str(pair.device), "dtype": str(pair.dtype), "sizes": sizes,
+                                                "batch_size": b, "max_new_tokens": max_new_tokens})
+        batches = [[ids[(k + j) % len(ids)] for j in range(b)] for k in range(0, max(len(ids), min_batches * b), b)]
+        for i, batch in enumerate([batches[0]] + batches):  # a warm-up batch first, not kept
+            session = BatchSession(decoder, batch, max_new_tokens=max_new_tokens)
+            seen = 0
+            while not session.done and (i > 0 or seen < warmup_cycles):
+                rows = list(session.active)
+                width = len(rows)
+                fed = max(len(r.committed) - r.draft_committed for r in rows)
+                context = max(len(r.committed) for r in rows)
+                record = run_cycle(session, configs)
+                seen += 1
+                if i > 0 and width == b:
+                    _add(samples, replace(record, fed=fed if record.depth else 0, context_len=context))
+        samples.meta["measured_s"] = time.perf_counter() - started
+        if progress:
+            print(f"  batch profile: B={b}, {len(samples.verify)} cycles, {samples.meta['measured_s']:.1f}s",
+                  flush=True)
+    return out
+
+
+def measure_batch_profile(pair, tree, prompts, batch_sizes: list[int], *, base: LatencyProfile | None = None,
+                          max_new_tokens: int = 128, sizes: list[int] | None = None, seed: int = 0,
+                          warmup_cycles: int = 8, min_batches: int = 1, context_edges: list[int] | None = None,
+                          progress: bool = False) -> LatencyProfile:
+    """A LatencyProfile carrying one batched profile per size in `batch_sizes` (`collect_batch_samples`, seeded).
+    Its top-level curves are `base`'s (the single-sequence profile) when given, else the smallest batch size's."""
+    samples = collect_batch_samples(pair, tree, prompts, batch_sizes, max_new_tokens=max_new_tokens, sizes=sizes,
+                                    rng=seed, warmup_cycles=warmup_cycles, min_batches=min_batches,
+                                    progress=progress)
+    parts = {}
+    for b, s in samples.items():
+        if not s.verify:
+            raise ValueError(f"no cycle ran with all {b} sequences unfinished: give more prompts or a larger "
+                             "max_new_tokens")
+        s.meta["seed"] = seed
+        parts[b] = s.profile(context_edges)
+    base = base if base is not None else parts[min(parts)]
+    return base.with_batch(parts)

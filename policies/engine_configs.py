@@ -26,7 +26,17 @@ the closest static approximations of what the policies do. Which files depend on
     sglang/config.yaml            as above, plus speculative-adaptive / -adaptive-config when adaptive applies
 
 SGLang ignores the adaptive config (with only a warning) for STANDALONE and for topk > 1, so it is not written
-there. The tree shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`),
+there.
+
+Per batch size (grid.json's `per_batch_size`, the best static cell per batch size in batch replay: `specpilot grid
+--batch-sizes`): vLLM's dynamic speculative decoding table `num_speculative_tokens_per_batch_size` in
+speculative_config (inclusive [start, end, K] ranges: sorted, non-overlapping, the first from 1, the last size's K
+inherited above it; K = the cell's depth, 0 where batched AR won; `num_speculative_tokens` holds the largest K, the
+cap vLLM applies to every entry; vllm/config/speculative.py, vllm/v1/spec_decode/dynamic/utils.py), and, where the
+adaptive config applies, one SGLang slot per measured batch size whose only candidate is that size's K (a batch
+uses the largest key not above its CUDA-graph-padded size: speculative/adaptive_step_router.py), the static
+--speculative-num-steps being the smallest size's K. Batch size b then gets the K measured at the largest measured
+size <= b in both engines (tests/test_engine_configs.py re-implements both lookups from the sources). The tree shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`),
 else from the policies' measured choices, else from the run's fallback static config.
 """
 from __future__ import annotations
@@ -87,12 +97,45 @@ def hf_generation_config(num_tokens: int, threshold: float, base: dict | None = 
     return config
 
 
-def vllm_speculative_config(model: str, num_tokens: int, *, drafter: str = "draft_lm") -> dict:
-    """vLLM's speculative_config: method "draft_model" for a draft LM, "eagle3" for an EAGLE-3 head."""
-    if drafter == "eagle3":
-        return {"method": "eagle3", "model": str(model), "num_speculative_tokens": int(max(1, num_tokens))}
-    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": int(max(1, num_tokens)),
-            "draft_tensor_parallel_size": 1}
+def batch_size_steps(per_batch_size: list[dict]) -> list[tuple[int, int]]:
+    """[(batch size, K)] of the measured table, ascending: K = the best static cell's depth at that size (0: batched
+    autoregressive decoding won, drafting off)."""
+    rows = sorted(per_batch_size, key=lambda r: int(r["batch_size"]))
+    return [(int(r["batch_size"]), max(0, int(r["depth"]))) for r in rows]
+
+
+def vllm_batch_schedule(per_batch_size: list[dict]) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size`: inclusive [start, end, K] ranges; measured size B_i covers
+    [B_i, B_{i+1} - 1] (the first range starts at 1 whatever the smallest measured size; the last is [B_n, B_n]
+    and vLLM carries its K to every larger batch), adjacent ranges with the same K merged."""
+    steps = batch_size_steps(per_batch_size)
+    if not steps:
+        raise ValueError("the per-batch-size table is empty")
+    ranges: list[list[int]] = []
+    for i, (b, k) in enumerate(steps):
+        start = 1 if i == 0 else b
+        end = steps[i + 1][0] - 1 if i + 1 < len(steps) else b
+        if ranges and ranges[-1][2] == k:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end, k])
+    return ranges
+
+
+def vllm_speculative_config(model: str, num_tokens: int, *, drafter: str = "draft_lm",
+                            schedule: list[list[int]] | None = None) -> dict:
+    """vLLM's speculative_config: method "draft_model" for a draft LM, "eagle3" for an EAGLE-3 head. With a
+    per-batch-size `schedule` (`vllm_batch_schedule`) it is written as `num_speculative_tokens_per_batch_size`, and
+    `num_speculative_tokens` becomes its largest K (vLLM caps every entry at it; it must stay > 0)."""
+    if schedule:
+        num_tokens = max(k for _, _, k in schedule)
+    config = {"method": "eagle3" if drafter == "eagle3" else "draft_model", "model": str(model),
+              "num_speculative_tokens": int(max(1, num_tokens))}
+    if drafter != "eagle3":
+        config["draft_tensor_parallel_size"] = 1
+    if schedule:
+        config["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), int(k)] for a, b, k in schedule]
+    return config
 
 
 def sglang_args(draft: str, depth: int, width: int, size: int, algorithm: str = "STANDALONE") -> dict:
@@ -108,10 +151,18 @@ def sglang_args(draft: str, depth: int, width: int, size: int, algorithm: str = 
             "speculative_num_draft_tokens": size + 1}
 
 
-def sglang_adaptive_config(depth_counts: dict, num_steps: int, max_tiers: int = 3) -> dict:
+def sglang_adaptive_config(depth_counts: dict, num_steps: int, max_tiers: int = 3,
+                           per_batch_size: list[dict] | None = None) -> dict:
     """SGLang's --speculative-adaptive-config, keyed by batch size: {"1": {"candidate_steps": [...], knobs}}.
     candidate_steps: the depth policy's `max_tiers` most frequent depths plus the static `num_steps` (SGLang
-    refuses a num_steps outside them); without measured depths, tiers around num_steps."""
+    refuses a num_steps outside them); without measured depths, tiers around num_steps.
+    With a measured `per_batch_size` table: one slot per measured batch size, {"<B>": {"candidate_steps": [K_B]}}
+    (a single candidate: the slot stays at the measured K; 0 turns drafting off), the knobs at the top level
+    (SGLang applies them to every slot); the static num_steps should then be the smallest size's K
+    (`sglang_batch_num_steps`)."""
+    if per_batch_size:
+        return {**{str(b): {"candidate_steps": [k]} for b, k in batch_size_steps(per_batch_size)},
+                **ADAPTIVE_DEFAULTS}
     num_steps = int(max(1, num_steps))
     if depth_counts:
         ranked = sorted(depth_counts.items(), key=lambda kv: (-kv[1], int(kv[0])))
@@ -119,6 +170,16 @@ def sglang_adaptive_config(depth_counts: dict, num_steps: int, max_tiers: int = 
     else:
         steps = {max(1, num_steps // 2), num_steps + num_steps // 2}
     return {ADAPTIVE_BATCH_SIZE: {"candidate_steps": sorted(steps | {num_steps}), **ADAPTIVE_DEFAULTS}}
+
+
+def sglang_batch_num_steps(per_batch_size: list[dict], fallback: int) -> int:
+    """The static --speculative-num-steps that goes with the per-batch-size slots: the smallest measured size's K
+    (that slot starts, and stays, at it); when that K is 0 (num_steps must be >= 1) the smallest positive K of the
+    table (SGLang requires num_steps among the slots' candidates; a single-candidate slot ignores it), else
+    `fallback`."""
+    ks = [k for _, k in batch_size_steps(per_batch_size)]
+    positive = sorted(k for k in ks if k >= 1)
+    return ks[0] if ks[0] >= 1 else positive[0] if positive else int(max(1, fallback))
 
 
 def yaml_text(entries: dict) -> str:
@@ -162,7 +223,8 @@ ENGINE_FILES = {"hf": "hf/generation_config.json", "vllm": "vllm/speculative_con
 
 def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_best: dict | None, choices: dict,
                          fallback: tuple[int, int], draft_generation_config: dict | None = None,
-                         tokenizer: str | None = None, final_dir: str | Path | None = None) -> dict:
+                         tokenizer: str | None = None, final_dir: str | Path | None = None,
+                         per_batch_size: list[dict] | None = None) -> dict:
     """Write the engine files (see the module docstring) and README.md under out_dir/engines, each atomically;
     return decoder.json's `engine_configs` section (relative file paths, the numbers used and their provenance).
 
@@ -171,7 +233,9 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
               "stops": [...]} measured by running the exported controller (any list may be empty).
     tokenizer: the folder of the target's tokenizer when the target folder has none (the embedded pair).
     final_dir: where out_dir will end up when it is a temporary folder (an export swaps its folder in when complete):
-    the paths written into the files name it."""
+    the paths written into the files name it.
+    per_batch_size: grid.json's measured table (best static cell per batch size): vLLM's and SGLang's
+    per-batch-size tables are written from it (see the module docstring)."""
     out = Path(out_dir) / "engines"
     shown = Path(final_dir) / "engines" if final_dir is not None else out
     drafter = pair.get("drafter") or "draft_lm"
@@ -189,13 +253,17 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
         skipped["hf"] = "transformers' assisted generation drafts with a separate LM; it cannot use an EAGLE-3 head"
     else:
         files["hf"] = json.dumps(hf_generation_config(chain_k, threshold, draft_generation_config), indent=2)
-    files["vllm"] = json.dumps(vllm_speculative_config(draft, chain_k, drafter=drafter), indent=2)
+    schedule = vllm_batch_schedule(per_batch_size) if per_batch_size else None
+    files["vllm"] = json.dumps(vllm_speculative_config(draft, chain_k, drafter=drafter, schedule=schedule), indent=2)
     args = sglang_args(draft, shape["depth"], shape["width"], shape["size"],
                        "EAGLE3" if drafter == "eagle3" else "STANDALONE")
     adaptive_path = None
     if drafter == "eagle3" and args["speculative_eagle_topk"] == 1:
-        adaptive = sglang_adaptive_config(depth_summary["counts"] if depth_summary else {},
-                                          args["speculative_num_steps"])
+        if per_batch_size:  # the static steps = the smallest batch size's K: its slot then starts at it
+            steps = sglang_batch_num_steps(per_batch_size, args["speculative_num_steps"])
+            args.update(speculative_num_steps=steps, speculative_num_draft_tokens=steps + 1)
+        adaptive = sglang_adaptive_config(depth_counts=depth_summary["counts"] if depth_summary else {},
+                                          num_steps=args["speculative_num_steps"], per_batch_size=per_batch_size)
         files["sglang_adaptive"] = json.dumps(adaptive, indent=2)
         adaptive_path = (shown / ENGINE_FILES["sglang_adaptive"]).resolve()
     else:
@@ -222,6 +290,12 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
         "confidence_threshold": {"value": threshold, "agreement_with_depth_policy": agreement,
                                  "source": "fitted" if agreement is not None else "transformers default"},
         "choices": {"depth": depth_summary, "size": size_summary},
+        "per_batch_size": ({"table": [{k: r[k] for k in ("batch_size", "depth", "size") if k in r}
+                                      for r in per_batch_size],
+                            "vllm_num_speculative_tokens_per_batch_size": schedule,
+                            "sglang_adaptive_keys": ([str(b) for b, _ in batch_size_steps(per_batch_size)]
+                                                     if "sglang_adaptive" in files else None),
+                            "source": "grid per_batch_size (batch replay)"} if per_batch_size else None),
     }
 
 
@@ -263,6 +337,13 @@ def engines_readme(out: Path, files: dict, skipped: dict, *, target: str, tokeni
     if "sglang_adaptive" in files:
         parts.append("`sglang/sglang_adaptive.json` is SGLang's adaptive-steps config, keyed by batch size; "
                      "config.yaml switches it on (`speculative-adaptive`).")
+    if "num_speculative_tokens_per_batch_size" in files.get("vllm", ""):
+        parts += ["", "## Per batch size", "",
+                  "`vllm/speculative_config.json` carries `num_speculative_tokens_per_batch_size`, vLLM's dynamic "
+                  "speculative decoding table ([start, end, K], inclusive; K = 0 turns drafting off at those batch "
+                  "sizes): the grid's best static depth per batch size, measured in batch replay (`specpilot grid "
+                  "--batch-sizes`). vLLM looks K up by the number of scheduled requests; it disables the table "
+                  "(with a warning) under data parallelism."]
     for key, reason in skipped.items():
         parts.append(f"Not written: {ENGINE_FILES[key]} ({reason}).")
     parts += ["", "To run the learned policies themselves use specpilot: `SpeculativeDecoder.from_config(<export "

@@ -236,7 +236,11 @@ def test_cli_export_with_trace_and_grid(run_dir, pair, tmp_path, capsys):
     shutil.copytree(run_dir, run)
     record.record_task(pair, TreeConfig(WIDTH, MAX_DEPTH, max(SIZE_ACTIONS)), PROMPTS, run / "traces" / "validation",
                        max_new_tokens=24)
-    (run / "grid.json").write_text(json.dumps({"best": {"width": 2, "depth": 3, "size": 6, "source": "replay"}}))
+    per_batch = [{"batch_size": 1, "width": 2, "depth": 3, "size": 6}, {"batch_size": 8, "width": 2, "depth": 1,
+                                                                         "size": 2},
+                 {"batch_size": 16, "width": 2, "depth": 0, "size": 0}]  # `specpilot grid --batch-sizes`
+    (run / "grid.json").write_text(json.dumps({"best": {"width": 2, "depth": 3, "size": 6, "source": "replay"},
+                                               "per_batch_size": per_batch}))
     rc = cli_main(["export", "--run", str(run), "--out", str(tmp_path / "x"), "--onnx"])
     out = capsys.readouterr().out
     assert rc == 0
@@ -252,6 +256,9 @@ def test_cli_export_with_trace_and_grid(run_dir, pair, tmp_path, capsys):
     sgl = json.loads((tmp_path / "x" / "engines" / "sglang" / "sglang_args.json").read_text())
     shape = (sgl["speculative_num_steps"], sgl["speculative_eagle_topk"], sgl["speculative_num_draft_tokens"])
     assert shape == (3, 2, 7)  # grid best D=3, W=2, V=6 (+ the root)
+    vllm = json.loads((tmp_path / "x" / "engines" / "vllm" / "speculative_config.json").read_text())
+    assert vllm["num_speculative_tokens_per_batch_size"] == [[1, 7, 3], [8, 15, 1], [16, 16, 0]]
+    assert vllm["num_speculative_tokens"] == 3
     load_exported(tmp_path / "x", load_pair=False)
 
 

@@ -91,3 +91,84 @@ def _cell(depth: int, tokens_per_s: float, low: float) -> dict:
 ])
 def test_sampled_pick_speculates_only_where_it_measurably_pays(cells, picked):
     assert pick_sampled(cells)["depth"] == picked
+
+
+def batched_synthetic_profile(tree: TreeConfig, batch_sizes=(1, 2, 4)) -> LatencyProfile:
+    """synthetic_profile per batch size, verification growing with the B * (V + 1) tokens verified."""
+    def at(b):
+        first = {n: [1e-3 + 1e-4 * n] for n in range(1, tree.max_depth + 2)}
+        levels = {level: [1.2e-3] for level in range(2, tree.max_depth + 1)}
+        verify = [(v, c, 4e-3 + 6e-4 * b * (v + 1) + 1e-6 * c) for v in range(0, tree.max_size + 1) for c in (10, 40)]
+        return LatencyProfile.from_samples(first, levels, verify, max_depth=tree.max_depth, width=tree.width)
+    return synthetic_profile(tree).with_batch({b: at(b) for b in batch_sizes})
+
+
+def test_grid_per_batch_size_is_the_batch_replay_best_and_loads_typed(recorded, tmp_path):
+    from specpilot.artifacts.grid import GridResult
+    from specpilot.envs.batch_replay import replay_batch
+    from specpilot.envs.replay import ReplayModel
+    from specpilot.policies import FixedController
+
+    _, _, root = recorded
+    profile = batched_synthetic_profile(TREE)
+    out = tmp_path / "grid.json"
+    result = grid_search(root / "train", depths=[0, 1, 2, 4], sizes=[1, 3, 6, 12], live_top=0,
+                         batch_sizes=[4, 1, 2], batch_profile=profile, out=out, heatmap=False)
+    per_batch = result["per_batch_size"]
+    assert [r["batch_size"] for r in per_batch] == [1, 2, 4]
+    model = ReplayModel(root / "train", profile)
+    for row in per_batch:
+        at_b = [r for r in result["batch_table"] if r["batch_size"] == row["batch_size"]]
+        assert len(at_b) == 1 + 3 * 4  # batched AR + every drafting cell
+        assert row["tokens_per_s"] == max(r["tokens_per_s"] for r in at_b)
+        ar = replay_batch(model, FixedController(0, 0), batch_size=row["batch_size"])
+        assert row["ar_tokens_per_s"] == pytest.approx(ar["tokens_per_s"])
+        if row["depth"]:
+            direct = replay_batch(model, FixedController(row["depth"], row["size"]), batch_size=row["batch_size"])
+            assert row["speedup_vs_ar"] == pytest.approx(direct["tokens_per_s"] / ar["tokens_per_s"])
+    loaded = GridResult.load(out)
+    assert [(r["batch_size"], r["depth"], r["size"]) for r in loaded.per_batch_size] == \
+        [(r["batch_size"], r["depth"], r["size"]) for r in per_batch]
+    from specpilot.train.grid.search import summary_lines
+    assert any(line.startswith("  B=4:") for line in summary_lines(result))
+
+
+def test_grid_files_without_per_batch_size_still_load_and_bad_rows_are_refused(tmp_path):
+    from specpilot.artifacts.grid import GridResult
+    from specpilot.drafting.errors import InputFileError
+
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({"version": 1, "best": {"width": 2, "depth": 2, "size": 4}}))
+    assert GridResult.load(path).per_batch_size == []
+    for bad in ([{"batch_size": 2, "depth": 1, "size": 2}, {"batch_size": 1, "depth": 1, "size": 2}],
+                [{"depth": 1, "size": 2}], {"1": {}}, [{"batch_size": 0, "depth": 1, "size": 2}]):
+        path.write_text(json.dumps({"version": 1, "best": {"width": 2, "depth": 2, "size": 4},
+                                    "per_batch_size": bad}))
+        with pytest.raises(InputFileError, match="per_batch_size"):
+            GridResult.load(path)
+
+
+def test_grid_measures_the_batch_profile_with_the_pair_when_the_trace_lacks_it(recorded, tmp_path):
+    pair, _, root = recorded
+    out = tmp_path / "grid.json"
+    result = grid_search(root / "train", depths=[0, 1, 2], sizes=[1, 3], pair=pair, live_top=0,
+                         batch_sizes=[1, 2], batch_prompts=3, max_new_tokens=12, out=out, heatmap=False)
+    assert [r["batch_size"] for r in result["per_batch_size"]] == [1, 2]
+    assert LatencyProfile.load(tmp_path / "grid.profile_w3.json").batch_sizes == [1, 2]
+    with pytest.raises(ValueError, match="give a pair to measure them"):
+        grid_search(root / "train", depths=[1], sizes=[1], live_top=0, batch_sizes=[2], heatmap=False)
+
+
+def test_grid_cli_batch_sizes_writes_per_batch_size(recorded, tmp_path, capsys):
+    from specpilot.cli import main
+
+    _, _, root = recorded
+    profile = batched_synthetic_profile(TREE).save(tmp_path / "batch_profile.json")
+    out = tmp_path / "grid.json"
+    assert main(["grid", "--traces", str(root), "--out", str(out), "--live-top", "0", "--depths", "0,1,2",
+                 "--sizes", "1,3", "--batch-sizes", "1,2,4", "--batch-profile", str(profile)]) == 0
+    assert "  B=4: W=3" in capsys.readouterr().out
+    assert [r["batch_size"] for r in json.loads(out.read_text())["per_batch_size"]] == [1, 2, 4]
+    assert main(["grid", "--traces", str(root), "--out", str(out), "--live-top", "0", "--batch-sizes", "8",
+                 "--batch-profile", str(profile)]) == 2
+    assert "not up to 8" in capsys.readouterr().err

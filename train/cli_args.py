@@ -27,6 +27,13 @@ def grid_arguments(parser: argparse.ArgumentParser) -> None:
                              "are never used for selection)")
     parser.add_argument("--val-limit", type=positive_int, default=None,
                         help="use only the first N validation prompts (default: all)")
+    parser.add_argument("--batch-sizes", type=ints(1), default=None,
+                        help="also find the best static config per batch size in batch replay, e.g. 1,2,4,8,16 "
+                             "(grid.json per_batch_size; export turns it into the engines' per-batch-size tables; "
+                             "default: none)")
+    parser.add_argument("--batch-profile", default=None,
+                        help="a profile.json measured at those batch sizes (default: the trace's own when it has "
+                             "them, else measured now with the pair)")
     add_pair_arguments(parser, what="(live phase)")
 
 

@@ -390,10 +390,12 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
                                   max_new_tokens=max_new_tokens, num_random=num_random, seed=seed, log=log)
     draft_gen = (pair.draft.generation_config.to_diff_dict()
                  if pair is not None and getattr(pair, "draft", None) is not None else None)
+    # the grid's measured best cell per batch size (`specpilot grid --batch-sizes`): the engines' per-batch tables
+    per_batch = GridResult.load(grid_path).per_batch_size if grid_path else []
     engines = write_engine_configs(out_dir, pair=identity, width=tree.width, grid_best=grid_best,
                                    choices=recorder.choices() if recorder else {}, fallback=(fb_depth, fb_size),
                                    draft_generation_config=draft_gen, tokenizer=_tokenizer_folder(pair, identity),
-                                   final_dir=final_dir)
+                                   final_dir=final_dir, per_batch_size=per_batch or None)
     engines["grid"] = grid_path
     meta = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "name": "exported",

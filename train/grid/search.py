@@ -37,7 +37,9 @@ from specpilot.drafting.control import FixedController
 from specpilot.drafting.executor import as_executor
 from specpilot.drafting.files import atomic_path, check_writable
 from specpilot.drafting.types import TreeConfig
+from specpilot.envs.batch_replay import batch_static_sweep, best_per_batch_size
 from specpilot.envs.oracle import replay_oracle
+from specpilot.envs.profile import LatencyProfile, measure_batch_profile
 from specpilot.envs.record import Trace
 from specpilot.envs.replay import ReplayModel, load_profile, load_trace
 from specpilot.policies.observation import default_size_actions
@@ -134,6 +136,62 @@ def _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress) -> tup
     return rows, ceilings, source
 
 
+def _batch_profile(trace: Trace, profile, batch_profile, batch_sizes: Sequence[int], pair, *,
+                   prompts: int, max_new_tokens: int, out: Path | None, progress: bool) -> LatencyProfile:
+    """A profile covering `batch_sizes` for `trace`: `batch_profile` when given, else the trace's own when it has
+    them, else measured now with `pair` (drafting/batch.py's batched forwards) on the trace's first `prompts`
+    prompts, saved beside grid.json (<stem>.profile_w<W>.json)."""
+    given = load_profile(batch_profile if batch_profile is not None else profile, trace)
+    if given.batch_sizes and max(batch_sizes) <= given.batch_sizes[-1]:
+        return given
+    if batch_profile is not None:
+        raise ValueError(f"--batch-profile {batch_profile} measured batch sizes {given.batch_sizes or [1]}, not up to "
+                         f"{max(batch_sizes)}: measure it again, or leave --batch-profile out to measure now")
+    if pair is None:
+        raise ValueError(f"the width-{trace.width} trace's profile has no batch sizes up to {max(batch_sizes)}: give "
+                         "a pair to measure them (--target/--draft, the trace's pair) or --batch-profile FILE")
+    check_pair(trace.header.get("pair"), pair.identity(), expected_from=f"trace {trace.path}",
+               got_from="the batch profile's pair", fix="give the pair the trace was recorded with")
+    tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
+    ids = [list(trace.prompt(i)) for i in range(min(trace.num_prompts, max(prompts, 1)))]
+    measured = measure_batch_profile(pair, tree, ids, sorted(set(batch_sizes)), base=given,
+                                     max_new_tokens=max_new_tokens, progress=progress)
+    if out is not None:
+        measured.save(out.with_name(f"{out.stem}.profile_w{trace.width}.json"))
+    return measured
+
+
+def _batch_phase(traces: list, profile, batch_profile, batch_sizes: Sequence[int], table: list[dict], pair, *,
+                 max_new_tokens: int | None, batch_prompts: int, out: Path | None, progress: bool
+                 ) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every drafting cell of the replay table at every batch size, in batch replay (`envs/batch_replay.py`), with
+    batched AR (depth 0) as each size's baseline. Returns (per-batch-size best rows, every row, profiles used)."""
+    rows: list[dict] = []
+    used: list[dict] = []
+    for item in traces:
+        trace = load_trace(item)
+        measured = _batch_profile(trace, profile, batch_profile, batch_sizes, pair, prompts=batch_prompts,
+                                  max_new_tokens=max_new_tokens or min(trace.max_new_tokens, 64), out=out,
+                                  progress=progress)
+        model = ReplayModel(trace, measured, max_new_tokens=max_new_tokens)
+        cells = [(r["depth"], r["size"]) for r in table if r["width"] == trace.width and r["depth"] >= 1]
+        swept = batch_static_sweep(model, cells, list(batch_sizes))
+        rows += [{"width": trace.width, **{k: r[k] for k in ("batch_size", "depth", "size", "tokens_per_s",
+                                                              "mean_accepted_length", "speedup_vs_ar")}}
+                 for r in swept]
+        used.append({"width": trace.width, "batch_sizes": measured.batch_sizes,
+                     "measured": {b: measured.batch[str(b)].get("meta", {}).get("cycles") for b in
+                                  measured.batch_sizes}})
+    best = []
+    for row in best_per_batch_size(rows):
+        ar = next(r for r in rows if r["batch_size"] == row["batch_size"] and r["depth"] == 0)
+        best.append({**row, "ar_tokens_per_s": ar["tokens_per_s"], "source": "replay"})
+        if progress:
+            print(f"  batch replay B={row['batch_size']}: best W={row['width']} d={row['depth']} V={row['size']} "
+                  f"{row['tokens_per_s']:.1f} tok/s ({row['speedup_vs_ar']:.2f}x batched AR)", flush=True)
+    return best, rows, used
+
+
 def _live_phase(table: list[dict], sources: list[dict], executor, val_prompts, *, live_top: int, repeats: int,
                 max_new_tokens: int | None, warmup: int, progress: bool) -> tuple[list[dict], dict]:
     """The top `live_top` replay cells re-measured live on the validation prompts (with AR alongside)."""
@@ -213,6 +271,9 @@ def grid_search(
     live_max_new_tokens: int | None = None,
     live_warmup: int = 1,
     sampled_temperatures: Sequence[float] = (),
+    batch_sizes: Sequence[int] | None = None,
+    batch_profile: str | Path | LatencyProfile | None = None,
+    batch_prompts: int = 8,
     out: str | Path | None = None,
     heatmap: bool = True,
     progress: bool = False,
@@ -230,6 +291,11 @@ def grid_search(
     live_max_new_tokens: default the trace's max_new_tokens.
     sampled_temperatures: temperatures > 0 at which `sampled_candidates` are also measured live (greedy replay
         cannot rank cells for sampled decoding); the best per temperature goes to `best_by_temperature`.
+    batch_sizes: also rank every drafting cell at these batch sizes in batch replay (`envs/batch_replay.py`: the
+        traces' rows batched, each accepting its own recorded length, cycles timed per batch size) with batched AR
+        as each size's baseline -> `per_batch_size` (the best cell per size) and `batch_table`. The per-batch-size
+        profile: `batch_profile`, else the trace's profile when it has those sizes, else measured now with `pair`
+        (the executor's local pair) on `batch_prompts` of the trace's prompts.
     out: path of grid.json; the heat map goes next to it as <stem>.png (heatmap=False skips it).
     """
     if out is not None:
@@ -272,6 +338,13 @@ def grid_search(
     best.update(replay_tokens_per_s=rb["tokens_per_s"], replay_speedup=rb["speedup"],
                 mean_accepted_length=rb["mean_accepted_length"])
 
+    per_batch, batch_rows, batch_meta = [], [], []
+    if batch_sizes:
+        per_batch, batch_rows, batch_meta = _batch_phase(
+            _as_list(traces), profile, batch_profile, sorted({int(b) for b in batch_sizes}), table,
+            getattr(executor, "pair", None), max_new_tokens=max_new_tokens, batch_prompts=batch_prompts,
+            out=Path(out) if out is not None else None, progress=progress)
+
     result = {
         "best": best,
         "best_by_temperature": by_temperature,
@@ -282,7 +355,10 @@ def grid_search(
         "live": live_rows,
         "live_ar": live_ar,
         "oracle": oracle,
-        "meta": {"traces": sources, "live_top": live_top if live_rows else 0, "live_repeats": live_repeats,
+        # the best static cell per batch size in batch replay (speedup over batched AR at that size)
+        "per_batch_size": per_batch,
+        "batch_table": batch_rows,
+        "meta": {"traces": sources, "batch_profiles": batch_meta, "live_top": live_top if live_rows else 0, "live_repeats": live_repeats,
                  "live_prompts": len(val_prompts or []) if live_rows else 0,
                  "pair": executor.workers[0]["pair"] if executor is not None and live_rows else None,
                  "workers": executor.workers if executor is not None else [],
@@ -362,6 +438,18 @@ def summary_lines(result: dict) -> list[str]:
     lines.append(f"best static config ({best['source']}): W={best['width']} depth={best['depth']} size={best['size']}, "
                  f"replay {float(best['replay_tokens_per_s']):.1f} tok/s ({float(best['replay_speedup']):.2f}x AR)"
                  + live)
+    per_batch = result.get("per_batch_size") or []
+    if per_batch:
+        first = per_batch[0]
+        lines.append(f"best static per batch size (batch replay; x = over batched AR at that size; last column: the "
+                     f"B={first['batch_size']} best W={first['width']} d={first['depth']} V={first['size']} there):")
+        for row in per_batch:
+            same = next((r for r in result.get("batch_table") or [] if r["batch_size"] == row["batch_size"]
+                         and (r["width"], r["depth"], r["size"]) == (first["width"], first["depth"], first["size"])),
+                        None)
+            lines.append(f"  B={row['batch_size']}: W={row['width']} depth={row['depth']} size={row['size']}, "
+                         f"{float(row['tokens_per_s']):.1f} tok/s ({float(row['speedup_vs_ar']):.2f}x)"
+                         + (f"; B={first['batch_size']} best {float(same['speedup_vs_ar']):.2f}x" if same else ""))
     for t, cell in (result.get("best_by_temperature") or {}).items():
         lines.append(f"best at T={t}: W={cell['width']} depth={cell['depth']} size={cell['size']}, "
                      f"{float(cell['tokens_per_s']):.1f} tok/s ({float(cell['speedup']):.2f}x)")
@@ -419,10 +507,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--val-suite {args.val_suite}: the grid's live phase selects the baseline, and "
                              "held-out prompts are never used for selection; use validation prompts (the default)")
         prompts = [p.prompt for p in suite][: args.val_limit or None]
+    pair = None
+    batch_sizes = getattr(args, "batch_sizes", None)
+    if batch_sizes and args.live_top == 0 and getattr(args, "batch_profile", None) is None and any(
+            max(batch_sizes) > max(load_profile(None, load_trace(t)).batch_sizes or [1]) for t in traces):
+        from specpilot.drafting.cliargs import load_pair
+
+        pair = load_pair(args)  # the traces' profiles lack these batch sizes: measured now with the pair
     with open_executor(args) if args.live_top > 0 else nullcontext() as executor:
         result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
-                             executor=executor, val_prompts=prompts, live_top=args.live_top,
-                             live_repeats=args.live_repeats, out=args.out, progress=True)
+                             pair=pair, executor=executor, val_prompts=prompts, live_top=args.live_top,
+                             live_repeats=args.live_repeats, batch_sizes=batch_sizes,
+                             batch_profile=getattr(args, "batch_profile", None), out=args.out, progress=True)
     print("\n".join(summary_lines(result)))
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
     return 0

@@ -1,0 +1,186 @@
+"""Replay for batches: B recorded single-sequence generations decoded "together", timed by a batched latency profile.
+
+Greedy acceptance does not depend on batching (every row of `drafting/batch.py`'s batch accepts exactly what it
+would alone), so a batch's cycles are replayed from single-sequence traces: `BatchReplaySession` holds one
+`ReplaySession` per row and implements the cycle's step protocol (`specpilot.drafting.cycle`) the way the live
+`BatchSession` does: one decision per cycle for the batch, taken on the *lead* row's state (the first unfinished
+one), every unfinished row drafting to that depth and verifying that size, each accepting its own recorded length
+(`ReplaySession.verify`: the same cycle arithmetic, `drafting/cycle_math.py`), finished rows leaving the batch.
+Only the time differs from single replay: one cycle of B rows costs
+
+    draft = draft_B(d, max fed over the rows)          the first draft forward is padded to the largest catch-up
+    verify = verify_B(V, max context over the rows)     one target forward of B x (V + 1) tokens (V = 0: plain step)
+
+read from the profile's batch-size-B curves (`LatencyProfile.batch_tables`, interpolated between measured sizes as
+rows finish). Modelled approximations: the live ragged caches carry holes (their length is the batch's longest
+emitted run per cycle, not each row's own), which the context term does not see; tree ranking per row and policy
+time are not charged (as in single replay).
+
+`replay_batch` drives any Controller over batches of B prompts with the same `run_cycle`; `batch_static_sweep`
+ranks static (depth, size) cells per batch size, with batched autoregressive decoding (depth 0) as the baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.cycle import run_generation
+from specpilot.drafting.types import CycleRecord, DraftState
+from specpilot.envs.oracle import summary
+from specpilot.envs.replay import ReplayModel, ReplaySession
+
+
+class BatchTimes:
+    """The batched cycle-time tables of one ReplayModel, per batch size (cached): draft [k, d] and verify [context, V]
+    (contexts 0..the longest the trace reaches)."""
+
+    def __init__(self, model: ReplayModel) -> None:
+        self.model = model
+        trace = model.trace
+        self.k_max = trace.max_depth + 1
+        longest = max(len(trace.prompt(i)) for i in range(trace.num_prompts)) + model.max_new_tokens + 1
+        self.contexts = np.arange(longest + 1)
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def tables(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        tab = self._tables.get(batch_size)
+        if tab is None:
+            draft, verify = self.model.profile.batch_tables(batch_size, self.model.trace.max_size, self.contexts)
+            tab = self._tables[batch_size] = (draft[: self.k_max + 1, : self.model.trace.max_depth + 1], verify)
+        return tab
+
+    def cycle(self, batch_size: int, depth: int, size: int, fed: int, context: int) -> tuple[float, float]:
+        """(draft_s, verify_s) of one batched cycle (see the module docstring)."""
+        draft, verify = self.tables(batch_size)
+        draft_s = float(draft[min(fed, self.k_max), depth]) if depth else 0.0
+        return draft_s, float(verify[min(context, len(self.contexts) - 1), size])
+
+
+class BatchReplaySession:
+    """Rows `indices` of a trace replayed as one batch (the `specpilot.drafting.cycle` protocol; see the module
+    docstring). States and returned CycleRecords are the lead row's, with the batch's times; `cycles` holds the
+    batch's records (the lead's fields, the batch's emitted total in `emitted_total`)."""
+
+    clock = ReplaySession.clock
+
+    def __init__(self, model: ReplayModel, indices: list[int], *, times: BatchTimes | None = None) -> None:
+        if not indices:
+            raise ValueError("a batch needs at least one prompt")
+        self.model = model
+        self.rows = [ReplaySession(model, i) for i in indices]
+        self.times = times or BatchTimes(model)
+        self.max_depth = model.trace.max_depth
+        self.cycles: list[CycleRecord] = []
+        self.batch_sizes: list[int] = []   # unfinished rows in each cycle
+        self.emitted_total = 0
+
+    @property
+    def active(self) -> list[ReplaySession]:
+        return [r for r in self.rows if not r.done]
+
+    @property
+    def lead(self) -> ReplaySession:
+        return self.active[0]
+
+    @property
+    def done(self) -> bool:
+        return all(r.done for r in self.rows)
+
+    @property
+    def can_draft(self) -> bool:
+        return all(r.can_draft for r in self.active)
+
+    @property
+    def finished_by(self) -> str | None:
+        return self.rows[0].finished_by if self.done else None
+
+    @property
+    def tokens_emitted(self) -> int:
+        return (self.lead if not self.done else self.rows[0]).tokens_emitted
+
+    @property
+    def prompt_len(self) -> int:
+        return (self.lead if not self.done else self.rows[0]).prompt_len
+
+    def cycle_state(self) -> DraftState:
+        return self.lead.cycle_state()
+
+    def draft_level(self) -> DraftState:
+        lead, *rest = self.active
+        state = lead.draft_level()
+        for row in rest:
+            row.draft_level()
+        return state
+
+    def rank_candidates(self) -> None:
+        pass
+
+    def add_policy_time(self, seconds: float) -> None:
+        pass
+
+    def verify(self, size: int) -> CycleRecord:
+        rows = self.active
+        depth = rows[0].depth
+        fed = max(r.n_new for r in rows)
+        context = max(r.prompt_len + r.tokens_emitted for r in rows)
+        records = [r.verify(size) for r in rows]       # each row: its own recorded acceptance (same arithmetic)
+        draft_s, verify_s = self.times.cycle(len(rows), depth, records[0].size, fed, context)
+        record = replace(records[0], draft_s=draft_s, verify_s=verify_s)
+        self.cycles.append(record)
+        self.batch_sizes.append(len(rows))
+        self.emitted_total += sum(r.emitted for r in records)
+        return record
+
+
+def batches_of(num_prompts: int, batch_size: int, prompts: list[int] | None = None) -> list[list[int]]:
+    """Prompt indices in consecutive batches of `batch_size` (the list cycled to fill the last batch)."""
+    order = list(range(num_prompts)) if prompts is None else list(prompts)
+    return [[order[(k + j) % len(order)] for j in range(batch_size)] for k in range(0, len(order), batch_size)]
+
+
+def replay_batch(model: ReplayModel, controller: Controller | None = None, *, batch_size: int,
+                 prompts: list[int] | None = None, times: BatchTimes | None = None) -> dict:
+    """Predicted {tokens, time_s, cycles, tokens_per_s, mean_accepted_length, batch_size} of a Controller deciding
+    once per cycle for batches of `batch_size` prompts (`batches_of`), through `run_cycle` as in
+    `SpeculativeDecoder.generate_batch`. tokens_per_s is the batch's total throughput; cycles counts batch cycles
+    (mean_accepted_length: tokens per row-cycle)."""
+    controller = controller or FixedController()
+    times = times or BatchTimes(model)
+    tokens = time_s = cycles = row_cycles = 0
+    for batch in batches_of(model.num_prompts, batch_size, prompts):
+        session = BatchReplaySession(model, batch, times=times)
+        run_generation(session, controller)
+        tokens += session.emitted_total
+        time_s += sum(r.cycle_s for r in session.cycles)
+        cycles += len(session.cycles)
+        row_cycles += sum(session.batch_sizes)
+    out = summary(tokens, time_s, row_cycles)
+    return {**out, "cycles": int(cycles), "batch_size": int(batch_size)}
+
+
+def batch_static_sweep(model: ReplayModel, cells: list[tuple[int, int]], batch_sizes: list[int], *,
+                       prompts: list[int] | None = None) -> list[dict]:
+    """Every static (depth, size) cell (depth 0: batched autoregressive decoding, always included as the baseline)
+    at every batch size under batch replay: rows {"batch_size", "depth", "size", "tokens_per_s", ...,
+    "speedup_vs_ar"} (speedup over batched AR at the same batch size, in the model)."""
+    times = BatchTimes(model)
+    cells = [(0, 0)] + [(int(d), int(v)) for d, v in cells if int(d) > 0]
+    rows = []
+    for b in batch_sizes:
+        ar = replay_batch(model, FixedController(0, 0), batch_size=b, prompts=prompts, times=times)
+        for depth, size in cells:
+            res = ar if depth == 0 else replay_batch(model, FixedController(min(depth, model.trace.max_depth), size),
+                                                     batch_size=b, prompts=prompts, times=times)
+            rows.append({"batch_size": int(b), "depth": depth, "size": size, **res,
+                         "speedup_vs_ar": res["tokens_per_s"] / ar["tokens_per_s"]})
+    return rows
+
+
+def best_per_batch_size(rows: list[dict]) -> list[dict]:
+    """The best row per batch size of `batch_static_sweep` (ties: the first, i.e. the shallower cell)."""
+    out = []
+    for b in sorted({r["batch_size"] for r in rows}):
+        out.append(max((r for r in rows if r["batch_size"] == b), key=lambda r: r["tokens_per_s"]))
+    return out
