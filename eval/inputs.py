@@ -88,7 +88,7 @@ def check_methods(names: list[str], *, grid: str | Path | None = None, run_dir: 
         elif name == "batch_table":
             if grid is None:
                 problems.append("batch_table needs a grid-search result with a per_batch_size table (--grid GRID.json)")
-            elif not (GridResult.load(grid).data.get("per_batch_size")):
+            elif not GridResult.load(grid).per_batch_size:
                 problems.append(f"batch_table needs a per_batch_size table, which {grid} does not have")
     if problems:
         raise EvalInputError(f"method(s) asked for cannot run: {'; '.join(problems)}")

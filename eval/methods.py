@@ -142,13 +142,9 @@ def grid_batch_table(grid: str | Path) -> dict[int, dict]:
         result = GridResult.load(grid)
     except (OSError, ValueError) as err:
         raise MethodUnavailable(f"{grid}: not a readable grid result ({err})") from err
-    entries = getattr(result, "per_batch_size", None) or result.data.get("per_batch_size")
-    if not entries:
-        raise MethodUnavailable(f"{grid} has no per_batch_size table (a grid searched per batch size writes one)")
-    try:
-        return {int(e["batch_size"]): {**e, "depth": int(e["depth"]), "size": int(e["size"])} for e in entries}
-    except (KeyError, TypeError, ValueError) as err:
-        raise MethodUnavailable(f"{grid}: per_batch_size entries need batch_size, depth and size ({err!r})") from None
+    if not result.per_batch_size:  # rows are checked by GridResult.load
+        raise MethodUnavailable(f"{grid} has no per_batch_size table (`specpilot grid --batch-sizes` writes one)")
+    return {int(e["batch_size"]): dict(e) for e in result.per_batch_size}
 
 
 def _batch_table(ctx: EvalContext):

@@ -131,6 +131,10 @@ def test_grid_per_batch_size_is_the_batch_replay_best_and_loads_typed(recorded, 
         [(r["batch_size"], r["depth"], r["size"]) for r in per_batch]
     from specpilot.train.grid.search import summary_lines
     assert any(line.startswith("  B=4:") for line in summary_lines(result))
+    # the eval method reads the table the grid wrote (no hand-written grid.json between them)
+    from specpilot.eval.methods import grid_batch_table
+    assert {b: (c["depth"], c["size"]) for b, c in grid_batch_table(out).items()} == \
+        {r["batch_size"]: (r["depth"], r["size"]) for r in per_batch}
 
 
 def test_grid_files_without_per_batch_size_still_load_and_bad_rows_are_refused(tmp_path):
