@@ -88,13 +88,14 @@ class DemoBudget:
     sampled_size_steps: int = 1024
     bc_iters: int = 4
     bc_epochs: int = 30
+    seeds: int = 3
 
     @classmethod
     def quick(cls) -> "DemoBudget":
         return cls(train_prompts=10, val_prompts=4, heldout_prompts=12, max_new_tokens=48, size_steps=3_000,
                    depth_steps=4_000, coadapt_steps=2_000, rounds=3, n_steps=512, batch_size=128, n_epochs=5,
                    vf_arch=(256, 256), live_top=2, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
-                   eval_budget_s=150.0, sampled_depth_steps=1024, sampled_size_steps=256)
+                   eval_budget_s=150.0, sampled_depth_steps=1024, sampled_size_steps=256, seeds=1)
 
 
 STAGES = ("record", "grid", "train", "eval", "export")
@@ -104,7 +105,8 @@ STAGE_FIELDS = {
     "record": ("train_prompts", "val_prompts", "max_new_tokens", "width", "max_depth", "max_size"),
     "grid": ("live_top", "check_rounds", "temperatures"),
     "train": ("size_steps", "depth_steps", "coadapt_steps", "rounds", "n_steps", "batch_size", "n_epochs", "pi_arch",
-              "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs"),
+              "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs",
+              "seeds"),
     "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
              "eval_full_rounds"),
     "export": (),
@@ -235,18 +237,23 @@ def _grid(*, run_dir, pair, budget, val, executor, **_) -> dict:
 
 
 def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
-    from specpilot.train.rl.pipeline import TaskTraces, TrainOptions, run_pipeline
+    from specpilot.train.rl.pipeline import TaskTraces, TrainOptions
     from specpilot.train.rl.ppo import PPOOverrides
     from specpilot.train.rl.sampled import train_sampled
+    from specpilot.train.rl.seeds import run_seeds
 
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
                        pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
     options = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed, ppo=ppo,
                            bc_iters=budget.bc_iters, bc_epochs=budget.bc_epochs)
-    out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
-                       coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, options=options, wandb=wandb)
-    # sampling is part of training: the policies evaluated at T > 0 are fine-tuned live at T
+    # budget.seeds whole pipelines in replay (RUN/seed<k>/, seed + k), the best on validation deployed to
+    # RUN/policies.json; RUN/seeds.json has every seed's validation ratio over the grid's best
+    out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, size_steps=budget.size_steps,
+                    depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,
+                    wandb=wandb)
+    # sampling is part of training: the DEPLOYED policies (only those: live steps are the expensive ones) are
+    # fine-tuned live at each T > 0
     live = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed,
                         ppo=PPOOverrides(**{**vars(ppo), "n_steps": 256, "batch_size": 128}), backend="live",
                         pair=pair, train_prompts=[p.prompt for p in train])
@@ -270,7 +277,18 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
         progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
-            "rounds": result.meta.get("rounds")}
+            "rounds": result.meta.get("rounds"), "seeds": _heldout_seeds(run_dir)}
+
+
+def _heldout_seeds(run_dir: Path) -> dict | None:
+    """Every trained seed's ltd vs the grid's best config in exact replay of the held-out trace (cheap: no
+    generation), and their aggregate; None for a run without RUN/seeds.json."""
+    from specpilot.train.rl.seeds import SEEDS_FILE, evaluate_seeds
+
+    if not (run_dir / SEEDS_FILE).is_file():
+        return None
+    out = evaluate_seeds(run_dir, run_dir / "traces" / "heldout")
+    return json.loads(json.dumps(out, default=float))
 
 
 def _export(*, run_dir, pair, **_) -> dict:
@@ -297,6 +315,7 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
         "run_dir": str(run_dir), "wall_s": round(wall_s, 1), "stage_s": {k: round(v, 1) for k, v in timings.items()},
         "pair": identity, "budget": asdict(budget), "label": report.get("meta", {}).get("label"), **summary,
         "grid_best": grid_json.get("best"), "replay_oracle": grid_json.get("oracle"),
+        "seeds": (results.get("eval") or {}).get("seeds"),
     }
 
 
@@ -321,8 +340,24 @@ def format_summary(summary: dict) -> str:
             lines.append(f"replay oracle (training trace, W={width}): {oracle['tokens_per_s']:.1f} tok/s, "
                          f"{oracle['tokens_per_s'] / ar['tokens_per_s']:.2f}x AR, tau "
                          f"{oracle.get('mean_accepted_length', float('nan')):.2f}")
+    lines += _seed_lines(summary.get("seeds"))
     lines.append(f"files: {summary['run_dir']}/eval/report.md, {summary['run_dir']}/export/decoder.json")
     return "\n".join(lines)
+
+
+def _seed_lines(seeds: dict | None) -> list[str]:
+    """Each seed's replay ratio on the held-out trace and the aggregate: the verdict does not rest on one seed."""
+    if not seeds or not seeds.get("seeds"):
+        return []
+    rows, agg = seeds["seeds"], seeds["ltd_vs_static"]
+    per_seed = ", ".join(f"seed {r['seed']} {r['ltd_vs_static']:.3f}x" + (" (deployed)" if r.get("chosen") else "")
+                         for r in rows)
+    line = f"ltd vs grid per seed (replay, held-out trace; deployed = best on validation): {per_seed}"
+    if agg["n"] > 1:
+        # with n seeds, [min, max] covers the median with probability 1 - 2 * 0.5**n (75% for 3 seeds)
+        line += (f"; median {agg['median']:.3f}x, IQM {agg['iqm']:.3f}x, range [{agg['min']:.3f}, {agg['max']:.3f}] "
+                 f"over {agg['n']} seeds")
+    return [line]
 
 
 # -- CLI -----------------------------------------------------------------------------------------------------------
