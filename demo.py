@@ -46,8 +46,8 @@ class DemoBudget:
         minus lambda * total time, so it optimises long-run tokens/s. The paper's per-cycle "throughput" reward
         sums tokens/time ratios, which favours many short cycles and collapses the depth policy to depth 1;
     live_top: grid configs re-measured live; temperatures: evaluation settings; sampled_methods: the
-        methods also evaluated at temperatures > 0 (the baselines, the grid config, LTD and the best sampling
-        heuristic: all twelve at T=1 would cost the full run ~6 more minutes);
+        methods also evaluated at temperatures > 0 (HF's assisted generation, the grid config and LTD; each
+        further method costs one generation per held-out prompt, ~0.4 minutes at 30 prompts);
     eval_budget_s / eval_rounds / eval_full_rounds: the eval stage's wall-time budget (trace, profile, live
         rounds, replay, report), its rounds ("auto": until ltd vs grid is resolved to +-1.5% or the budget is
         spent, at least 2) and how many rounds run every method (later rounds run ar, ltd and grid only);
@@ -58,18 +58,42 @@ class DemoBudget:
         (`specpilot.train.rl.imitation`; co-adaptation then fine-tunes with PPO, and size_steps / depth_steps are
         unused); bc_iters = 0 trains stage 1 with PPO from scratch instead. Measured in replay on held-out code
         at equal co-adaptation budgets: BC + PPO captured 63% of the oracle's gain over AR, PPO alone 45%.
+    seeds: whole training pipelines (BC + co-adaptation, replay) with seeds seed, seed + 1, ...
+        (`specpilot.train.rl.seeds.run_seeds`); the one best on validation is deployed and is the only one
+        fine-tuned live at T > 0 and evaluated live; every seed's ltd vs grid is replayed on the held-out trace.
+        `--quick` trains 1 seed (no aggregate over seeds).
+
+    Time (the full run must fit ~25 minutes on a quiet 2-core CPU). Unit costs of the embedded pair (fp32, 2
+    threads), estimated from a quiet full run (README: 20.6 min on the old suite) and a loaded one: a recorded
+    trace position (the full W=4 depth-8 tree) ~40 ms, a 64-token generation ~1 s, PPO in replay ~500-1000 env
+    steps/s. The loaded run (4 other jobs) at the old defaults (96 tokens, 1 seed, eval_budget_s=840) spent
+    record 12.4 min, grid 5.8, train 13.0 (8.6 of them the live T=1 fine-tuning) and was stopped at 44 min in
+    the eval (greedy trace 286 s, first round 450 s). The evaluation's floor is not eval_budget_s: every prompt runs at least two rounds per
+    temperature, the first with every method (12 at T=0, ar + sampled_methods at T=1), so its cost grows with
+    heldout_prompts x max_new_tokens x methods. Hence, quiet-machine estimates in brackets:
+    - max_new_tokens 48 (was 96) [record: 77 train + 21 validation prompts x 48 = 4.7k positions ~3.5 min incl.
+      the profile; more prompts, fewer tokens each: more varied training states for the same cost; the prefill
+      is ~5% of a 48-token generation and dilutes every method's speedup alike];
+    - grid: live_top 3 over the validation prompts at T=0 and T=1 [~2 min];
+    - train: 3 seeds x (BC ~10 s + 3 rounds x coadapt_steps 20k) in replay [~3-5 min] + the deployed seed's live
+      T=1 fine-tuning, 2048 depth + 512 size live cycles [~2 min];
+    - eval: 30 held-out prompts (5 per code group, the fewest a group verdict needs; the headline interval
+      resamples prompts, so prompts, not rounds, narrow it), sampled_methods 3 at T=1, eval_budget_s 540 [the
+      greedy trace ~1 min, the profile ~0.5 min, the two-round floor ~30 x 22 generations x 0.7 s ~8 min]:
+      ~9-10 min; later rounds (ar, ltd, grid) only if time is left.
+    Total ~20-22 minutes quiet, leaving a margin for the model load, export and noise.
     """
 
     train_prompts: int = 0
     val_prompts: int = 0
     heldout_prompts: int = 30  # round-robin over the held-out suite's groups (5 per group of the code suite)
-    max_new_tokens: int = 96
+    max_new_tokens: int = 48
     width: int = 4
     max_depth: int = 8
     max_size: int = 32
     size_steps: int = 40_000
     depth_steps: int = 120_000
-    coadapt_steps: int = 30_000
+    coadapt_steps: int = 20_000
     rounds: int = 3
     n_steps: int = 2048
     batch_size: int = 256
@@ -79,13 +103,13 @@ class DemoBudget:
     reward: str = "dinkelbach"
     live_top: int = 3
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    sampled_methods: tuple[str, ...] = ("hf_generate", "hf_assisted", "grid", "ltd", "svip")
-    eval_budget_s: float = 840.0
+    sampled_methods: tuple[str, ...] = ("hf_assisted", "grid", "ltd")
+    eval_budget_s: float = 540.0
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
     check_rounds: int = 3
-    sampled_depth_steps: int = 4096
-    sampled_size_steps: int = 1024
+    sampled_depth_steps: int = 2048
+    sampled_size_steps: int = 512
     bc_iters: int = 4
     bc_epochs: int = 30
     seeds: int = 3
