@@ -65,6 +65,13 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     assert json.loads((run / "demo_state.json").read_text())["record"] == state["record"]
 
 
+def test_full_demo_trains_three_seeds_and_quick_one():
+    from specpilot.demo import STAGE_FIELDS
+
+    assert DemoBudget().seeds == 3 and DemoBudget.quick().seeds == 1
+    assert "seeds" in STAGE_FIELDS["train"]  # another seed count re-trains
+
+
 @pytest.mark.slow
 def test_demo_quick_cli_on_default_pair(tmp_path):
     assert main(["demo", "--quick", "--out", str(tmp_path / "demo"), "--wandb", "disabled"]) == 0
