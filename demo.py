@@ -46,8 +46,8 @@ class DemoBudget:
         minus lambda * total time, so it optimises long-run tokens/s. The paper's per-cycle "throughput" reward
         sums tokens/time ratios, which favours many short cycles and collapses the depth policy to depth 1;
     live_top: grid configs re-measured live; temperatures: evaluation settings; sampled_methods: the
-        methods also evaluated at temperatures > 0 (the baselines, the grid config, LTD and the best sampling
-        heuristic: all twelve at T=1 would cost the full run ~6 more minutes);
+        methods also evaluated at temperatures > 0 (HF's assisted generation, the grid config and LTD; each
+        further method costs one generation per held-out prompt, ~0.4 minutes at 30 prompts);
     eval_budget_s / eval_rounds / eval_full_rounds: the eval stage's wall-time budget (trace, profile, live
         rounds, replay, report), its rounds ("auto": until ltd vs grid is resolved to +-1.5% or the budget is
         spent, at least 2) and how many rounds run every method (later rounds run ar, ltd and grid only);
@@ -58,18 +58,42 @@ class DemoBudget:
         (`specpilot.train.rl.imitation`; co-adaptation then fine-tunes with PPO, and size_steps / depth_steps are
         unused); bc_iters = 0 trains stage 1 with PPO from scratch instead. Measured in replay on held-out code
         at equal co-adaptation budgets: BC + PPO captured 63% of the oracle's gain over AR, PPO alone 45%.
+    seeds: whole training pipelines (BC + co-adaptation, replay) with seeds seed, seed + 1, ...
+        (`specpilot.train.rl.seeds.run_seeds`); the one best on validation is deployed and is the only one
+        fine-tuned live at T > 0 and evaluated live; every seed's ltd vs grid is replayed on the held-out trace.
+        `--quick` trains 1 seed (no aggregate over seeds).
+
+    Time (the full run must fit ~25 minutes on a quiet 2-core CPU). Unit costs of the embedded pair (fp32, 2
+    threads), estimated from a quiet full run (README: 20.6 min on the old suite) and a loaded one: a recorded
+    trace position (the full W=4 depth-8 tree) ~40 ms, a 64-token generation ~1 s, PPO in replay ~500-1000 env
+    steps/s. The loaded run (4 other jobs) at the old defaults (96 tokens, 1 seed, eval_budget_s=840) spent
+    record 12.4 min, grid 5.8, train 13.0 (8.6 of them the live T=1 fine-tuning) and was stopped at 44 min in
+    the eval (greedy trace 286 s, first round 450 s). The evaluation's floor is not eval_budget_s: every prompt runs at least two rounds per
+    temperature, the first with every method (12 at T=0, ar + sampled_methods at T=1), so its cost grows with
+    heldout_prompts x max_new_tokens x methods. Hence, quiet-machine estimates in brackets:
+    - max_new_tokens 48 (was 96) [record: 77 train + 21 validation prompts x 48 = 4.7k positions ~3.5 min incl.
+      the profile; more prompts, fewer tokens each: more varied training states for the same cost; the prefill
+      is ~5% of a 48-token generation and dilutes every method's speedup alike];
+    - grid: live_top 3 over the validation prompts at T=0 and T=1 [~2 min];
+    - train: 3 seeds x (BC ~10 s + 3 rounds x coadapt_steps 20k) in replay [~3-5 min] + the deployed seed's live
+      T=1 fine-tuning, 2048 depth + 512 size live cycles [~2 min];
+    - eval: 30 held-out prompts (5 per code group, the fewest a group verdict needs; the headline interval
+      resamples prompts, so prompts, not rounds, narrow it), sampled_methods 3 at T=1, eval_budget_s 540 [the
+      greedy trace ~1 min, the profile ~0.5 min, the two-round floor ~30 x 22 generations x 0.7 s ~8 min]:
+      ~9-10 min; later rounds (ar, ltd, grid) only if time is left.
+    Total ~20-22 minutes quiet, leaving a margin for the model load, export and noise.
     """
 
     train_prompts: int = 0
     val_prompts: int = 0
     heldout_prompts: int = 30  # round-robin over the held-out suite's groups (5 per group of the code suite)
-    max_new_tokens: int = 96
+    max_new_tokens: int = 48
     width: int = 4
     max_depth: int = 8
     max_size: int = 32
     size_steps: int = 40_000
     depth_steps: int = 120_000
-    coadapt_steps: int = 30_000
+    coadapt_steps: int = 20_000
     rounds: int = 3
     n_steps: int = 2048
     batch_size: int = 256
@@ -79,22 +103,23 @@ class DemoBudget:
     reward: str = "dinkelbach"
     live_top: int = 3
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    sampled_methods: tuple[str, ...] = ("hf_generate", "hf_assisted", "grid", "ltd", "svip")
-    eval_budget_s: float = 840.0
+    sampled_methods: tuple[str, ...] = ("hf_assisted", "grid", "ltd")
+    eval_budget_s: float = 540.0
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
     check_rounds: int = 3
-    sampled_depth_steps: int = 4096
-    sampled_size_steps: int = 1024
+    sampled_depth_steps: int = 2048
+    sampled_size_steps: int = 512
     bc_iters: int = 4
     bc_epochs: int = 30
+    seeds: int = 3
 
     @classmethod
     def quick(cls) -> "DemoBudget":
         return cls(train_prompts=10, val_prompts=4, heldout_prompts=12, max_new_tokens=48, size_steps=3_000,
                    depth_steps=4_000, coadapt_steps=2_000, rounds=3, n_steps=512, batch_size=128, n_epochs=5,
                    vf_arch=(256, 256), live_top=2, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
-                   eval_budget_s=150.0, sampled_depth_steps=1024, sampled_size_steps=256)
+                   eval_budget_s=150.0, sampled_depth_steps=1024, sampled_size_steps=256, seeds=1)
 
 
 STAGES = ("record", "grid", "train", "eval", "export")
@@ -104,7 +129,8 @@ STAGE_FIELDS = {
     "record": ("train_prompts", "val_prompts", "max_new_tokens", "width", "max_depth", "max_size"),
     "grid": ("live_top", "check_rounds", "temperatures"),
     "train": ("size_steps", "depth_steps", "coadapt_steps", "rounds", "n_steps", "batch_size", "n_epochs", "pi_arch",
-              "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs"),
+              "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs",
+              "seeds"),
     "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
              "eval_full_rounds"),
     "export": (),
@@ -235,18 +261,23 @@ def _grid(*, run_dir, pair, budget, val, executor, **_) -> dict:
 
 
 def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
-    from specpilot.train.rl.pipeline import TaskTraces, TrainOptions, run_pipeline
+    from specpilot.train.rl.pipeline import TaskTraces, TrainOptions
     from specpilot.train.rl.ppo import PPOOverrides
     from specpilot.train.rl.sampled import train_sampled
+    from specpilot.train.rl.seeds import run_seeds
 
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
                        pi_arch=list(budget.pi_arch), vf_arch=list(budget.vf_arch))
     options = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed, ppo=ppo,
                            bc_iters=budget.bc_iters, bc_epochs=budget.bc_epochs)
-    out = run_pipeline(run_dir, traces, size_steps=budget.size_steps, depth_steps=budget.depth_steps,
-                       coadapt_steps=budget.coadapt_steps, rounds=budget.rounds, options=options, wandb=wandb)
-    # sampling is part of training: the policies evaluated at T > 0 are fine-tuned live at T
+    # budget.seeds whole pipelines in replay (RUN/seed<k>/, seed + k), the best on validation deployed to
+    # RUN/policies.json; RUN/seeds.json has every seed's validation ratio over the grid's best
+    out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, size_steps=budget.size_steps,
+                    depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,
+                    wandb=wandb)
+    # sampling is part of training: the DEPLOYED policies (only those: live steps are the expensive ones) are
+    # fine-tuned live at each T > 0
     live = TrainOptions(reward=budget.reward, static=run_dir / GRID_FILE, resume=True, seed=seed,
                         ppo=PPOOverrides(**{**vars(ppo), "n_steps": 256, "batch_size": 128}), backend="live",
                         pair=pair, train_prompts=[p.prompt for p in train])
@@ -270,7 +301,18 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
         progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
-            "rounds": result.meta.get("rounds")}
+            "rounds": result.meta.get("rounds"), "seeds": _heldout_seeds(run_dir)}
+
+
+def _heldout_seeds(run_dir: Path) -> dict | None:
+    """Every trained seed's ltd vs the grid's best config in exact replay of the held-out trace (cheap: no
+    generation), and their aggregate; None for a run without RUN/seeds.json."""
+    from specpilot.train.rl.seeds import SEEDS_FILE, evaluate_seeds
+
+    if not (run_dir / SEEDS_FILE).is_file():
+        return None
+    out = evaluate_seeds(run_dir, run_dir / "traces" / "heldout")
+    return json.loads(json.dumps(out, default=float))
 
 
 def _export(*, run_dir, pair, **_) -> dict:
@@ -297,6 +339,7 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
         "run_dir": str(run_dir), "wall_s": round(wall_s, 1), "stage_s": {k: round(v, 1) for k, v in timings.items()},
         "pair": identity, "budget": asdict(budget), "label": report.get("meta", {}).get("label"), **summary,
         "grid_best": grid_json.get("best"), "replay_oracle": grid_json.get("oracle"),
+        "seeds": (results.get("eval") or {}).get("seeds"),
     }
 
 
@@ -321,8 +364,25 @@ def format_summary(summary: dict) -> str:
             lines.append(f"replay oracle (training trace, W={width}): {oracle['tokens_per_s']:.1f} tok/s, "
                          f"{oracle['tokens_per_s'] / ar['tokens_per_s']:.2f}x AR, tau "
                          f"{oracle.get('mean_accepted_length', float('nan')):.2f}")
+    lines += _seed_lines(summary.get("seeds"))
     lines.append(f"files: {summary['run_dir']}/eval/report.md, {summary['run_dir']}/export/decoder.json")
     return "\n".join(lines)
+
+
+def _seed_lines(seeds: dict | None) -> list[str]:
+    """Each seed's replay ratio on the held-out trace and the aggregate: the verdict does not rest on one seed."""
+    if not seeds or not seeds.get("seeds"):
+        return []
+    rows, agg = seeds["seeds"], seeds["ltd_vs_static"]
+    per_seed = ", ".join(f"seed {r['seed']} {r['ltd_vs_static']:.3f}x" + (" (deployed)" if r.get("chosen") else "")
+                         for r in rows)
+    line = f"ltd vs grid per seed (replay, held-out trace; deployed = best on validation): {per_seed}"
+    if agg["n"] > 1:
+        # distribution-free: [min, max] of n seeds covers the seeds' median with probability 1 - 2 * 0.5**n
+        coverage = 1 - 2 * 0.5 ** agg["n"]
+        line += (f"; median {agg['median']:.3f}x, IQM {agg['iqm']:.3f}x, [{agg['min']:.3f}, {agg['max']:.3f}] "
+                 f"over {agg['n']} seeds (min-max: a {coverage:.0%} interval for the median)")
+    return [line]
 
 
 # -- CLI -----------------------------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Bundled suites live in `eval/suites/<split>.jsonl`, one JSON object per line with fields
 `id`, `task`, `language`, `split`, `prompt`:
 
-- `train` and `validation`: Python code-completion prompts in the style of the default pair's training data
-  (function signature + docstring, sometimes first lines). Used for policy training and checkpoint selection.
+- `train` and `validation`: Python code-completion prompts (77 / 21) over varied domains, in the three forms of
+  `heldout_code` (its `form` field) and, like it, ending at the cursor; no line of 30+ characters shared with the
+  held-out suites. Used for policy training and checkpoint selection.
 - `heldout`: never used for training or selection. Code on topics unlike the standard library, and natural-
   language tasks (instruction following, question answering, math word problems, conversation) in English,
   Italian, Spanish and Chinese; the same items translated, so prompt lengths are comparable across languages.

@@ -77,5 +77,5 @@ def readme_demo_paths() -> list[str]:
 
 def test_readme_demo_table_parses():
     paths = readme_demo_paths()
-    assert "grid.json" in paths and "eval/report.json" in paths and "bc_size/" in paths
+    assert "grid.json" in paths and "eval/report.json" in paths and "seed0/bc_size/" in paths
     assert not any(p.startswith("--") for p in paths)

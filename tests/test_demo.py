@@ -10,7 +10,7 @@ from specpilot.demo import DemoBudget, run_demo
 TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tokens=16, width=2, max_depth=4,
                   max_size=8, size_steps=256, depth_steps=256, coadapt_steps=128, rounds=1, n_steps=128,
                   batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
-                  eval_budget_s=5.0, check_rounds=2, sampled_depth_steps=64, sampled_size_steps=64)
+                  eval_budget_s=5.0, check_rounds=2, sampled_depth_steps=64, sampled_size_steps=64, seeds=2)
 
 
 def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
@@ -40,7 +40,13 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     sampled_rows = {(r["method"], r["temperature"]) for r in report["summary"]}
     assert {("ar", 1.0), ("grid", 1.0), ("ltd", 1.0)} <= sampled_rows
     assert report["meta"]["methods"]["ltd"]["by_temperature"]["1"]
+    # 2 seeds trained in replay, the validation-best deployed, each reported on the held-out trace
+    seeds = json.loads((run / "seeds.json").read_text())
+    assert [s["seed"] for s in seeds["seeds"]] == [0, 1] and (run / "seed1" / "policies.json").is_file()
+    assert [r["seed"] for r in summary["seeds"]["seeds"]] == [0, 1] and summary["seeds"]["ltd_vs_static"]["n"] == 2
+    assert [r["chosen"] for r in summary["seeds"]["seeds"]] == [s["seed"] == seeds["chosen"] for s in seeds["seeds"]]
     out = capsys.readouterr().out
+    assert "ltd vs grid per seed" in out and "over 2 seeds" in out
     assert "speedup over ar [95% CI]" in out and "ltd vs grid (T=0)" in out and "cost model" in out
     # a re-run reuses every finished stage
     again = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
@@ -57,6 +63,13 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     assert "[record] reused" in out and "[grid] reused" in out
     assert all(f"[{stage}] reused" not in out for stage in ("train", "eval", "export"))
     assert json.loads((run / "demo_state.json").read_text())["record"] == state["record"]
+
+
+def test_full_demo_trains_three_seeds_and_quick_one():
+    from specpilot.demo import STAGE_FIELDS
+
+    assert DemoBudget().seeds == 3 and DemoBudget.quick().seeds == 1
+    assert "seeds" in STAGE_FIELDS["train"]  # another seed count re-trains
 
 
 @pytest.mark.slow

@@ -86,3 +86,24 @@ def test_bad_jsonl_rejected_with_file_and_line(tmp_path, content, message):
 def test_unknown_name_rejected():
     with pytest.raises(SuiteError, match="unknown suite 'nope'.*bundled suite"):
         load_suite("nope")
+
+
+def _long_lines(prompts, min_chars: int = 30) -> set[str]:
+    return {line.strip() for p in prompts for line in p.prompt.splitlines() if len(line.strip()) >= min_chars}
+
+
+def test_train_and_validation_share_no_long_line_with_the_heldout_suites():
+    """Selection and training never see a held-out line of 30+ characters (short idioms such as `import os` may
+    recur), nor a line of each other."""
+    held = _long_lines(load_suite("heldout") + load_suite("heldout_code"))
+    train, val = load_suite("train"), load_suite("validation")
+    assert not _long_lines(train) & held and not _long_lines(val) & held
+    assert not _long_lines(train) & _long_lines(val)
+
+
+@pytest.mark.parametrize("name, at_least", [("train", 60), ("validation", 16)])
+def test_train_and_validation_code_prompts_end_at_the_cursor(name, at_least):
+    """Like heldout_code's: a prompt ending in a bare newline asks the embedded model for a column-0 line (junk)."""
+    prompts = load_suite(name)
+    assert len(prompts) >= at_least and len({p.prompt for p in prompts}) == len(prompts)
+    assert not [p.id for p in prompts if p.prompt.endswith("\n")]
