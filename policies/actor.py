@@ -6,15 +6,21 @@ argmax of the logits (the first index on exact ties, as torch.argmax and SB3's d
 
 Decision latency counts against the speedup: a decision runs right after a model forward has evicted the CPU caches,
 where every distinct library call costs tens of microseconds (measured cold: one vector-matrix `@` ~60 us, a torch
-linear ~180 us), and the depth policy decides after every draft level. So single decisions run as numpy products on
-zero-copy views of float32 CPU weights (training updates them in place; the views follow); a batch, weights on an
-accelerator, or observation normalisation go through torch functionals (the same kernels nn.Linear uses).
+linear ~180 us), and the depth policy decides after every draft level. So single decisions run in numpy, one
+`np.dot` per layer on contiguous float32 copies of the weights with the bias folded in as a last row, into
+preallocated buffers; `decide(state, spec)` also folds the observation layout into the first layer (the constant
+padding and mask go into its bias), so it skips building the observation vector. The copies are remade when training
+updated a live SB3 module's weights in place. A batch, weights on an accelerator, observation normalisation or an
+activation without a numpy version go through torch functionals (the same kernels nn.Linear uses).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from specpilot.drafting.types import DraftState
+from specpilot.policies.observation import ObservationSpec, fold_first_layer, observe, scalars
 
 # name -> (numpy version or None, torch version); params carry e.g. a LeakyReLU's negative_slope
 ACTIVATIONS = {
@@ -62,7 +68,10 @@ class Actor:
         self.in_features = int(linears[0][1].shape[1])
         self.n_actions = int(linears[-1][1].shape[0])
         self.device = linears[0][1].device
+        self._live = False  # views of live SB3 modules (from_sb3): training may update them in place
+        self._versions = self._weight_versions()
         self._numpy_steps = self._numpy_plan()
+        self._fold_spec = self._folded = None  # the spec `decide` last folded the first layer with, and the tables
 
     # -- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -82,7 +91,9 @@ class Actor:
             else:
                 params = {a: getattr(module, a) for a in _PARAM_ATTRS if hasattr(module, a)}
                 layers.append(("activation", type(module).__name__.lower(), params))
-        return cls(layers, source=f"SB3 {type(policy).__name__}")
+        actor = cls(layers, source=f"SB3 {type(policy).__name__}")
+        actor._live = True
+        return actor
 
     @classmethod
     def from_layers(cls, entries: list[dict], tensors: dict[str, torch.Tensor], *, obs_norm: dict | None = None,
@@ -139,22 +150,106 @@ class Actor:
 
     # -- decisions ----------------------------------------------------------------------------------------------
     def _numpy_plan(self) -> list[tuple] | None:
-        """[(W.T view, bias view, activation fn, params)] when numpy can run the stack, else None."""
+        """Single decisions in numpy, or None when numpy cannot run the stack: one step per Linear, (matrix, input,
+        output, activation fn, params). The matrix is [W.T; bias] (in + 1, out), contiguous float32, read by one
+        `np.dot` from an input buffer whose last slot holds a constant 1; each output is a view of the next step's
+        input buffer (the last one the logits), so a decision allocates nothing. The matrices are copies made once:
+        `_fresh` rebuilds them when a live SB3 module's weights changed in place (training)."""
         if self.obs_norm is not None:
             return None
-        steps: list[tuple] = []
+        linears: list[list] = []
         for layer in self.layers:
             if layer[0] == "linear":
                 weight, bias = layer[1], layer[2]
                 if weight.device.type != "cpu" or weight.dtype != torch.float32:
                     return None
-                steps.append((weight.numpy().T, None if bias is None else bias.numpy(), None, None))
+                w = weight.detach().numpy()
+                b = np.zeros(w.shape[0], np.float32) if bias is None else bias.detach().numpy()
+                linears.append([np.ascontiguousarray(np.concatenate([w.T, b[None, :]]), dtype=np.float32),
+                                None, None])
             else:
                 fn = ACTIVATIONS[str(layer[1]).lower()][0]
-                if fn is None or not steps:
+                if fn is None or not linears or linears[-1][1] is not None:
                     return None
-                steps[-1] = steps[-1][:2] + (fn, layer[2])
-        return steps
+                linears[-1][1:] = [fn, layer[2]]
+        inputs = [np.ones(matrix.shape[0], np.float32) for matrix, _, _ in linears]  # [x, 1]
+        outputs = [x[:-1] for x in inputs[1:]] + [np.empty(linears[-1][0].shape[1], np.float32)]
+        return [(matrix, x, y, fn, params) for (matrix, fn, params), x, y in zip(linears, inputs, outputs)]
+
+    def _weight_versions(self) -> tuple:
+        return tuple(t._version for layer in self.layers if layer[0] == "linear" for t in layer[1:] if t is not None)
+
+    def _fresh(self) -> list[tuple] | None:
+        """The numpy plan, rebuilt (with the folded first layers) when an optimiser updated the live weights in place
+        since it was made (torch counts in-place writes per tensor). Only actors over live SB3 modules check."""
+        if self._live and self._numpy_steps is not None:
+            versions = self._weight_versions()
+            if versions != self._versions:
+                self._versions = versions
+                self._numpy_steps = self._numpy_plan()
+                self._fold_spec = None
+        return self._numpy_steps
+
+    @staticmethod
+    def _forward(steps: list[tuple], first: int) -> int:
+        """Run steps[first:] (their inputs already filled) and return the argmax of the logits (the first index on
+        exact ties)."""
+        for matrix, x, y, fn, params in steps[first:]:
+            np.dot(x, matrix, out=y)
+            if fn is not None:
+                z = fn(y, params)
+                if z is not y:
+                    y[...] = z
+        return int(steps[-1][2].argmax())
+
+    def act(self, obs: np.ndarray) -> int:
+        """Deterministic action for one float32 observation vector."""
+        steps = self._fresh()
+        if steps is None:
+            with torch.inference_mode():
+                return int(self.logits(torch.from_numpy(obs).to(self.device).unsqueeze(0)).argmax(dim=1))
+        steps[0][1][:-1] = obs
+        return self._forward(steps, 0)
+
+    def decide(self, state: DraftState, spec: ObservationSpec) -> int:
+        """Deterministic action for a DraftState, as act(observe(state, spec)) decides up to float round-off, but
+        without building the observation: the first layer is folded with the observation layout
+        (`fold_first_layer`), so a decision is two clipping ufuncs on the real scores, one write of the scalars and
+        one np.dot per layer. Falls back to act(observe(...)) where numpy cannot run the stack."""
+        steps = self._fresh()
+        if steps is None:
+            return self.act(observe(state, spec))
+        # one cached spec, compared by identity: hashing a spec (8 fields) would cost more than the rest
+        folded = self._folded if spec is self._fold_spec else self._fold(spec, steps[0])
+        values = state.level_scores if spec.kind == "depth" else state.candidate_scores
+        k = values.shape[0]
+        if k > spec.num_scores:
+            values, k = values[:spec.num_scores], spec.num_scores
+        matrix, x, head, tail = folded[k]
+        np.maximum(values, spec.score_floor, out=head)
+        np.minimum(head, 0.0, out=head)
+        tail[...] = scalars(state, spec)
+        first = steps[0]
+        np.dot(x, matrix, out=first[2])
+        if first[3] is not None:
+            z = first[3](first[2], first[4])
+            if z is not first[2]:
+                first[2][...] = z
+        return self._forward(steps, 1)
+
+    def _fold(self, spec: ObservationSpec, first: tuple) -> list[tuple]:
+        """Per count k of real scores: (folded matrix, input buffer [scores, scalars, 1], its score view, its scalar
+        view), made once per spec."""
+        if spec.dim != self.in_features:
+            raise ActorError(f"{self.source}: the actor takes {self.in_features} inputs but the {spec.kind} "
+                             f"observation spec produces {spec.dim}")
+        weight, bias = first[0][:-1].T, first[0][-1]
+        folded = []
+        for k, matrix in enumerate(fold_first_layer(spec, weight, bias)):
+            x = np.ones(matrix.shape[0], np.float32)
+            folded.append((matrix, x, x[:k], x[k:-1]))
+        self._fold_spec, self._folded = spec, folded
+        return folded
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """(batch, in_features) float32 -> (batch, n_actions) logits, with torch functionals."""
@@ -168,21 +263,6 @@ class Actor:
             else:
                 x = ACTIVATIONS[str(layer[1]).lower()][1](x, layer[2])
         return x
-
-    def act(self, obs: np.ndarray) -> int:
-        """Deterministic action for one float32 observation vector."""
-        steps = self._numpy_steps
-        if steps is None:
-            with torch.inference_mode():
-                return int(self.logits(torch.from_numpy(obs).to(self.device).unsqueeze(0)).argmax(dim=1))
-        x = obs
-        for w_t, b, fn, params in steps:
-            x = x @ w_t
-            if b is not None:
-                x += b
-            if fn is not None:
-                x = fn(x, params)
-        return int(x.argmax())
 
     def act_batch(self, obs: np.ndarray | torch.Tensor) -> np.ndarray:
         with torch.inference_mode():
