@@ -1,17 +1,17 @@
 """Actor: a policy's action network (Flatten -> [Linear, activation]* -> Linear), the one way specpilot runs one.
 
-PPO inference (`Actor.from_sb3`, views of a live SB3 policy's weights) and exported decoders (`Actor.from_layers`,
+PPO inference (`Actor.from_sb3`, from a live SB3 policy's modules) and exported decoders (`Actor.from_layers`,
 tensors read from safetensors) build the same class; export writes `to_layers()`. The deterministic action is the
 argmax of the logits (the first index on exact ties, as torch.argmax and SB3's deterministic predict do).
 
 Decision latency counts against the speedup: a decision runs right after a model forward has evicted the CPU caches,
 where every distinct library call costs tens of microseconds (measured cold: one vector-matrix `@` ~60 us, a torch
 linear ~180 us), and the depth policy decides after every draft level. So single decisions run in numpy, one
-`np.dot` per layer on contiguous float32 copies of the weights with the bias folded in as a last row, into
-preallocated buffers; `decide(state, spec)` also folds the observation layout into the first layer (the constant
-padding and mask go into its bias), so it skips building the observation vector. The copies are remade when training
-updated a live SB3 module's weights in place. A batch, weights on an accelerator, observation normalisation or an
-activation without a numpy version go through torch functionals (the same kernels nn.Linear uses).
+`np.dot` per layer on contiguous float32 copies of the weights (taken when the actor is built) with the bias as a
+last row, into preallocated buffers; `decide(state, spec)` also folds the observation layout into the first layer
+(the constant padding and mask go into its bias), so it skips building the observation vector. A batch, weights on
+an accelerator, observation normalisation or an activation without a numpy version go through torch functionals (the
+same kernels nn.Linear uses).
 """
 from __future__ import annotations
 
@@ -68,8 +68,6 @@ class Actor:
         self.in_features = int(linears[0][1].shape[1])
         self.n_actions = int(linears[-1][1].shape[0])
         self.device = linears[0][1].device
-        self._live = False  # views of live SB3 modules (from_sb3): training may update them in place
-        self._versions = self._weight_versions()
         self._numpy_steps = self._numpy_plan()
         self._fold_spec = self._folded = None  # the spec `decide` last folded the first layer with, and the tables
 
@@ -77,7 +75,8 @@ class Actor:
     @classmethod
     def from_sb3(cls, policy) -> "Actor":
         """The actor of an SB3 ActorCriticPolicy (or algorithm) with a Flatten features extractor and an MLP:
-        mlp_extractor.policy_net then action_net, as views of the live modules' weights."""
+        mlp_extractor.policy_net then action_net. Decisions use copies of the weights taken now: after training
+        updates the policy, build a new Actor (every caller builds its controller after the update)."""
         policy = getattr(policy, "policy", policy)
         extractor = getattr(policy, "pi_features_extractor", None) or getattr(policy, "features_extractor", None)
         if type(getattr(extractor, "flatten", None)) is not torch.nn.Flatten:
@@ -91,9 +90,7 @@ class Actor:
             else:
                 params = {a: getattr(module, a) for a in _PARAM_ATTRS if hasattr(module, a)}
                 layers.append(("activation", type(module).__name__.lower(), params))
-        actor = cls(layers, source=f"SB3 {type(policy).__name__}")
-        actor._live = True
-        return actor
+        return cls(layers, source=f"SB3 {type(policy).__name__}")
 
     @classmethod
     def from_layers(cls, entries: list[dict], tensors: dict[str, torch.Tensor], *, obs_norm: dict | None = None,
@@ -153,8 +150,8 @@ class Actor:
         """Single decisions in numpy, or None when numpy cannot run the stack: one step per Linear, (matrix, input,
         output, activation fn, params). The matrix is [W.T; bias] (in + 1, out), contiguous float32, read by one
         `np.dot` from an input buffer whose last slot holds a constant 1; each output is a view of the next step's
-        input buffer (the last one the logits), so a decision allocates nothing. The matrices are copies made once:
-        `_fresh` rebuilds them when a live SB3 module's weights changed in place (training)."""
+        input buffer (the last one the logits), so a decision allocates nothing. The matrices are copies, made once
+        (a check per decision that live weights did not change would cost as much as a layer)."""
         if self.obs_norm is not None:
             return None
         linears: list[list] = []
@@ -172,39 +169,35 @@ class Actor:
                 if fn is None or not linears or linears[-1][1] is not None:
                     return None
                 linears[-1][1:] = [fn, layer[2]]
+        if linears[-1][0].shape[1] == 2 and linears[-1][1] is None:  # two actions: one column, l1 - l0
+            diff = linears[-1][0][:, 1].astype(np.float64) - linears[-1][0][:, 0]
+            linears[-1][0] = np.ascontiguousarray(diff, dtype=np.float32)
         inputs = [np.ones(matrix.shape[0], np.float32) for matrix, _, _ in linears]  # [x, 1]
-        outputs = [x[:-1] for x in inputs[1:]] + [np.empty(linears[-1][0].shape[1], np.float32)]
+        last = linears[-1][0]
+        outputs = [x[:-1] for x in inputs[1:]] + [np.empty(last.shape[1], np.float32) if last.ndim == 2 else None]
         return [(matrix, x, y, fn, params) for (matrix, fn, params), x, y in zip(linears, inputs, outputs)]
 
-    def _weight_versions(self) -> tuple:
-        return tuple(t._version for layer in self.layers if layer[0] == "linear" for t in layer[1:] if t is not None)
-
-    def _fresh(self) -> list[tuple] | None:
-        """The numpy plan, rebuilt (with the folded first layers) when an optimiser updated the live weights in place
-        since it was made (torch counts in-place writes per tensor). Only actors over live SB3 modules check."""
-        if self._live and self._numpy_steps is not None:
-            versions = self._weight_versions()
-            if versions != self._versions:
-                self._versions = versions
-                self._numpy_steps = self._numpy_plan()
-                self._fold_spec = None
-        return self._numpy_steps
-
     @staticmethod
-    def _forward(steps: list[tuple], first: int) -> int:
-        """Run steps[first:] (their inputs already filled) and return the argmax of the logits (the first index on
-        exact ties)."""
-        for matrix, x, y, fn, params in steps[first:]:
-            np.dot(x, matrix, out=y)
+    def _forward(steps: list[tuple], first: int, x: np.ndarray | None = None, matrix: np.ndarray | None = None) -> int:
+        """Run steps[first:] (their inputs filled) and return the argmax of the logits, the first index on exact ties
+        (as torch.argmax). x, matrix: another input and matrix for the first of them (a folded first layer). A last
+        step without an output is a two-action layer reduced to the logits' difference: action 1 iff l1 - l0 > 0."""
+        for i in range(first, len(steps)):
+            w, inp, y, fn, params = steps[i]
+            if x is not None:
+                inp, w, x = x, matrix, None
+            if y is None:
+                return int(np.dot(inp, w) > 0.0)
+            np.dot(inp, w, out=y)
             if fn is not None:
                 z = fn(y, params)
                 if z is not y:
                     y[...] = z
-        return int(steps[-1][2].argmax())
+        return int(y.argmax())
 
     def act(self, obs: np.ndarray) -> int:
         """Deterministic action for one float32 observation vector."""
-        steps = self._fresh()
+        steps = self._numpy_steps
         if steps is None:
             with torch.inference_mode():
                 return int(self.logits(torch.from_numpy(obs).to(self.device).unsqueeze(0)).argmax(dim=1))
@@ -216,40 +209,43 @@ class Actor:
         without building the observation: the first layer is folded with the observation layout
         (`fold_first_layer`), so a decision is two clipping ufuncs on the real scores, one write of the scalars and
         one np.dot per layer. Falls back to act(observe(...)) where numpy cannot run the stack."""
-        steps = self._fresh()
+        steps = self._numpy_steps
         if steps is None:
             return self.act(observe(state, spec))
         # one cached spec, compared by identity: hashing a spec (8 fields) would cost more than the rest
         folded = self._folded if spec is self._fold_spec else self._fold(spec, steps[0])
-        values = state.level_scores if spec.kind == "depth" else state.candidate_scores
+        values = state.level_scores if folded[0] else state.candidate_scores
         k = values.shape[0]
-        if k > spec.num_scores:
-            values, k = values[:spec.num_scores], spec.num_scores
-        matrix, x, head, tail = folded[k]
-        np.maximum(values, spec.score_floor, out=head)
-        np.minimum(head, 0.0, out=head)
+        if k > folded[1]:
+            k = folded[1]
+            values = values[:k]
+        matrix, x, head, tail, floor, zero = folded[2][k]
+        if k:  # (depth 0, the skip decision, has no scores)
+            # clip into [score_floor, 0] (the scale is in the matrix); array bounds of the same dtype take numpy's
+            # shortest path (a Python float goes through scalar promotion: measured ~15 us more after a forward)
+            np.maximum(values, floor, out=head)
+            np.minimum(head, zero, out=head)
         tail[...] = scalars(state, spec)
-        first = steps[0]
-        np.dot(x, matrix, out=first[2])
-        if first[3] is not None:
-            z = first[3](first[2], first[4])
-            if z is not first[2]:
-                first[2][...] = z
-        return self._forward(steps, 1)
+        return self._forward(steps, 0, x, matrix)
 
-    def _fold(self, spec: ObservationSpec, first: tuple) -> list[tuple]:
-        """Per count k of real scores: (folded matrix, input buffer [scores, scalars, 1], its score view, its scalar
-        view), made once per spec."""
+    def _fold(self, spec: ObservationSpec, first: tuple) -> tuple:
+        """(depth kind?, num_scores, per count k of real scores: (folded matrix, input buffer [scores, scalars, 1],
+        its score view, its scalar view, floor bounds, zero bounds)), made once per spec."""
         if spec.dim != self.in_features:
             raise ActorError(f"{self.source}: the actor takes {self.in_features} inputs but the {spec.kind} "
                              f"observation spec produces {spec.dim}")
-        weight, bias = first[0][:-1].T, first[0][-1]
-        folded = []
+        matrix = first[0] if first[0].ndim == 2 else first[0][:, None]  # (a one-layer, two-action actor: l1 - l0)
+        weight, bias = matrix[:-1].T, matrix[-1]
+        floor = np.full(spec.num_scores, spec.score_floor, np.float32)
+        zero = np.zeros(spec.num_scores, np.float32)
+        tables = []
         for k, matrix in enumerate(fold_first_layer(spec, weight, bias)):
+            if first[0].ndim == 1:
+                matrix = np.ascontiguousarray(matrix[:, 0])
             x = np.ones(matrix.shape[0], np.float32)
-            folded.append((matrix, x, x[:k], x[k:-1]))
-        self._fold_spec, self._folded = spec, folded
-        return folded
+            tables.append((matrix, x, x[:k], x[k:-1], floor[:k], zero[:k]))
+        self._fold_spec, self._folded = spec, (spec.kind == "depth", spec.num_scores, tables)
+        return self._folded
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """(batch, in_features) float32 -> (batch, n_actions) logits, with torch functionals."""
