@@ -71,6 +71,17 @@ class Actor:
         self._numpy_steps = self._numpy_plan()
         self._fold_spec = self._folded = None  # the spec `decide` last folded the first layer with, and the tables
 
+    def __getstate__(self) -> dict:
+        # the numpy plan's outputs are views of the next layer's input buffer: pickling (Ray workers get partner
+        # controllers) or deepcopy would turn them into separate arrays, so the plan is rebuilt on arrival instead
+        state = dict(self.__dict__)
+        state["_numpy_steps"] = state["_fold_spec"] = state["_folded"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._numpy_steps = self._numpy_plan()
+
     # -- construction -------------------------------------------------------------------------------------------
     @classmethod
     def from_sb3(cls, policy) -> "Actor":

@@ -142,3 +142,19 @@ def test_decide_falls_back_where_numpy_cannot_run_the_stack(recorded_states):
         for state in recorded_states[:50]:
             obs = torch.from_numpy(observe(state, spec))[None]
             assert actor.decide(state, spec) == int(actor.logits(obs).argmax())
+
+
+@pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])
+def test_a_copied_controller_decides_alike(copy_kind, recorded_states):
+    """Partner controllers travel to Ray workers pickled: the copy rebuilds its buffers (views do not survive)."""
+    import copy
+    import pickle
+
+    depth = sb3_policy(SPECS["depth"], [16], torch.nn.Tanh, seed=1)
+    size = sb3_policy(SPECS["size"], [16, 8], torch.nn.ReLU, seed=2)
+    ctrl = PPOController(depth, size, SPECS["depth"], SPECS["size"], SIZES)
+    ctrl.should_stop(recorded_states[-1])  # fold before copying
+    twin = pickle.loads(pickle.dumps(ctrl)) if copy_kind == "pickle" else copy.deepcopy(ctrl)
+    states = recorded_states + edge_states()
+    assert [twin.should_stop(s) for s in states] == [ctrl.should_stop(s) for s in states]
+    assert [twin.choose_size(s) for s in states] == [ctrl.choose_size(s) for s in states]
