@@ -6,10 +6,12 @@ interleaved in one run, on live generations of held-out code prompts with the sa
 
 The baseline's policies/actor.py and policies/observation.py are read from git (`git show REV:...`) and drive the
 same trained SB3 policies (the baseline timed per part: observation building and actor forward). Each round runs
-every prompt once per path, alternating which goes first; both paths make the same decisions, so they generate the
-same cycles and the comparison is per decision and as the policy's share of generation time (CycleRecord.policy_s
-over draft + verify + policy time). A second part times the recorded states again in a tight loop with a
-cache-evicting matrix product before every decision (a model forward's effect, without the model).
+every prompt once per path (and once with the run's static fallback config: the floor of what run_cycle's timing
+charges), untimed, alternating the order; both paths make the same decisions, so they generate the same cycles, and
+the policy's share of generation time is CycleRecord.policy_s over draft + verify + policy time. One more pass per
+prompt times each decision (the baseline per part: observation building and actor forward). A last part times the
+recorded states again, alternating paths per state, with a cache-evicting matrix product before every decision (a
+model forward's effect on the caches, without the model).
 """
 from __future__ import annotations
 
@@ -44,15 +46,37 @@ def baseline_module(rev: str, rel: str, name: str, extra: dict | None = None) ->
     return module
 
 
-class Baseline:
-    """The baseline's deciding path (observation vector, then Actor.act) on the controller's SB3 policies."""
+class Plain:
+    """The baseline's deciding path (observation vector, then Actor.act) on the controller's SB3 policies, untimed:
+    what the baseline's LearnedController did."""
 
     def __init__(self, ctl, actor_mod, obs_mod) -> None:
         self.ctl, self.obs = ctl, obs_mod
         self.depth = actor_mod.Actor.from_sb3(ctl.depth_policy)
         self.size = actor_mod.Actor.from_sb3(ctl.size_policy)
-        self.times = {"obs": [], "actor": []}
         self.name = "baseline"
+
+    def skip_drafting(self, state):
+        return self.depth.act(self.obs.depth_observation(state, self.ctl.depth_spec)) == STOP
+
+    should_stop = skip_drafting
+
+    def choose_size(self, state):
+        return self.ctl.size_actions[self.size.act(self.obs.size_observation(state, self.ctl.size_spec))]
+
+    def reset(self):
+        self.ctl.reset()
+
+    def observe(self, record):
+        self.ctl.observe(record)
+
+
+class Baseline(Plain):
+    """The baseline's path with its two parts timed per decision."""
+
+    def __init__(self, ctl, actor_mod, obs_mod) -> None:
+        super().__init__(ctl, actor_mod, obs_mod)
+        self.times = {"obs": [], "actor": []}
 
     def _time(self, build, actor, state, spec) -> int:
         t0 = time.perf_counter_ns()
@@ -143,30 +167,33 @@ def main(argv=None) -> int:
     pair = ModelPair.from_pretrained(eagle=args.eagle)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=args.width, max_depth=args.depth, max_size=args.size))
     prompts = [p.prompt for p in load_suite("heldout_code")][-args.prompts:]
-    paths = [Baseline(ctl, actor_mod, obs_mod), Recorder(ctl)]
-    shares = {p.name: [] for p in paths}
-    cycles = {p.name: [] for p in paths}
-    decoder.generate(prompts[0], controller=paths[0], max_new_tokens=16)  # warm-up, not counted
-    decoder.generate(prompts[0], controller=paths[1], max_new_tokens=16)
-    for path in paths:
-        for v in path.times.values():
-            v.clear()
-        getattr(path, "states", []).clear()
+    # policy shares: the two controllers as eval runs them (no timing wrappers), alternating which goes first
+    # ("fixed": the run's static fallback config, the floor of what run_cycle's timing itself charges)
+    plain = {"baseline": Plain(ctl, actor_mod, obs_mod), "current": ctl, "fixed": ctl.fallback}
+    shares = {name: [] for name in plain}
+    cycles = {name: [] for name in plain}
+    for c in plain.values():
+        decoder.generate(prompts[0], controller=c, max_new_tokens=16)  # warm-up, not counted
     for r in range(args.rounds):
         for i, prompt in enumerate(prompts):
-            order = paths if (r + i) % 2 == 0 else paths[::-1]
-            for path in order:
-                out = decoder.generate(prompt, controller=path, max_new_tokens=args.max_new_tokens)
+            names = ["baseline", "current", "fixed"] if (r + i) % 2 == 0 else ["fixed", "current", "baseline"]
+            for name in names:
+                out = decoder.generate(prompt, controller=plain[name], max_new_tokens=args.max_new_tokens)
                 policy = sum(c.policy_s for c in out.cycles)
                 total = sum(c.draft_s + c.verify_s + c.policy_s for c in out.cycles)
-                shares[path.name].append((policy, total))
-                cycles[path.name].append([(c.depth, c.size, c.accepted) for c in out.cycles])
-    same = cycles["baseline"] == cycles["current"]
+                shares[name].append((policy, total))
+                cycles[name].append([(c.depth, c.size, c.accepted) for c in out.cycles])
+    # per-decision times: one more pass per prompt with timers around the parts (they add their own overhead)
+    paths = [Baseline(ctl, actor_mod, obs_mod), Recorder(ctl)]
+    for i, prompt in enumerate(prompts):
+        for path in (paths if i % 2 == 0 else paths[::-1]):
+            decoder.generate(prompt, controller=path, max_new_tokens=args.max_new_tokens)
+    base, cur = paths
+    same = cycles["baseline"] == cycles["current"]  # the same decisions, so the same cycles
     print(f"{pair.name} ({pair.drafter_kind}), threads {torch.get_num_threads()}, W{args.width} D{args.depth} "
           f"V{args.size}, {len(prompts)} held-out code prompts x {args.rounds} rounds, {args.max_new_tokens} tokens; "
           f"same cycles on both paths: {same}")
-    base, cur = paths
-    print("live, per decision:")
+    print("live, per decision (timed pass):")
     print(f"  baseline observation  {us(base.times['obs'])}")
     print(f"  baseline actor        {us(base.times['actor'])}")
     both = [a + b for a, b in zip(base.times["obs"], base.times["actor"])]
@@ -175,7 +202,7 @@ def main(argv=None) -> int:
     for name, rows in shares.items():
         pol, tot = sum(p for p, _ in rows), sum(t for _, t in rows)
         per = [p / t for p, t in rows]
-        print(f"  {name:<9} policy share of generation time {100 * pol / tot:.2f}% (per generation: min "
+        print(f"  {name:<9} policy share of generation time (untimed passes) {100 * pol / tot:.2f}% (per generation: min "
               f"{100 * min(per):.2f}%, max {100 * max(per):.2f}%; {tot:.1f} s generating)")
     ratios = [b[0] / c[0] for b, c in zip(shares["baseline"], shares["current"]) if c[0] > 0]
     print(f"  policy time baseline / current per generation: median {statistics.median(ratios):.2f}x "
@@ -183,14 +210,14 @@ def main(argv=None) -> int:
 
     # tight loop over the recorded states, caches evicted before every decision
     a, b = torch.randn(256, 2048), torch.randn(2048, 1024)
-    fns = {"baseline": {"should_stop": base.should_stop, "skip_drafting": base.skip_drafting,
-                        "choose_size": base.choose_size},
+    fns = {"baseline": {"should_stop": plain["baseline"].should_stop, "skip_drafting": plain["baseline"].skip_drafting,
+                        "choose_size": plain["baseline"].choose_size},
            "current": {"should_stop": ctl.should_stop, "skip_drafting": ctl.skip_drafting,
                        "choose_size": ctl.choose_size}}
     loop = {name: [] for name in fns}
-    for _ in range(args.loop_repeats):
-        for name in ("baseline", "current"):
-            for fn_name, state in cur.states:
+    for r in range(args.loop_repeats):
+        for i, (fn_name, state) in enumerate(cur.states):
+            for name in (("baseline", "current") if (r + i) % 2 == 0 else ("current", "baseline")):
                 a @ b  # evict: ~10 MB of operands through the caches
                 t0 = time.perf_counter_ns()
                 fns[name][fn_name](state)

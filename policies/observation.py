@@ -177,9 +177,9 @@ def fold_first_layer(spec: ObservationSpec, weight: np.ndarray, bias: np.ndarray
     """A first Linear layer (weight [out, dim], bias [out] or None) folded with the observation layout, for each
     count k = 0..num_scores of real scores: the float32 matrix A_k of shape (k + num_scalars + 1, out) with
 
-        [min(max(scores[:k], score_floor), 0), scalars(state, spec), 1] @ A_k == weight @ observation + bias
+        [max(scores[:k], score_floor), scalars(state, spec), 1] @ A_k == weight @ observation + bias
 
-    up to float round-off. The score scale goes into the score rows; the constant slots (k mask ones, n - k padding
+    up to float round-off (scores are log-probs, <= 0: the observation's clip at 0 only guards round-off). The score scale goes into the score rows; the constant slots (k mask ones, n - k padding
     scores at -1) and the bias into the last row, so a decision reads only the k real scores and the scalars.
     Folded in float64 and rounded once."""
     n, m = spec.num_scores, spec.num_scalars
