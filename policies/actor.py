@@ -188,13 +188,12 @@ class Actor:
         return [(matrix, x, y, fn, params) for (matrix, fn, params), x, y in zip(linears, inputs, outputs)]
 
     @staticmethod
-    def _forward(steps: list[tuple], first: int, x: np.ndarray | None = None, matrix: np.ndarray | None = None) -> int:
-        """Run steps[first:] (their inputs filled) and return the argmax of the logits, the first index on exact ties
-        (as torch.argmax). x, matrix: another input and matrix for the first of them (a folded first layer). A last
+    def _forward(steps: list[tuple], x: np.ndarray | None = None, matrix: np.ndarray | None = None) -> int:
+        """Run the steps (their inputs filled) and return the argmax of the logits, the first index on exact ties
+        (as torch.argmax). x, matrix: another input and matrix for the first step (a folded first layer). A last
         step with one output is a two-action layer reduced to the logits' difference: action 1 iff l1 - l0 > 0
         (.item(): measured cheaper after a model forward than argmax or a vector-vector np.dot)."""
-        for i in range(first, len(steps)):
-            w, inp, y, fn, params = steps[i]
+        for w, inp, y, fn, params in steps:
             if x is not None:
                 inp, w, x = x, matrix, None
             np.dot(inp, w, out=y)
@@ -211,7 +210,7 @@ class Actor:
             with torch.inference_mode():
                 return int(self.logits(torch.from_numpy(obs).to(self.device).unsqueeze(0)).argmax(dim=1))
         steps[0][1][:-1] = obs
-        return self._forward(steps, 0)
+        return self._forward(steps)
 
     def decide(self, state: DraftState, spec: ObservationSpec) -> int:
         """Deterministic action for a DraftState, as act(observe(state, spec)) decides up to float round-off, but
@@ -236,7 +235,7 @@ class Actor:
             # such a score moves a logit by ~1e-9 here, less than the fold's own round-off, so it is not repeated
             np.maximum(values, floor, out=head)
         tail[...] = scalars(state, spec)
-        return self._forward(steps, 0, x, matrix)
+        return self._forward(steps, x, matrix)
 
     def _fold(self, spec: ObservationSpec, first: tuple) -> tuple:
         """(depth kind?, num_scores, per count k of real scores: (folded matrix, input buffer [scores, scalars, 1],
