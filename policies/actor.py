@@ -1,20 +1,26 @@
 """Actor: a policy's action network (Flatten -> [Linear, activation]* -> Linear), the one way specpilot runs one.
 
-PPO inference (`Actor.from_sb3`, views of a live SB3 policy's weights) and exported decoders (`Actor.from_layers`,
+PPO inference (`Actor.from_sb3`, from a live SB3 policy's modules) and exported decoders (`Actor.from_layers`,
 tensors read from safetensors) build the same class; export writes `to_layers()`. The deterministic action is the
 argmax of the logits (the first index on exact ties, as torch.argmax and SB3's deterministic predict do).
 
 Decision latency counts against the speedup: a decision runs right after a model forward has evicted the CPU caches,
 where every distinct library call costs tens of microseconds (measured cold: one vector-matrix `@` ~60 us, a torch
-linear ~180 us), and the depth policy decides after every draft level. So single decisions run as numpy products on
-zero-copy views of float32 CPU weights (training updates them in place; the views follow); a batch, weights on an
-accelerator, or observation normalisation go through torch functionals (the same kernels nn.Linear uses).
+linear ~180 us), and the depth policy decides after every draft level. So single decisions run in numpy, one
+`np.dot` per layer on contiguous float32 copies of the weights (taken when the actor is built) with the bias as a
+last row, into preallocated buffers; `decide(state, spec)` also folds the observation layout into the first layer
+(the constant padding and mask go into its bias), so it skips building the observation vector. A batch, weights on
+an accelerator, observation normalisation or an activation without a numpy version go through torch functionals (the
+same kernels nn.Linear uses).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from specpilot.drafting.types import DraftState
+from specpilot.policies.observation import ObservationSpec, fold_first_layer, observe, scalars
 
 # name -> (numpy version or None, torch version); params carry e.g. a LeakyReLU's negative_slope
 ACTIVATIONS = {
@@ -63,12 +69,25 @@ class Actor:
         self.n_actions = int(linears[-1][1].shape[0])
         self.device = linears[0][1].device
         self._numpy_steps = self._numpy_plan()
+        self._fold_spec = self._folded = None  # the spec `decide` last folded the first layer with, and the tables
+
+    def __getstate__(self) -> dict:
+        # the numpy plan's outputs are views of the next layer's input buffer: pickling (Ray workers get partner
+        # controllers) or deepcopy would turn them into separate arrays, so the plan is rebuilt on arrival instead
+        state = dict(self.__dict__)
+        state["_numpy_steps"] = state["_fold_spec"] = state["_folded"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._numpy_steps = self._numpy_plan()
 
     # -- construction -------------------------------------------------------------------------------------------
     @classmethod
     def from_sb3(cls, policy) -> "Actor":
         """The actor of an SB3 ActorCriticPolicy (or algorithm) with a Flatten features extractor and an MLP:
-        mlp_extractor.policy_net then action_net, as views of the live modules' weights."""
+        mlp_extractor.policy_net then action_net. Decisions use copies of the weights taken now: after training
+        updates the policy, build a new Actor (every caller builds its controller after the update)."""
         policy = getattr(policy, "policy", policy)
         extractor = getattr(policy, "pi_features_extractor", None) or getattr(policy, "features_extractor", None)
         if type(getattr(extractor, "flatten", None)) is not torch.nn.Flatten:
@@ -139,22 +158,99 @@ class Actor:
 
     # -- decisions ----------------------------------------------------------------------------------------------
     def _numpy_plan(self) -> list[tuple] | None:
-        """[(W.T view, bias view, activation fn, params)] when numpy can run the stack, else None."""
-        if self.obs_norm is not None:
+        """Single decisions in numpy, or None when numpy cannot run the stack: one step per Linear, (matrix, input,
+        output, activation fn, params). The matrix is [W.T; bias] (in + 1, out), contiguous float32, read by one
+        `np.dot` from an input buffer whose last slot holds a constant 1; each output is a view of the next step's
+        input buffer (the last one the logits), so a decision allocates nothing. The matrices are copies, made once
+        (a check per decision that live weights did not change would cost as much as a layer)."""
+        if self.obs_norm is not None or self.n_actions < 2:  # (one output would read as a logit difference)
             return None
-        steps: list[tuple] = []
+        linears: list[list] = []
         for layer in self.layers:
             if layer[0] == "linear":
                 weight, bias = layer[1], layer[2]
                 if weight.device.type != "cpu" or weight.dtype != torch.float32:
                     return None
-                steps.append((weight.numpy().T, None if bias is None else bias.numpy(), None, None))
+                w = weight.detach().numpy()
+                b = np.zeros(w.shape[0], np.float32) if bias is None else bias.detach().numpy()
+                linears.append([np.ascontiguousarray(np.concatenate([w.T, b[None, :]]), dtype=np.float32),
+                                None, None])
             else:
                 fn = ACTIVATIONS[str(layer[1]).lower()][0]
-                if fn is None or not steps:
+                if fn is None or not linears or linears[-1][1] is not None:
                     return None
-                steps[-1] = steps[-1][:2] + (fn, layer[2])
-        return steps
+                linears[-1][1:] = [fn, layer[2]]
+        if linears[-1][0].shape[1] == 2 and linears[-1][1] is None:  # two actions: one column, l1 - l0
+            diff = linears[-1][0][:, 1:].astype(np.float64) - linears[-1][0][:, :1]
+            linears[-1][0] = np.ascontiguousarray(diff, dtype=np.float32)
+        inputs = [np.ones(matrix.shape[0], np.float32) for matrix, _, _ in linears]  # [x, 1]
+        outputs = [x[:-1] for x in inputs[1:]] + [np.empty(linears[-1][0].shape[1], np.float32)]
+        return [(matrix, x, y, fn, params) for (matrix, fn, params), x, y in zip(linears, inputs, outputs)]
+
+    @staticmethod
+    def _forward(steps: list[tuple], x: np.ndarray | None = None, matrix: np.ndarray | None = None) -> int:
+        """Run the steps (their inputs filled) and return the argmax of the logits, the first index on exact ties
+        (as torch.argmax). x, matrix: another input and matrix for the first step (a folded first layer). A last
+        step with one output is a two-action layer reduced to the logits' difference: action 1 iff l1 - l0 > 0
+        (.item(): measured cheaper after a model forward than argmax or a vector-vector np.dot)."""
+        for w, inp, y, fn, params in steps:
+            if x is not None:
+                inp, w, x = x, matrix, None
+            np.dot(inp, w, out=y)
+            if fn is not None:
+                z = fn(y, params)
+                if z is not y:
+                    y[...] = z
+        return int(y.item() > 0.0) if y.shape[0] == 1 else int(y.argmax())
+
+    def act(self, obs: np.ndarray) -> int:
+        """Deterministic action for one float32 observation vector."""
+        steps = self._numpy_steps
+        if steps is None:
+            with torch.inference_mode():
+                return int(self.logits(torch.from_numpy(obs).to(self.device).unsqueeze(0)).argmax(dim=1))
+        steps[0][1][:-1] = obs
+        return self._forward(steps)
+
+    def decide(self, state: DraftState, spec: ObservationSpec) -> int:
+        """Deterministic action for a DraftState, as act(observe(state, spec)) decides up to float round-off, but
+        without building the observation: the first layer is folded with the observation layout
+        (`fold_first_layer`), so a decision is one clipping ufunc on the real scores, one write of the scalars and
+        one np.dot per layer. Falls back to act(observe(...)) where numpy cannot run the stack."""
+        steps = self._numpy_steps
+        if steps is None:
+            return self.act(observe(state, spec))
+        # one cached spec, compared by identity: hashing a spec (8 fields) would cost more than the rest
+        folded = self._folded if spec is self._fold_spec else self._fold(spec, steps[0])
+        values = state.level_scores if folded[0] else state.candidate_scores
+        k = values.shape[0]
+        if k > folded[1]:
+            k = folded[1]
+            values = values[:k]
+        matrix, x, head, tail, floor = folded[2][k]
+        if k:  # (depth 0, the skip decision, has no scores)
+            # clip at score_floor (the scale is in the matrix); an array bound of the same dtype takes numpy's
+            # shortest path (a Python float goes through scalar promotion: measured ~15 us more after a forward).
+            # The observation also clips at 0, a guard against round-off above 0 (scores are log-probs, <= 0):
+            # such a score moves a logit by ~1e-9 here, less than the fold's own round-off, so it is not repeated
+            np.maximum(values, floor, out=head)
+        tail[...] = scalars(state, spec)
+        return self._forward(steps, x, matrix)
+
+    def _fold(self, spec: ObservationSpec, first: tuple) -> tuple:
+        """(depth kind?, num_scores, per count k of real scores: (folded matrix, input buffer [scores, scalars, 1],
+        its score view, its scalar view, floor bounds)), made once per spec."""
+        if spec.dim != self.in_features:
+            raise ActorError(f"{self.source}: the actor takes {self.in_features} inputs but the {spec.kind} "
+                             f"observation spec produces {spec.dim}")
+        weight, bias = first[0][:-1].T, first[0][-1]
+        floor = np.full(spec.num_scores, spec.score_floor, np.float32)
+        tables = []
+        for k, matrix in enumerate(fold_first_layer(spec, weight, bias)):
+            x = np.ones(matrix.shape[0], np.float32)
+            tables.append((matrix, x, x[:k], x[k:-1], floor[:k]))
+        self._fold_spec, self._folded = spec, (spec.kind == "depth", spec.num_scores, tables)
+        return self._folded
 
     def logits(self, obs: torch.Tensor) -> torch.Tensor:
         """(batch, in_features) float32 -> (batch, n_actions) logits, with torch functionals."""
@@ -168,21 +264,6 @@ class Actor:
             else:
                 x = ACTIVATIONS[str(layer[1]).lower()][1](x, layer[2])
         return x
-
-    def act(self, obs: np.ndarray) -> int:
-        """Deterministic action for one float32 observation vector."""
-        steps = self._numpy_steps
-        if steps is None:
-            with torch.inference_mode():
-                return int(self.logits(torch.from_numpy(obs).to(self.device).unsqueeze(0)).argmax(dim=1))
-        x = obs
-        for w_t, b, fn, params in steps:
-            x = x @ w_t
-            if b is not None:
-                x += b
-            if fn is not None:
-                x = fn(x, params)
-        return int(x.argmax())
 
     def act_batch(self, obs: np.ndarray | torch.Tensor) -> np.ndarray:
         with torch.inference_mode():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import CycleRecord, DraftState
 from specpilot.policies.actor import Actor
-from specpilot.policies.observation import ObservationSpec, depth_observation, size_observation
+from specpilot.policies.observation import ObservationSpec
 
 CONTINUE, STOP = 0, 1  # depth actions
 DEPTH_ACTIONS = ["continue", "stop"]
@@ -70,17 +70,17 @@ class LearnedController(Controller):
     def skip_drafting(self, state: DraftState) -> bool:
         if self.depth_actor is None:
             return self.fallback.skip_drafting(state)
-        return self.depth_actor.act(depth_observation(state, self.depth_spec)) == STOP
+        return self.depth_actor.decide(state, self.depth_spec) == STOP
 
     def should_stop(self, state: DraftState) -> bool:
         if self.depth_actor is None:
             return self.fallback.should_stop(state)
-        return self.depth_actor.act(depth_observation(state, self.depth_spec)) == STOP
+        return self.depth_actor.decide(state, self.depth_spec) == STOP
 
     def choose_size(self, state: DraftState) -> int:
         if self.size_actor is None:
             return self.fallback.choose_size(state)
-        return self.size_actions[self.size_actor.act(size_observation(state, self.size_spec))]
+        return self.size_actions[self.size_actor.decide(state, self.size_spec)]
 
     def observe(self, record: CycleRecord) -> None:
         self.fallback.observe(record)

@@ -132,6 +132,28 @@ def _template(spec: ObservationSpec) -> tuple[np.ndarray, np.float32]:
     return entry
 
 
+def scalars(state: DraftState, spec: ObservationSpec) -> tuple[float, ...]:
+    """The observation's scalar slots [2n, dim) in layout order (the base scalars, then `spec.features`)."""
+    depth = spec.max_depth
+    values = (min(state.depth / depth, 1.0), min(state.context_len / spec.max_context, 1.0),
+              min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0,
+              min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0),
+              min(max(state.acceptance, 0.0), 1.0))
+    if spec.features:
+        if "top_prob" in spec.features:
+            values += (min(max(state.last_top_prob, 0.0), 1.0),)
+        if "entropy" in spec.features:
+            values += (min(max(state.last_entropy, 0.0) / ENTROPY_SCALE, 1.0),)
+    return values
+
+
+def observed_scores(state: DraftState, spec: ObservationSpec) -> np.ndarray:
+    """The raw scores (log-probs) in the observation's score slots: depth: the last level in drafting order; size:
+    the top `num_scores` candidates, sorted descending."""
+    values = state.level_scores if spec.kind == "depth" else state.candidate_scores
+    return values[:spec.num_scores]
+
+
 def _build(scores: np.ndarray, state: DraftState, spec: ObservationSpec) -> np.ndarray:
     # Few numpy calls on purpose: a decision runs right after a model forward has evicted the CPU caches, where
     # every distinct library call costs tens of microseconds (measured), not the ~1 us it costs in a warm loop.
@@ -147,20 +169,29 @@ def _build(scores: np.ndarray, state: DraftState, spec: ObservationSpec) -> np.n
     np.maximum(head, -1.0, out=head)  # two ufuncs: np.clip adds a Python-level wrapper
     np.minimum(head, 0.0, out=head)
     out[n:n + k] = 1.0
-    depth = spec.max_depth
-    out[2 * n:2 * n + NUM_SCALARS] = (
-        min(state.depth / depth, 1.0), min(state.context_len / spec.max_context, 1.0),
-        min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0,
-        min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0),
-        min(max(state.acceptance, 0.0), 1.0))
-    if spec.features:
-        i = 2 * n + NUM_SCALARS
-        if "top_prob" in spec.features:
-            out[i] = min(max(state.last_top_prob, 0.0), 1.0)
-            i += 1
-        if "entropy" in spec.features:
-            out[i] = min(max(state.last_entropy, 0.0) / ENTROPY_SCALE, 1.0)
+    out[2 * n:] = scalars(state, spec)
     return out
+
+
+def fold_first_layer(spec: ObservationSpec, weight: np.ndarray, bias: np.ndarray | None) -> list[np.ndarray]:
+    """A first Linear layer (weight [out, dim], bias [out] or None) folded with the observation layout, for each
+    count k = 0..num_scores of real scores: the float32 matrix A_k of shape (k + num_scalars + 1, out) with
+
+        [max(scores[:k], score_floor), scalars(state, spec), 1] @ A_k == weight @ observation + bias
+
+    up to float round-off (scores are log-probs, <= 0: the observation's clip at 0 only guards round-off). The score scale goes into the score rows; the constant slots (k mask ones, n - k padding
+    scores at -1) and the bias into the last row, so a decision reads only the k real scores and the scalars.
+    Folded in float64 and rounded once."""
+    n, m = spec.num_scores, spec.num_scalars
+    w = np.asarray(weight, dtype=np.float64)
+    b = np.zeros(w.shape[0]) if bias is None else np.asarray(bias, dtype=np.float64)
+    scale = -1.0 / spec.score_floor
+    folded = []
+    for k in range(n + 1):
+        const = b + w[:, n:n + k].sum(axis=1) - w[:, k:n].sum(axis=1)
+        rows = np.concatenate([w[:, :k].T * scale, w[:, 2 * n:2 * n + m].T, const[None, :]], axis=0)
+        folded.append(np.ascontiguousarray(rows, dtype=np.float32))
+    return folded
 
 
 def depth_observation(state: DraftState, spec: ObservationSpec) -> np.ndarray:

@@ -1,7 +1,8 @@
 """PPOController: trained SB3 depth/size policies as a deterministic Controller, and loading them from a run.
 
-A policy decides through `Actor.from_sb3` (numpy on views of its actor weights): SB3's `predict` adds numpy/space
-checks that cost more than the tiny MLP itself, and the depth policy runs after every draft level.
+A policy decides through `Actor.from_sb3` (`Actor.decide`: numpy on copies of its actor weights taken when the
+controller is built, so build the controller after training): SB3's `predict` adds numpy/space checks that cost more
+than the tiny MLP itself, and the depth policy runs after every draft level.
 
 Run directory contract (written by `specpilot.train.rl.ppo.write_policies_index`):
     run_dir/policies.json = {"depth": {"path": "<rel path to .zip>", "spec": {...}} | null,
