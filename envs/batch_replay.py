@@ -202,3 +202,25 @@ def best_per_batch_size(rows: list[dict]) -> list[dict]:
     for b in sorted({r["batch_size"] for r in rows}):
         out.append(max((r for r in rows if r["batch_size"] == b), key=lambda r: r["tokens_per_s"]))
     return out
+
+
+def learned_batch_table(model: ReplayModel, controller: Controller, batch_sizes: list[int], *,
+                        prompts: list[int] | None = None) -> list[dict]:
+    """A policy's own per-batch-size table: at each batch size, the depth and size it chose most often (ties: the
+    shallower / smaller) over the batch replay of `model`'s prompts, with its tokens/s there. Rows have the keys
+    of `best_per_batch_size`'s ({"batch_size", "depth", "size", "tokens_per_s"}, plus "depth_share": the modal
+    depth's share of the cycles), so the engines' table writers take either."""
+    from specpilot.drafting.control import DecisionLog
+
+    times = BatchTimes(model)
+    rows = []
+    for b in sorted({int(b) for b in batch_sizes}):
+        logged = DecisionLog(controller)
+        res = replay_batch(model, logged, batch_size=b, prompts=prompts, times=times)
+        depths = np.bincount([d for d, _ in logged.log], minlength=1)
+        depth = int(np.argmax(depths))
+        sizes = [v for d, v in logged.log if d == depth]
+        size = int(np.argmax(np.bincount(sizes))) if sizes else 0
+        rows.append({"batch_size": b, "depth": depth, "size": size, "tokens_per_s": res["tokens_per_s"],
+                     "depth_share": float(depths[depth] / max(depths.sum(), 1))})
+    return rows

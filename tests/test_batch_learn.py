@@ -116,10 +116,17 @@ def test_depth_env_draws_batch_sizes_and_a_profile_without_them_is_refused(task)
         ReplaySource(task.train, batch_sizes=(1, 8))
 
 
-def test_training_over_batch_sizes_writes_batch_aware_policies(task, tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(task, tmp_path_factory):
+    """A few PPO steps of both stage-1 policies over batch sizes 1, 2, 4 (the traces' batched profiles)."""
+    run = tmp_path_factory.mktemp("batchrun") / "run"
     options = P.TrainOptions(static=(2, 4), ppo=SMALL, batch_sizes=BATCH_SIZES)
     out = P.run_pipeline(run, task, size_steps=128, depth_steps=128, rounds=0, options=options, wandb="disabled")
+    return run, out
+
+
+def test_training_over_batch_sizes_writes_batch_aware_policies(task, trained):
+    run, out = trained
     assert out["depth_s1"]["spec"]["features"] == list(BATCH_FEATURES)
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["stage_setup"]["size_s1"]["batch_sizes"] == list(BATCH_SIZES)
@@ -143,3 +150,33 @@ def test_batch_training_refuses_behaviour_cloning_and_live():
         P.TrainOptions(batch_sizes=(1, 2), bc_iters=2)
     with pytest.raises(ValueError, match="batch replay"):
         P.TrainOptions(batch_sizes=(1, 2), backend="live", pair=object())
+
+
+def test_export_writes_the_learned_policys_table_beside_the_grids(task, trained, tmp_path):
+    from specpilot.envs.batch_replay import learned_batch_table
+    from specpilot.policies.exported import load_exported
+    from specpilot.train.export.writer import export_run
+
+    run, _ = trained
+    pair = tiny_pair(noise=0.4, eos=None)
+    meta = export_run(run, tmp_path / "export", pair=pair, num_prompts=1, max_new_tokens=8, num_random=100,
+                      log=lambda *a: None)
+    learned = meta["engine_configs"]["per_batch_size_learned"]
+    assert learned["source"] == "learned" and [r["batch_size"] for r in learned["table"]] == list(BATCH_SIZES)
+    assert meta["policies"]["depth"]["spec"]["features"] == list(BATCH_FEATURES)
+    # the table is the exported controller's modal choice per batch size in batch replay of the validation trace
+    exported, _, _ = load_exported(tmp_path / "export", load_pair=False)
+    rows = learned_batch_table(ReplayModel(task.validation), exported, list(BATCH_SIZES))
+    assert [(r["depth"], r["size"]) for r in rows] == [(r["depth"], r["size"]) for r in learned["table"]]
+    vllm = json.loads((tmp_path / "export" / "engines" / "vllm" / "speculative_config.learned.json").read_text())
+    table = vllm.get("num_speculative_tokens_per_batch_size")
+    assert table == learned["vllm_num_speculative_tokens_per_batch_size"]
+    assert table[0][0] == 1 and vllm["num_speculative_tokens"] >= max(k for _, _, k in table)
+
+
+def test_learned_table_is_the_modal_choice_per_batch_size(task):
+    from specpilot.envs.batch_replay import learned_batch_table
+
+    rows = learned_batch_table(ReplayModel(task.validation), FixedController(2, 3), list(BATCH_SIZES))
+    assert [(r["batch_size"], r["depth"], r["size"], r["depth_share"]) for r in rows] == \
+        [(b, 2, 3, 1.0) for b in BATCH_SIZES]
