@@ -66,7 +66,7 @@ def train(args, out: Path, batch_sizes: list[int]) -> None:
     options = P.TrainOptions(static=static, batch_sizes=tuple(batch_sizes), seed=args.seed, reward=args.reward,
                              ppo=PPOOverrides(pi_arch=[64], vf_arch=[64]))
     started = time.perf_counter()
-    res = P.run_pipeline(out / "run", P.TaskTraces.resolve(out / "traces"), size_steps=args.size_steps,
+    res = P.run_pipeline(out / args.run_name, P.TaskTraces.resolve(out / "traces"), size_steps=args.size_steps,
                          depth_steps=args.depth_steps, coadapt_steps=args.coadapt_steps, rounds=args.rounds,
                          options=options, wandb="disabled")
     print(f"trained in {time.perf_counter() - started:.0f}s; stage scores (geo-mean x batched AR on validation): "
@@ -99,7 +99,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     grid = json.loads((out / "grid_table.json").read_text())
     b1 = grid["b1_best"]
     table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
-    learned = load_run_controllers(out / "run")
+    learned = load_run_controllers(out / args.run_name)
     methods = {"ar": FixedController(0, 0), "b1_static": FixedController(int(b1["depth"]), int(b1["size"])),
                "table": BatchTableController(table), "learned": learned["ltd"]}
     rng = np.random.default_rng(0)
@@ -130,7 +130,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
             print(f"| {b} | {row['ar_tokens_per_s']:.1f} | {f(row['b1_static_vs_ar'])} | {f(row['table_vs_ar'])} | "
                   f"{f(row['learned_vs_ar'])} | {f(row['learned_vs_table'])} |", flush=True)
         results[split] = rows
-    (out / "eval.json").write_text(json.dumps(results, indent=1))
+    (out / f"eval_{args.run_name}.json").write_text(json.dumps(results, indent=1))
 
 
 def main() -> None:
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--reward", default="dinkelbach")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-name", default="run", help="the training run's folder under --out")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
