@@ -180,3 +180,20 @@ def test_learned_table_is_the_modal_choice_per_batch_size(task):
     rows = learned_batch_table(ReplayModel(task.validation), FixedController(2, 3), list(BATCH_SIZES))
     assert [(r["batch_size"], r["depth"], r["size"], r["depth_share"]) for r in rows] == \
         [(b, 2, 3, 1.0) for b in BATCH_SIZES]
+
+
+def test_cli_trains_over_batch_sizes_and_refuses_bc_with_them(task, tmp_path, capsys):
+    from specpilot.cli import main
+
+    base = ["--threads", "1", "train", "depth", "--run", str(tmp_path / "r"), "--traces", str(task.train.parent),
+            "--static", "2,4", "--steps", "64", "--n-steps", "64", "--batch-size", "32", "--n-epochs", "1",
+            "--pi-arch", "8", "--vf-arch", "8", "--wandb", "disabled", "--batch-sizes", "1,2,4"]
+    assert main(base) == 0
+    manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
+    assert manifest["stage_setup"]["depth_s1"]["spec"]["features"] == list(BATCH_FEATURES)
+    capsys.readouterr()
+    bad = ["--threads", "1", "train", "all", "--run", str(tmp_path / "r2"), "--traces", str(task.train.parent),
+           "--static", "2,4", "--bc", "--batch-sizes", "1,2"]
+    assert main(bad) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "PPO only" in err[0]
