@@ -92,6 +92,7 @@ _per_batch.times = {}
 
 def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     from specpilot.drafting.control import FixedController
+    from specpilot.envs.batch_replay import learned_batch_table
     from specpilot.envs.replay import ReplayModel
     from specpilot.policies.heuristics import BatchTableController
     from specpilot.policies.ppo import load_run_controllers
@@ -100,16 +101,20 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     b1 = grid["b1_best"]
     table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
     learned = load_run_controllers(out / args.run_name)
+    # the learned policy's own table (what export writes for the engines): its modal choice per size on validation
+    own = learned_batch_table(ReplayModel(out / "traces" / "validation"), learned["ltd"], batch_sizes)
+    print("learned policy's own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
     methods = {"ar": FixedController(0, 0), "b1_static": FixedController(int(b1["depth"]), int(b1["size"])),
-               "table": BatchTableController(table), "learned": learned["ltd"]}
+               "table": BatchTableController(table), "learned": learned["ltd"],
+               "learned_table": BatchTableController({r["batch_size"]: (r["depth"], r["size"]) for r in own})}
     rng = np.random.default_rng(0)
     results = {}
     for split in ("test", "validation"):
         model = ReplayModel(out / "traces" / split)
         print(f"\n{split} trace ({model.num_prompts} prompts), batch replay; x = tokens/s over batched AR "
               f"[95% paired bootstrap over batches]; B1-static d={b1['depth']} V={b1['size']}")
-        print("| B | AR tok/s | B1-static x | table x | learned x | learned / table |")
-        print("|---|---|---|---|---|---|")
+        print("| B | AR tok/s | B1-static x | table x | learned x | learned / table | learned's own table x |")
+        print("|---|---|---|---|---|---|---|")
         rows = []
         for b in batch_sizes:
             per = {m: _per_batch(model, c, b) for m, c in methods.items()}
@@ -123,12 +128,13 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
                 return [float(point), float(np.quantile(bs, 0.025)), float(np.quantile(bs, 0.975))]
 
             row = {"batch_size": b, "ar_tokens_per_s": float(per["ar"][:, 0].sum() / per["ar"][:, 1].sum()),
-                   **{f"{m}_vs_ar": ratio(m) for m in ("b1_static", "table", "learned")},
+                   **{f"{m}_vs_ar": ratio(m) for m in ("b1_static", "table", "learned", "learned_table")},
                    "learned_vs_table": ratio("learned", "table"), "batches": k}
             rows.append(row)
             f = lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"  # noqa: E731
             print(f"| {b} | {row['ar_tokens_per_s']:.1f} | {f(row['b1_static_vs_ar'])} | {f(row['table_vs_ar'])} | "
-                  f"{f(row['learned_vs_ar'])} | {f(row['learned_vs_table'])} |", flush=True)
+                  f"{f(row['learned_vs_ar'])} | {f(row['learned_vs_table'])} | {f(row['learned_table_vs_ar'])} |",
+                  flush=True)
         results[split] = rows
     (out / f"eval_{args.run_name}.json").write_text(json.dumps(results, indent=1))
 
