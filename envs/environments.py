@@ -107,7 +107,7 @@ class ReplaySource:
     makes every episode a batch (`specpilot.envs.batch_replay.BatchReplaySession`): its size drawn uniformly from
     `batch_sizes` with the env's seeded generator, the episode's prompt leading B - 1 others drawn from `prompts`
     (without replacement while there are enough), timed by the profile's batch curves (`LatencyProfile.batch`;
-    time_noise is not applied to batches)."""
+    batches take no time_noise)."""
 
     kind = "replay"
 
@@ -115,6 +115,9 @@ class ReplaySource:
                  prompts: list[int] | None = None, batch_sizes: Sequence[int] | None = None) -> None:
         self.model = ReplayModel(trace, profile, max_new_tokens=max_new_tokens)
         self.batch_sizes = check_batch_sizes(batch_sizes, self.model.profile) if batch_sizes is not None else None
+        if self.batch_sizes and time_noise:
+            raise ValueError(f"time_noise={time_noise}: batch replay has no timing noise model; drop one of "
+                             "time_noise and batch_sizes")
         self.times = BatchTimes(self.model) if self.batch_sizes else None
         trace = self.model.trace
         self.tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)

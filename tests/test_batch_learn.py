@@ -114,6 +114,8 @@ def test_depth_env_draws_batch_sizes_and_a_profile_without_them_is_refused(task)
         ReplaySource(task.train, single, batch_sizes=BATCH_SIZES)
     with pytest.raises(ValueError, match="measured batch sizes"):
         ReplaySource(task.train, batch_sizes=(1, 8))
+    with pytest.raises(ValueError, match="time_noise"):
+        ReplaySource(task.train, batch_sizes=BATCH_SIZES, time_noise=0.5)
 
 
 @pytest.fixture(scope="module")
