@@ -75,6 +75,7 @@ class BatchReplaySession:
         self.cycles: list[CycleRecord] = []
         self.batch_sizes: list[int] = []   # unfinished rows in each cycle
         self.emitted_total = 0
+        self.last_emitted = self.last_accepted = 0   # the last cycle's tokens over all rows (`batch_record`)
 
     @property
     def active(self) -> list[ReplaySession]:
@@ -104,15 +105,24 @@ class BatchReplaySession:
     def prompt_len(self) -> int:
         return (self.lead if not self.done else self.rows[0]).prompt_len
 
+    def _with_load(self, state: DraftState) -> DraftState:
+        # the load the batch-aware controllers see, as the live BatchSession gives it: the unfinished rows and their
+        # committed lengths
+        rows = self.active
+        lengths = [r.prompt_len + r.tokens_emitted for r in rows]
+        state.batch_size, state.context_max = len(rows), max(lengths)
+        state.context_mean = sum(lengths) / len(lengths)
+        return state
+
     def cycle_state(self) -> DraftState:
-        return self.lead.cycle_state()
+        return self._with_load(self.lead.cycle_state())
 
     def draft_level(self) -> DraftState:
         lead, *rest = self.active
         state = lead.draft_level()
         for row in rest:
             row.draft_level()
-        return state
+        return self._with_load(state)
 
     def rank_candidates(self) -> None:
         pass
@@ -126,12 +136,20 @@ class BatchReplaySession:
         fed = max(r.n_new for r in rows)
         context = max(r.prompt_len + r.tokens_emitted for r in rows)
         records = [r.verify(size) for r in rows]       # each row: its own recorded acceptance (same arithmetic)
+        self.last_accepted = sum(r.accepted for r in records)
         draft_s, verify_s = self.times.cycle(len(rows), depth, records[0].size, fed, context)
         record = replace(records[0], draft_s=draft_s, verify_s=verify_s)
         self.cycles.append(record)
         self.batch_sizes.append(len(rows))
-        self.emitted_total += sum(r.emitted for r in records)
+        self.last_emitted = sum(r.emitted for r in records)
+        self.emitted_total += self.last_emitted
         return record
+
+    def batch_record(self) -> CycleRecord:
+        """The last cycle as the batch saw it: the lead's record with every row's emitted (and accepted) tokens
+        summed, so a reward of it scores the batch's throughput (tokens of all rows per second of the cycle)."""
+        last = self.cycles[-1]
+        return replace(last, emitted=self.last_emitted, accepted=self.last_accepted)
 
 
 def batches_of(num_prompts: int, batch_size: int, prompts: list[int] | None = None) -> list[list[int]]:
@@ -184,3 +202,25 @@ def best_per_batch_size(rows: list[dict]) -> list[dict]:
     for b in sorted({r["batch_size"] for r in rows}):
         out.append(max((r for r in rows if r["batch_size"] == b), key=lambda r: r["tokens_per_s"]))
     return out
+
+
+def learned_batch_table(model: ReplayModel, controller: Controller, batch_sizes: list[int], *,
+                        prompts: list[int] | None = None) -> list[dict]:
+    """A policy's own per-batch-size table: at each batch size, the depth and size it chose most often (ties: the
+    shallower / smaller) over the batch replay of `model`'s prompts, with its tokens/s there. Rows have the keys
+    of `best_per_batch_size`'s ({"batch_size", "depth", "size", "tokens_per_s"}, plus "depth_share": the modal
+    depth's share of the cycles), so the engines' table writers take either."""
+    from specpilot.drafting.control import DecisionLog
+
+    times = BatchTimes(model)
+    rows = []
+    for b in sorted({int(b) for b in batch_sizes}):
+        logged = DecisionLog(controller)
+        res = replay_batch(model, logged, batch_size=b, prompts=prompts, times=times)
+        depths = np.bincount([d for d, _ in logged.log], minlength=1)
+        depth = int(np.argmax(depths))
+        sizes = [v for d, v in logged.log if d == depth]
+        size = int(np.argmax(np.bincount(sizes))) if sizes else 0
+        rows.append({"batch_size": b, "depth": depth, "size": size, "tokens_per_s": res["tokens_per_s"],
+                     "depth_share": float(depths[depth] / max(depths.sum(), 1))})
+    return rows

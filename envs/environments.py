@@ -13,7 +13,8 @@ the same spaces, observations, rewards and info.
 """
 from __future__ import annotations
 
-from typing import Any
+from copy import deepcopy
+from typing import Any, Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -22,13 +23,14 @@ import torch
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.cycle import SIZE, SKIP, STOP, check_size, cycle_steps
 from specpilot.drafting.types import CycleRecord, DraftState, TreeConfig
+from specpilot.envs.batch_replay import BatchReplaySession, BatchTimes
 from specpilot.envs.replay import ReplayModel, ReplaySession
 from specpilot.envs.rewards import Reward, make_reward
 from specpilot.envs.spaces import observation_space
 from specpilot.policies.heuristics import RandomDepthController
 from specpilot.policies.learned import STOP as STOP_ACTION
-from specpilot.policies.observation import (ObservationSpec, default_size_actions, depth_observation,
-                                            size_observation)
+from specpilot.policies.observation import (BATCH_FEATURES, DEFAULT_FEATURES, ObservationSpec, default_size_actions,
+                                            depth_observation, size_observation)
 
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
 
@@ -99,13 +101,24 @@ class LiveSource:
 
 class ReplaySource:
     """Replays of a recorded trace (dir / trace.npz / Trace) timed by its latency profile; `prompts` selects the
-    trace's prompt indices episodes are drawn from; `time_noise` adds seeded timing noise (see ReplaySession)."""
+    trace's prompt indices episodes are drawn from; `time_noise` adds seeded timing noise (see ReplaySession).
+
+    batch_sizes: None (default) replays one sequence per episode; a tuple of batch sizes (e.g. (1, 2, 4, 8, 16))
+    makes every episode a batch (`specpilot.envs.batch_replay.BatchReplaySession`): its size drawn uniformly from
+    `batch_sizes` with the env's seeded generator, the episode's prompt leading B - 1 others drawn from `prompts`
+    (without replacement while there are enough), timed by the profile's batch curves (`LatencyProfile.batch`;
+    batches take no time_noise)."""
 
     kind = "replay"
 
     def __init__(self, trace, profile=None, *, max_new_tokens: int | None = None, time_noise: float = 0.0,
-                 prompts: list[int] | None = None) -> None:
+                 prompts: list[int] | None = None, batch_sizes: Sequence[int] | None = None) -> None:
         self.model = ReplayModel(trace, profile, max_new_tokens=max_new_tokens)
+        self.batch_sizes = check_batch_sizes(batch_sizes, self.model.profile) if batch_sizes is not None else None
+        if self.batch_sizes and time_noise:
+            raise ValueError(f"time_noise={time_noise}: batch replay has no timing noise model; drop one of "
+                             "time_noise and batch_sizes")
+        self.times = BatchTimes(self.model) if self.batch_sizes else None
         trace = self.model.trace
         self.tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
         self.indices = list(range(trace.num_prompts)) if prompts is None else [int(i) for i in prompts]
@@ -115,8 +128,37 @@ class ReplaySource:
         self.device = trace.header.get("device")
         self.prompts = self.indices
 
-    def start(self, index: int, rng: np.random.Generator) -> ReplaySession:
-        return ReplaySession(self.model, index, rng=rng, time_noise=self.time_noise)
+    def start(self, index: int, rng: np.random.Generator, batch_size: int | None = None):
+        """A ReplaySession of prompt `index`; with batch sizes a BatchReplaySession led by it (`batch_size` or a
+        drawn one)."""
+        if not self.batch_sizes:
+            return ReplaySession(self.model, index, rng=rng, time_noise=self.time_noise)
+        b = int(batch_size) if batch_size is not None else int(rng.choice(self.batch_sizes))
+        others = [i for i in self.indices if i != index] or [index]
+        rest = rng.choice(others, size=b - 1, replace=len(others) < b - 1).tolist() if b > 1 else []
+        return BatchReplaySession(self.model, [index, *(int(i) for i in rest)], times=self.times)
+
+
+def check_batch_sizes(batch_sizes: Sequence[int], profile) -> tuple[int, ...]:
+    """Batch sizes >= 1 a profile can time: sizes above 1 need its batch curves (`grid --batch-sizes` measures
+    them); refused otherwise, naming the fix."""
+    sizes = tuple(sorted({int(b) for b in batch_sizes}))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch_sizes must be a non-empty list of sizes >= 1, got {list(batch_sizes)}")
+    measured = profile.batch_sizes
+    if sizes[-1] > 1 and (not measured or sizes[-1] > measured[-1]):
+        raise ValueError(f"batch_sizes {list(sizes)}: the latency profile measured batch sizes {measured or [1]}; "
+                         "measure them with `specpilot grid --batch-sizes ...` (it saves <stem>.profile_w<W>.json) "
+                         "and replay with that profile")
+    return sizes
+
+
+def env_features(source, features: Sequence[str] | None) -> tuple[str, ...]:
+    """The optional observation features of an env: `features` when given, else the defaults, plus the batch
+    features (`BATCH_FEATURES`) when the source replays batches."""
+    if features is not None:
+        return tuple(features)
+    return DEFAULT_FEATURES + (BATCH_FEATURES if getattr(source, "batch_sizes", None) else ())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -135,7 +177,8 @@ class _DecisionEnv(gym.Env):
         self.device = source.device
         self.max_new_tokens = source.max_new_tokens
         self.max_context = int(max_context)
-        self.reward_fn = make_reward(reward)
+        self.reward_fn = self._reward_proto = make_reward(reward)
+        self._rewards: dict[int, Reward] = {}   # batch size -> its reward (batch episodes; see _start)
         self.session = None
         self.state: DraftState | None = None
         self.prompt_index = -1
@@ -172,11 +215,22 @@ class _DecisionEnv(gym.Env):
         if callable(seed_fn):  # a partner that draws (RandomDepthController) follows the env's seed
             seed_fn(int(self.np_random.integers(2**31 - 1)))
         partner.reset()
+        batch_size = options.get("batch_size")
+        if batch_size is None:
+            self.session = self.source.start(index, self.np_random)
+        else:
+            if not getattr(self.source, "batch_sizes", None):
+                raise ValueError("reset(options={'batch_size': ...}) needs a source with batch_sizes")
+            self.session = self.source.start(index, self.np_random, batch_size=int(batch_size))
+        rows = len(getattr(self.session, "rows", ())) or 1
+        # a batch reward scores the batch's tokens/s, which scales with its size: a running reward (dinkelbach's
+        # throughput estimate) keeps one set of statistics per batch size
+        self.reward_fn = self._rewards.setdefault(rows, deepcopy(self._reward_proto)) if rows > 1 else \
+            self._reward_proto
         self.reward_fn.reset()
-        self.session = self.source.start(index, self.np_random)
         self._steps = cycle_steps(self.session)
         self._pending = None
-        return {"prompt_index": index, "prompt_len": self.session.prompt_len}
+        return {"prompt_index": index, "prompt_len": self.session.prompt_len, "batch_size": rows}
 
     def _advance(self, answer: Any = None) -> tuple[float, bool, bool, dict]:
         """Send the agent's answer (None: prime the protocol), let the partner answer its questions, and run until
@@ -189,8 +243,12 @@ class _DecisionEnv(gym.Env):
             except StopIteration as end:
                 record = end.value
                 self._partner().observe(record)
-                reward += float(self.reward_fn(record))
+                batch_record = getattr(self.session, "batch_record", None)
+                scored = batch_record() if batch_record is not None else record  # a batch: all rows' tokens
+                reward += float(self.reward_fn(scored))
                 info = cycle_info(record, new_tokens=self.session.tokens_emitted, prompt_index=self.prompt_index)
+                if batch_record is not None:
+                    info.update(batch_size=self.session.batch_sizes[-1], batch_emitted=scored.emitted)
                 if self.session.done:
                     finished = self.session.finished_by
                     info["finished_by"] = finished
@@ -261,7 +319,11 @@ class DepthEnv(_DecisionEnv):
     object. size_controller: Controller, int size, or None (FixedController with the device's default size).
     max_context: context length mapped to 1.0 in the observation. skip_decisions: False leaves the skip decision to
     the partner (the agent then only decides after draft forwards). reset(options={"prompt_index": i}) picks a
-    prompt explicitly.
+    prompt explicitly. features: optional observation features (default: none; the batch features `batch,
+    context_max` when the source replays batches). Batches (`ReplaySource(batch_sizes=...)`): one decision per
+    cycle for the whole batch, the reward scores the batch's cycle (every row's emitted tokens: batch tokens/s),
+    reset(options={"batch_size": b}) fixes the size, info adds `batch_size` (reset; cycles: the rows in the
+    cycle) and `batch_emitted`.
 
     ## Example
         >>> import gymnasium as gym, specpilot.envs
@@ -272,12 +334,13 @@ class DepthEnv(_DecisionEnv):
 
     def __init__(self, source, *, reward: str | Reward = "throughput",
                  size_controller: Controller | int | None = None, max_context: int = 4096,
-                 skip_decisions: bool = True) -> None:
+                 skip_decisions: bool = True, features: Sequence[str] | None = None) -> None:
         super().__init__(source, reward=reward, max_context=max_context)
         # without skip decisions the partner answers them (a size-only partner never skips)
         self.agent_questions = (SKIP, STOP) if skip_decisions else (STOP,)
         self.size_controller = as_size_controller(size_controller, self.device)
-        self.spec_obs = ObservationSpec.for_depth(self.tree.width, self.tree.max_depth, max_context=self.max_context)
+        self.spec_obs = ObservationSpec.for_depth(self.tree.width, self.tree.max_depth, max_context=self.max_context,
+                                                  features=env_features(source, features))
         self.observation_space = observation_space(self.spec_obs)
         self.action_space = gym.spaces.Discrete(2)
 
@@ -327,6 +390,7 @@ class SizeEnv(_DecisionEnv):
     ## Arguments
     source, reward, max_context: as DepthEnv. size_actions: verification sizes (<= the tree's max_size).
     depth_controller: Controller, int depth, (low, high) for random depths, or None (the device's default depth).
+    features, batches: as DepthEnv.
 
     ## Example
         >>> env = gym.make("specpilot/ReplaySize-v0", trace="runs/demo/traces/train", depth_controller=(1, 8))
@@ -335,7 +399,8 @@ class SizeEnv(_DecisionEnv):
     agent_questions = (SIZE,)
 
     def __init__(self, source, *, reward: str | Reward = "throughput", size_actions: list[int] | None = None,
-                 depth_controller: Controller | int | tuple | None = None, max_context: int = 4096) -> None:
+                 depth_controller: Controller | int | tuple | None = None, max_context: int = 4096,
+                 features: Sequence[str] | None = None) -> None:
         super().__init__(source, reward=reward, max_context=max_context)
         sizes = [int(v) for v in (default_size_actions(self.device) if size_actions is None else size_actions)]
         if not sizes or min(sizes) < 1:
@@ -346,7 +411,7 @@ class SizeEnv(_DecisionEnv):
         self.size_actions = sizes
         self.depth_controller = as_depth_controller(depth_controller, self.device)
         self.spec_obs = ObservationSpec.for_size(self.tree.width, self.tree.max_depth, size_actions=sizes,
-                                                 max_context=self.max_context)
+                                                 max_context=self.max_context, features=env_features(source, features))
         self.observation_space = observation_space(self.spec_obs)
         self.action_space = gym.spaces.Discrete(len(sizes))
 
@@ -407,14 +472,20 @@ def live_size_env(pair=None, prompts=None, *, max_new_tokens: int = 128, tree: T
 
 
 def replay_depth_env(trace, profile=None, *, max_new_tokens: int | None = None, time_noise: float = 0.0,
-                     prompts: list[int] | None = None, **kwargs) -> DepthEnv:
-    """specpilot/ReplayDepth-v0: DepthEnv over replays of a recorded trace (`specpilot record`)."""
-    source = ReplaySource(trace, profile, max_new_tokens=max_new_tokens, time_noise=time_noise, prompts=prompts)
+                     prompts: list[int] | None = None, batch_sizes: Sequence[int] | None = None,
+                     **kwargs) -> DepthEnv:
+    """specpilot/ReplayDepth-v0: DepthEnv over replays of a recorded trace (`specpilot record`); `batch_sizes`
+    replays batches (see ReplaySource)."""
+    source = ReplaySource(trace, profile, max_new_tokens=max_new_tokens, time_noise=time_noise, prompts=prompts,
+                          batch_sizes=batch_sizes)
     return DepthEnv(source, **kwargs)
 
 
 def replay_size_env(trace, profile=None, *, max_new_tokens: int | None = None, time_noise: float = 0.0,
-                    prompts: list[int] | None = None, **kwargs) -> SizeEnv:
-    """specpilot/ReplaySize-v0: SizeEnv over replays of a recorded trace (`specpilot record`)."""
-    source = ReplaySource(trace, profile, max_new_tokens=max_new_tokens, time_noise=time_noise, prompts=prompts)
+                    prompts: list[int] | None = None, batch_sizes: Sequence[int] | None = None,
+                    **kwargs) -> SizeEnv:
+    """specpilot/ReplaySize-v0: SizeEnv over replays of a recorded trace (`specpilot record`); `batch_sizes`
+    replays batches (see ReplaySource)."""
+    source = ReplaySource(trace, profile, max_new_tokens=max_new_tokens, time_noise=time_noise, prompts=prompts,
+                          batch_sizes=batch_sizes)
     return SizeEnv(source, **kwargs)

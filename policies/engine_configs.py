@@ -152,7 +152,8 @@ def sglang_args(draft: str, depth: int, width: int, size: int, algorithm: str = 
 
 
 def sglang_adaptive_config(depth_counts: dict, num_steps: int, max_tiers: int = 3,
-                           per_batch_size: list[dict] | None = None) -> dict:
+                           per_batch_size: list[dict] | None = None,
+                         learned_per_batch_size: list[dict] | None = None) -> dict:
     """SGLang's --speculative-adaptive-config, keyed by batch size: {"1": {"candidate_steps": [...], knobs}}.
     candidate_steps: the depth policy's `max_tiers` most frequent depths plus the static `num_steps` (SGLang
     refuses a num_steps outside them); without measured depths, tiers around num_steps.
@@ -218,13 +219,17 @@ def static_shape(grid_best: dict | None, depth_summary: dict | None, size_summar
 
 ENGINE_FILES = {"hf": "hf/generation_config.json", "vllm": "vllm/speculative_config.json",
                 "sglang": "sglang/sglang_args.json", "sglang_config": "sglang/config.yaml",
-                "sglang_adaptive": "sglang/sglang_adaptive.json"}
+                "sglang_adaptive": "sglang/sglang_adaptive.json",
+                # the learned batch-aware policy's own per-batch-size table, beside the grid's (`learned_batch`)
+                "vllm_learned": "vllm/speculative_config.learned.json",
+                "sglang_adaptive_learned": "sglang/sglang_adaptive.learned.json"}
 
 
 def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_best: dict | None, choices: dict,
                          fallback: tuple[int, int], draft_generation_config: dict | None = None,
                          tokenizer: str | None = None, final_dir: str | Path | None = None,
-                         per_batch_size: list[dict] | None = None) -> dict:
+                         per_batch_size: list[dict] | None = None,
+                         learned_per_batch_size: list[dict] | None = None) -> dict:
     """Write the engine files (see the module docstring) and README.md under out_dir/engines, each atomically;
     return decoder.json's `engine_configs` section (relative file paths, the numbers used and their provenance).
 
@@ -235,7 +240,11 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
     final_dir: where out_dir will end up when it is a temporary folder (an export swaps its folder in when complete):
     the paths written into the files name it.
     per_batch_size: grid.json's measured table (best static cell per batch size): vLLM's and SGLang's
-    per-batch-size tables are written from it (see the module docstring)."""
+    per-batch-size tables are written from it (see the module docstring).
+    learned_per_batch_size: the learned batch-aware policy's own table (rows {batch_size, depth, size}: its modal
+    choice per batch size in batch replay, `envs.batch_replay.learned_batch_table`), written the same way into
+    vllm/speculative_config.learned.json (and sglang/sglang_adaptive.learned.json where the adaptive config
+    applies), beside the grid's; decoder.json's `per_batch_size_learned` says so (source "learned")."""
     out = Path(out_dir) / "engines"
     shown = Path(final_dir) / "engines" if final_dir is not None else out
     drafter = pair.get("drafter") or "draft_lm"
@@ -271,6 +280,14 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
                                       "1" + (f"; this tree has topk {args['speculative_eagle_topk']}"
                                              if drafter == "eagle3" else "; this pair drafts with a separate LM "
                                                                          "(STANDALONE)"))
+    learned_schedule = vllm_batch_schedule(learned_per_batch_size) if learned_per_batch_size else None
+    if learned_per_batch_size:
+        files["vllm_learned"] = json.dumps(vllm_speculative_config(draft, chain_k, drafter=drafter,
+                                                                   schedule=learned_schedule), indent=2)
+        if "sglang_adaptive" in files:
+            files["sglang_adaptive_learned"] = json.dumps(sglang_adaptive_config(
+                depth_counts={}, num_steps=args["speculative_num_steps"], per_batch_size=learned_per_batch_size),
+                indent=2)
     files["sglang"] = json.dumps(args, indent=2)
     files["sglang_config"] = yaml_text(sglang_launch_config(args, target=target, tokenizer=tokenizer,
                                                             adaptive_path=adaptive_path))
@@ -296,6 +313,12 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
                             "sglang_adaptive_keys": ([str(b) for b, _ in batch_size_steps(per_batch_size)]
                                                      if "sglang_adaptive" in files else None),
                             "source": "grid per_batch_size (batch replay)"} if per_batch_size else None),
+        "per_batch_size_learned": ({"table": [{k: r[k] for k in ("batch_size", "depth", "size", "depth_share")
+                                               if k in r} for r in learned_per_batch_size],
+                                    "vllm_num_speculative_tokens_per_batch_size": learned_schedule,
+                                    "files": [f"engines/{ENGINE_FILES[k]}" for k in
+                                              ("vllm_learned", "sglang_adaptive_learned") if k in files],
+                                    "source": "learned"} if learned_per_batch_size else None),
     }
 
 
@@ -344,6 +367,14 @@ def engines_readme(out: Path, files: dict, skipped: dict, *, target: str, tokeni
                   "sizes): the grid's best static depth per batch size, measured in batch replay (`specpilot grid "
                   "--batch-sizes`). vLLM looks K up by the number of scheduled requests; it disables the table "
                   "(with a warning) under data parallelism."]
+    if "vllm_learned" in files:
+        parts += ["", "## The learned policy's per-batch-size table", "",
+                  f"`{ENGINE_FILES['vllm_learned']}`"
+                  + (f" and `{ENGINE_FILES['sglang_adaptive_learned']}`" if "sglang_adaptive_learned" in files
+                     else "")
+                  + " hold the same tables built from the learned batch-aware policy instead of the grid: at each "
+                    "batch size the depth it chose most often in batch replay of the validation trace. Use them in "
+                    "place of the files above (same keys)."]
     for key, reason in skipped.items():
         parts.append(f"Not written: {ENGINE_FILES[key]} ({reason}).")
     parts += ["", "To run the learned policies themselves use specpilot: `SpeculativeDecoder.from_config(<export "

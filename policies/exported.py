@@ -73,7 +73,9 @@ def probe_state(spec: ObservationSpec) -> DraftState:
     depth = max(1, spec.max_depth // 2)
     return DraftState(depth=depth, max_depth=spec.max_depth, width=spec.width, context_len=spec.max_context // 3,
                       scores=scores, last_top_prob=0.5, last_entropy=1.0, new_tokens=7, max_new_tokens=64,
-                      prev_accepted=1, prev_depth=2, acceptance=0.6)
+                      prev_accepted=1, prev_depth=2, acceptance=0.6,
+                      # read only by the optional batch features: older specs' probe observations are unchanged
+                      batch_size=4, context_max=spec.max_context // 2)
 
 
 def probe_observation(spec: ObservationSpec) -> np.ndarray:

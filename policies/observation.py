@@ -17,7 +17,10 @@ Layout of an observation vector (float32, length 2*num_scores + 6):
     2n + 6 ...    optional drafter features (`ObservationSpec.features`, in FEATURES order):
                   top_prob: last_top_prob, the drafter's conditional probability of its best child at the last
                   level [0, 1]; entropy: min(last_entropy / ENTROPY_SCALE, 1), the entropy of that distribution
-                  (both 0 / 1 before drafting, as DraftState gives them)
+                  (both 0 / 1 before drafting, as DraftState gives them);
+                  batch: min(log2(batch_size) / BATCH_LOG2_SCALE, 1), the load: sequences decoded together this
+                  cycle (0 at batch size 1, 1 at 64 and above); context_max: min(context_max / max_context, 1),
+                  the batch's longest context (what the padded verify forward costs)
 
 The depth policy sees the last level's W*W children (W at depth 1) in drafting order (`DraftState.level_scores`:
 parents best-first, each parent's children best-first; no sort, which matters because the depth policy decides after
@@ -26,17 +29,21 @@ largest verification size it can choose).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 from specpilot.drafting.types import DraftState
 
 SPEC_VERSION = 4  # 2: + previous cycle's accepted length and depth; 3: + depth-0 (skip) states, acceptance rate;
-# 4: + optional drafter features (a version-3 spec is a version-4 spec without features: it still loads)
+# 4: + optional drafter features (a version-3 spec is a version-4 spec without features: it still loads); the batch
+# features were added as optional features too (off by default: a spec without them is unchanged)
 READABLE_VERSIONS = (3, 4)
 NUM_SCALARS = 6  # depth, context length, generation progress, previous accepted, previous depth, acceptance
-FEATURES = ("top_prob", "entropy")  # optional extra scalars, in this order
+FEATURES = ("top_prob", "entropy", "batch", "context_max")  # optional extra scalars, in this order
 ENTROPY_SCALE = 5.0  # nats mapped to 1.0 (a near-uniform draft distribution over >= e^5 ~ 150 tokens)
+BATCH_LOG2_SCALE = 6.0  # log2(batch size) mapped to 1.0: batch size 64 (larger batches saturate)
+BATCH_FEATURES = ("batch", "context_max")  # what a batch-aware policy observes on top of the defaults
 DEFAULT_FEATURES: tuple[str, ...] = ()  # what for_depth / for_size (and so the environments) observe by default
 
 
@@ -144,6 +151,10 @@ def scalars(state: DraftState, spec: ObservationSpec) -> tuple[float, ...]:
             values += (min(max(state.last_top_prob, 0.0), 1.0),)
         if "entropy" in spec.features:
             values += (min(max(state.last_entropy, 0.0) / ENTROPY_SCALE, 1.0),)
+        if "batch" in spec.features:
+            values += (min(math.log2(max(state.batch_size, 1)) / BATCH_LOG2_SCALE, 1.0),)
+        if "context_max" in spec.features:
+            values += (min(state.context_max / spec.max_context, 1.0),)
     return values
 
 

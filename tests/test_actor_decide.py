@@ -28,6 +28,8 @@ SPECS = {
     "depth+features": ObservationSpec.for_depth(W, DMAX, max_context=256, features=("top_prob", "entropy")),
     "size+features": ObservationSpec.for_size(W, DMAX, size_actions=SIZES, max_context=256,
                                               features=("top_prob", "entropy")),
+    "size+batch": ObservationSpec.for_size(W, DMAX, size_actions=SIZES, max_context=256,
+                                           features=("batch", "context_max")),
 }
 
 
@@ -58,7 +60,7 @@ def edge_states() -> list[DraftState]:
     """Depth 0 (no scores), one level, fewer candidates than size slots, scores at 0 and just above, at and past the
     floor, scalars past their ranges."""
     base = dict(max_depth=DMAX, width=W, context_len=300, new_tokens=5, max_new_tokens=0, prev_accepted=9,
-                prev_depth=2, acceptance=1.5, last_top_prob=0.3, last_entropy=9.0)
+                prev_depth=2, acceptance=1.5, last_top_prob=0.3, last_entropy=9.0, batch_size=6, context_max=400)
     return [DraftState.from_levels([], **base),
             DraftState.from_levels([[0.0, -0.5, -21.0]], **base),
             DraftState.from_levels([[-1.0, -2.0, -3.0], [-20.0, -40.0, 0.0] * 3], **base),

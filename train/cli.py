@@ -89,6 +89,14 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     live.add_argument("--init-from", default=None,
                       help="start from this policy zip, e.g. fine-tune a replay policy (default: a fresh policy)")
     add_cluster_arguments(p)  # --ray/--workers: live environments on Ray workers, one per worker
+    b = p.add_argument_group("batch-aware policies (replay backend, PPO)")
+    b.add_argument("--batch-sizes", type=int_list(1), default=None,
+                   help="train over batches of these sizes, e.g. 1,2,4,8,16: each episode replays a batch of a drawn "
+                        "size, rewarded on batch throughput; the policies observe the batch size (default: single "
+                        "sequences)")
+    b.add_argument("--batch-profile", default=None,
+                   help="profile.json with those batch sizes (default: RUN/grid.profile_w<W>.json from `specpilot "
+                        "grid --batch-sizes`, else the trace's)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,7 +159,9 @@ def _options(args, static, pair, cluster=None):
     bc = dict(bc_iters=args.bc_iters, bc_epochs=args.bc_epochs) if getattr(args, "bc", False) else {}
     return TrainOptions(reward=args.reward, backend=args.backend, pair=pair, cluster=cluster, static=static,
                         resume=args.resume, seed=args.seed, ppo=ppo,
-                        allow_partial=bool(getattr(args, "allow_partial", False)), **bc)
+                        allow_partial=bool(getattr(args, "allow_partial", False)), **bc,
+                        batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else None,
+                        batch_profile=args.batch_profile)
 
 
 def _check(cmd: str, args: argparse.Namespace, run_dir: Path):

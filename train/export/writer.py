@@ -392,10 +392,12 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
                  if pair is not None and getattr(pair, "draft", None) is not None else None)
     # the grid's measured best cell per batch size (`specpilot grid --batch-sizes`): the engines' per-batch tables
     per_batch = GridResult.load(grid_path).per_batch_size if grid_path else []
+    learned = _learned_batch_table(exported, specs, run_dir, root, trace, per_batch, log)
     engines = write_engine_configs(out_dir, pair=identity, width=tree.width, grid_best=grid_best,
                                    choices=recorder.choices() if recorder else {}, fallback=(fb_depth, fb_size),
                                    draft_generation_config=draft_gen, tokenizer=_tokenizer_folder(pair, identity),
-                                   final_dir=final_dir, per_batch_size=per_batch or None)
+                                   final_dir=final_dir, per_batch_size=per_batch or None,
+                                   learned_per_batch_size=learned)
     engines["grid"] = grid_path
     meta = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "name": "exported",
@@ -409,6 +411,35 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
     }
     write_decoder_config(out_dir, meta)
     return meta
+
+
+def _learned_batch_table(exported, specs: dict, run_dir: Path, root: Path, trace: Path | None,
+                         per_batch: list[dict], log) -> list[dict] | None:
+    """The batch-aware policies' own per-batch-size table (`envs.batch_replay.learned_batch_table`) on the export's
+    trace, or None for policies that do not observe the batch (or without a trace / a profile with batch curves,
+    said in the log). Batch sizes: those the run trained over (manifest stage_setup), else the grid's table's.
+    Profile: the one training used, else RUN/grid.profile_w<W>.json, else the trace's."""
+    if not any("batch" in spec.features for spec in specs.values()):
+        return None
+    from specpilot.envs.batch_replay import learned_batch_table
+    from specpilot.envs.replay import ReplayModel
+
+    setups = [s for d in (run_dir, root) for s in RunManifest.load(d).section("stage_setup").values()
+              if isinstance(s, dict) and s.get("batch_sizes")]
+    sizes = [int(b) for b in setups[0]["batch_sizes"]] if setups else sorted(int(r["batch_size"]) for r in per_batch)
+    width = next(iter(specs.values())).width
+    profiles = [Path(s["batch_profile"]) for s in setups if s.get("batch_profile")] + \
+        [d / f"{Path(GRID_FILE).stem}.profile_w{width}.json" for d in (run_dir, root)]
+    profile = next((p for p in profiles if p.is_file()), None)
+    if trace is None or not sizes:
+        log("specpilot export: no learned per-batch-size table (needs a trace and the batch sizes the run trained "
+            "over)")
+        return None
+    try:
+        return learned_batch_table(ReplayModel(trace, profile), exported, sizes)
+    except (ValueError, FileNotFoundError) as err:
+        log(f"specpilot export: no learned per-batch-size table ({err})")
+        return None
 
 
 def _check_contract(root: Path, index: PoliciesIndex, pair, trace: Path | None, given_trace: bool, *,

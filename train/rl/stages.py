@@ -23,7 +23,7 @@ from specpilot.artifacts.trace import TraceHeader
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.replay import ReplayModel
-from specpilot.policies.observation import ObservationSpec, default_size_actions
+from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_FEATURES, ObservationSpec, default_size_actions
 from specpilot.train.rl.ppo import PPOOverrides
 from specpilot.train.rl.traces import TaskTraces
 from specpilot.train.rl.validation import validation_fn
@@ -49,6 +49,11 @@ class TrainOptions:
     allow_partial: later stages may start from an earlier stage that did not finish (interrupted); refused otherwise.
     bc_iters / bc_epochs: > 0 makes the pipeline's stage 1 behaviour cloning from the replay oracle with that many
         DAgger iterations of bc_epochs supervised epochs (`specpilot.train.rl.imitation`); PPO then fine-tunes.
+    batch_sizes: train a batch-aware policy (replay backend, PPO): every episode replays a batch of a size drawn
+        from these (`ReplaySource(batch_sizes=...)`), rewarded on the batch's throughput, observing the batch
+        features (`policies.observation.BATCH_FEATURES`); validation scores the geometric mean speedup over batched
+        AR across these sizes. batch_profile: the profile with batch curves (default: RUN/grid.profile_w<W>.json,
+        which `specpilot grid --batch-sizes` saves, else the trace's own).
     """
 
     reward: str = "dinkelbach"
@@ -66,8 +71,19 @@ class TrainOptions:
     allow_partial: bool = False
     bc_iters: int = 0
     bc_epochs: int = 30
+    batch_sizes: tuple[int, ...] | None = None
+    batch_profile: str | Path | None = None
 
     def __post_init__(self) -> None:
+        if self.batch_sizes is not None:
+            self.batch_sizes = tuple(sorted({int(b) for b in self.batch_sizes}))
+            if not self.batch_sizes or self.batch_sizes[0] < 1:
+                raise ValueError(f"batch_sizes must be sizes >= 1, got {list(self.batch_sizes)}")
+            if self.backend != "replay":
+                raise ValueError("batch_sizes trains on batch replay: use backend='replay'")
+            if self.bc_iters > 0:
+                raise ValueError("batch_sizes trains with PPO only: behaviour cloning (bc_iters) labels single "
+                                 "sequences with the replay oracle; drop one of them")
         if self.reward not in REWARD_MODES:
             raise ValueError(f"unknown reward {self.reward!r}; choose one of {REWARD_MODES}")
         if self.backend not in ("replay", "live"):
@@ -227,6 +243,15 @@ def make_env(source, spec: StageSpec, actions, *, reward: str, max_context: int,
                     skip_decisions=skip_decisions)
 
 
+def batch_profile_for(run_dir: str | Path, trace, options: TrainOptions):
+    """The latency profile batch training replays with: options.batch_profile, else RUN/grid.profile_w<W>.json
+    (saved by `specpilot grid --batch-sizes`) when present, else None (the trace's own profile)."""
+    if options.batch_profile is not None:
+        return options.batch_profile
+    saved = Path(run_dir) / f"{Path(GRID_FILE).stem}.profile_w{trace.width}.json"
+    return saved if saved.is_file() else None
+
+
 def _live_env(pair, *, prompts, tree, max_new_tokens, temperature, spec, actions, **env_settings):
     """One live training environment on `pair` (a module-level function: Ray workers build it with their pair)."""
     from specpilot.envs.environments import LiveSource
@@ -235,9 +260,11 @@ def _live_env(pair, *, prompts, tree, max_new_tokens, temperature, spec, actions
     return make_env(source, spec, actions, **env_settings)
 
 
-def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, actions, options: TrainOptions):
-    """(a function building one training environment, a VecEnv factory or None): replay environments here, live
-    ones here on options.pair or one per Ray worker on options.cluster."""
+def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, actions, options: TrainOptions,
+                   profile=None):
+    """(a function building one training environment, a VecEnv factory or None): replay environments here (batches
+    with options.batch_sizes, timed by `profile`), live ones here on options.pair or one per Ray worker on
+    options.cluster."""
     from functools import partial
 
     from specpilot.envs.environments import ReplaySource
@@ -245,7 +272,8 @@ def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, acti
     trace = model.trace
     settings = dict(reward=options.reward, max_context=options.max_context, skip_decisions=options.skip_decisions)
     if options.backend == "replay":
-        return (lambda: make_env(ReplaySource(traces.train), spec, actions, **settings)), None
+        return (lambda: make_env(ReplaySource(traces.train, profile, batch_sizes=options.batch_sizes), spec,
+                                 actions, **settings)), None
     prompts = list(options.train_prompts) if options.train_prompts is not None else \
         [trace.prompt(i) for i in range(trace.num_prompts)]
     tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
@@ -340,12 +368,15 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     run_dir, traces = Path(run_dir), TaskTraces.resolve(traces)
     model = ReplayModel(traces.train)
     trace = model.trace
+    profile = batch_profile_for(run_dir, trace, options) if options.batch_sizes else None
     actions = size_actions_for(model, spec.size_actions) if spec.kind == "size" else None
+    features = DEFAULT_FEATURES + (BATCH_FEATURES if options.batch_sizes else ())
     if spec.kind == "size":
         obs_spec = ObservationSpec.for_size(trace.width, trace.max_depth, size_actions=actions,
-                                            max_context=options.max_context)
+                                            max_context=options.max_context, features=features)
     else:
-        obs_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context)
+        obs_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context,
+                                             features=features)
     settings = budget_settings(spec.kind, spec.steps, seed=options.seed + spec.seed_offset, ppo=options.ppo)
     if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
         return done
@@ -355,7 +386,8 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
         settings = replace(settings, pi_arch=pi, vf_arch=vf)
     # replay validation models greedy decoding only: a stage trained at T > 0 keeps its final policy
     val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
-                        size_actions=actions, logger=logger, stage=spec.stage) if options.temperature == 0 else None
+                        size_actions=actions, logger=logger, stage=spec.stage, batch_sizes=options.batch_sizes,
+                        profile=profile) if options.temperature == 0 else None
     _record_contract(run_dir, traces, actions if spec.kind == "size" else None, options.static)
     update_manifest(run_dir, traces={"train": str(traces.train), "validation": str(traces.validation),
                                      "train_pair": trace.header.get("pair")},
@@ -365,8 +397,11 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
                                               "temperature": options.temperature,
                                               "partner": _describe(spec.partner),
                                               "val_partner": _describe(spec.val_partner), "size_actions": actions,
-                                              "spec": obs_spec.to_dict(), "init_from": str(spec.init_from or "")}})
-    make_env, make_venv = _env_factories(spec, traces, model, actions, options)
+                                              "spec": obs_spec.to_dict(), "init_from": str(spec.init_from or ""),
+                                              **({"batch_sizes": list(options.batch_sizes),
+                                                  "batch_profile": str(profile or "")}
+                                                 if options.batch_sizes else {})}})
+    make_env, make_venv = _env_factories(spec, traces, model, actions, options, profile)
     best = train_policy(make_env, val, settings, run_dir, spec.stage, resume=options.resume, logger=logger,
                         init_from=spec.init_from, venv_factory=make_venv)
     info = read_best(run_dir / spec.stage) or {}

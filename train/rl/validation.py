@@ -49,19 +49,43 @@ def evaluate_replay(controller: Controller, model: ReplayModel, ar_tokens_per_s:
     return res
 
 
+def evaluate_batches(controller: Controller, model: ReplayModel, batch_sizes: Sequence[int],
+                     ar: dict[int, float] | None = None) -> dict:
+    """Batch-replay tokens/s of `controller` at each batch size (`envs.batch_replay.replay_batch`) and its speedup
+    over batched AR at that size; `score` is the geometric mean of those speedups (every size weighs the same,
+    though large batches produce more tokens). `ar`: batched AR tokens/s per size (computed when None)."""
+    from specpilot.drafting.control import FixedController
+    from specpilot.envs.batch_replay import BatchTimes, replay_batch
+
+    times = BatchTimes(model)
+    ar = ar or {int(b): replay_batch(model, FixedController(0, 0), batch_size=int(b), times=times)["tokens_per_s"]
+                for b in batch_sizes}
+    per = {}
+    for b in batch_sizes:
+        res = replay_batch(model, controller, batch_size=int(b), times=times)
+        per[int(b)] = {"tokens_per_s": res["tokens_per_s"], "speedup": res["tokens_per_s"] / ar[int(b)]}
+    score = float(np.exp(np.mean([np.log(r["speedup"]) for r in per.values()])))
+    return {"score": score, "per_batch_size": per, "ar": ar}
+
+
 def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, partner: Controller,
-                  size_actions: Sequence[int] | None = None, logger=None, stage: str = "stage"
-                  ) -> Callable[[Any], float]:
+                  size_actions: Sequence[int] | None = None, logger=None, stage: str = "stage",
+                  batch_sizes: Sequence[int] | None = None, profile=None) -> Callable[[Any], float]:
     """val_fn(model) -> replay tokens/s on the validation trace, deciding exactly as inference does.
 
     The model's policy becomes the `kind` half of a PPOController; `partner` decides the other half (a fixed
     config, a RandomDepthController, or a frozen PPOController). Metrics go to `logger` under <stage>/val/.
+    With `batch_sizes` (a batch-aware policy) the score is `evaluate_batches`' geometric mean speedup over batched
+    AR across those sizes, in batch replay timed by `profile` (None: the trace's).
     """
     from specpilot.policies.ppo import PPOController
 
-    model_r = ReplayModel(val_trace)
-    ar = replay_ar(model_r)
+    model_r = ReplayModel(val_trace, profile)
     calls = {"n": 0}
+    if batch_sizes:
+        return _batch_validation(model_r, kind=kind, spec=spec, partner=partner, size_actions=size_actions,
+                                 logger=logger, stage=stage, batch_sizes=batch_sizes)
+    ar = replay_ar(model_r)
 
     def val(model) -> float:
         policy = model.policy if hasattr(model, "policy") else model
@@ -79,5 +103,34 @@ def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, pa
             logger.log({f"{stage}/val/{key}": res[key] for key in ("tokens_per_s", "speedup", "mean_accepted_length",
                                                                   "depth_mean", "size_mean")}, step=step)
         return float(res["tokens_per_s"])
+
+    return val
+
+
+def _batch_validation(model_r: ReplayModel, *, kind, spec, partner, size_actions, logger, stage, batch_sizes):
+    from specpilot.drafting.control import FixedController
+    from specpilot.envs.batch_replay import replay_batch
+    from specpilot.policies.ppo import PPOController
+
+    ar = {int(b): replay_batch(model_r, FixedController(0, 0), batch_size=int(b))["tokens_per_s"] for b in batch_sizes}
+    calls = {"n": 0}
+
+    def val(model) -> float:
+        policy = model.policy if hasattr(model, "policy") else model
+        if kind == "size":
+            ctrl = PPOController(None, policy, size_spec=spec, size_actions=list(size_actions), fallback=partner)
+        else:
+            ctrl = PPOController(policy, None, depth_spec=spec, fallback=partner)
+        seed = getattr(partner, "seed", None)
+        if callable(seed):
+            seed(1234)
+        res = evaluate_batches(ctrl, model_r, batch_sizes, ar)
+        calls["n"] += 1
+        if logger is not None:
+            step = int(getattr(model, "num_timesteps", calls["n"]))
+            logger.log({f"{stage}/val/batch_score": res["score"],
+                        **{f"{stage}/val/speedup_b{b}": r["speedup"] for b, r in res["per_batch_size"].items()}},
+                       step=step)
+        return res["score"]
 
     return val

@@ -1,0 +1,171 @@
+"""The learned batch-aware policy on the embedded pair (separate draft LM: batching refuses EAGLE-3 heads), in batch
+replay: tokens/s vs batch size for batched AR, the best static config for batch size 1 used at every size, the
+per-batch-size grid table (`BatchTableController`) and the learned policy trained over batch sizes.
+
+    PYTHONPATH=.. python benchmarks/batch_learn.py prep  --out /tmp/batch_learn   # traces + batched profile + grid
+    PYTHONPATH=.. python benchmarks/batch_learn.py train --out /tmp/batch_learn   # PPO over batch sizes
+    PYTHONPATH=.. python benchmarks/batch_learn.py eval  --out /tmp/batch_learn   # held-out batch replay table
+
+prep records train (suite "train"), validation ("validation") and held-out test ("heldout_code") traces, measures
+one batched latency profile (drafting/batch.py's forwards at each batch size) on the train prompts, kept as every
+trace's profile.json, and ranks every static cell per batch size on the TRAIN trace (the grid's table). train runs
+`run_pipeline` with `TrainOptions(batch_sizes=...)`. eval replays the held-out trace in batches of B
+(`BatchReplaySession` + `run_generation`, the decoders' cycle), every method on the same batches; intervals are
+paired bootstraps over those batches of (method tokens/time) / (AR tokens/time). Replay times are the profile's
+model of this machine, not wall-clock runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def prep(args, out: Path, batch_sizes: list[int]) -> None:
+    from specpilot.drafting import ModelPair, TreeConfig
+    from specpilot.envs.batch_replay import batch_static_sweep, best_per_batch_size
+    from specpilot.envs.profile import measure_batch_profile
+    from specpilot.envs.record import record_trace
+    from specpilot.envs.replay import ReplayModel
+    from specpilot.eval.suites import load_suite
+
+    pair = ModelPair.from_pretrained(draft="embedded")
+    tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=args.max_size)
+    splits = {"train": ("train", args.train_prompts), "validation": ("validation", args.val_prompts),
+              "test": ("heldout_code", args.test_prompts)}
+    started = time.perf_counter()
+    for split, (suite, n) in splits.items():
+        prompts = [p.prompt for p in load_suite(suite)][:n]
+        record_trace(pair, tree, prompts, max_new_tokens=args.max_new_tokens).save(out / "traces" / split)
+    print(f"traces: {time.perf_counter() - started:.0f}s", flush=True)
+    started = time.perf_counter()
+    train_prompts = [p.prompt for p in load_suite("train")][: args.train_prompts]
+    profile = measure_batch_profile(pair, tree, train_prompts, batch_sizes, max_new_tokens=args.max_new_tokens,
+                                    min_batches=1, progress=True)
+    for split in splits:
+        profile.save(out / "traces" / split / "profile.json")
+    print(f"batch profile: {time.perf_counter() - started:.0f}s", flush=True)
+    model = ReplayModel(out / "traces" / "train")
+    sizes = [v for v in (1, 2, 4, 8, 12, 16, 24, 32) if v <= tree.max_size]
+    rows = batch_static_sweep(model, [(d, v) for d in range(1, tree.max_depth + 1) for v in sizes], batch_sizes)
+    best = best_per_batch_size(rows)
+    (out / "grid_table.json").write_text(json.dumps({"per_batch_size": best, "b1_best": best[0]}, indent=1))
+    print("grid table (train trace):", [(r["batch_size"], r["depth"], r["size"]) for r in best], flush=True)
+
+
+def train(args, out: Path, batch_sizes: list[int]) -> None:
+    from specpilot.train.rl import pipeline as P
+    from specpilot.train.rl.ppo import PPOOverrides
+
+    b1 = json.loads((out / "grid_table.json").read_text())["b1_best"]
+    static = (max(1, int(b1["depth"])), max(1, int(b1["size"])))
+    options = P.TrainOptions(static=static, batch_sizes=tuple(batch_sizes), seed=args.seed, reward=args.reward,
+                             ppo=PPOOverrides(pi_arch=[64], vf_arch=[64]))
+    started = time.perf_counter()
+    res = P.run_pipeline(out / args.run_name, P.TaskTraces.resolve(out / "traces"), size_steps=args.size_steps,
+                         depth_steps=args.depth_steps, coadapt_steps=args.coadapt_steps, rounds=args.rounds,
+                         options=options, wandb="disabled")
+    print(f"trained in {time.perf_counter() - started:.0f}s; stage scores (geo-mean x batched AR on validation): "
+          f"size {res['size_s1']['score']:.3f}, depth {res['depth_s1']['score']:.3f}", flush=True)
+
+
+def _per_batch(model, controller, b: int) -> np.ndarray:
+    """[(tokens, time_s)] per batch of b held-out prompts (the same batches for every method)."""
+    from specpilot.drafting.cycle import run_generation
+    from specpilot.envs.batch_replay import BatchReplaySession, BatchTimes, batches_of
+
+    times = _per_batch.times.setdefault(id(model), BatchTimes(model))
+    out = []
+    for batch in batches_of(model.num_prompts, b):
+        session = BatchReplaySession(model, batch, times=times)
+        run_generation(session, controller)
+        out.append((session.emitted_total, sum(r.cycle_s for r in session.cycles)))
+    return np.array(out, dtype=float)
+
+
+_per_batch.times = {}
+
+
+def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
+    from specpilot.drafting.control import FixedController
+    from specpilot.envs.batch_replay import learned_batch_table
+    from specpilot.envs.replay import ReplayModel
+    from specpilot.policies.heuristics import BatchTableController
+    from specpilot.policies.ppo import load_run_controllers
+
+    grid = json.loads((out / "grid_table.json").read_text())
+    b1 = grid["b1_best"]
+    table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
+    learned = load_run_controllers(out / args.run_name)
+    # the learned policy's own table (what export writes for the engines): its modal choice per size on validation
+    own = learned_batch_table(ReplayModel(out / "traces" / "validation"), learned["ltd"], batch_sizes)
+    print("learned policy's own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
+    methods = {"ar": FixedController(0, 0), "b1_static": FixedController(int(b1["depth"]), int(b1["size"])),
+               "table": BatchTableController(table), "learned": learned["ltd"],
+               "learned_table": BatchTableController({r["batch_size"]: (r["depth"], r["size"]) for r in own})}
+    rng = np.random.default_rng(0)
+    results = {}
+    for split in ("test", "validation"):
+        model = ReplayModel(out / "traces" / split)
+        print(f"\n{split} trace ({model.num_prompts} prompts), batch replay; x = tokens/s over batched AR "
+              f"[95% paired bootstrap over batches]; B1-static d={b1['depth']} V={b1['size']}")
+        print("| B | AR tok/s | B1-static x | table x | learned x | learned / table | learned's own table x |")
+        print("|---|---|---|---|---|---|---|")
+        rows = []
+        for b in batch_sizes:
+            per = {m: _per_batch(model, c, b) for m, c in methods.items()}
+            k = len(per["ar"])
+            boot = rng.integers(0, k, size=(2000, k))
+
+            def ratio(m, ref="ar"):
+                num, den = per[m], per[ref]
+                point = (num[:, 0].sum() / num[:, 1].sum()) / (den[:, 0].sum() / den[:, 1].sum())
+                bs = (num[boot, 0].sum(1) / num[boot, 1].sum(1)) / (den[boot, 0].sum(1) / den[boot, 1].sum(1))
+                return [float(point), float(np.quantile(bs, 0.025)), float(np.quantile(bs, 0.975))]
+
+            row = {"batch_size": b, "ar_tokens_per_s": float(per["ar"][:, 0].sum() / per["ar"][:, 1].sum()),
+                   **{f"{m}_vs_ar": ratio(m) for m in ("b1_static", "table", "learned", "learned_table")},
+                   "learned_vs_table": ratio("learned", "table"), "batches": k}
+            rows.append(row)
+            f = lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"  # noqa: E731
+            print(f"| {b} | {row['ar_tokens_per_s']:.1f} | {f(row['b1_static_vs_ar'])} | {f(row['table_vs_ar'])} | "
+                  f"{f(row['learned_vs_ar'])} | {f(row['learned_vs_table'])} | {f(row['learned_table_vs_ar'])} |",
+                  flush=True)
+        results[split] = rows
+    (out / f"eval_{args.run_name}.json").write_text(json.dumps(results, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["prep", "train", "eval"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16")
+    ap.add_argument("--train-prompts", type=int, default=16)
+    ap.add_argument("--val-prompts", type=int, default=8)
+    ap.add_argument("--test-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--width", type=int, default=2)
+    ap.add_argument("--max-depth", type=int, default=6)
+    ap.add_argument("--max-size", type=int, default=12)
+    ap.add_argument("--size-steps", type=int, default=4096)
+    ap.add_argument("--depth-steps", type=int, default=8192)
+    ap.add_argument("--coadapt-steps", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=0)
+    ap.add_argument("--reward", default="dinkelbach")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-name", default="run", help="the training run's folder under --out")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    {"prep": prep, "train": train, "eval": evaluate}[args.phase](args, out, batch_sizes)
+
+
+if __name__ == "__main__":
+    main()
