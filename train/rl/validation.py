@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specpilot.drafting.control import Controller, DecisionLog
+from specpilot.drafting.control import Controller, DecisionLog, FixedController
 from specpilot.envs.oracle import replay_controller
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import ObservationSpec
@@ -54,7 +54,6 @@ def evaluate_batches(controller: Controller, model: ReplayModel, batch_sizes: Se
     """Batch-replay tokens/s of `controller` at each batch size (`envs.batch_replay.replay_batch`) and its speedup
     over batched AR at that size; `score` is the geometric mean of those speedups (every size weighs the same,
     though large batches produce more tokens). `ar`: batched AR tokens/s per size (computed when None)."""
-    from specpilot.drafting.control import FixedController
     from specpilot.envs.batch_replay import BatchTimes, replay_batch
 
     times = BatchTimes(model)
@@ -83,9 +82,20 @@ def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, pa
     model_r = ReplayModel(val_trace, profile)
     calls = {"n": 0}
     if batch_sizes:
-        return _batch_validation(model_r, kind=kind, spec=spec, partner=partner, size_actions=size_actions,
-                                 logger=logger, stage=stage, batch_sizes=batch_sizes)
-    ar = replay_ar(model_r)
+        batch_ar = evaluate_batches(FixedController(0, 0), model_r, batch_sizes)["ar"]
+
+        def score(ctrl) -> tuple[float, dict]:
+            res = evaluate_batches(ctrl, model_r, batch_sizes, batch_ar)
+            return res["score"], {"batch_score": res["score"],
+                                  **{f"speedup_b{b}": r["speedup"] for b, r in res["per_batch_size"].items()}}
+    else:
+        ar = replay_ar(model_r)
+
+        def score(ctrl) -> tuple[float, dict]:
+            res = evaluate_replay(ctrl, model_r, ar["tokens_per_s"])
+            return float(res["tokens_per_s"]), {key: res[key] for key in ("tokens_per_s", "speedup",
+                                                                           "mean_accepted_length", "depth_mean",
+                                                                           "size_mean")}
 
     def val(model) -> float:
         policy = model.policy if hasattr(model, "policy") else model
@@ -96,41 +106,11 @@ def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, pa
         seed = getattr(partner, "seed", None)
         if callable(seed):
             seed(1234)  # the same partner draws at every validation
-        res = evaluate_replay(ctrl, model_r, ar["tokens_per_s"])
+        value, logged = score(ctrl)
         calls["n"] += 1
         if logger is not None:
             step = int(getattr(model, "num_timesteps", calls["n"]))
-            logger.log({f"{stage}/val/{key}": res[key] for key in ("tokens_per_s", "speedup", "mean_accepted_length",
-                                                                  "depth_mean", "size_mean")}, step=step)
-        return float(res["tokens_per_s"])
-
-    return val
-
-
-def _batch_validation(model_r: ReplayModel, *, kind, spec, partner, size_actions, logger, stage, batch_sizes):
-    from specpilot.drafting.control import FixedController
-    from specpilot.envs.batch_replay import replay_batch
-    from specpilot.policies.ppo import PPOController
-
-    ar = {int(b): replay_batch(model_r, FixedController(0, 0), batch_size=int(b))["tokens_per_s"] for b in batch_sizes}
-    calls = {"n": 0}
-
-    def val(model) -> float:
-        policy = model.policy if hasattr(model, "policy") else model
-        if kind == "size":
-            ctrl = PPOController(None, policy, size_spec=spec, size_actions=list(size_actions), fallback=partner)
-        else:
-            ctrl = PPOController(policy, None, depth_spec=spec, fallback=partner)
-        seed = getattr(partner, "seed", None)
-        if callable(seed):
-            seed(1234)
-        res = evaluate_batches(ctrl, model_r, batch_sizes, ar)
-        calls["n"] += 1
-        if logger is not None:
-            step = int(getattr(model, "num_timesteps", calls["n"]))
-            logger.log({f"{stage}/val/batch_score": res["score"],
-                        **{f"{stage}/val/speedup_b{b}": r["speedup"] for b, r in res["per_batch_size"].items()}},
-                       step=step)
-        return res["score"]
+            logger.log({f"{stage}/val/{key}": v for key, v in logged.items()}, step=step)
+        return value
 
     return val
