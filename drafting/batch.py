@@ -152,6 +152,22 @@ class RaggedCache:
                 if layer.keys is not None]
 
 
+def plain_step(cache: RaggedCache, rows: list, device, sampling: tuple | None = None,
+               generator: torch.Generator | None = None) -> list[int]:
+    """One batched target step: every row's last committed token through `cache` (one forward, one query per row),
+    the next token per row (greedy, or drawn at `sampling` = (temperature, top_k, top_p)). Batched AR and the
+    speculative batch's depth-0 cycle both step with this, so "don't speculate" costs what batched AR costs."""
+    b = len(rows)
+    roots = torch.tensor([[r.committed[-1]] for r in rows], dtype=torch.long, device=device)
+    positions = torch.tensor([[len(r.committed) - 1] for r in rows], dtype=torch.long, device=device)
+    ones = torch.ones(b, 1, dtype=torch.bool, device=device)
+    logits = cache.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
+    if sampling is None:
+        return logits.argmax(dim=-1).tolist()
+    probs = sampling_probs(logits, *sampling)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+
+
 class _Row:
     """One sequence of the batch: its committed tokens, output and per-cycle records."""
 
@@ -212,13 +228,12 @@ class BatchSession:
         self.start_time = self.clock.now()
 
     def _prefill(self) -> float:
+        """The target's prefill only: the draft stays empty until the first cycle that drafts, whose catch-up feed
+        (`_start_trees`) prefills it then, so a batch that never drafts costs exactly batched AR."""
         with torch.inference_mode():
             t0 = self.clock.now()
             rows = [r.committed[:-1] for r in self.rows]
             self.target.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
-            self.draft.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
-            for r in self.rows:
-                r.draft_committed = len(r.committed) - 1
             return self.clock.now() - t0
 
     # -- protocol state --------------------------------------------------------------------------------------------
@@ -410,17 +425,9 @@ class BatchSession:
         return lead_record
 
     def _verify_plain(self) -> list[tuple[int, list[int]]]:
-        """Every row's root through the target (one token each): batched autoregressive decoding."""
-        roots = torch.tensor([[r.committed[-1]] for r in self.active], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[len(r.committed) - 1] for r in self.active], dtype=torch.long, device=self.device)
-        b = len(self.active)
-        ones = torch.ones(b, 1, dtype=torch.bool, device=self.device)
-        logits = self.target.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
-        if self.sampling is None:
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            probs = sampling_probs(logits, *self.sampling)
-            tokens = torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist()
+        """Every row's root through the target (one token each): batched autoregressive decoding, the very step
+        `autoregressive_generate_batch` takes (`plain_step`)."""
+        tokens = plain_step(self.target, self.active, self.device, self.sampling, self.generator)
         return [(0, [t]) for t in tokens]
 
     def _verify_trees(self, size: int) -> list[tuple[int, list[int]]]:
@@ -484,11 +491,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128) -> list[
         cache.feed([r.committed[:-1] for r in rows], [0] * len(rows), device, logits_to_keep=1)
         start = clock.now()
         while active:
-            roots = torch.tensor([[r.committed[-1]] for r in active], dtype=torch.long, device=device)
-            positions = torch.tensor([[len(r.committed) - 1] for r in active], dtype=torch.long, device=device)
-            ones = torch.ones(len(active), 1, dtype=torch.bool, device=device)
-            logits = cache.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = plain_step(cache, active, device)
             now = clock.now() - start
             for row, token in zip(active, tokens):
                 emitted = row.truncate([token], eos)

@@ -204,3 +204,51 @@ def test_eagle_pair_refused_by_generate_batch_but_decodes_target_only():
         SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(PROMPTS)
     outs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=8)
     assert [o.tokens for o in outs] == [autoregressive_generate(pair, p, max_new_tokens=8).tokens for p in PROMPTS]
+
+
+def test_depth0_batch_is_batched_ar_op_for_op():
+    """"Don't speculate" through generate_batch costs what batched AR costs: the draft is never run (its prefill
+    waits for the first cycle that drafts) and the target runs exactly the forwards autoregressive_generate_batch
+    runs, with the same shapes."""
+    pair = tiny_pair(noise=0.3)
+    shapes = {"draft": [], "target": []}
+    def hook(key):
+        return lambda module, args, kwargs, out: shapes[key].append(tuple(kwargs["input_ids"].shape))
+
+    hooks = [model.register_forward_hook(hook(key), with_kwargs=True)
+             for key, model in (("draft", pair.draft), ("target", pair.target))]
+    try:
+        outs = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(
+            PROMPTS, controller=FixedController(0, 0), max_new_tokens=BUDGETS)
+        batch_shapes, shapes["target"] = shapes["target"], []
+        refs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=BUDGETS)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert shapes["draft"] == [] and batch_shapes == shapes["target"]
+    assert [o.tokens for o in outs] == [r.tokens for r in refs]
+
+
+def test_draft_prefill_deferred_to_first_drafting_cycle():
+    """Plain cycles first, drafting later: the first drafting cycle's catch-up feed prefills the draft exactly."""
+    pair = tiny_pair(noise=0.3)
+
+    class Late(FixedController):
+        def reset(self):
+            self.turn = 0
+
+        def skip_drafting(self, state):
+            self.turn += 1
+            return self.turn <= 3
+
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    session = BatchSession(decoder, PROMPTS, max_new_tokens=BUDGETS)
+    assert session.draft.length == 0
+    controller = Late(3, 6)
+    controller.reset()
+    while not session.done:
+        run_cycle(session, controller)
+        for b, row in enumerate(session.active):
+            _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
+    for prompt, budget, out in zip(PROMPTS, BUDGETS, session.outputs()):
+        assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=budget).tokens
