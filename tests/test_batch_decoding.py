@@ -252,3 +252,41 @@ def test_draft_prefill_deferred_to_first_drafting_cycle():
             _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
     for prompt, budget, out in zip(PROMPTS, BUDGETS, session.outputs()):
         assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=budget).tokens
+
+
+QUEUE = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [11], list(range(50, 62)), [2, 7, 1, 8]]
+QUEUE_BUDGETS = [40, 3, 25, 12, 7, 30, 1, 18]  # ragged: rows finish at different cycles and are refilled
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 3])
+@pytest.mark.parametrize("depth,size,alternate", [(0, 0, False), (3, 6, False), (4, 10, True)])
+def test_continuous_batching_refills_exactly(max_batch, depth, size, alternate):
+    """A prompt queue decoded max_batch at a time, finished rows refilled: every prompt's output (in prompt order)
+    equals its own target greedy output, and the batch stays full while the queue lasts."""
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=6))
+    session = BatchSession(decoder, QUEUE, max_new_tokens=QUEUE_BUDGETS, max_batch=max_batch)
+    controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
+    controller.reset()
+    while not session.done:
+        assert len(session.active) == max_batch or not session.queue
+        run_cycle(session, controller)
+        for b, row in enumerate(session.active):
+            _assert_cache(session.target, b, pair.target, row.committed[:-1])
+            _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
+    outs = session.outputs()
+    for prompt, budget, out in zip(QUEUE, QUEUE_BUDGETS, outs):
+        ref = autoregressive_generate(pair, prompt, max_new_tokens=budget)
+        assert out.tokens == ref.tokens and out.finished_by == ref.finished_by and out.prompt_len == len(prompt)
+        assert len(out.token_times) == len(out.tokens) and sum(c.emitted for c in out.cycles) == len(out.tokens)
+    via_api = decoder.generate_batch(QUEUE, controller=FixedController(depth, size), max_new_tokens=QUEUE_BUDGETS,
+                                     max_batch=max_batch)
+    assert [o.tokens for o in via_api] == [o.tokens for o in outs] or alternate
+    ar = autoregressive_generate_batch(pair, QUEUE, max_new_tokens=QUEUE_BUDGETS, max_batch=max_batch)
+    assert [o.tokens for o in ar] == [o.tokens for o in outs]
+
+
+def test_bad_max_batch_raises():
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
+    with pytest.raises(ValueError, match="max_batch"):
+        decoder.generate_batch(PROMPTS, max_batch=0)
