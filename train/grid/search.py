@@ -192,17 +192,17 @@ def _batch_phase(traces: list, profile, batch_profile, batch_sizes: Sequence[int
     return best, rows, used
 
 
-BATCH_LIVE_RULE = ("live-best of the top cells at B (generate_batch, interleaved with batched AR); depth 0 when "
-                   "its paired 95% interval over batched AR lies below 1 (never slower than AR)")
+BATCH_LIVE_RULE = ("live-best of the top cells and batched AR at B (generate_batch, interleaved): a cell only when "
+                   "it beats batched AR live and its paired 95% interval over AR does not lie below 1; else depth 0")
 
 
 def pick_batch_live(live: list[dict]) -> dict | None:
     """BATCH_LIVE_RULE over one batch size's live cells: the live-best cell, or None (use depth 0, batched AR) when
-    its paired interval over batched AR lies below 1 (its point estimate when there is no interval)."""
+    batched AR measured faster than it, or its paired interval over batched AR lies below 1 (never slower)."""
     chosen = max(live, key=lambda r: r["live_tokens_per_s"])
     high = (chosen.get("live_speedup_ci") or [None, None])[1]
-    slower = high < 1.0 if high is not None and high == high else chosen["live_speedup_vs_ar"] < 1.0
-    return None if slower else chosen
+    below = high is not None and high == high and high < 1.0
+    return None if below or not chosen["live_speedup_vs_ar"] > 1.0 else chosen
 
 
 def _batch_live_phase(per_batch: list[dict], batch_rows: list[dict], sources: list[dict], pair, val_prompts, *,
@@ -258,10 +258,10 @@ def _batch_live_phase(per_batch: list[dict], batch_rows: list[dict], sources: li
         row.update(source="live", live_ar_tokens_per_s=ar, replay_choice=replay_choice, live_rule=BATCH_LIVE_RULE,
                    live_cells=len(live))
         if progress:
-            ci = chosen["live_speedup_ci"]
+            ci = [float("nan") if v is None else float(v) for v in chosen["live_speedup_ci"]]
             print(f"  batch live B={size}: best of {len(live)} W={chosen['width']} d={chosen['depth']} "
-                  f"V={chosen['size']} {chosen['live_speedup_vs_ar']:.2f}x batched AR [{ci[0]}, {ci[1]}]"
-                  f"{' -> depth 0 (slower than AR)' if slower else ''}", flush=True)
+                  f"V={chosen['size']} {chosen['live_speedup_vs_ar']:.2f}x batched AR [{ci[0]:.2f}, {ci[1]:.2f}]"
+                  f"{' -> depth 0 (not faster than batched AR)' if slower else ''}", flush=True)
     return measured
 
 
