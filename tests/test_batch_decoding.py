@@ -170,11 +170,12 @@ def test_empty_prompts_raise(prompts):
         decoder.generate_batch(prompts)
 
 
-@pytest.mark.parametrize("width,depth,size,sampling,alternate", [
-    (1, 3, 3, (1.0, 0, 1.0), False),    # a chain
-    (3, 3, 12, (0.7, 4, 0.9), True),    # a tree, temperature, top-k and top-p, plain sampled steps interleaved
+@pytest.mark.parametrize("width,depth,size,sampling,alternate,max_batch", [
+    (1, 3, 3, (1.0, 0, 1.0), False, None),    # a chain
+    (3, 3, 12, (0.7, 4, 0.9), True, None),    # a tree, temperature, top-k and top-p, plain sampled steps interleaved
+    (3, 3, 12, (0.7, 4, 0.9), True, 257),     # the same through a prompt queue (rows refilled as they finish)
 ])
-def test_sampled_law_per_sequence(width, depth, size, sampling, alternate):
+def test_sampled_law_per_sequence(width, depth, size, sampling, alternate, max_batch):
     """At temperature > 0 each row follows the target's law: two ragged prompts alternate over the batch rows, each
     row's 2-token continuation is counted against its own prompt's enumerated law (TV with a concentration bound,
     as tiny.sampled_tv)."""
@@ -186,7 +187,8 @@ def test_sampled_law_per_sequence(width, depth, size, sampling, alternate):
     controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
     temperature, top_k, top_p = sampling
     outs = decoder.generate_batch([prompts[i % 2] for i in range(2 * n)], controller=controller,
-                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=7,
+                                  max_batch=max_batch)
     for k, law in enumerate(laws):
         counts = dict.fromkeys(law, 0)
         for out in outs[k::2]:
