@@ -14,6 +14,11 @@ whether our batched AR emitted exactly HF's tokens.
     .venv/bin/python benchmarks/bench_batch.py --depth0 [--batch-sizes 1,4,16] [--prompts 4] [--max-new-tokens 32]
         [--repeats 8] [--depth 2] [--size 4]
 
+    .venv/bin/python benchmarks/bench_batch.py --queue [--batch-sizes 4] [--prompts 16] [--max-new-tokens 32]
+
+--queue: continuous batching (`max_batch=B`, finished rows refilled) over static batches of B on a queue with
+ragged budgets, for batched AR and --depth/--size.
+
 --depth0 checks that "don't speculate" costs what batched AR costs: FixedController(0, 0) through generate_batch
 over batched AR per batch size, and at batch size 1 generate_batch over generate() (depth 0 and --depth/--size),
 each a ratio with a 95% paired interval over interleaved rounds.
@@ -131,6 +136,58 @@ def depth0(args, sizes: list[int]) -> int:
     return 0
 
 
+def queue(args, sizes: list[int]) -> int:
+    """--queue: continuous batching against static batching on a prompt queue with ragged budgets (every other
+    prompt gets a quarter of --max-new-tokens): `max_batch=B` refills finished rows, static batching decodes the
+    queue in consecutive batches of B; for batched AR and for --depth/--size, interleaved, ratio with a 95% paired
+    interval over rounds."""
+    from specpilot.eval.stats import paired_ratio_interval
+
+    pair = ModelPair.from_pretrained(draft="embedded")
+    suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
+    n = args.max_new_tokens
+    budgets = [n if i % 2 == 0 else max(1, n // 4) for i in range(len(suite))]
+    spec = FixedController(args.depth, args.size)
+
+    def chunks(b):
+        return [(suite[i:i + b], budgets[i:i + b]) for i in range(0, len(suite), b)]
+
+    def run(name, b):
+        if name == "ar_queue":
+            return [o.tokens for o in autoregressive_generate_batch(pair, suite, max_new_tokens=budgets, max_batch=b)]
+        if name == "ar_static":
+            return [o.tokens for p, m in chunks(b) for o in autoregressive_generate_batch(pair, p, max_new_tokens=m)]
+        if name == "spec_queue":
+            return [o.tokens for o in decoder.generate_batch(suite, controller=spec, max_new_tokens=budgets,
+                                                             max_batch=b)]
+        return [o.tokens for p, m in chunks(b) for o in decoder.generate_batch(p, controller=spec, max_new_tokens=m)]
+
+    names = ["ar_queue", "ar_static", "spec_queue", "spec_static"]
+    for name in names:
+        run(name, 2)  # warm-up
+    units = {}
+    for r in range(args.repeats):
+        for j, b in enumerate(sizes):
+            shift = (r + j) % len(names)
+            outs = {}
+            for name in names[shift:] + names[:shift]:
+                t0 = time.perf_counter()
+                outs[name] = run(name, b)
+                units.setdefault((name, b), ([], []))[1].append(time.perf_counter() - t0)
+                units[name, b][0].append(sum(len(t) for t in outs[name]))
+            assert all(o == outs["ar_static"] for o in outs.values()), "greedy outputs differ"
+    print(f"{pair.name} (draft LM), {pair.device}, torch threads {torch.get_num_threads()}; greedy; queue of "
+          f"{len(suite)} held-out prompts, budgets {n} and {max(1, n // 4)} alternating, {args.repeats} rounds")
+    for b in sizes:
+        for a, ref in (("ar_queue", "ar_static"), ("spec_queue", "spec_static")):
+            ci = paired_ratio_interval(*units[a, b], *units[ref, b])
+            print(f"B={b:>2}  {a:>10} / {ref:<11} {ci.ratio:.3f}x [{ci.low:.3f}, {ci.high:.3f}]  "
+                  f"({sum(units[a, b][0]) / sum(units[a, b][1]):.1f} vs "
+                  f"{sum(units[ref, b][0]) / sum(units[ref, b][1]):.1f} tok/s)")
+    return 0
+
+
 def policies(args, sizes: list[int]) -> int:
     """The issue's table (module docstring)."""
     from specpilot.eval.batched import evaluate_batches
@@ -202,6 +259,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--size", type=int, default=12)
     ap.add_argument("--policies", action="store_true", help="the static-vs-per-batch-table table (see above)")
+    ap.add_argument("--queue", action="store_true", help="continuous batching (max_batch) vs static batches of B "
+                    "on a queue of --prompts prompts with ragged budgets")
     ap.add_argument("--depth0", action="store_true", help="FixedController(0, 0) via generate_batch vs batched AR, "
                     "and generate_batch vs generate at batch size 1, with intervals")
     ap.add_argument("--grid", default=None, help="--policies: grid.json with best and per_batch_size")
@@ -215,6 +274,8 @@ def main(argv=None) -> int:
         return policies(args, sizes)
     if args.depth0:
         return depth0(args, sizes)
+    if args.queue:
+        return queue(args, sizes)
     pair = ModelPair.from_pretrained(draft="embedded")
     suite = [pair.encode(p.prompt) for p in load_suite("heldout")]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))

@@ -278,6 +278,18 @@ class BatchSession:
             self.target.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
             return self.clock.now() - t0
 
+    def prefill_draft(self) -> float:
+        """Catch every live row's draft up to committed[:-1] now (one ragged forward; returns its seconds): what the
+        first drafting cycle would otherwise feed. For measurements whose cycles must see steady-state catch-ups
+        only (envs/profile.py's batch profile), as a single-sequence session's prefill gives them."""
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            self.draft.feed([r.committed[r.draft_committed:-1] for r in self.active],
+                            [r.draft_committed for r in self.active], self.device, logits_to_keep=1)
+            for r in self.active:
+                r.draft_committed = len(r.committed) - 1
+            return self.clock.now() - t0
+
     def _admit(self) -> None:
         """Refill the batch from the queue up to max_batch: the new rows' target prefill (one ragged forward over
         them only) appended after the live rows; their draft rows start empty (caught up when a cycle drafts)."""

@@ -244,6 +244,11 @@ def test_draft_prefill_deferred_to_first_drafting_cycle():
             return self.turn <= 3
 
     decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    eager = BatchSession(decoder, PROMPTS, max_new_tokens=BUDGETS)
+    eager.prefill_draft()  # the eager form (envs/profile.py): committed[:-1] cached, as a fresh prefill
+    for b, row in enumerate(eager.active):
+        assert row.draft_committed == len(row.committed) - 1
+        _assert_cache(eager.draft, b, pair.draft, row.committed[:-1])
     session = BatchSession(decoder, PROMPTS, max_new_tokens=BUDGETS)
     assert session.draft.length == 0
     controller = Late(3, 6)
