@@ -145,6 +145,25 @@ class RaggedCache:
             layer.values = layer.values.index_select(0, rows)
         self.valid = self.valid.index_select(0, rows)
 
+    def compact(self, min_holes: float = 0.5) -> bool:
+        """When at least `min_holes` of the slots are holes (rows left, others were refilled, acceptance was
+        ragged), move every row's entries to the front in order and crop the rest: one copy that shortens every
+        later attention. Positions are explicit and holes are masked, so no row's attention changes. Call only
+        between cycles (no tree nodes cached). Returns whether it compacted."""
+        counts = self.valid.sum(dim=1)
+        width = int(counts.max()) if counts.numel() else 0
+        if self.length == 0 or self.length - width < min_holes * self.length:
+            return False
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]  # valid slots first
+        for layer in self.cache.layers:
+            if layer.keys is None or layer.keys.dim() != 4:
+                continue
+            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        self.valid = torch.arange(width, device=self.valid.device)[None] < counts[:, None]
+        return True
+
     def append_rows(self, other: "RaggedCache") -> None:
         """Add `other`'s rows after this cache's rows (continuous batching: newly admitted sequences). The shorter
         cache is padded at its end with holes, so no row's entries move; a layer one side never wrote is zeros."""
@@ -261,6 +280,7 @@ class BatchSession:
         self.draft = RaggedCache(pair.draft, len(self.active), self.device)
         self._depth = 0
         self._draft_start = 0           # draft cache length before this cycle's tree nodes
+        self._drafted = False           # the draft has been fed (a cycle drafted, or prefill_draft)
         self._draft_s = self._policy_s = 0.0
         self._level_s: list[float] = []
         self._last_top_prob, self._last_entropy = 1.0, 0.0
@@ -288,6 +308,7 @@ class BatchSession:
                             [r.draft_committed for r in self.active], self.device, logits_to_keep=1)
             for r in self.active:
                 r.draft_committed = len(r.committed) - 1
+            self._drafted = True
             return self.clock.now() - t0
 
     def _admit(self) -> None:
@@ -298,8 +319,16 @@ class BatchSession:
             return
         self.queue = self.queue[len(take):]
         t0 = self.clock.now()
+        self.target.compact()
         self.target.append_rows(prefill_rows(self.pair.target, take, self.device))
-        self.draft.append_rows(RaggedCache(self.pair.draft, len(take), self.device))
+        # a batch that has drafted prefills the newcomers' draft now, over them only (else the next drafting
+        # cycle's catch-up would pad every row to a whole prompt); one that never drafted never pays for it
+        drafted = self._drafted
+        self.draft.compact()
+        self.draft.append_rows(prefill_rows(self.pair.draft, take, self.device) if drafted
+                               else RaggedCache(self.pair.draft, len(take), self.device))
+        for r in take if drafted else ():
+            r.draft_committed = len(r.committed) - 1
         now = self.clock.now()
         for r in take:
             r.start, r.prefill_s = now, now - t0
@@ -390,6 +419,7 @@ class BatchSession:
         starts = [r.draft_committed for r in self.active]
         logits = self.draft.feed(unseen, starts, self.device, logits_to_keep=1)[:, -1]    # [B, V]
         self._draft_start = self.draft.length
+        self._drafted = True
         logq = torch.log_softmax(logits.float(), dim=-1)
         values, tokens = torch.topk(logq, self.width, dim=-1)                             # [B, W]
         for b, row in enumerate(self.active):
@@ -582,6 +612,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
             take, queue = queue[: limit - len(active)], queue[limit - len(active):]
             if take:
                 t1 = clock.now()
+                cache.compact()
                 cache.append_rows(prefill_rows(pair.target, take, device))
                 now = clock.now()
                 for r in take:

@@ -297,3 +297,24 @@ def test_bad_max_batch_raises():
     decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
     with pytest.raises(ValueError, match="max_batch"):
         decoder.generate_batch(PROMPTS, max_batch=0)
+
+
+def test_compact_keeps_every_row_exact():
+    """RaggedCache.compact moves each row's entries to the front (holes dropped): the rows still equal a fresh
+    prefill, and decoding goes on exactly."""
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    session = BatchSession(decoder, PROMPTS, max_new_tokens=BUDGETS)
+    controller = FixedController(3, 6)
+    controller.reset()
+    compacted = 0
+    while not session.done:
+        run_cycle(session, controller)
+        compacted += session.target.compact(min_holes=0.0) + session.draft.compact(min_holes=0.0)
+        for b, row in enumerate(session.active):
+            assert int(session.target.valid[b].sum()) == len(row.committed) - 1
+            _assert_cache(session.target, b, pair.target, row.committed[:-1])
+            _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
+    assert compacted
+    for prompt, budget, out in zip(PROMPTS, BUDGETS, session.outputs()):
+        assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=budget).tokens
