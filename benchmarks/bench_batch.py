@@ -21,7 +21,8 @@ ragged budgets, for batched AR and --depth/--size.
 
 --depth0 checks that "don't speculate" costs what batched AR costs: FixedController(0, 0) through generate_batch
 over batched AR per batch size, and at batch size 1 generate_batch over generate() (depth 0 and --depth/--size),
-each a ratio with a 95% paired interval over interleaved rounds.
+each a ratio with a 95% paired interval over interleaved rounds, plus each method's wall time outside the target's
+forwards per step (bookkeeping, masks, and for drafting methods the draft), which the forwards' noise does not blur.
 
     .venv/bin/python benchmarks/bench_batch.py --policies [--batch-sizes 1,2,4,8,16] [--grid GRID.json]
         [--run RUN] [--prompts 4] [--max-new-tokens 32] [--candidates 0:0,1:2,2:4,4:12] [--table 1:2:4,16:0:0]
@@ -111,6 +112,19 @@ def depth0(args, sizes: list[int]) -> int:
     for run in methods.values():  # warm-up
         run(suite[:2])
     units = {}  # (method, b) -> ([tokens per round], [seconds per round])
+    # time spent outside the target's forwards (Python, masks, bookkeeping, and for drafting methods the draft):
+    # what "don't speculate" may add over batched AR, measured apart from the forwards' noise
+    inside = {"s": 0.0}
+    forward = pair.target.forward
+
+    def timed_forward(*a, **k):
+        t0 = time.perf_counter()
+        out = forward(*a, **k)
+        inside["s"] += time.perf_counter() - t0
+        return out
+
+    pair.target.forward = timed_forward
+    outside = {}  # (method, b) -> [seconds outside target forwards, steps (tokens of the longest row)]
     t_start = time.perf_counter()
     for r in range(args.repeats):
         for j, b in enumerate(sizes):
@@ -119,11 +133,17 @@ def depth0(args, sizes: list[int]) -> int:
             shift = (r + j) % len(names)
             outs = {}
             for name in names[shift:] + names[:shift]:
+                inside["s"] = 0.0
                 t0 = time.perf_counter()
                 outs[name] = methods[name](rows)
-                units.setdefault((name, b), ([], []))[1].append(time.perf_counter() - t0)
+                wall = time.perf_counter() - t0
+                units.setdefault((name, b), ([], []))[1].append(wall)
                 units[name, b][0].append(sum(len(t) for t in outs[name]))
+                acc = outside.setdefault((name, b), [0.0, 0])
+                acc[0] += wall - inside["s"]
+                acc[1] += max(len(t) for t in outs[name])
             assert all(o == outs["batch_d0"] for o in outs.values()), "greedy outputs differ"
+    pair.target.forward = forward
     print(f"{pair.name} (draft LM), {pair.device} {str(pair.dtype).replace('torch.', '')}, torch threads "
           f"{torch.get_num_threads()}; greedy; {len(suite)} held-out prompts, {n} new tokens, {args.repeats} "
           f"interleaved rounds ({time.perf_counter() - t_start:.0f}s)")
@@ -131,8 +151,9 @@ def depth0(args, sizes: list[int]) -> int:
         for a, ref in pairs[b]:
             ci = paired_ratio_interval(*units[a, b], *units[ref, b])
             rate = sum(units[a, b][0]) / sum(units[a, b][1])
+            extra = [1e3 * outside[m, b][0] / outside[m, b][1] for m in (a, ref)]
             print(f"B={b:>2}  {a:>16} / {ref:<16} {ci.ratio:.3f}x [{ci.low:.3f}, {ci.high:.3f}]  "
-                  f"({rate:.1f} tok/s)")
+                  f"({rate:.1f} tok/s; outside target forwards {extra[0]:.2f} vs {extra[1]:.2f} ms/step)")
     return 0
 
 
