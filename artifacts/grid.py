@@ -6,8 +6,10 @@
     best_by_temperature   {"<T>": cell}: the best cell measured live at sampling temperature T > 0
     per_batch_size        [{"batch_size", "width", "depth", "size", "tokens_per_s", "speedup_vs_ar", ...}]: the best
                           static cell per batch size in batch replay (depth 0: batched AR won), ascending batch
-                          sizes ([] in files written before it, or without --batch-sizes)
-    table, live, live_ar, oracle, sampled_live, batch_table   the measurements
+                          sizes ([] in files written before it, or without --batch-sizes); rows re-checked live
+                          (source "live") add live_tokens_per_s, live_speedup_vs_ar, live_speedup_ci [low, high]
+                          (paired 95% over batched AR), live_ar_tokens_per_s and replay_choice
+    table, live, live_ar, oracle, sampled_live, batch_table, batch_live   the measurements
     meta                  {"traces": [{"trace", "width", "max_depth", "max_size", "pair", ...}], "pair", ...}
 
 `GridResult.load` reads it once, checked, for every caller (eval's `grid` method, training's static partner, the
@@ -57,6 +59,17 @@ def _per_batch(value, path: Path) -> list[dict]:
             raise InputFileError(fix) from None
         if cell["batch_size"] < 1 or cell["depth"] < 0 or (rows and cell["batch_size"] <= rows[-1]["batch_size"]):
             raise InputFileError(fix)
+        try:  # the live re-check's fields, when the row has them
+            for key in ("live_tokens_per_s", "live_speedup_vs_ar", "live_ar_tokens_per_s"):
+                if key in row:
+                    cell[key] = float(row[key])
+            if "live_speedup_ci" in row:
+                low, high = row["live_speedup_ci"]
+                cell["live_speedup_ci"] = [None if v is None else float(v) for v in (low, high)]
+        except (TypeError, ValueError):
+            raise InputFileError(f"{path}: per_batch_size[{i}] has non-numeric live fields "
+                                 f"(live_tokens_per_s, live_speedup_vs_ar, live_speedup_ci [low, high]); {GRID_FIX}"
+                                 ) from None
         rows.append(cell)
     return rows
 

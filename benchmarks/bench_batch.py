@@ -11,6 +11,19 @@ and batch size; wall time of the whole call (prefill included, for every method 
 including each row's EOS. Prints tokens/s per method and batch size, each method's ratio to HF generate, and
 whether our batched AR emitted exactly HF's tokens.
 
+    .venv/bin/python benchmarks/bench_batch.py --depth0 [--batch-sizes 1,4,16] [--prompts 4] [--max-new-tokens 32]
+        [--repeats 8] [--depth 2] [--size 4]
+
+    .venv/bin/python benchmarks/bench_batch.py --queue [--batch-sizes 4] [--prompts 16] [--max-new-tokens 32]
+
+--queue: continuous batching (`max_batch=B`, finished rows refilled) over static batches of B on a queue with
+ragged budgets, for batched AR and --depth/--size.
+
+--depth0 checks that "don't speculate" costs what batched AR costs: FixedController(0, 0) through generate_batch
+over batched AR per batch size, and at batch size 1 generate_batch over generate() (depth 0 and --depth/--size),
+each a ratio with a 95% paired interval over interleaved rounds, plus each method's wall time outside the target's
+forwards per step (bookkeeping, masks, and for drafting methods the draft), which the forwards' noise does not blur.
+
     .venv/bin/python benchmarks/bench_batch.py --policies [--batch-sizes 1,2,4,8,16] [--grid GRID.json]
         [--run RUN] [--prompts 4] [--max-new-tokens 32] [--candidates 0:0,1:2,2:4,4:12] [--table 1:2:4,16:0:0]
 
@@ -66,6 +79,134 @@ def sweep_table(pair, tree, sizes, candidates, prompts, max_new_tokens) -> dict[
         rates = {r["method"]: r["tokens_per_s"] for r in section["methods"]}
         table[section["batch_size"]] = max(candidates, key=lambda c: rates.get(f"d{c[0]}_s{c[1]}", 0.0))
     return table
+
+
+def depth0(args, sizes: list[int]) -> int:
+    """--depth0: "don't speculate" through generate_batch (FixedController(0, 0)) against batched AR, and at batch
+    size 1 generate_batch against generate() (depth 0 and --depth/--size), interleaved; one unit = one round's
+    batch; ratio of pooled tokens/s with a 95% paired bootstrap interval over rounds."""
+    from specpilot.eval.stats import paired_ratio_interval
+
+    pair = ModelPair.from_pretrained(draft="embedded")
+    suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
+    n = args.max_new_tokens
+    spec = FixedController(args.depth, args.size)
+
+    def batch(controller):
+        return lambda rows: [o.tokens for o in decoder.generate_batch(rows, controller=controller,
+                                                                      max_new_tokens=n)]
+
+    def single(controller):
+        return lambda rows: [decoder.generate(r, controller=controller, max_new_tokens=n).tokens for r in rows]
+
+    pairs = {b: [("batch_d0", "batched_ar")] for b in sizes}
+    if 1 in pairs:
+        pairs[1] += [("batch_d0", "generate_d0"), (f"batch_d{args.depth}_s{args.size}",
+                                                   f"generate_d{args.depth}_s{args.size}")]
+    methods = {"batched_ar": lambda rows: [o.tokens for o in autoregressive_generate_batch(pair, rows,
+                                                                                           max_new_tokens=n)],
+               "batch_d0": batch(FixedController(0, 0)), "generate_d0": single(FixedController(0, 0)),
+               f"batch_d{args.depth}_s{args.size}": batch(spec),
+               f"generate_d{args.depth}_s{args.size}": single(spec)}
+    for run in methods.values():  # warm-up
+        run(suite[:2])
+    units = {}  # (method, b) -> ([tokens per round], [seconds per round])
+    # time spent outside the target's forwards (Python, masks, bookkeeping, and for drafting methods the draft):
+    # what "don't speculate" may add over batched AR, measured apart from the forwards' noise
+    inside = {"s": 0.0}
+    forward = pair.target.forward
+
+    def timed_forward(*a, **k):
+        t0 = time.perf_counter()
+        out = forward(*a, **k)
+        inside["s"] += time.perf_counter() - t0
+        return out
+
+    pair.target.forward = timed_forward
+    outside = {}  # (method, b) -> [seconds outside target forwards, steps (tokens of the longest row)]
+    t_start = time.perf_counter()
+    for r in range(args.repeats):
+        for j, b in enumerate(sizes):
+            rows = [suite[(r * 3 + i) % len(suite)] for i in range(b)]
+            names = sorted({m for pr in pairs[b] for m in pr})
+            shift = (r + j) % len(names)
+            outs = {}
+            for name in names[shift:] + names[:shift]:
+                inside["s"] = 0.0
+                t0 = time.perf_counter()
+                outs[name] = methods[name](rows)
+                wall = time.perf_counter() - t0
+                units.setdefault((name, b), ([], []))[1].append(wall)
+                units[name, b][0].append(sum(len(t) for t in outs[name]))
+                acc = outside.setdefault((name, b), [0.0, 0])
+                acc[0] += wall - inside["s"]
+                acc[1] += max(len(t) for t in outs[name])
+            assert all(o == outs["batch_d0"] for o in outs.values()), "greedy outputs differ"
+    pair.target.forward = forward
+    print(f"{pair.name} (draft LM), {pair.device} {str(pair.dtype).replace('torch.', '')}, torch threads "
+          f"{torch.get_num_threads()}; greedy; {len(suite)} held-out prompts, {n} new tokens, {args.repeats} "
+          f"interleaved rounds ({time.perf_counter() - t_start:.0f}s)")
+    for b in sizes:
+        for a, ref in pairs[b]:
+            ci = paired_ratio_interval(*units[a, b], *units[ref, b])
+            rate = sum(units[a, b][0]) / sum(units[a, b][1])
+            extra = [1e3 * outside[m, b][0] / outside[m, b][1] for m in (a, ref)]
+            print(f"B={b:>2}  {a:>16} / {ref:<16} {ci.ratio:.3f}x [{ci.low:.3f}, {ci.high:.3f}]  "
+                  f"({rate:.1f} tok/s; outside target forwards {extra[0]:.2f} vs {extra[1]:.2f} ms/step)")
+    return 0
+
+
+def queue(args, sizes: list[int]) -> int:
+    """--queue: continuous batching against static batching on a prompt queue with ragged budgets (every other
+    prompt gets a quarter of --max-new-tokens): `max_batch=B` refills finished rows, static batching decodes the
+    queue in consecutive batches of B; for batched AR and for --depth/--size, interleaved, ratio with a 95% paired
+    interval over rounds."""
+    from specpilot.eval.stats import paired_ratio_interval
+
+    pair = ModelPair.from_pretrained(draft="embedded")
+    suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
+    n = args.max_new_tokens
+    budgets = [n if i % 2 == 0 else max(1, n // 4) for i in range(len(suite))]
+    spec = FixedController(args.depth, args.size)
+
+    def chunks(b):
+        return [(suite[i:i + b], budgets[i:i + b]) for i in range(0, len(suite), b)]
+
+    def run(name, b):
+        if name == "ar_queue":
+            return [o.tokens for o in autoregressive_generate_batch(pair, suite, max_new_tokens=budgets, max_batch=b)]
+        if name == "ar_static":
+            return [o.tokens for p, m in chunks(b) for o in autoregressive_generate_batch(pair, p, max_new_tokens=m)]
+        if name == "spec_queue":
+            return [o.tokens for o in decoder.generate_batch(suite, controller=spec, max_new_tokens=budgets,
+                                                             max_batch=b)]
+        return [o.tokens for p, m in chunks(b) for o in decoder.generate_batch(p, controller=spec, max_new_tokens=m)]
+
+    names = ["ar_queue", "ar_static", "spec_queue", "spec_static"]
+    for name in names:
+        run(name, 2)  # warm-up
+    units = {}
+    for r in range(args.repeats):
+        for j, b in enumerate(sizes):
+            shift = (r + j) % len(names)
+            outs = {}
+            for name in names[shift:] + names[:shift]:
+                t0 = time.perf_counter()
+                outs[name] = run(name, b)
+                units.setdefault((name, b), ([], []))[1].append(time.perf_counter() - t0)
+                units[name, b][0].append(sum(len(t) for t in outs[name]))
+            assert all(o == outs["ar_static"] for o in outs.values()), "greedy outputs differ"
+    print(f"{pair.name} (draft LM), {pair.device}, torch threads {torch.get_num_threads()}; greedy; queue of "
+          f"{len(suite)} held-out prompts, budgets {n} and {max(1, n // 4)} alternating, {args.repeats} rounds")
+    for b in sizes:
+        for a, ref in (("ar_queue", "ar_static"), ("spec_queue", "spec_static")):
+            ci = paired_ratio_interval(*units[a, b], *units[ref, b])
+            print(f"B={b:>2}  {a:>10} / {ref:<11} {ci.ratio:.3f}x [{ci.low:.3f}, {ci.high:.3f}]  "
+                  f"({sum(units[a, b][0]) / sum(units[a, b][1]):.1f} vs "
+                  f"{sum(units[ref, b][0]) / sum(units[ref, b][1]):.1f} tok/s)")
+    return 0
 
 
 def policies(args, sizes: list[int]) -> int:
@@ -139,6 +280,10 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--size", type=int, default=12)
     ap.add_argument("--policies", action="store_true", help="the static-vs-per-batch-table table (see above)")
+    ap.add_argument("--queue", action="store_true", help="continuous batching (max_batch) vs static batches of B "
+                    "on a queue of --prompts prompts with ragged budgets")
+    ap.add_argument("--depth0", action="store_true", help="FixedController(0, 0) via generate_batch vs batched AR, "
+                    "and generate_batch vs generate at batch size 1, with intervals")
     ap.add_argument("--grid", default=None, help="--policies: grid.json with best and per_batch_size")
     ap.add_argument("--run", default=None, help="--policies: a trained run (adds ltd)")
     ap.add_argument("--prompts", type=int, default=4, help="--policies: held-out (and sweep) prompts")
@@ -148,6 +293,10 @@ def main(argv=None) -> int:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     if args.policies:
         return policies(args, sizes)
+    if args.depth0:
+        return depth0(args, sizes)
+    if args.queue:
+        return queue(args, sizes)
     pair = ModelPair.from_pretrained(draft="embedded")
     suite = [pair.encode(p.prompt) for p in load_suite("heldout")]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))

@@ -139,17 +139,88 @@ class RaggedCache:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished sequences leave the batch)."""
         for layer in self.cache.layers:
-            if layer.keys is None or layer.keys.numel() == 0:
+            if layer.keys is None or layer.keys.dim() != 4:
                 continue
             layer.keys = layer.keys.index_select(0, rows)
             layer.values = layer.values.index_select(0, rows)
         self.valid = self.valid.index_select(0, rows)
+
+    def compact(self, min_holes: float = 0.5) -> bool:
+        """When at least `min_holes` of the slots are holes (rows left, others were refilled, acceptance was
+        ragged), move every row's entries to the front in order and crop the rest: one copy that shortens every
+        later attention. Positions are explicit and holes are masked, so no row's attention changes. Call only
+        between cycles (no tree nodes cached). Returns whether it compacted."""
+        counts = self.valid.sum(dim=1)
+        width = int(counts.max()) if counts.numel() else 0
+        if self.length == 0 or self.length - width < min_holes * self.length:
+            return False
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)[:, :width]  # valid slots first
+        for layer in self.cache.layers:
+            if layer.keys is None or layer.keys.dim() != 4:
+                continue
+            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, gather)
+            layer.values = layer.values.gather(2, gather)
+        self.valid = torch.arange(width, device=self.valid.device)[None] < counts[:, None]
+        return True
+
+    def append_rows(self, other: "RaggedCache") -> None:
+        """Add `other`'s rows after this cache's rows (continuous batching: newly admitted sequences). The shorter
+        cache is padded at its end with holes, so no row's entries move; a layer one side never wrote is zeros."""
+        width = max(self.length, other.length)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            sides = [(layer, n, len(v)) for layer, n, v in ((mine, self.length, self.valid),
+                                                             (theirs, other.length, other.valid))]
+            known = [layer for layer, _, _ in sides if layer.keys is not None and layer.keys.dim() == 4]
+            if not known:
+                continue
+            _, heads, _, dim = known[0].keys.shape
+            like = known[0].keys
+            for name in ("keys", "values"):
+                parts = []
+                for layer, n, rows in sides:
+                    tensor = getattr(layer, name)
+                    if tensor is None or tensor.dim() != 4:
+                        tensor = like.new_zeros(rows, heads, n, dim)
+                    if n < width:
+                        tensor = torch.cat([tensor, tensor.new_zeros(rows, heads, width - n, dim)], dim=2)
+                    parts.append(tensor)
+                setattr(mine, name, torch.cat(parts, dim=0))
+            if not mine.is_initialized:
+                mine.is_initialized, mine.device = True, like.device
+        pad = [torch.zeros(len(v), width - v.shape[1], dtype=torch.bool, device=v.device)
+               for v in (self.valid, other.valid)]
+        self.valid = torch.cat([torch.cat([self.valid, pad[0]], dim=1), torch.cat([other.valid, pad[1]], dim=1)])
 
     def row_entries(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row `row`'s cached entries with the holes stripped: per layer (keys, values) [heads, n, dim]."""
         keep = self.valid[row].nonzero().flatten()
         return [(layer.keys[row][:, keep], layer.values[row][:, keep]) for layer in self.cache.layers
                 if layer.keys is not None]
+
+
+def prefill_rows(model, rows: list, device) -> RaggedCache:
+    """A fresh RaggedCache of `model` holding every row's committed[:-1] (one ragged forward; its last token is
+    the next step's root)."""
+    cache = RaggedCache(model, len(rows), device)
+    cache.feed([r.committed[:-1] for r in rows], [0] * len(rows), device, logits_to_keep=1)
+    return cache
+
+
+def plain_step(cache: RaggedCache, rows: list, device, sampling: tuple | None = None,
+               generator: torch.Generator | None = None) -> list[int]:
+    """One batched target step: every row's last committed token through `cache` (one forward, one query per row),
+    the next token per row (greedy, or drawn at `sampling` = (temperature, top_k, top_p)). Batched AR and the
+    speculative batch's depth-0 cycle both step with this, so "don't speculate" costs what batched AR costs."""
+    b = len(rows)
+    roots = torch.tensor([[r.committed[-1]] for r in rows], dtype=torch.long, device=device)
+    positions = torch.tensor([[len(r.committed) - 1] for r in rows], dtype=torch.long, device=device)
+    ones = torch.ones(b, 1, dtype=torch.bool, device=device)
+    logits = cache.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
+    if sampling is None:
+        return logits.argmax(dim=-1).tolist()
+    probs = sampling_probs(logits, *sampling)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
 
 
 class _Row:
@@ -168,6 +239,8 @@ class _Row:
         self.draft_committed = 0        # committed tokens the draft cache holds entries for
         self.tree: DraftTree | None = None
         self.fed = 0
+        self.start = 0.0                # clock reading when its decoding started (after its prefill)
+        self.prefill_s = 0.0
 
     def truncate(self, emitted: list[int], eos: int | None) -> list[int]:
         """Never emit past EOS or max_new_tokens (as DecodingSession._truncate)."""
@@ -185,7 +258,7 @@ class BatchSession:
     returned CycleRecords are the lead row's (the first unfinished one); `outputs()` gives every row's."""
 
     def __init__(self, decoder, prompts: list[list[int]], *, max_new_tokens, sampling: tuple | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, max_batch: int | None = None) -> None:
         pair, tree = decoder.pair, decoder.tree
         self.pair, self.tree_config = pair, tree
         self.max_depth = tree.max_depth
@@ -200,26 +273,66 @@ class BatchSession:
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * len(prompts)
         self.rows = [_Row(i, p, m) for i, (p, m) in enumerate(zip(prompts, max_new_tokens))]
-        self.active: list[_Row] = list(self.rows)
-        self.target = RaggedCache(pair.target, len(prompts), self.device)
-        self.draft = RaggedCache(pair.draft, len(prompts), self.device)
+        self.max_batch = len(self.rows) if max_batch is None else check_int("max_batch", max_batch, minimum=1)
+        self.active: list[_Row] = self.rows[: self.max_batch]
+        self.queue: list[_Row] = self.rows[self.max_batch:]    # continuous batching: admitted as rows finish
+        self.target = RaggedCache(pair.target, len(self.active), self.device)
+        self.draft = RaggedCache(pair.draft, len(self.active), self.device)
         self._depth = 0
         self._draft_start = 0           # draft cache length before this cycle's tree nodes
+        self._drafted = False           # the draft has been fed (a cycle drafted, or prefill_draft)
         self._draft_s = self._policy_s = 0.0
         self._level_s: list[float] = []
         self._last_top_prob, self._last_entropy = 1.0, 0.0
         self.prefill_s = self._prefill()
         self.start_time = self.clock.now()
+        for r in self.active:
+            r.start, r.prefill_s = self.start_time, self.prefill_s
 
     def _prefill(self) -> float:
+        """The target's prefill only: the draft stays empty until the first cycle that drafts, whose catch-up feed
+        (`_start_trees`) prefills it then, so a batch that never drafts costs exactly batched AR."""
         with torch.inference_mode():
             t0 = self.clock.now()
-            rows = [r.committed[:-1] for r in self.rows]
+            rows = [r.committed[:-1] for r in self.active]
             self.target.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
-            self.draft.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
-            for r in self.rows:
-                r.draft_committed = len(r.committed) - 1
             return self.clock.now() - t0
+
+    def prefill_draft(self) -> float:
+        """Catch every live row's draft up to committed[:-1] now (one ragged forward; returns its seconds): what the
+        first drafting cycle would otherwise feed. For measurements whose cycles must see steady-state catch-ups
+        only (envs/profile.py's batch profile), as a single-sequence session's prefill gives them."""
+        with torch.inference_mode():
+            t0 = self.clock.now()
+            self.draft.feed([r.committed[r.draft_committed:-1] for r in self.active],
+                            [r.draft_committed for r in self.active], self.device, logits_to_keep=1)
+            for r in self.active:
+                r.draft_committed = len(r.committed) - 1
+            self._drafted = True
+            return self.clock.now() - t0
+
+    def _admit(self) -> None:
+        """Refill the batch from the queue up to max_batch: the new rows' target prefill (one ragged forward over
+        them only) appended after the live rows; their draft rows start empty (caught up when a cycle drafts)."""
+        take = self.queue[: self.max_batch - len(self.active)]
+        if not take:
+            return
+        self.queue = self.queue[len(take):]
+        t0 = self.clock.now()
+        self.target.compact()
+        self.target.append_rows(prefill_rows(self.pair.target, take, self.device))
+        # a batch that has drafted prefills the newcomers' draft now, over them only (else the next drafting
+        # cycle's catch-up would pad every row to a whole prompt); one that never drafted never pays for it
+        drafted = self._drafted
+        self.draft.compact()
+        self.draft.append_rows(prefill_rows(self.pair.draft, take, self.device) if drafted
+                               else RaggedCache(self.pair.draft, len(take), self.device))
+        for r in take if drafted else ():
+            r.draft_committed = len(r.committed) - 1
+        now = self.clock.now()
+        for r in take:
+            r.start, r.prefill_s = now, now - t0
+        self.active.extend(take)
 
     # -- protocol state --------------------------------------------------------------------------------------------
     @property
@@ -306,6 +419,7 @@ class BatchSession:
         starts = [r.draft_committed for r in self.active]
         logits = self.draft.feed(unseen, starts, self.device, logits_to_keep=1)[:, -1]    # [B, V]
         self._draft_start = self.draft.length
+        self._drafted = True
         logq = torch.log_softmax(logits.float(), dim=-1)
         values, tokens = torch.topk(logq, self.width, dim=-1)                             # [B, W]
         for b, row in enumerate(self.active):
@@ -395,7 +509,7 @@ class BatchSession:
         depth = self._depth
         lead_record = None
         for row, (accepted, emitted) in zip(self.active, emitted_rows):
-            row.token_times.extend([now - self.start_time] * len(emitted))
+            row.token_times.extend([now - row.start] * len(emitted))
             record = CycleRecord(depth=depth, size=size if depth else 0, accepted=accepted, emitted=len(emitted),
                                  draft_s=self._draft_s, verify_s=verify_s, policy_s=self._policy_s,
                                  context_len=len(row.committed) - len(emitted), level_s=tuple(self._level_s),
@@ -406,21 +520,15 @@ class BatchSession:
             if row is lead:
                 lead_record = record
         self._depth, self._draft_s, self._policy_s, self._level_s = 0, 0.0, 0.0, []
-        self._retire()
+        with torch.inference_mode():
+            self._retire()
+            self._admit()
         return lead_record
 
     def _verify_plain(self) -> list[tuple[int, list[int]]]:
-        """Every row's root through the target (one token each): batched autoregressive decoding."""
-        roots = torch.tensor([[r.committed[-1]] for r in self.active], dtype=torch.long, device=self.device)
-        positions = torch.tensor([[len(r.committed) - 1] for r in self.active], dtype=torch.long, device=self.device)
-        b = len(self.active)
-        ones = torch.ones(b, 1, dtype=torch.bool, device=self.device)
-        logits = self.target.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
-        if self.sampling is None:
-            tokens = logits.argmax(dim=-1).tolist()
-        else:
-            probs = sampling_probs(logits, *self.sampling)
-            tokens = torch.multinomial(probs, 1, generator=self.generator)[:, 0].tolist()
+        """Every row's root through the target (one token each): batched autoregressive decoding, the very step
+        `autoregressive_generate_batch` takes (`plain_step`)."""
+        tokens = plain_step(self.target, self.active, self.device, self.sampling, self.generator)
         return [(0, [t]) for t in tokens]
 
     def _verify_trees(self, size: int) -> list[tuple[int, list[int]]]:
@@ -456,7 +564,7 @@ class BatchSession:
         if len(alive) == len(self.active):
             return
         self.active = [self.active[i] for i in alive]
-        if alive:
+        if alive or self.queue:
             index = torch.tensor(alive, dtype=torch.long, device=self.device)
             self.target.select_rows(index)
             self.draft.select_rows(index)
@@ -464,42 +572,52 @@ class BatchSession:
     # -- results ---------------------------------------------------------------------------------------------------
     def outputs(self) -> list[GenerationOutput]:
         return [GenerationOutput(tokens=list(r.new_tokens), prompt_len=r.prompt_len, cycles=list(r.cycles),
-                                 prefill_s=self.prefill_s, total_s=r.token_times[-1] if r.token_times else 0.0,
+                                 prefill_s=r.prefill_s, total_s=r.token_times[-1] if r.token_times else 0.0,
                                  token_times=list(r.token_times), finished_by=r.finished_by or "length",
                                  text=self.pair.decode(r.new_tokens)) for r in self.rows]
 
 
-def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128) -> list[GenerationOutput]:
+def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batch: int | None = None
+                                  ) -> list[GenerationOutput]:
     """Target-only greedy decoding of several prompts together (the batched baseline): one ragged prefill of every
-    prompt[:-1], then one target forward per step over every unfinished row's last token; rows leave the batch at
-    EOS or their max_new_tokens (one int, or one per prompt). Same caches, masks and timing as BatchSession's plain
+    prompt[:-1], then one target forward per step over every unfinished row's last token (`plain_step`, the step
+    BatchSession's depth-0 cycle takes); rows leave the batch at EOS or their max_new_tokens (one int, or one per
+    prompt). max_batch: at most this many rows at once, finished rows refilled from the remaining prompts in order
+    (continuous batching, as `generate_batch(max_batch=)`). Same caches, masks and timing as BatchSession's plain
     steps; the draft is never touched."""
     ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
     device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
     rows = [_Row(i, p, m) for i, (p, m) in enumerate(zip(ids, budgets))]
-    active = list(rows)
-    cache = RaggedCache(pair.target, len(rows), device)
+    limit = len(rows) if max_batch is None else check_int("max_batch", max_batch, minimum=1)
+    active, queue = rows[:limit], rows[limit:]
     with torch.inference_mode():
         t0 = clock.now()
-        cache.feed([r.committed[:-1] for r in rows], [0] * len(rows), device, logits_to_keep=1)
+        cache = prefill_rows(pair.target, active, device)
         start = clock.now()
+        for r in active:
+            r.start, r.prefill_s = start, start - t0
         while active:
-            roots = torch.tensor([[r.committed[-1]] for r in active], dtype=torch.long, device=device)
-            positions = torch.tensor([[len(r.committed) - 1] for r in active], dtype=torch.long, device=device)
-            ones = torch.ones(len(active), 1, dtype=torch.bool, device=device)
-            logits = cache.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
-            tokens = logits.argmax(dim=-1).tolist()
-            now = clock.now() - start
+            tokens = plain_step(cache, active, device)
+            now = clock.now()
             for row, token in zip(active, tokens):
                 emitted = row.truncate([token], eos)
                 row.committed.extend(emitted)
                 row.new_tokens.extend(emitted)
-                row.token_times.append(now)
+                row.token_times.append(now - row.start)
             alive = [i for i, r in enumerate(active) if r.finished_by is None]
             if len(alive) < len(active):
                 active = [active[i] for i in alive]
-                if active:
+                if active or queue:
                     cache.select_rows(torch.tensor(alive, dtype=torch.long, device=device))
-    return [GenerationOutput(tokens=list(r.new_tokens), prompt_len=r.prompt_len, prefill_s=start - t0,
+            take, queue = queue[: limit - len(active)], queue[limit - len(active):]
+            if take:
+                t1 = clock.now()
+                cache.compact()
+                cache.append_rows(prefill_rows(pair.target, take, device))
+                now = clock.now()
+                for r in take:
+                    r.start, r.prefill_s = now, now - t1
+                active.extend(take)
+    return [GenerationOutput(tokens=list(r.new_tokens), prompt_len=r.prompt_len, prefill_s=r.prefill_s,
                              total_s=r.token_times[-1] if r.token_times else 0.0, token_times=list(r.token_times),
                              finished_by=r.finished_by or "length", text=pair.decode(r.new_tokens)) for r in rows]

@@ -369,11 +369,15 @@ class SpeculativeDecoder:
         return session.output()
 
     def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,
-                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> list[GenerationOutput]:
+                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                       max_batch: int | None = None) -> list[GenerationOutput]:
         """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
-        max_new_tokens: one int, or one per prompt. Returns one GenerationOutput per prompt, in order. Draft-LM
-        pairs only, for now; at temperature > 0 the trees take top-W children (exact per row)."""
+        max_new_tokens: one int, or one per prompt. max_batch: decode at most this many at once, refilling a
+        finished row's place from the remaining prompts in order (continuous batching of a prompt queue; None:
+        all at once). Returns one GenerationOutput per prompt, in prompt order (an admitted prompt's prefill_s
+        and token_times count from its own admission). Draft-LM pairs only, for now; at temperature > 0 the trees
+        take top-W children (exact per row)."""
         from specpilot.drafting.batch import BatchSession, batch_inputs
 
         if self.pair.eagle is not None:
@@ -383,7 +387,7 @@ class SpeculativeDecoder:
         _check_sampling(1, temperature, top_k, top_p, seed)
         ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth + 1)
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
-        session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed)
+        session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch)
         run_generation(session, controller)
         return session.outputs()
 

@@ -418,6 +418,7 @@ def collect_batch_samples(pair, tree, prompts, batch_sizes: list[int], *, max_ne
         batches = [[ids[(k + j) % len(ids)] for j in range(b)] for k in range(0, max(len(ids), min_batches * b), b)]
         for i, batch in enumerate([batches[0]] + batches):  # a warm-up batch first, not kept
             session = BatchSession(decoder, batch, max_new_tokens=max_new_tokens)
+            session.prefill_draft()  # not the first drafting cycle's: its catch-up would be a whole prompt
             seen = 0
             while not session.done and (i > 0 or seen < warmup_cycles):
                 rows = list(session.active)

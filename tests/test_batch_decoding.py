@@ -170,11 +170,12 @@ def test_empty_prompts_raise(prompts):
         decoder.generate_batch(prompts)
 
 
-@pytest.mark.parametrize("width,depth,size,sampling,alternate", [
-    (1, 3, 3, (1.0, 0, 1.0), False),    # a chain
-    (3, 3, 12, (0.7, 4, 0.9), True),    # a tree, temperature, top-k and top-p, plain sampled steps interleaved
+@pytest.mark.parametrize("width,depth,size,sampling,alternate,max_batch", [
+    (1, 3, 3, (1.0, 0, 1.0), False, None),    # a chain
+    (3, 3, 12, (0.7, 4, 0.9), True, None),    # a tree, temperature, top-k and top-p, plain sampled steps interleaved
+    (3, 3, 12, (0.7, 4, 0.9), True, 257),     # the same through a prompt queue (rows refilled as they finish)
 ])
-def test_sampled_law_per_sequence(width, depth, size, sampling, alternate):
+def test_sampled_law_per_sequence(width, depth, size, sampling, alternate, max_batch):
     """At temperature > 0 each row follows the target's law: two ragged prompts alternate over the batch rows, each
     row's 2-token continuation is counted against its own prompt's enumerated law (TV with a concentration bound,
     as tiny.sampled_tv)."""
@@ -186,7 +187,8 @@ def test_sampled_law_per_sequence(width, depth, size, sampling, alternate):
     controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
     temperature, top_k, top_p = sampling
     outs = decoder.generate_batch([prompts[i % 2] for i in range(2 * n)], controller=controller,
-                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=7)
+                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=7,
+                                  max_batch=max_batch)
     for k, law in enumerate(laws):
         counts = dict.fromkeys(law, 0)
         for out in outs[k::2]:
@@ -204,3 +206,115 @@ def test_eagle_pair_refused_by_generate_batch_but_decodes_target_only():
         SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(PROMPTS)
     outs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=8)
     assert [o.tokens for o in outs] == [autoregressive_generate(pair, p, max_new_tokens=8).tokens for p in PROMPTS]
+
+
+def test_depth0_batch_is_batched_ar_op_for_op():
+    """"Don't speculate" through generate_batch costs what batched AR costs: the draft is never run (its prefill
+    waits for the first cycle that drafts) and the target runs exactly the forwards autoregressive_generate_batch
+    runs, with the same shapes."""
+    pair = tiny_pair(noise=0.3)
+    shapes = {"draft": [], "target": []}
+    def hook(key):
+        return lambda module, args, kwargs, out: shapes[key].append(tuple(kwargs["input_ids"].shape))
+
+    hooks = [model.register_forward_hook(hook(key), with_kwargs=True)
+             for key, model in (("draft", pair.draft), ("target", pair.target))]
+    try:
+        outs = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(
+            PROMPTS, controller=FixedController(0, 0), max_new_tokens=BUDGETS)
+        batch_shapes, shapes["target"] = shapes["target"], []
+        refs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=BUDGETS)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert shapes["draft"] == [] and batch_shapes == shapes["target"]
+    assert [o.tokens for o in outs] == [r.tokens for r in refs]
+
+
+def test_draft_prefill_deferred_to_first_drafting_cycle():
+    """Plain cycles first, drafting later: the first drafting cycle's catch-up feed prefills the draft exactly."""
+    pair = tiny_pair(noise=0.3)
+
+    class Late(FixedController):
+        def reset(self):
+            self.turn = 0
+
+        def skip_drafting(self, state):
+            self.turn += 1
+            return self.turn <= 3
+
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    eager = BatchSession(decoder, PROMPTS, max_new_tokens=BUDGETS)
+    eager.prefill_draft()  # the eager form (envs/profile.py): committed[:-1] cached, as a fresh prefill
+    for b, row in enumerate(eager.active):
+        assert row.draft_committed == len(row.committed) - 1
+        _assert_cache(eager.draft, b, pair.draft, row.committed[:-1])
+    session = BatchSession(decoder, PROMPTS, max_new_tokens=BUDGETS)
+    assert session.draft.length == 0
+    controller = Late(3, 6)
+    controller.reset()
+    while not session.done:
+        run_cycle(session, controller)
+        for b, row in enumerate(session.active):
+            _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
+    for prompt, budget, out in zip(PROMPTS, BUDGETS, session.outputs()):
+        assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=budget).tokens
+
+
+QUEUE = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [11], list(range(50, 62)), [2, 7, 1, 8]]
+QUEUE_BUDGETS = [40, 3, 25, 12, 7, 30, 1, 18]  # ragged: rows finish at different cycles and are refilled
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 3])
+@pytest.mark.parametrize("depth,size,alternate", [(0, 0, False), (3, 6, False), (4, 10, True)])
+def test_continuous_batching_refills_exactly(max_batch, depth, size, alternate):
+    """A prompt queue decoded max_batch at a time, finished rows refilled: every prompt's output (in prompt order)
+    equals its own target greedy output, and the batch stays full while the queue lasts."""
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=6))
+    session = BatchSession(decoder, QUEUE, max_new_tokens=QUEUE_BUDGETS, max_batch=max_batch)
+    controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
+    controller.reset()
+    while not session.done:
+        assert len(session.active) == max_batch or not session.queue
+        run_cycle(session, controller)
+        for b, row in enumerate(session.active):
+            _assert_cache(session.target, b, pair.target, row.committed[:-1])
+            _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
+    outs = session.outputs()
+    for prompt, budget, out in zip(QUEUE, QUEUE_BUDGETS, outs):
+        ref = autoregressive_generate(pair, prompt, max_new_tokens=budget)
+        assert out.tokens == ref.tokens and out.finished_by == ref.finished_by and out.prompt_len == len(prompt)
+        assert len(out.token_times) == len(out.tokens) and sum(c.emitted for c in out.cycles) == len(out.tokens)
+    via_api = decoder.generate_batch(QUEUE, controller=FixedController(depth, size), max_new_tokens=QUEUE_BUDGETS,
+                                     max_batch=max_batch)
+    assert [o.tokens for o in via_api] == [o.tokens for o in outs] or alternate
+    ar = autoregressive_generate_batch(pair, QUEUE, max_new_tokens=QUEUE_BUDGETS, max_batch=max_batch)
+    assert [o.tokens for o in ar] == [o.tokens for o in outs]
+
+
+def test_bad_max_batch_raises():
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
+    with pytest.raises(ValueError, match="max_batch"):
+        decoder.generate_batch(PROMPTS, max_batch=0)
+
+
+def test_compact_keeps_every_row_exact():
+    """RaggedCache.compact moves each row's entries to the front (holes dropped): the rows still equal a fresh
+    prefill, and decoding goes on exactly."""
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    session = BatchSession(decoder, PROMPTS, max_new_tokens=BUDGETS)
+    controller = FixedController(3, 6)
+    controller.reset()
+    compacted = 0
+    while not session.done:
+        run_cycle(session, controller)
+        compacted += session.target.compact(min_holes=0.0) + session.draft.compact(min_holes=0.0)
+        for b, row in enumerate(session.active):
+            assert int(session.target.valid[b].sum()) == len(row.committed) - 1
+            _assert_cache(session.target, b, pair.target, row.committed[:-1])
+            _assert_cache(session.draft, b, pair.draft, row.committed[: row.draft_committed])
+    assert compacted
+    for prompt, budget, out in zip(PROMPTS, BUDGETS, session.outputs()):
+        assert out.tokens == autoregressive_generate(pair, prompt, max_new_tokens=budget).tokens

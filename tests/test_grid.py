@@ -176,3 +176,42 @@ def test_grid_cli_batch_sizes_writes_per_batch_size(recorded, tmp_path, capsys):
     assert main(["grid", "--traces", str(root), "--out", str(out), "--live-top", "0", "--batch-sizes", "8",
                  "--batch-profile", str(profile)]) == 2
     assert "not up to 8" in capsys.readouterr().err
+
+
+def test_grid_batch_live_recheck_writes_live_fields_and_guards_against_ar(recorded, tmp_path):
+    """--batch-sizes with a live phase: the smallest and largest batch sizes' top cells are re-measured live with
+    generate_batch against batched AR; those rows carry live fields (loaded typed) and never keep a cell whose
+    live interval lies below batched AR."""
+    from specpilot.artifacts.grid import GridResult
+    from specpilot.train.grid.search import summary_lines
+
+    pair, prompts, root = recorded
+    out = tmp_path / "grid.json"
+    result = grid_search(root / "train", depths=[0, 1, 2], sizes=[1, 3], pair=pair, val_prompts=prompts,
+                         live_top=2, live_max_new_tokens=8, batch_sizes=[1, 2, 4],
+                         batch_profile=batched_synthetic_profile(TREE, (1, 2, 4)), out=out, heatmap=False)
+    rows = {r["batch_size"]: r for r in result["per_batch_size"]}
+    assert rows[2].get("source") == "replay" and "live_tokens_per_s" not in rows[2]
+    for b in (1, 4):
+        row = rows[b]
+        assert row["source"] == "live" and row["live_cells"] == 2 and row["live_tokens_per_s"] > 0
+        assert len(row["live_speedup_ci"]) == 2
+        high = row["live_speedup_ci"][1]
+        assert row["depth"] == 0 or (row["live_speedup_vs_ar"] > 1.0 and (high is None or high >= 1.0))
+    assert {r["batch_size"] for r in result["batch_live"]} == {1, 4}
+    loaded = GridResult.load(out).per_batch_size
+    assert [isinstance(r.get("live_speedup_vs_ar"), float) for r in loaded] == [True, False, True]
+    assert any("batched AR [" in line for line in summary_lines(result))
+
+
+@pytest.mark.parametrize("ci,point,kept", [([0.80, 0.95], 0.9, False), ([0.9, 1.1], 1.02, True),
+                                           ([0.8, 1.1], 0.97, False), ([None, None], 0.97, False),
+                                           ([1.05, 1.3], 1.2, True)])
+def test_pick_batch_live_never_keeps_a_cell_slower_than_ar(ci, point, kept):
+    from specpilot.train.grid.search import pick_batch_live
+
+    cells = [{"depth": 2, "size": 3, "live_tokens_per_s": 100 * point, "live_speedup_vs_ar": point,
+              "live_speedup_ci": ci},
+             {"depth": 1, "size": 1, "live_tokens_per_s": 50.0, "live_speedup_vs_ar": 0.5, "live_speedup_ci": ci}]
+    chosen = pick_batch_live(cells)
+    assert (chosen is cells[0]) if kept else chosen is None

@@ -192,6 +192,79 @@ def _batch_phase(traces: list, profile, batch_profile, batch_sizes: Sequence[int
     return best, rows, used
 
 
+BATCH_LIVE_RULE = ("live-best of the top cells and batched AR at B (generate_batch, interleaved): a cell only when "
+                   "it beats batched AR live and its paired 95% interval over AR does not lie below 1; else depth 0")
+
+
+def pick_batch_live(live: list[dict]) -> dict | None:
+    """BATCH_LIVE_RULE over one batch size's live cells: the live-best cell, or None (use depth 0, batched AR) when
+    batched AR measured faster than it, or its paired interval over batched AR lies below 1 (never slower)."""
+    chosen = max(live, key=lambda r: r["live_tokens_per_s"])
+    high = (chosen.get("live_speedup_ci") or [None, None])[1]
+    below = high is not None and high == high and high < 1.0
+    return None if below or not chosen["live_speedup_vs_ar"] > 1.0 else chosen
+
+
+def _batch_live_phase(per_batch: list[dict], batch_rows: list[dict], sources: list[dict], pair, val_prompts, *,
+                      live_top: int, live_sizes: Sequence[int], repeats: int, max_new_tokens: int, warmup: int,
+                      progress: bool) -> list[dict]:
+    """The top `live_top` drafting cells of the batch replay at each B of `live_sizes` re-measured live with
+    `generate_batch` (`specpilot.eval.batched.evaluate_batches`, interleaved with batched AR, greedy identity
+    checked) on the validation prompts; each such per_batch_size row gets live fields and its choice corrected
+    by BATCH_LIVE_RULE. Returns the live rows measured (every cell, every B)."""
+    from specpilot.eval.batched import evaluate_batches
+    from specpilot.eval.rounds import RoundPlan
+
+    max_dims = {s["width"]: (s["max_depth"], s["max_size"]) for s in sources}
+    ids = [pair.encode(p) for p in val_prompts]
+    measured: list[dict] = []
+    for row in per_batch:
+        size = row["batch_size"]
+        if size not in live_sizes:
+            continue
+        at_b = sorted((r for r in batch_rows if r["batch_size"] == size and r["depth"] >= 1),
+                      key=lambda r: -r["tokens_per_s"])[:live_top]
+        cells = {f"w{r['width']}_d{r['depth']}_s{r['size']}": r for r in at_b}
+        controllers = {name: (FixedController(r["depth"], r["size"]),
+                              TreeConfig(width=r["width"], max_depth=max_dims[r["width"]][0],
+                                         max_size=max_dims[r["width"]][1])) for name, r in cells.items()}
+        result = evaluate_batches(ids, pair=pair, batch_sizes=[size], tree=next(iter(controllers.values()))[1],
+                                  controllers=controllers, max_new_tokens=max_new_tokens,
+                                  plan=RoundPlan.make(repeats), warmup=warmup)
+        section = {r["method"]: r for r in result["batch_sizes"][0]["methods"]}
+        if not all(r["identical_to_ar"] for r in section.values()):
+            raise RuntimeError(f"batch size {size}: a live cell's greedy output differs from batched AR's")
+        ar = section["ar"]["tokens_per_s"]
+        live = []
+        for name, cell in cells.items():
+            got = section[name]
+            live.append({**{k: cell[k] for k in ("width", "depth", "size", "batch_size")},
+                         "live_tokens_per_s": got["tokens_per_s"], "live_speedup_vs_ar": got["speedup"],
+                         "live_speedup_ci": got["speedup_ci"], "replay_tokens_per_s": cell["tokens_per_s"]})
+        measured += live
+        chosen = max(live, key=lambda r: r["live_tokens_per_s"])
+        slower = pick_batch_live(live) is None
+        replay_choice = {k: row[k] for k in ("width", "depth", "size")}
+        if slower:
+            row.update(depth=0, size=0, live_tokens_per_s=ar, live_speedup_vs_ar=1.0, live_speedup_ci=[1.0, 1.0])
+        else:
+            row.update({k: chosen[k] for k in ("width", "depth", "size", "live_tokens_per_s", "live_speedup_vs_ar",
+                                                "live_speedup_ci")})
+        # the row's replay numbers follow the cell it now holds (batched AR's row for depth 0)
+        rep = next((r for r in batch_rows if r["batch_size"] == size and r["depth"] == row["depth"]
+                    and (row["depth"] == 0 or (r["width"], r["size"]) == (row["width"], row["size"]))), None)
+        if rep is not None:
+            row.update({k: rep[k] for k in ("tokens_per_s", "speedup_vs_ar", "mean_accepted_length") if k in rep})
+        row.update(source="live", live_ar_tokens_per_s=ar, replay_choice=replay_choice, live_rule=BATCH_LIVE_RULE,
+                   live_cells=len(live))
+        if progress:
+            ci = [float("nan") if v is None else float(v) for v in chosen["live_speedup_ci"]]
+            print(f"  batch live B={size}: best of {len(live)} W={chosen['width']} d={chosen['depth']} "
+                  f"V={chosen['size']} {chosen['live_speedup_vs_ar']:.2f}x batched AR [{ci[0]:.2f}, {ci[1]:.2f}]"
+                  f"{' -> depth 0 (not faster than batched AR)' if slower else ''}", flush=True)
+    return measured
+
+
 def _live_phase(table: list[dict], sources: list[dict], executor, val_prompts, *, live_top: int, repeats: int,
                 max_new_tokens: int | None, warmup: int, progress: bool) -> tuple[list[dict], dict]:
     """The top `live_top` replay cells re-measured live on the validation prompts (with AR alongside)."""
@@ -274,6 +347,7 @@ def grid_search(
     batch_sizes: Sequence[int] | None = None,
     batch_profile: str | Path | LatencyProfile | None = None,
     batch_prompts: int = 8,
+    batch_live_sizes: Sequence[int] | None = None,
     out: str | Path | None = None,
     heatmap: bool = True,
     progress: bool = False,
@@ -295,7 +369,12 @@ def grid_search(
         traces' rows batched, each accepting its own recorded length, cycles timed per batch size) with batched AR
         as each size's baseline -> `per_batch_size` (the best cell per size) and `batch_table`. The per-batch-size
         profile: `batch_profile`, else the trace's profile when it has those sizes, else measured now with `pair`
-        (the executor's local pair) on `batch_prompts` of the trace's prompts.
+        (the executor's local pair) on `batch_prompts` of the trace's prompts. With a live phase (pair or
+        executor, val_prompts, live_top > 0) the top `live_top` drafting cells at each B of `batch_live_sizes`
+        (default: the smallest and the largest batch size) are re-measured live with `generate_batch`, interleaved
+        with batched AR, on val_prompts: those per_batch_size rows get live_tokens_per_s, live_speedup_vs_ar and
+        live_speedup_ci (paired 95% interval) and take the live-best cell, or depth 0 where it is slower than AR
+        (`BATCH_LIVE_RULE`); `batch_live` holds every cell measured.
     out: path of grid.json; the heat map goes next to it as <stem>.png (heatmap=False skips it).
     """
     if out is not None:
@@ -344,6 +423,16 @@ def grid_search(
             _as_list(traces), profile, batch_profile, sorted({int(b) for b in batch_sizes}), table,
             getattr(executor, "pair", None), max_new_tokens=max_new_tokens, batch_prompts=batch_prompts,
             out=Path(out) if out is not None else None, progress=progress)
+    batch_live: list[dict] = []
+    local = getattr(executor, "pair", None)
+    if per_batch and local is not None and val_prompts and live_top > 0:
+        sizes_b = [r["batch_size"] for r in per_batch]
+        wanted = sorted({min(sizes_b), max(sizes_b)} if batch_live_sizes is None else
+                        {int(b) for b in batch_live_sizes})
+        batch_live = _batch_live_phase(per_batch, batch_rows, sources, local, val_prompts, live_top=live_top,
+                                       live_sizes=wanted, repeats=max(2, live_repeats),
+                                       max_new_tokens=live_max_new_tokens or sources[0]["max_new_tokens"],
+                                       warmup=live_warmup, progress=progress)
 
     result = {
         "best": best,
@@ -358,6 +447,7 @@ def grid_search(
         # the best static cell per batch size in batch replay (speedup over batched AR at that size)
         "per_batch_size": per_batch,
         "batch_table": batch_rows,
+        "batch_live": batch_live,
         "meta": {"traces": sources, "batch_profiles": batch_meta, "live_top": live_top if live_rows else 0, "live_repeats": live_repeats,
                  "live_prompts": len(val_prompts or []) if live_rows else 0,
                  "pair": executor.workers[0]["pair"] if executor is not None and live_rows else None,
@@ -420,6 +510,15 @@ def plot_heatmap(result: dict, path: str | Path) -> Path:
 # CLI: specpilot grid
 
 
+def _live_text(row: dict) -> str:
+    ci = [float("nan") if v is None else float(v) for v in row.get("live_speedup_ci") or [None, None]]
+    replay = row.get("replay_choice") or {}
+    moved = (f", replay chose d={replay.get('depth')} V={replay.get('size')}"
+             if (replay.get("depth"), replay.get("size")) != (row["depth"], row["size"]) else "")
+    return (f"; live {float(row['live_tokens_per_s']):.1f} tok/s {float(row['live_speedup_vs_ar']):.2f}x batched AR "
+            f"[{ci[0]:.2f}, {ci[1]:.2f}]{moved}")
+
+
 def summary_lines(result: dict) -> list[str]:
     """The grid's result as lines: the live cells (tokens/s and speedup over AR with its interval, like replay), then
     the best config. Numbers are formatted, never printed as numpy reprs."""
@@ -449,7 +548,8 @@ def summary_lines(result: dict) -> list[str]:
                         None)
             lines.append(f"  B={row['batch_size']}: W={row['width']} depth={row['depth']} size={row['size']}, "
                          f"{float(row['tokens_per_s']):.1f} tok/s ({float(row['speedup_vs_ar']):.2f}x)"
-                         + (f"; B={first['batch_size']} best {float(same['speedup_vs_ar']):.2f}x" if same else ""))
+                         + (f"; B={first['batch_size']} best {float(same['speedup_vs_ar']):.2f}x" if same else "")
+                         + (_live_text(row) if row.get("source") == "live" else ""))
     for t, cell in (result.get("best_by_temperature") or {}).items():
         lines.append(f"best at T={t}: W={cell['width']} depth={cell['depth']} size={cell['size']}, "
                      f"{float(cell['tokens_per_s']):.1f} tok/s ({float(cell['speedup']):.2f}x)")
