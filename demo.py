@@ -81,7 +81,9 @@ class DemoBudget:
       resamples prompts, so prompts, not rounds, narrow it), sampled_methods 3 at T=1, eval_budget_s 540 [the
       greedy trace ~1 min, the profile ~0.5 min, the two-round floor ~30 x 22 generations x 0.7 s ~8 min]:
       ~9-10 min; later rounds (ar, ltd, grid) only if time is left.
-    Total ~20-22 minutes quiet, leaving a margin for the model load, export and noise.
+    Total ~20-22 minutes quiet (estimated), leaving a margin for the model load, export and noise. Measured once
+    (06ba190): 31.1 min with record 9.6 min (slowed ~10x for its first minutes by a concurrent test run), grid 2.8,
+    train 8.4, eval 10.2: the estimate holds for grid and eval, train ran ~2 min over it.
     """
 
     train_prompts: int = 0
