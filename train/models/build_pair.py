@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specpilot.train.models.training import bf16_teacher, generate, log, random_windows, steps_for, train_loop
+from specpilot.train.models.training import (bf16_teacher, generate, latency_summary, log, random_windows, steps_for,
+                                           train_loop)
 from specpilot.train.models.optim import use_bf16
 
 EOS = "<|endoftext|>"
@@ -328,12 +329,7 @@ def decode_step_ms(target, draft, *, context: int = 128, reps: int = 200, seed: 
     for n, m in models.items():
         m.to(dtypes[n])
     torch.set_num_threads(saved_threads)
-    ms = {n: 1000 * float(np.median(v)) for n, v in times.items()}
-    pair_ratio = np.array(times["draft"]) / np.array(times["target"])
-    return {"target_ms": round(ms["target"], 3), "draft_ms": round(ms["draft"], 3),
-            "ratio": round(ms["draft"] / ms["target"], 4),
-            "ratio_p10_p90": [round(float(q), 4) for q in np.percentile(pair_ratio, [10, 90])],
-            "context": context, "reps": reps, "threads": threads, "dtype": "float32"}
+    return latency_summary(times, "draft", context=context, reps=reps, threads=threads)
 
 
 def _dir_mb(path: Path) -> float:

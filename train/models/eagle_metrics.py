@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from specpilot.drafting.eagle import Eagle3Head
 from specpilot.train.models.build_eagle import unroll
-from specpilot.train.models.training import generate
+from specpilot.train.models.training import generate, latency_summary
 
 TAU_DEPTHS = (2, 3, 4, 6)
 
@@ -123,12 +123,7 @@ def step_cost(head: Eagle3Head, target, *, threads: int, context: int = 128, rep
             times["target"].append(dt_target)
             times["head"].append(dt_head)
     torch.set_num_threads(saved)
-    ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
-    ratio = np.array(times["head"]) / np.array(times["target"])
-    return {"target_ms": round(ms["target"], 3), "head_ms": round(ms["head"], 3),
-            "ratio": round(ms["head"] / ms["target"], 4),
-            "ratio_p10_p90": [round(float(q), 4) for q in np.percentile(ratio, [10, 90])],
-            "threads": threads, "context": context, "reps": reps, "dtype": "float32"}
+    return latency_summary(times, "head", threads=threads, context=context, reps=reps)
 
 
 def eagle_metrics(head: Eagle3Head, target, draft, held: dict[str, torch.Tensor], *, device: str, quick: bool,

@@ -16,9 +16,20 @@ import math
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specpilot.train.models.optim import MasterWeightsAdamW, lr_at, use_bf16
+
+
+def latency_summary(times: dict[str, list[float]], drafter: str, **meta) -> dict:
+    """Median forward times (ms) of the target and the drafter ("draft" or "head") and their ratio, with the
+    10th-90th percentile of the per-repetition ratio (the builders' metrics.json latency entries)."""
+    ms = {k: 1000 * float(np.median(v)) for k, v in times.items()}
+    ratio = np.array(times[drafter]) / np.array(times["target"])
+    return {"target_ms": round(ms["target"], 3), f"{drafter}_ms": round(ms[drafter], 3),
+            "ratio": round(ms[drafter] / ms["target"], 4),
+            "ratio_p10_p90": [round(float(q), 4) for q in np.percentile(ratio, [10, 90])], **meta, "dtype": "float32"}
 
 
 def log(msg: str) -> None:
