@@ -112,8 +112,8 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
                      progress: Callable[[str], None] | None = None) -> dict:
     """Every method on `ids` (token-id lists) in batches of each B in `batch_sizes`, greedy, interleaved (module
     docstring). `methods`: registry names (None: none but `ar`, which always runs); `controllers`: more methods
-    by name, {name: Controller or (Controller, TreeConfig)}. `plan` (default one round) applies per batch size; its time budget is shared evenly by the batch
-    sizes still to run. Returns {"batch_sizes": [section per B], "methods": {name: describe}, "skipped": {...},
+    by name, {name: Controller or (Controller, TreeConfig)}. `plan` (default one round) applies per batch size;
+    its time budget is shared evenly by the batch sizes still to run. Returns {"batch_sizes": [section per B], "methods": {name: describe}, "skipped": {...},
     "records": {B: [BatchRecord]}}: each section holds per method tokens/s, per-token latency, speedup over
     batched `ar` with its 95% paired interval and verdict, identical_to_ar, and the comparisons between the
     per-batch-size methods (`batch_comparisons`)."""

@@ -33,11 +33,12 @@ Per batch size (grid.json's `per_batch_size`, the best static cell per batch siz
 speculative_config (inclusive [start, end, K] ranges: sorted, non-overlapping, the first from 1, the last size's K
 inherited above it; K = the cell's depth, 0 where batched AR won; `num_speculative_tokens` holds the largest K, the
 cap vLLM applies to every entry; vllm/config/speculative.py, vllm/v1/spec_decode/dynamic/utils.py), and, where the
-adaptive config applies, one SGLang slot per measured batch size whose only candidate is that size's K (a batch
-uses the largest key not above its CUDA-graph-padded size: speculative/adaptive_step_router.py), the static
+adaptive config applies, one SGLang slot per measured batch size whose only candidate is that size's K (a batch uses
+the largest key not above its CUDA-graph-padded size: speculative/adaptive_step_router.py), the static
 --speculative-num-steps being the smallest size's K. Batch size b then gets the K measured at the largest measured
-size <= b in both engines (tests/test_engine_configs.py re-implements both lookups from the sources). The tree shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`),
-else from the policies' measured choices, else from the run's fallback static config.
+size <= b in both engines (tests/test_engine_batch_tables.py re-implements both lookups from the sources). The tree
+shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`), else from the
+policies' measured choices, else from the run's fallback static config.
 """
 from __future__ import annotations
 
@@ -152,8 +153,7 @@ def sglang_args(draft: str, depth: int, width: int, size: int, algorithm: str = 
 
 
 def sglang_adaptive_config(depth_counts: dict, num_steps: int, max_tiers: int = 3,
-                           per_batch_size: list[dict] | None = None,
-                         learned_per_batch_size: list[dict] | None = None) -> dict:
+                           per_batch_size: list[dict] | None = None) -> dict:
     """SGLang's --speculative-adaptive-config, keyed by batch size: {"1": {"candidate_steps": [...], knobs}}.
     candidate_steps: the depth policy's `max_tiers` most frequent depths plus the static `num_steps` (SGLang
     refuses a num_steps outside them); without measured depths, tiers around num_steps.

@@ -190,9 +190,9 @@ def fold_first_layer(spec: ObservationSpec, weight: np.ndarray, bias: np.ndarray
 
         [max(scores[:k], score_floor), scalars(state, spec), 1] @ A_k == weight @ observation + bias
 
-    up to float round-off (scores are log-probs, <= 0: the observation's clip at 0 only guards round-off). The score scale goes into the score rows; the constant slots (k mask ones, n - k padding
-    scores at -1) and the bias into the last row, so a decision reads only the k real scores and the scalars.
-    Folded in float64 and rounded once."""
+    up to float round-off (scores are log-probs, <= 0: the observation's clip at 0 only guards round-off). The score
+    scale goes into the score rows; the constant slots (k mask ones, n - k padding scores at -1) and the bias into
+    the last row, so a decision reads only the k real scores and the scalars. Folded in float64 and rounded once."""
     n, m = spec.num_scores, spec.num_scalars
     w = np.asarray(weight, dtype=np.float64)
     b = np.zeros(w.shape[0]) if bias is None else np.asarray(bias, dtype=np.float64)
