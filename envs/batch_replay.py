@@ -224,3 +224,135 @@ def learned_batch_table(model: ReplayModel, controller: Controller, batch_sizes:
         rows.append({"batch_size": b, "depth": depth, "size": size, "tokens_per_s": res["tokens_per_s"],
                      "depth_share": float(depths[depth] / max(depths.sum(), 1))})
     return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the per-batch-size oracle ceiling
+
+
+class BatchOracle:
+    """Hindsight cost of every shared (depth, size) choice for the next cycle of a `BatchReplaySession`: each
+    unfinished row's recorded acceptance under that choice (`oracle.cell_tables` at the row's position) summed over
+    the rows, and the batch's cycle time (`BatchTimes.cycle`: draft_B(d, max fed), verify_B(V, max context)).
+
+    `costs(session)` [nd, nv]: with `rate` None, the cycle's seconds per emitted token (the reciprocal of its
+    throughput); with a `rate` (tokens/s), time - tokens / rate (Dinkelbach: the choice that gains most over that
+    rate this cycle, so a cycle with few tokens is not preferred for a ratio a whole generation cannot keep). inf
+    where the choice is none (drafting where a row cannot draft). `choice(session)` is the argmin (ties: the
+    shallower / smaller): per cycle, the hindsight-best shared decision. depths: the choices (0: a plain batched
+    target step); sizes: the verification sizes (clipped per depth as the decoder clips them)."""
+
+    def __init__(self, model: ReplayModel, depths, sizes, *, times: BatchTimes | None = None,
+                 rate: float | None = None) -> None:
+        from specpilot.envs.oracle import cell_tables
+
+        self.model, self.times, self.rate = model, times or BatchTimes(model), rate
+        self.depths = np.array(sorted({min(int(d), model.trace.max_depth) for d in depths}))
+        self.sizes = np.array(sorted({int(v) for v in sizes}))
+        self.clipped = model.clip_size(self.depths[:, None], self.sizes[None, :])          # [nd, nv]
+        self._cells = lambda i: cell_tables(model, i, self.depths, self.sizes)[0]         # emitted [n, nd, nv]
+        self._emitted: dict[int, np.ndarray] = {}
+
+    def emitted(self, row: ReplaySession) -> np.ndarray:
+        """[nd, nv] tokens `row` emits this cycle under each choice (its recorded acceptance)."""
+        tab = self._emitted.get(row.index)
+        if tab is None:
+            tab = self._emitted[row.index] = self._cells(row.index)
+        return tab[row.t]
+
+    def tokens_and_time(self, session: BatchReplaySession) -> tuple[np.ndarray, np.ndarray]:
+        """([nd, nv] tokens of all unfinished rows, [nd, nv] cycle seconds) of each choice for the next cycle."""
+        rows = session.active
+        draft, verify = self.times.tables(len(rows))
+        fed = min(max(r.n_new for r in rows), self.times.k_max)
+        context = min(max(r.prompt_len + r.tokens_emitted for r in rows), len(self.times.contexts) - 1)
+        tokens = sum(self.emitted(r) for r in rows)
+        time_s = np.where(self.depths[:, None] > 0, draft[fed, self.depths][:, None], 0.0) + \
+            verify[context, self.clipped]
+        return tokens, time_s
+
+    def costs(self, session: BatchReplaySession) -> np.ndarray:
+        tokens, time_s = self.tokens_and_time(session)
+        out = time_s / tokens if self.rate is None else time_s - tokens / self.rate
+        if not session.can_draft:
+            out = np.where(self.depths[:, None] > 0, np.inf, out)
+        return out
+
+    def choice(self, session: BatchReplaySession) -> tuple[int, int]:
+        costs = self.costs(session)
+        d_i, v_i = np.unravel_index(int(costs.argmin()), costs.shape)
+        return int(self.depths[d_i]), int(self.sizes[v_i])
+
+
+class BatchOracleController(Controller):
+    """Decides every cycle as `BatchOracle.choice` on the bound `session` (hindsight: it reads the rows' recorded
+    futures), through `run_cycle` like any controller. Bind the session before each batch (`replay_batch_oracle`)."""
+
+    name = "batch_oracle"
+
+    def __init__(self, oracle: BatchOracle) -> None:
+        self.oracle, self.session, self._choice = oracle, None, (0, 0)
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        self._choice = self.oracle.choice(self.session)
+        return self._choice[0] == 0
+
+    def should_stop(self, state: DraftState) -> bool:
+        return state.depth >= self._choice[0]
+
+    def choose_size(self, state: DraftState) -> int:
+        return self._choice[1]
+
+
+def _run_one(model: ReplayModel, batch: list[int], controller: Controller, times: BatchTimes) -> tuple[int, float,
+                                                                                                        int, int]:
+    session = BatchReplaySession(model, batch, times=times)
+    if isinstance(controller, BatchOracleController):
+        controller.session = session
+    run_generation(session, controller)
+    return (session.emitted_total, sum(r.cycle_s for r in session.cycles), len(session.cycles),
+            sum(session.batch_sizes))
+
+
+def batch_oracle_batch(model: ReplayModel, batch: list[int], *, depths=None, sizes=None,
+                       times: BatchTimes | None = None, dinkelbach_iters: int = 2) -> dict:
+    """The per-batch oracle ceiling of one batch: the least time (its tokens are fixed: every row emits its recorded
+    generation) over, in hindsight, every static (depth, size) cell, the per-cycle greedy `BatchOracle` (rate None)
+    and `dinkelbach_iters` Dinkelbach rounds of it (rate = the best throughput found so far). Returns {tokens,
+    time_s, cycles, row_cycles, source} (source: "static dV", "greedy" or "dinkelbach")."""
+    trace = model.trace
+    times = times or BatchTimes(model)
+    depths = list(range(0, trace.max_depth + 1)) if depths is None else [int(d) for d in depths]
+    sizes = list(range(1, trace.max_size + 1)) if sizes is None else [int(v) for v in sizes]
+    best = None
+    cells = [(0, 0)] + [(d, v) for d in depths if d > 0 for v in sizes]
+    for d, v in cells:
+        out = _run_one(model, batch, FixedController(d, v), times)
+        if best is None or out[1] < best[0][1]:
+            best = (out, f"static d{d}V{v}")
+    for it in range(1 + dinkelbach_iters):
+        rate = None if it == 0 else best[0][0] / best[0][1]
+        out = _run_one(model, batch, BatchOracleController(BatchOracle(model, depths, sizes, times=times, rate=rate)),
+                       times)
+        if out[1] < best[0][1]:
+            best = (out, "greedy" if it == 0 else "dinkelbach")
+    (tokens, time_s, cycles, row_cycles), source = best
+    return {"tokens": tokens, "time_s": time_s, "cycles": cycles, "row_cycles": row_cycles, "source": source}
+
+
+def replay_batch_oracle(model: ReplayModel, *, batch_size: int, depths=None, sizes=None,
+                        prompts: list[int] | None = None, times: BatchTimes | None = None) -> dict:
+    """`replay_batch`'s totals for the per-batch oracle ceiling (`batch_oracle_batch`) over the same batches at
+    `batch_size`. depths default 0..max_depth (plain steps included), sizes 1..max_size. "sources" counts which
+    candidate was best per batch."""
+    times = times or BatchTimes(model)
+    tokens = time_s = cycles = row_cycles = 0
+    sources: dict[str, int] = {}
+    for batch in batches_of(model.num_prompts, batch_size, prompts):
+        res = batch_oracle_batch(model, batch, depths=depths, sizes=sizes, times=times)
+        tokens, time_s = tokens + res["tokens"], time_s + res["time_s"]
+        cycles, row_cycles = cycles + res["cycles"], row_cycles + res["row_cycles"]
+        kind = res["source"].split()[0]
+        sources[kind] = sources.get(kind, 0) + 1
+    return {**summary(tokens, time_s, row_cycles), "cycles": int(cycles), "batch_size": int(batch_size),
+            "sources": sources}
