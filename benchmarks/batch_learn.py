@@ -1,6 +1,8 @@
 """The learned batch-aware policy on the embedded pair (separate draft LM: batching refuses EAGLE-3 heads), in batch
 replay: tokens/s vs batch size for batched AR, the best static config for batch size 1 used at every size, the
-per-batch-size grid table (`BatchTableController`) and the learned policy trained over batch sizes.
+per-batch-size grid table (`BatchTableController`), the learned policy trained over batch sizes, the same policy
+behind its validation guard (`BatchGuardController`: the table at the sizes where it lost on validation), and the
+per-batch oracle ceiling (`envs.batch_replay.batch_oracle_batch`).
 
     PYTHONPATH=.. python benchmarks/batch_learn.py prep  --out /tmp/batch_learn   # traces + batched profile + grid
     PYTHONPATH=.. python benchmarks/batch_learn.py train --out /tmp/batch_learn   # PPO over batch sizes
@@ -9,7 +11,9 @@ per-batch-size grid table (`BatchTableController`) and the learned policy traine
 prep records train (suite "train"), validation ("validation") and held-out test ("heldout_code") traces, measures
 one batched latency profile (drafting/batch.py's forwards at each batch size) on the train prompts, kept as every
 trace's profile.json, and ranks every static cell per batch size on the TRAIN trace (the grid's table). train runs
-`run_pipeline` with `TrainOptions(batch_sizes=...)`. eval replays the held-out trace in batches of B
+`run_pipeline` with `TrainOptions(batch_sizes=...)` (with --bc-iters: behaviour cloning from the per-batch
+oracle, then --rounds of PPO co-adaptation), then writes RUN/batch_guard.json from the validation trace. eval
+replays the held-out trace in batches of B
 (`BatchReplaySession` + `run_generation`, the decoders' cycle), every method on the same batches; intervals are
 paired bootstraps over those batches of (method tokens/time) / (AR tokens/time). Replay times are the profile's
 model of this machine, not wall-clock runs.
@@ -64,23 +68,46 @@ def train(args, out: Path, batch_sizes: list[int]) -> None:
     b1 = json.loads((out / "grid_table.json").read_text())["b1_best"]
     static = (max(1, int(b1["depth"])), max(1, int(b1["size"])))
     options = P.TrainOptions(static=static, batch_sizes=tuple(batch_sizes), seed=args.seed, reward=args.reward,
-                             ppo=PPOOverrides(pi_arch=[64], vf_arch=[64]))
+                             ppo=PPOOverrides(pi_arch=[64], vf_arch=[64]), bc_iters=args.bc_iters,
+                             bc_epochs=args.bc_epochs)
     started = time.perf_counter()
-    res = P.run_pipeline(out / args.run_name, P.TaskTraces.resolve(out / "traces"), size_steps=args.size_steps,
-                         depth_steps=args.depth_steps, coadapt_steps=args.coadapt_steps, rounds=args.rounds,
-                         options=options, wandb="disabled")
-    print(f"trained in {time.perf_counter() - started:.0f}s; stage scores (geo-mean x batched AR on validation): "
-          f"size {res['size_s1']['score']:.3f}, depth {res['depth_s1']['score']:.3f}", flush=True)
+    traces = P.TaskTraces.resolve(out / "traces")
+    run = out / args.run_name
+    if not args.guard_only:
+        res = P.run_pipeline(run, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
+                             coadapt_steps=args.coadapt_steps, rounds=args.rounds, options=options, wandb="disabled")
+        print(f"trained in {time.perf_counter() - started:.0f}s; stage-1 scores (geo-mean x batched AR on "
+              f"validation): size {res['size_s1']['score']:.3f}, depth {res['depth_s1']['score']:.3f}", flush=True)
+    guard(run, out, batch_sizes)
+    if (run / "bc" / "policies.json").is_file():
+        guard(run / "bc", out, batch_sizes)
+
+
+def guard(run: Path, out: Path, batch_sizes: list[int]) -> None:
+    """The validation guard of the run's policy against the grid table (RUN/batch_guard.json: `ltd_guarded`)."""
+    from specpilot.policies.ppo import load_run_controllers
+    from specpilot.train.rl.validation import write_batch_guard
+
+    grid = json.loads((out / "grid_table.json").read_text())
+    table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
+    g = write_batch_guard(run, load_run_controllers(run)["ltd"], table, out / "traces" / "validation", batch_sizes)
+    print(f"guard {run.name}: table at {g['fallback']}; learned/table on validation "
+          f"{ {b: round(r['ratio'], 3) for b, r in g['per_batch_size'].items()} }", flush=True)
 
 
 def _per_batch(model, controller, b: int) -> np.ndarray:
-    """[(tokens, time_s)] per batch of b held-out prompts (the same batches for every method)."""
+    """[(tokens, time_s)] per batch of b held-out prompts (the same batches for every method); controller "oracle":
+    the per-batch oracle ceiling (`envs.batch_replay.batch_oracle_batch`) of each batch."""
     from specpilot.drafting.cycle import run_generation
-    from specpilot.envs.batch_replay import BatchReplaySession, BatchTimes, batches_of
+    from specpilot.envs.batch_replay import BatchReplaySession, BatchTimes, batch_oracle_batch, batches_of
 
     times = _per_batch.times.setdefault(id(model), BatchTimes(model))
     out = []
     for batch in batches_of(model.num_prompts, b):
+        if controller == "oracle":
+            res = batch_oracle_batch(model, batch, times=times)
+            out.append((res["tokens"], res["time_s"]))
+            continue
         session = BatchReplaySession(model, batch, times=times)
         run_generation(session, controller)
         out.append((session.emitted_total, sum(r.cycle_s for r in session.cycles)))
@@ -101,20 +128,29 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     b1 = grid["b1_best"]
     table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
     learned = load_run_controllers(out / args.run_name)
+    extra = {}
+    for name in args.compare.split(",") if args.compare else []:   # other runs, e.g. BC-only / PPO-only
+        name, _, path = name.partition("=")
+        ctrls = load_run_controllers(out / path)
+        extra[name] = ctrls.get("ltd_guarded", ctrls["ltd"])
     # the learned policy's own table (what export writes for the engines): its modal choice per size on validation
     own = learned_batch_table(ReplayModel(out / "traces" / "validation"), learned["ltd"], batch_sizes)
     print("learned policy's own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
     methods = {"ar": FixedController(0, 0), "b1_static": FixedController(int(b1["depth"]), int(b1["size"])),
                "table": BatchTableController(table), "learned": learned["ltd"],
-               "learned_table": BatchTableController({r["batch_size"]: (r["depth"], r["size"]) for r in own})}
+               "guarded": learned.get("ltd_guarded", learned["ltd"]), "oracle": "oracle",
+               "learned_table": BatchTableController({r["batch_size"]: (r["depth"], r["size"]) for r in own}),
+               **extra}
+    shown = ["b1_static", "table", "learned", "guarded", "oracle", *extra]
     rng = np.random.default_rng(0)
     results = {}
     for split in ("test", "validation"):
         model = ReplayModel(out / "traces" / split)
         print(f"\n{split} trace ({model.num_prompts} prompts), batch replay; x = tokens/s over batched AR "
               f"[95% paired bootstrap over batches]; B1-static d={b1['depth']} V={b1['size']}")
-        print("| B | AR tok/s | B1-static x | table x | learned x | learned / table | learned's own table x |")
-        print("|---|---|---|---|---|---|---|")
+        print("| B | AR tok/s | " + " | ".join(f"{m} x" for m in shown) + " | learned / table | guarded / table | "
+              "oracle gain share (guarded) |")
+        print("|---|---|" + "---|" * (len(shown) + 3))
         rows = []
         for b in batch_sizes:
             per = {m: _per_batch(model, c, b) for m, c in methods.items()}
@@ -128,13 +164,18 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
                 return [float(point), float(np.quantile(bs, 0.025)), float(np.quantile(bs, 0.975))]
 
             row = {"batch_size": b, "ar_tokens_per_s": float(per["ar"][:, 0].sum() / per["ar"][:, 1].sum()),
-                   **{f"{m}_vs_ar": ratio(m) for m in ("b1_static", "table", "learned", "learned_table")},
-                   "learned_vs_table": ratio("learned", "table"), "batches": k}
+                   **{f"{m}_vs_ar": ratio(m) for m in shown + ["learned_table"]},
+                   "learned_vs_table": ratio("learned", "table"), "guarded_vs_table": ratio("guarded", "table"),
+                   "batches": k}
+            # the share of the oracle's gain over the table the guarded policy takes (table = 0, oracle = 1)
+            gap = row["oracle_vs_ar"][0] - row["table_vs_ar"][0]
+            row["guarded_oracle_share"] = (row["guarded_vs_ar"][0] - row["table_vs_ar"][0]) / gap if gap > 1e-9 \
+                else float("nan")
             rows.append(row)
             f = lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"  # noqa: E731
-            print(f"| {b} | {row['ar_tokens_per_s']:.1f} | {f(row['b1_static_vs_ar'])} | {f(row['table_vs_ar'])} | "
-                  f"{f(row['learned_vs_ar'])} | {f(row['learned_vs_table'])} | {f(row['learned_table_vs_ar'])} |",
-                  flush=True)
+            print(f"| {b} | {row['ar_tokens_per_s']:.1f} | " + " | ".join(f(row[f"{m}_vs_ar"]) for m in shown) +
+                  f" | {f(row['learned_vs_table'])} | {f(row['guarded_vs_table'])} | "
+                  f"{row['guarded_oracle_share']:.2f} |", flush=True)
         results[split] = rows
     (out / f"eval_{args.run_name}.json").write_text(json.dumps(results, indent=1))
 
@@ -158,6 +199,11 @@ def main() -> None:
     ap.add_argument("--reward", default="dinkelbach")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-name", default="run", help="the training run's folder under --out")
+    ap.add_argument("--bc-iters", type=int, default=0, help="train: behaviour cloning from the per-batch oracle "
+                    "(DAgger iterations) before PPO fine-tunes (--rounds co-adaptation rounds of --coadapt-steps)")
+    ap.add_argument("--bc-epochs", type=int, default=30)
+    ap.add_argument("--guard-only", action="store_true", help="train: only (re)write the run's validation guard")
+    ap.add_argument("--compare", default="", help="eval: more runs as name=folder,... (their guarded policy)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -2,6 +2,7 @@
 from specpilot.drafting.control import Controller, FixedController, default_static_config
 from specpilot.policies.heuristics import (
     HEURISTICS,
+    BatchGuardController,
     BatchTableController,
     ConfidenceController,
     DDDController,
@@ -19,6 +20,6 @@ __all__ = [
     "Controller", "FixedController", "default_static_config",
     "HEURISTICS", "make_heuristic", "DDDController", "SVIPController", "ConfidenceController",
     "HFHeuristicController", "GammaTuneController", "RandomDepthController", "BatchTableController",
-    "SpeculateBelowBatch",
+    "SpeculateBelowBatch", "BatchGuardController",
     "LearnedController", "PPOController", "load_run_controllers",
 ]

@@ -13,6 +13,8 @@ Decisions under load (batched decoding, `SpeculativeDecoder.generate_batch`: `st
     BatchTableController  a static (depth, size) per batch size: the entry of the largest batch size <= the current
                           one (the grid's per-batch-size answer; depth 0 = plain target steps, no drafting)
     SpeculateBelowBatch   another controller below batch size b, plain target steps at b and above
+    BatchGuardController  a learned controller guarded by a BatchTableController: at the batch sizes where the
+                          learned one lost to the table on validation, the table's entry decides
 
 `HEURISTICS` maps short names to classes; `make_heuristic(name, **kw)` builds one.
 """
@@ -328,6 +330,67 @@ class SpeculateBelowBatch(Controller):
     def describe(self) -> dict:
         return {"name": self.name, "max_batch": self.max_batch, "inner": self.inner.describe()}
 
+
+
+class BatchGuardController(Controller):
+    """A learned batch-aware controller that is never knowingly worse than the per-batch-size table: `fallback`
+    lists the batch sizes (keys of `table`) where validation found the learned controller slower than `table`; a
+    cycle at batch size B is decided by the table's entry when the largest key <= B (the table's lookup rule) is in
+    `fallback`, else by `learned`. The choice is made at the skip question (the batch size cannot change within a
+    cycle) and kept for the cycle. `learned` observes every cycle (its history features stay those of the batch).
+    `train/rl/validation.batch_guard` picks `fallback` on a validation trace; RUN/batch_guard.json stores it
+    (`to_dict` / `from_dict`), and the export's learned per-batch-size table is this controller's."""
+
+    name = "batch_guard"
+
+    def __init__(self, learned: Controller, table: Mapping[int, tuple[int, int]], fallback) -> None:
+        if not isinstance(learned, Controller):
+            raise TypeError(f"learned must be a Controller, got {type(learned).__name__}")
+        self.learned, self.table = learned, BatchTableController(table)
+        keys = {e[0] for e in self.table.entries}
+        self.fallback = sorted({int(b) for b in fallback})
+        if not set(self.fallback) <= keys:
+            raise ValueError(f"batch guard: fallback sizes {self.fallback} must be keys of the table {sorted(keys)}")
+        self.name = getattr(learned, "name", "learned") + "_guarded"
+        self._use_table = False
+
+    def uses_table(self, batch_size: int) -> bool:
+        """True where the table decides at `batch_size` (the largest table key <= it is a fallback size)."""
+        keys = [e[0] for e in self.table.entries]
+        key = max([k for k in keys if k <= batch_size], default=keys[0])
+        return key in self.fallback
+
+    def reset(self) -> None:
+        self._use_table = False
+        self.learned.reset()
+
+    def check_tree(self, tree) -> None:
+        self.table.check_tree(tree)
+        if hasattr(self.learned, "check_tree"):
+            self.learned.check_tree(tree)
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        self._use_table = self.uses_table(int(state.batch_size))
+        return (self.table if self._use_table else self.learned).skip_drafting(state)
+
+    def should_stop(self, state: DraftState) -> bool:
+        return (self.table if self._use_table else self.learned).should_stop(state)
+
+    def choose_size(self, state: DraftState) -> int:
+        return (self.table if self._use_table else self.learned).choose_size(state)
+
+    def observe(self, record: CycleRecord) -> None:
+        self.learned.observe(record)
+
+    def to_dict(self) -> dict:
+        return {"table": {str(b): [d, v] for b, d, v in self.table.entries}, "fallback": self.fallback}
+
+    @classmethod
+    def from_dict(cls, learned: Controller, data: Mapping) -> "BatchGuardController":
+        return cls(learned, {int(b): tuple(c) for b, c in data["table"].items()}, data.get("fallback", []))
+
+    def describe(self) -> dict:
+        return {"name": self.name, **self.to_dict(), "learned": self.learned.describe()}
 
 HEURISTICS: dict[str, type[Controller]] = {
     "ddd": DDDController,

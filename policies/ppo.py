@@ -106,7 +106,8 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
     """{"ltd": both policies, "depth_only": depth policy + fixed size, "size_only": fixed depth + size policy},
     from run_dir/policies.json; entries whose policies are absent are left out. An index whose `off_switch` says
     "plain_steps" (train/rl/sampled.py) gives `PlainSteps` controllers under the same names, unless `off_switch` is
-    False (the policies themselves, as the off-switch check measures them)."""
+    False (the policies themselves, as the off-switch check measures them). A run with RUN/batch_guard.json also
+    gives "ltd_guarded" (`load_batch_guard`: the deployed batch-aware controller)."""
     run_dir = Path(run_dir)
     index = _read_index(run_dir)
     fb = index.fallback
@@ -142,4 +143,26 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
     switch = index.off_switch or {}
     if off_switch and switch.get("plain_steps"):  # measured no faster than plain target steps (train/rl/sampled.py)
         return {name: PlainSteps(name, switch) for name in out}
+    guard = load_batch_guard(run_dir, out["ltd"]) if "ltd" in out else None
+    if guard is not None:  # the deployed batch-aware controller: the table where the policy lost on validation
+        out["ltd_guarded"] = guard
     return out
+
+
+BATCH_GUARD_FILE = "batch_guard.json"
+
+
+def load_batch_guard(run_dir: str | Path, learned: Controller) -> Controller | None:
+    """`learned` wrapped in the run's validation guard (RUN/batch_guard.json, `train/rl/validation.batch_guard`:
+    the per-batch-size table decides at the batch sizes where the policy lost to it), or None without one."""
+    import json
+
+    from specpilot.policies.heuristics import BatchGuardController
+
+    path = Path(run_dir) / BATCH_GUARD_FILE
+    if not path.is_file():
+        return None
+    try:
+        return BatchGuardController.from_dict(learned, json.loads(path.read_text()))
+    except (KeyError, TypeError, ValueError) as err:
+        raise PolicyLoadError(f"{path}: {err}") from err

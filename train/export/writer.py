@@ -418,7 +418,9 @@ def _learned_batch_table(exported, specs: dict, run_dir: Path, root: Path, trace
     """The batch-aware policies' own per-batch-size table (`envs.batch_replay.learned_batch_table`) on the export's
     trace, or None for policies that do not observe the batch (or without a trace / a profile with batch curves,
     said in the log). Batch sizes: those the run trained over (manifest stage_setup), else the grid's table's.
-    Profile: the one training used, else RUN/grid.profile_w<W>.json, else the trace's."""
+    Profile: the one training used, else RUN/grid.profile_w<W>.json, else the trace's. With RUN/batch_guard.json
+    (`train/rl/validation.write_batch_guard`) it is the guarded controller's table (the table's entries where the
+    policy lost on validation)."""
     if not any("batch" in spec.features for spec in specs.values()):
         return None
     from specpilot.envs.batch_replay import learned_batch_table
@@ -435,8 +437,15 @@ def _learned_batch_table(exported, specs: dict, run_dir: Path, root: Path, trace
         log("specpilot export: no learned per-batch-size table (needs a trace and the batch sizes the run trained "
             "over)")
         return None
+    from specpilot.policies.ppo import load_batch_guard
+
+    # a run with a validation guard deploys the guarded controller: its table is the one the engines get
+    guarded = next((g for d in (run_dir, root) if (g := load_batch_guard(d, exported)) is not None), None)
+    if guarded is not None:
+        log(f"specpilot export: learned per-batch-size table through the validation guard (table at batch sizes "
+            f"{guarded.fallback})")
     try:
-        return learned_batch_table(ReplayModel(trace, profile), exported, sizes)
+        return learned_batch_table(ReplayModel(trace, profile), guarded or exported, sizes)
     except (ValueError, FileNotFoundError) as err:
         log(f"specpilot export: no learned per-batch-size table ({err})")
         return None

@@ -112,6 +112,51 @@ class OracleLabels:
         return int(self.size_costs(session, depth).argmin())
 
 
+class BatchOracleLabels(OracleLabels):
+    """The per-batch oracle's answer to each cycle question of a replayed batch (`BatchReplaySession`): the same
+    questions as `OracleLabels`, costed by `envs.batch_replay.BatchOracle` on the batch's rows instead of one
+    sequence's cost-to-go. `rates` {batch size: tokens/s} makes the costs Dinkelbach's (time - tokens / rate, the
+    rate of the largest key <= the unfinished rows; the best static cell's batch throughput is the natural rate:
+    each label is then the choice gaining most over the per-batch-size table this cycle); None: seconds per token.
+    """
+
+    def __init__(self, model: ReplayModel, size_actions: Sequence[int], *, allow_skip: bool = True, times=None,
+                 rates: dict[int, float] | None = None) -> None:
+        from specpilot.envs.batch_replay import BatchTimes
+
+        super().__init__(model, size_actions, allow_skip=allow_skip)
+        self.times = times or BatchTimes(model)
+        self.rates = {int(b): float(r) for b, r in (rates or {}).items()}
+        self._oracles: dict = {}
+
+    def oracle(self, batch_size: int):
+        """The BatchOracle costing cycles of `batch_size` unfinished rows."""
+        from specpilot.envs.batch_replay import BatchOracle
+
+        keys = [b for b in sorted(self.rates) if b <= batch_size] or sorted(self.rates)[:1]
+        rate = self.rates[keys[-1]] if keys else None
+        oracle = self._oracles.get(rate)
+        if oracle is None:
+            oracle = self._oracles[rate] = BatchOracle(self.model, self.depths, self.sizes, times=self.times,
+                                                       rate=rate)
+        return oracle
+
+    def _q(self, session) -> np.ndarray:
+        return self.oracle(len(session.active)).costs(session)
+
+
+def batch_rates(model: ReplayModel, size_actions: Sequence[int], batch_sizes: Sequence[int], *, times=None
+                ) -> dict[int, float]:
+    """{batch size: the best static cell's batch-replay tokens/s} over depths 0..max_depth x `size_actions` on
+    `model`'s trace (the per-batch-size table's rate, `BatchOracleLabels`' Dinkelbach rates)."""
+    from specpilot.envs.batch_replay import replay_batch, BatchTimes
+
+    times = times or BatchTimes(model)
+    cells = [(0, 0)] + [(d, int(v)) for d in range(1, model.trace.max_depth + 1) for v in size_actions]
+    return {int(b): max(replay_batch(model, FixedController(d, v), batch_size=int(b), times=times)["tokens_per_s"]
+                        for d, v in cells) for b in batch_sizes}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # rollouts
 
@@ -222,6 +267,25 @@ def rollout(model: ReplayModel, controller: LabellingController, prompts: Sequen
     return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan")}
 
 
+def rollout_batches(model: ReplayModel, controller: LabellingController, batch_sizes: Sequence[int], *, times=None,
+                    rng: np.random.Generator | None = None) -> dict:
+    """`rollout` over batches: at every batch size, the trace's prompts (shuffled by `rng` when given) in batches
+    of that size (`envs.batch_replay.batches_of`), each a `BatchReplaySession` the controller decides for through
+    `run_generation`; returns the totals over all batches."""
+    from specpilot.envs.batch_replay import BatchReplaySession, BatchTimes, batches_of
+
+    times = times or BatchTimes(model)
+    tokens, time_s = 0, 0.0
+    for b in batch_sizes:
+        order = list(range(model.num_prompts)) if rng is None else rng.permutation(model.num_prompts).tolist()
+        for batch in batches_of(model.num_prompts, int(b), order):
+            controller.session = BatchReplaySession(model, batch, times=times)
+            run_generation(controller.session, controller)
+            tokens += controller.session.emitted_total
+            time_s += sum(r.draft_s + r.verify_s for r in controller.session.cycles)
+    return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan")}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # supervised training of the SB3 policy network
 
@@ -312,8 +376,10 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     from specpilot.policies.ppo import PPOController
     from specpilot.train.rl.coadapt import write_index
     from specpilot.train.rl.ppo import update_manifest, write_json
-    from specpilot.train.rl.stages import StageResult, TaskTraces, TrainOptions, size_actions_for, static_config
-    from specpilot.train.rl.validation import evaluate_replay, replay_ar
+    from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_FEATURES
+    from specpilot.train.rl.stages import (StageResult, TaskTraces, TrainOptions, batch_profile_for, size_actions_for,
+                                        static_config)
+    from specpilot.train.rl.validation import evaluate_batches, evaluate_replay, replay_ar
 
     run_dir, options = Path(run_dir), options or TrainOptions()
     settings = settings or ImitationSettings()
@@ -326,19 +392,28 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
 
         return {"depth": stage_result(run_dir, BC_DEPTH_STAGE), "size": stage_result(run_dir, BC_SIZE_STAGE),
                 "iterations": json.loads(done.read_text())["iterations"], "policies": run_dir / BC_DIR / "policies.json"}
-    source = ReplaySource(traces.train)
-    model, val_model = source.model, ReplayModel(traces.validation)
+    batch_sizes = options.batch_sizes
+    profile = batch_profile_for(run_dir, ReplayModel(traces.train).trace, options) if batch_sizes else None
+    source = ReplaySource(traces.train, profile, batch_sizes=batch_sizes)
+    model, val_model = source.model, ReplayModel(traces.validation, profile)
     trace = model.trace
+    features = DEFAULT_FEATURES + (BATCH_FEATURES if batch_sizes else ())
     actions = size_actions_for(model, size_actions)
     static = static_config(run_dir, options.static)
     fallback = FixedController(*static)
-    depth_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context)
+    depth_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context,
+                                           features=features)
     size_spec = ObservationSpec.for_size(trace.width, trace.max_depth, size_actions=actions,
-                                         max_context=options.max_context)
+                                         max_context=options.max_context, features=features)
     depth_ppo = _ppo_model("depth", source, actions, options, 0, fallback)
     size_ppo = _ppo_model("size", source, actions, options, 1, fallback)
-    labels = OracleLabels(model, actions, allow_skip=options.skip_decisions)
-    ar = replay_ar(val_model)
+    if batch_sizes:  # batches: the per-batch oracle, Dinkelbach at the best static cell's rate per batch size
+        labels = BatchOracleLabels(model, actions, allow_skip=options.skip_decisions, times=source.times,
+                                   rates=batch_rates(model, actions, batch_sizes, times=source.times))
+        batch_ar = evaluate_batches(FixedController(0, 0), val_model, batch_sizes)["ar"]
+    else:
+        labels = OracleLabels(model, actions, allow_skip=options.skip_decisions)
+        ar = replay_ar(val_model)
     depth_all, size_all = Dataset(), Dataset()
     rng = np.random.default_rng(options.seed)
     history, best = [], None
@@ -350,7 +425,8 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
                                        expert_share=settings.expert_share, rng=rng)
         if not options.skip_decisions:  # the partner's answer to the skip question: always draft
             labeller.skip_drafting = lambda state: False
-        rolled = rollout(model, labeller)
+        rolled = rollout_batches(model, labeller, batch_sizes, times=source.times, rng=rng) if batch_sizes else \
+            rollout(model, labeller)
         depth_all.extend(labeller.depth_data)
         size_all.extend(labeller.size_data)
         fits = {}
@@ -364,13 +440,19 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
                                     lr=settings.lr, seed=options.seed + it)
         ctrl = PPOController(depth_ppo, size_ppo, depth_spec=depth_spec, size_spec=size_spec, size_actions=actions,
                              fallback=fallback, name="bc")
-        val = evaluate_replay(ctrl, val_model, ar["tokens_per_s"])
+        if batch_sizes:  # the batch stages' validation score: geometric-mean speedup over batched AR
+            res = evaluate_batches(ctrl, val_model, batch_sizes, batch_ar)
+            val = {"tokens_per_s": res["score"], "speedup": res["score"],
+                   "per_batch_size": {b: r["speedup"] for b, r in res["per_batch_size"].items()}}
+        else:
+            val = evaluate_replay(ctrl, val_model, ar["tokens_per_s"])
         entry = {"iteration": it, "rollout": "oracle" if policy is None else "policy",
                  "rollout_tokens_per_s": rolled["tokens_per_s"],
                  "agreement": {"depth": labeller.depth_data.agreed / max(labeller.depth_data.asked, 1),
                                "size": labeller.size_data.agreed / max(labeller.size_data.asked, 1)},
                  "samples": {"depth": len(depth_all.labels), "size": len(size_all.labels)},
-                 "fit": fits, "val_tokens_per_s": val["tokens_per_s"], "val_speedup": val.get("speedup")}
+                 "fit": fits, "val_tokens_per_s": val["tokens_per_s"], "val_speedup": val.get("speedup"),
+                 **({"val_per_batch_size": val["per_batch_size"]} if batch_sizes else {})}
         history.append(entry)
         if logger is not None:
             logger.log({"bc/val/tokens_per_s": val["tokens_per_s"],
@@ -385,7 +467,8 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     results = {
         "depth": StageResult(BC_DEPTH_STAGE, "depth", dirs["depth"] / "best.zip", depth_spec, None, best),
         "size": StageResult(BC_SIZE_STAGE, "size", dirs["size"] / "best.zip", size_spec, actions, best)}
-    setup = {"backend": "replay", "reward": options.reward, "imitation": True, "temperature": 0.0}
+    setup = {"backend": "replay", "reward": options.reward, "imitation": True, "temperature": 0.0,
+             **({"batch_sizes": list(batch_sizes), "batch_profile": str(profile or "")} if batch_sizes else {})}
     update_manifest(run_dir, traces={"train": str(traces.train), "validation": str(traces.validation),
                                      "train_pair": trace.header.get("pair")},
                     seeds={BC_DEPTH_STAGE: options.seed, BC_SIZE_STAGE: options.seed + 1},

@@ -15,6 +15,7 @@ Stages: `train_size` / `train_depth` (stage 1, train/rl/stages.py), `coadapt` (s
     RUN/stage1/policies.json         the stage-1 policies
     RUN/bc_size, RUN/bc_depth, RUN/bc/   with options.bc_iters: stage 1 cloned from the replay oracle (train/rl/imitation.py)
     RUN/ablation/ablation.json       reward ablation
+    RUN/batch_guard.json             with batch_sizes: per batch size, learned or the grid table (validation guard)
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
                  options: TrainOptions | None = None, wandb: str | None = None, logger=None) -> dict:
     """Stage 1 (size, depth) + RUN/stage1/policies.json, then `rounds` of co-adaptation (0: stage 1 only, in
     which case RUN/policies.json points at the stage-1 policies). Returns the StageResults and index paths.
+
+    options.batch_sizes with a per-batch-size grid table (RUN/grid.json from `specpilot grid --batch-sizes`): the
+    validation guard RUN/batch_guard.json is written last (`validation.write_batch_guard`; "ltd_guarded").
 
     options.bc_iters > 0: stage 1 is behaviour cloning of both policies from the replay oracle with that many DAgger
     iterations (`specpilot.train.rl.imitation`, `options.bc_epochs` supervised epochs each) instead of PPO from
@@ -64,9 +68,29 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
             policies = final["policies"]
         else:
             policies = write_index(run_dir, depth1, size1, static_config(run_dir, options.static), copy=False)
-    return {"size_s1": size1.to_dict(), "depth_s1": depth1.to_dict(), "stage1_policies": stage1,
+        guard = _guard(run_dir, traces, options) if options.batch_sizes else None
+    return {"batch_guard": guard, "size_s1": size1.to_dict(), "depth_s1": depth1.to_dict(), "stage1_policies": stage1,
             **({"imitation": bc["iterations"]} if options.bc_iters > 0 else {}),
             "coadapt": final, "policies": policies}
+
+
+def _guard(run_dir: Path, traces, options: TrainOptions) -> dict | None:
+    """The validation guard of a batch-aware run (`validation.write_batch_guard`) against the grid's per-batch-size
+    table (RUN/grid.json or options.static as a grid path, from `specpilot grid --batch-sizes`); None without one."""
+    from specpilot.artifacts.grid import GRID_FILE, GridResult
+    from specpilot.policies.ppo import load_run_controllers
+    from specpilot.train.rl.stages import batch_profile_for
+    from specpilot.train.rl.validation import write_batch_guard
+
+    grid = Path(options.static) if isinstance(options.static, (str, Path)) else run_dir / GRID_FILE
+    rows = GridResult.load(grid).per_batch_size if grid.is_file() else []
+    if not rows:
+        return None
+    traces = TaskTraces.resolve(traces)
+    table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in rows}
+    profile = batch_profile_for(run_dir, ReplayModel(traces.train).trace, options)
+    return write_batch_guard(run_dir, load_run_controllers(run_dir)["ltd"], table, traces.validation,
+                             options.batch_sizes, profile=profile)
 
 
 def evaluate_run(run_dir: str | Path, traces: TaskTraces | str | Path, *, split: str = "validation",

@@ -49,11 +49,12 @@ class TrainOptions:
     allow_partial: later stages may start from an earlier stage that did not finish (interrupted); refused otherwise.
     bc_iters / bc_epochs: > 0 makes the pipeline's stage 1 behaviour cloning from the replay oracle with that many
         DAgger iterations of bc_epochs supervised epochs (`specpilot.train.rl.imitation`); PPO then fine-tunes.
-    batch_sizes: train a batch-aware policy (replay backend, PPO): every episode replays a batch of a size drawn
+    batch_sizes: train a batch-aware policy (replay backend): every episode replays a batch of a size drawn
         from these (`ReplaySource(batch_sizes=...)`), rewarded on the batch's throughput, observing the batch
         features (`policies.observation.BATCH_FEATURES`); validation scores the geometric mean speedup over batched
         AR across these sizes. batch_profile: the profile with batch curves (default: RUN/grid.profile_w<W>.json,
-        which `specpilot grid --batch-sizes` saves, else the trace's own).
+        which `specpilot grid --batch-sizes` saves, else the trace's own). With bc_iters, behaviour cloning labels
+        batch states with the per-batch oracle (`imitation.BatchOracleLabels`) before PPO fine-tunes.
     """
 
     reward: str = "dinkelbach"
@@ -81,9 +82,6 @@ class TrainOptions:
                 raise ValueError(f"batch_sizes must be sizes >= 1, got {list(self.batch_sizes)}")
             if self.backend != "replay":
                 raise ValueError("batch_sizes trains on batch replay: use backend='replay'")
-            if self.bc_iters > 0:
-                raise ValueError("batch_sizes trains with PPO only: behaviour cloning (bc_iters) labels single "
-                                 "sequences with the replay oracle; drop one of them")
         if self.reward not in REWARD_MODES:
             raise ValueError(f"unknown reward {self.reward!r}; choose one of {REWARD_MODES}")
         if self.backend not in ("replay", "live"):

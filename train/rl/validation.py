@@ -67,6 +67,47 @@ def evaluate_batches(controller: Controller, model: ReplayModel, batch_sizes: Se
     return {"score": score, "per_batch_size": per, "ar": ar}
 
 
+def batch_guard(learned: Controller, table: dict[int, tuple[int, int]], model: ReplayModel,
+                batch_sizes: Sequence[int], *, margin: float = 0.0) -> dict:
+    """The validation guard of a batch-aware policy: at every batch size, `learned` and the per-batch-size table
+    (`BatchTableController(table)`) in batch replay of `model` (the VALIDATION trace: selection never sees the
+    held-out one); a size where learned's tokens/s is below the table's x (1 + margin) falls back to the table's
+    entry. The table gets a key at every batch size in `batch_sizes` (its own lookup there), so the fallback is
+    exact per size. Returns {"table": {B: [d, V]}, "fallback": [B...], "per_batch_size": {B: {learned, table,
+    ratio}}} (`BatchGuardController.from_dict` reads it)."""
+    from specpilot.envs.batch_replay import BatchTimes, replay_batch
+    from specpilot.policies.heuristics import BatchTableController
+
+    base = BatchTableController(table)
+    sizes = sorted({int(b) for b in batch_sizes} | {int(b) for b in table})
+    full = {b: base.lookup(b) for b in sizes}
+    times = BatchTimes(model)
+    per, fallback = {}, []
+    for b in sorted({int(b) for b in batch_sizes}):
+        got = replay_batch(model, learned, batch_size=b, times=times)["tokens_per_s"]
+        ref = replay_batch(model, base, batch_size=b, times=times)["tokens_per_s"]
+        per[b] = {"learned": got, "table": ref, "ratio": got / ref}
+        if got < ref * (1 + margin):
+            fallback.append(b)
+    return {"table": {str(b): list(full[b]) for b in sizes}, "fallback": fallback,
+            "per_batch_size": {str(b): r for b, r in per.items()}, "margin": margin}
+
+
+def write_batch_guard(run_dir: str | Path, learned: Controller, table: dict[int, tuple[int, int]],
+                      val_trace, batch_sizes: Sequence[int], *, profile=None, margin: float = 0.0) -> dict:
+    """`batch_guard` on the validation trace (timed by `profile`), saved as RUN/batch_guard.json: from then on
+    `load_run_controllers(RUN)["ltd_guarded"]` is the guarded controller and the export's learned per-batch-size
+    table is its table."""
+    import json
+
+    from specpilot.policies.ppo import BATCH_GUARD_FILE
+
+    guard = batch_guard(learned, table, ReplayModel(val_trace, profile), batch_sizes, margin=margin)
+    guard["validation_trace"] = str(val_trace)
+    (Path(run_dir) / BATCH_GUARD_FILE).write_text(json.dumps(guard, indent=1))
+    return guard
+
+
 def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, partner: Controller,
                   size_actions: Sequence[int] | None = None, logger=None, stage: str = "stage",
                   batch_sizes: Sequence[int] | None = None, profile=None) -> Callable[[Any], float]:
