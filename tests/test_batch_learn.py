@@ -147,9 +147,8 @@ def test_training_over_batch_sizes_writes_batch_aware_policies(task, trained):
             replay_batch(model, ltd, batch_size=b)["tokens_per_s"])
 
 
-def test_batch_training_refuses_behaviour_cloning_and_live():
-    with pytest.raises(ValueError, match="PPO only"):
-        P.TrainOptions(batch_sizes=(1, 2), bc_iters=2)
+def test_batch_training_refuses_live():
+    P.TrainOptions(batch_sizes=(1, 2), bc_iters=2)  # behaviour cloning over batches: the per-batch oracle's labels
     with pytest.raises(ValueError, match="batch replay"):
         P.TrainOptions(batch_sizes=(1, 2), backend="live", pair=object())
 
@@ -184,7 +183,7 @@ def test_learned_table_is_the_modal_choice_per_batch_size(task):
         [(b, 2, 3, 1.0) for b in BATCH_SIZES]
 
 
-def test_cli_trains_over_batch_sizes_and_refuses_bc_with_them(task, tmp_path, capsys):
+def test_cli_trains_over_batch_sizes_with_ppo_and_with_bc(task, tmp_path, capsys):
     from specpilot.cli import main
 
     base = ["--threads", "1", "train", "depth", "--run", str(tmp_path / "r"), "--traces", str(task.train.parent),
@@ -193,9 +192,11 @@ def test_cli_trains_over_batch_sizes_and_refuses_bc_with_them(task, tmp_path, ca
     assert main(base) == 0
     manifest = json.loads((tmp_path / "r" / "manifest.json").read_text())
     assert manifest["stage_setup"]["depth_s1"]["spec"]["features"] == list(BATCH_FEATURES)
-    capsys.readouterr()
-    bad = ["--threads", "1", "train", "all", "--run", str(tmp_path / "r2"), "--traces", str(task.train.parent),
-           "--static", "2,4", "--bc", "--batch-sizes", "1,2"]
-    assert main(bad) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "PPO only" in err[0]
+    bc = ["--threads", "1", "train", "all", "--run", str(tmp_path / "r2"), "--traces", str(task.train.parent),
+          "--static", "2,4", "--bc", "--bc-iters", "1", "--bc-epochs", "1", "--rounds", "1", "--coadapt-steps", "64",
+          "--n-steps", "64", "--batch-size", "32", "--n-epochs", "1", "--pi-arch", "8", "--vf-arch", "8",
+          "--wandb", "disabled", "--batch-sizes", "1,2"]
+    assert main(bc) == 0
+    manifest = json.loads((tmp_path / "r2" / "manifest.json").read_text())
+    assert manifest["stage_setup"]["bc_depth"]["batch_sizes"] == [1, 2]
+    assert manifest["stage_setup"]["bc_depth"]["spec"]["features"][-len(BATCH_FEATURES):] == list(BATCH_FEATURES)

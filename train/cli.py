@@ -89,11 +89,11 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     live.add_argument("--init-from", default=None,
                       help="start from this policy zip, e.g. fine-tune a replay policy (default: a fresh policy)")
     add_cluster_arguments(p)  # --ray/--workers: live environments on Ray workers, one per worker
-    b = p.add_argument_group("batch-aware policies (replay backend, PPO)")
+    b = p.add_argument_group("batch-aware policies (replay backend)")
     b.add_argument("--batch-sizes", type=int_list(1), default=None,
                    help="train over batches of these sizes, e.g. 1,2,4,8,16: each episode replays a batch of a drawn "
-                        "size, rewarded on batch throughput; the policies observe the batch size (default: single "
-                        "sequences)")
+                        "size, rewarded on batch throughput; the policies observe the batch size; with --bc, stage 1 "
+                        "clones the per-batch oracle (default: single sequences)")
     b.add_argument("--batch-profile", default=None,
                    help="profile.json with those batch sizes (default: RUN/grid.profile_w<W>.json from `specpilot "
                         "grid --batch-sizes`, else the trace's)")

@@ -118,7 +118,11 @@ class BatchOracleLabels(OracleLabels):
     sequence's cost-to-go. `rates` {batch size: tokens/s} makes the costs Dinkelbach's (time - tokens / rate, the
     rate of the largest key <= the unfinished rows; the best static cell's batch throughput is the natural rate:
     each label is then the choice gaining most over the per-batch-size table this cycle); None: seconds per token.
+    tie_s: answers within this many seconds of the best are all labelled optimal (Dinkelbach costs sit near 0, where
+    a relative tolerance means nothing; 0.1 us is far below any measured cycle time).
     """
+
+    tie_s = 1e-7
 
     def __init__(self, model: ReplayModel, size_actions: Sequence[int], *, allow_skip: bool = True, times=None,
                  rates: dict[int, float] | None = None) -> None:
@@ -171,17 +175,18 @@ class Dataset:
     regret: list[np.ndarray] = field(default_factory=list)  # per sample and action, hindsight seconds lost
     agreed: int = 0  # decisions the rolled-out controller answered as the oracle would (this iteration)
     asked: int = 0
+    tie_s: float = 0.0  # costs within this many seconds of the least also count as optimal (besides exact ties)
 
     def add(self, obs: np.ndarray, costs: np.ndarray, action: int) -> int:
         """Record a question: its observation and the oracle's costs per action; returns the label (the first
         least-cost action)."""
         label = int(costs.argmin())
         # exact ties are common (sizes above the candidates drafted verify the same tree): all count as right
-        tied = costs <= costs[label] + 1e-12 * max(abs(float(costs[label])), 1.0)
+        tied = costs <= costs[label] + max(1e-12 * max(abs(float(costs[label])), 1.0), self.tie_s)
         self.obs.append(obs)
         self.labels.append(label)
         self.best.append(tied)
-        regret = costs - costs[label]
+        regret = np.where(tied, 0.0, costs - costs[label])
         self.regret.append(np.where(np.isfinite(regret), regret, np.nan))
         self.asked += 1
         self.agreed += int(bool(tied[action]))
@@ -221,7 +226,8 @@ class LabellingController(Controller):
         self.size_actions = [int(v) for v in size_actions]
         self.policy, self.expert_share = policy, float(expert_share)
         self.rng = rng or np.random.default_rng(0)
-        self.depth_data, self.size_data = Dataset(), Dataset()
+        tie = float(getattr(labels, "tie_s", 0.0))
+        self.depth_data, self.size_data = Dataset(tie_s=tie), Dataset(tie_s=tie)
         self.session: ReplaySession | None = None
 
     def _expert(self) -> bool:
