@@ -69,7 +69,7 @@ def train(args, out: Path, batch_sizes: list[int]) -> None:
     static = (max(1, int(b1["depth"])), max(1, int(b1["size"])))
     options = P.TrainOptions(static=static, batch_sizes=tuple(batch_sizes), seed=args.seed, reward=args.reward,
                              ppo=PPOOverrides(pi_arch=[64], vf_arch=[64]), bc_iters=args.bc_iters,
-                             bc_epochs=args.bc_epochs)
+                             bc_epochs=args.bc_epochs, bc_exact_single=args.bc_exact_single)
     started = time.perf_counter()
     traces = P.TaskTraces.resolve(out / "traces")
     run = out / args.run_name
@@ -132,7 +132,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     for name in args.compare.split(",") if args.compare else []:   # other runs, e.g. BC-only / PPO-only
         name, _, path = name.partition("=")
         ctrls = load_run_controllers(out / path)
-        extra[name] = ctrls.get("ltd_guarded", ctrls["ltd"])
+        extra[name] = ctrls["ltd"]   # unguarded: the policy itself
     # the learned policy's own table (what export writes for the engines): its modal choice per size on validation
     own = learned_batch_table(ReplayModel(out / "traces" / "validation"), learned["ltd"], batch_sizes)
     print("learned policy's own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
@@ -202,6 +202,8 @@ def main() -> None:
     ap.add_argument("--bc-iters", type=int, default=0, help="train: behaviour cloning from the per-batch oracle "
                     "(DAgger iterations) before PPO fine-tunes (--rounds co-adaptation rounds of --coadapt-steps)")
     ap.add_argument("--bc-epochs", type=int, default=30)
+    ap.add_argument("--bc-exact-single", action="store_true",
+                    help="train: one-row batches labelled by the exact single-sequence oracle")
     ap.add_argument("--guard-only", action="store_true", help="train: only (re)write the run's validation guard")
     ap.add_argument("--compare", default="", help="eval: more runs as name=folder,... (their guarded policy)")
     ap.add_argument("--threads", type=int, default=1)

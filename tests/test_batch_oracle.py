@@ -27,7 +27,7 @@ from specpilot.train.rl.imitation import (BatchOracleLabels, ImitationSettings, 
 from specpilot.train.rl.ppo import PPOOverrides
 from specpilot.train.rl.validation import batch_guard
 
-from test_batch_learn import BATCH_SIZES, TREE, task  # noqa: F401 (the module-scoped trace fixture)
+from test_batch_learn import BATCH_SIZES, TREE, task, trained  # noqa: F401 (module-scoped fixtures)
 
 SIZES = [1, 2, 4, 6]
 DEPTHS = list(range(0, TREE.max_depth + 1))
@@ -198,3 +198,33 @@ def test_guard_file_loads_as_ltd_guarded(task, tmp_path):
     assert guarded.uses_table(4) and guarded.uses_table(16) and not guarded.uses_table(2)
     with pytest.raises(ValueError, match="must be keys"):
         BatchGuardController(FixedController(3, 6), {1: (2, 4)}, [2])
+
+
+def test_one_row_batches_take_the_exact_single_sequence_labels(task):
+    from specpilot.envs.replay import ReplaySession
+    from specpilot.train.rl.imitation import OracleLabels
+
+    model = ReplayModel(task.train)
+    exact = BatchOracleLabels(model, SIZES, exact_single=True)
+    single = OracleLabels(model, SIZES)
+    batch, alone = BatchReplaySession(model, [1]), ReplaySession(model, 1)
+    for depth in range(0, TREE.max_depth):
+        assert np.array_equal(exact.depth_costs(batch, depth), single.depth_costs(alone, depth))
+    assert np.array_equal(exact.size_costs(batch, 2), single.size_costs(alone, 2))
+    # without exact_single a one-row batch is costed per cycle (seconds per token), not as time to finish
+    assert not np.array_equal(BatchOracleLabels(model, SIZES).size_costs(batch, 2), single.size_costs(alone, 2))
+
+
+def test_export_learned_table_goes_through_the_guard(task, trained, tmp_path):
+    from specpilot.policies.ppo import BATCH_GUARD_FILE
+    from specpilot.train.export.writer import export_run
+    from tiny import tiny_pair
+
+    run, _ = trained
+    # a guard that hands every size to the table: the exported learned table must be that table
+    table = {"1": [2, 4], "2": [1, 2], "4": [0, 0]}
+    (run / BATCH_GUARD_FILE).write_text(json.dumps({"table": table, "fallback": [1, 2, 4]}))
+    meta = export_run(run, tmp_path / "export", pair=tiny_pair(noise=0.4, eos=None), num_prompts=1,
+                      max_new_tokens=8, num_random=100, log=lambda *a: None)
+    rows = meta["engine_configs"]["per_batch_size_learned"]["table"]
+    assert [(r["batch_size"], r["depth"], r["size"]) for r in rows] == [(1, 2, 4), (2, 1, 2), (4, 0, 0)]

@@ -119,17 +119,19 @@ class BatchOracleLabels(OracleLabels):
     rate of the largest key <= the unfinished rows; the best static cell's batch throughput is the natural rate:
     each label is then the choice gaining most over the per-batch-size table this cycle); None: seconds per token.
     tie_s: answers within this many seconds of the best are all labelled optimal (Dinkelbach costs sit near 0, where
-    a relative tolerance means nothing; 0.1 us is far below any measured cycle time).
+    a relative tolerance means nothing; 0.1 us is far below any measured cycle time). exact_single: a batch down
+    to one unfinished row (batch size 1 included) is labelled by the exact single-sequence hindsight optimum
+    (`OracleLabels`: cost-to-go, timed by the model's single-sequence profile) instead of the per-cycle oracle.
     """
 
     tie_s = 1e-7
 
     def __init__(self, model: ReplayModel, size_actions: Sequence[int], *, allow_skip: bool = True, times=None,
-                 rates: dict[int, float] | None = None) -> None:
+                 rates: dict[int, float] | None = None, exact_single: bool = False) -> None:
         from specpilot.envs.batch_replay import BatchTimes
 
         super().__init__(model, size_actions, allow_skip=allow_skip)
-        self.times = times or BatchTimes(model)
+        self.times, self.exact_single = times or BatchTimes(model), bool(exact_single)
         self.rates = {int(b): float(r) for b, r in (rates or {}).items()}
         self._oracles: dict = {}
 
@@ -146,7 +148,10 @@ class BatchOracleLabels(OracleLabels):
         return oracle
 
     def _q(self, session) -> np.ndarray:
-        return self.oracle(len(session.active)).costs(session)
+        rows = session.active
+        if self.exact_single and len(rows) == 1:  # one row left: the exact single-sequence cost-to-go
+            return super()._q(rows[0])
+        return self.oracle(len(rows)).costs(session)
 
 
 def batch_rates(model: ReplayModel, size_actions: Sequence[int], batch_sizes: Sequence[int], *, times=None
@@ -348,7 +353,8 @@ class ImitationSettings:
     the supervised fit after each iteration (from the previous iteration's weights); loss: "set" (cross-entropy on
     the optimal actions) or "regret" (plus the expected hindsight regret, see `fit_policy`). expert_share: after iteration
     0, the share of decisions the oracle still takes in rollouts (0: pure DAgger relabelling of the policy's own
-    states)."""
+    states). exact_single: batch imitation labels one-row batches by the exact single-sequence oracle
+    (`BatchOracleLabels`)."""
 
     iters: int = 4
     epochs: int = 30
@@ -356,6 +362,7 @@ class ImitationSettings:
     batch_size: int = 256
     lr: float = 1e-3
     expert_share: float = 0.0
+    exact_single: bool = False
 
 
 def _ppo_model(kind: str, source, size_actions, options, seed_offset: int, partner: Controller):
@@ -415,7 +422,8 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     size_ppo = _ppo_model("size", source, actions, options, 1, fallback)
     if batch_sizes:  # batches: the per-batch oracle, Dinkelbach at the best static cell's rate per batch size
         labels = BatchOracleLabels(model, actions, allow_skip=options.skip_decisions, times=source.times,
-                                   rates=batch_rates(model, actions, batch_sizes, times=source.times))
+                                   rates=batch_rates(model, actions, batch_sizes, times=source.times),
+                                   exact_single=settings.exact_single)
         batch_ar = evaluate_batches(FixedController(0, 0), val_model, batch_sizes)["ar"]
     else:
         labels = OracleLabels(model, actions, allow_skip=options.skip_decisions)

@@ -54,7 +54,8 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
             from specpilot.train.rl.imitation import ImitationSettings, imitate
 
             bc = imitate(run_dir, traces, size_actions=size_actions, options=options, logger=log,
-                         settings=ImitationSettings(iters=options.bc_iters, epochs=options.bc_epochs))
+                         settings=ImitationSettings(iters=options.bc_iters, epochs=options.bc_epochs,
+                                                     exact_single=options.bc_exact_single))
             size1, depth1 = bc["size"], bc["depth"]
         else:
             size1 = train_size(run_dir, traces, steps=size_steps, size_actions=size_actions,

@@ -54,7 +54,8 @@ class TrainOptions:
         features (`policies.observation.BATCH_FEATURES`); validation scores the geometric mean speedup over batched
         AR across these sizes. batch_profile: the profile with batch curves (default: RUN/grid.profile_w<W>.json,
         which `specpilot grid --batch-sizes` saves, else the trace's own). With bc_iters, behaviour cloning labels
-        batch states with the per-batch oracle (`imitation.BatchOracleLabels`) before PPO fine-tunes.
+        batch states with the per-batch oracle (`imitation.BatchOracleLabels`; bc_exact_single: one-row batches by
+        the exact single-sequence oracle) before PPO fine-tunes.
     """
 
     reward: str = "dinkelbach"
@@ -72,6 +73,7 @@ class TrainOptions:
     allow_partial: bool = False
     bc_iters: int = 0
     bc_epochs: int = 30
+    bc_exact_single: bool = False
     batch_sizes: tuple[int, ...] | None = None
     batch_profile: str | Path | None = None
 
