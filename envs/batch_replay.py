@@ -18,6 +18,8 @@ time are not charged (as in single replay).
 
 `replay_batch` drives any Controller over batches of B prompts with the same `run_cycle`; `batch_static_sweep`
 ranks static (depth, size) cells per batch size, with batched autoregressive decoding (depth 0) as the baseline.
+`BatchOracle` costs each shared (depth, size) choice of a batch's next cycle in hindsight (every row's recorded
+acceptance, the batch profile); `replay_batch_oracle` is the per-batch-size ceiling built on it.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import numpy as np
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.types import CycleRecord, DraftState
-from specpilot.envs.oracle import summary
+from specpilot.envs.oracle import cell_tables, summary
 from specpilot.envs.replay import ReplayModel, ReplaySession
 
 
@@ -244,8 +246,6 @@ class BatchOracle:
 
     def __init__(self, model: ReplayModel, depths, sizes, *, times: BatchTimes | None = None,
                  rate: float | None = None) -> None:
-        from specpilot.envs.oracle import cell_tables
-
         self.model, self.times, self.rate = model, times or BatchTimes(model), rate
         self.depths = np.array(sorted({min(int(d), model.trace.max_depth) for d in depths}))
         self.sizes = np.array(sorted({int(v) for v in sizes}))
