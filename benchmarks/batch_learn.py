@@ -91,8 +91,10 @@ def guard(run: Path, out: Path, batch_sizes: list[int]) -> None:
     grid = json.loads((out / "grid_table.json").read_text())
     table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
     g = write_batch_guard(run, load_run_controllers(run)["ltd"], table, out / "traces" / "validation", batch_sizes)
-    print(f"guard {run.name}: table at {g['fallback']}; learned/table on validation "
-          f"{ {b: round(r['ratio'], 3) for b, r in g['per_batch_size'].items()} }", flush=True)
+    per = g["per_batch_size"]
+    print(f"guard {run.name}: table at {g['fallback']}; on validation, learned / table "
+          f"{ {b: round(r['learned'] / r['table'], 3) for b, r in per.items()} }, guarded / table "
+          f"{ {b: round(r['ratio'], 3) for b, r in per.items()} }", flush=True)
 
 
 def _per_batch(model, controller, b: int) -> np.ndarray:

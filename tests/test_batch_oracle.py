@@ -180,7 +180,11 @@ def test_guard_falls_back_where_the_learned_policy_loses_on_validation(task):
     learned = _Split(worse, (0, 0))   # loses at B1, equals the table above (a tie keeps the learned policy)
     guard = batch_guard(learned, table, model, BATCH_SIZES)
     assert guard["fallback"] == [1]
-    assert guard["per_batch_size"]["1"]["ratio"] < 1 and guard["per_batch_size"]["4"]["ratio"] == 1
+    per = guard["per_batch_size"]
+    assert per["1"]["learned"] < per["1"]["table"] and per["4"]["learned"] == per["4"]["table"]
+    assert all(r["guarded"] >= r["table"] * (1 - 1e-9) for r in per.values())
+    greedy = batch_guard(learned, table, model, BATCH_SIZES, exhaustive_up_to=0)   # the search past 6 sizes
+    assert greedy["fallback"] == [1] and greedy["candidates"] == 1
     guarded = BatchGuardController.from_dict(learned, guard)
     table_ctrl = BatchTableController(table)
     for b in BATCH_SIZES:

@@ -68,33 +68,66 @@ def evaluate_batches(controller: Controller, model: ReplayModel, batch_sizes: Se
 
 
 def batch_guard(learned: Controller, table: dict[int, tuple[int, int]], model: ReplayModel,
-                batch_sizes: Sequence[int], *, margin: float = 0.0) -> dict:
-    """The validation guard of a batch-aware policy: at every batch size, `learned` and the per-batch-size table
-    (`BatchTableController(table)`) in batch replay of `model` (the VALIDATION trace: selection never sees the
-    held-out one); a size where learned's tokens/s is below the table's x (1 + margin) falls back to the table's
-    entry. The table gets a key at every batch size in `batch_sizes` (its own lookup there), so the fallback is
-    exact per size. Returns {"table": {B: [d, V]}, "fallback": [B...], "per_batch_size": {B: {learned, table,
-    ratio}}} (`BatchGuardController.from_dict` reads it)."""
+                batch_sizes: Sequence[int], *, exhaustive_up_to: int = 6) -> dict:
+    """The validation guard of a batch-aware policy: which batch sizes the per-batch-size table
+    (`BatchTableController(table)`) should decide at, so that the guarded controller (`BatchGuardController`) is
+    never below the table at any of `batch_sizes` in batch replay of `model` (the VALIDATION trace: selection never
+    sees the held-out one), and otherwise as fast as it can be.
+
+    The guard decides per cycle by the rows still running, so a batch of 4 spends its tail at 3, 2, 1 rows: the
+    sizes interact, and the guard is chosen on the guarded controller's own replay, not per size in isolation. Among
+    the fallback sets (every subset of the table's keys while there are at most `exhaustive_up_to`, else greedily
+    grown from the sizes where learned alone loses, adding the worst size until none loses), the kept one is never
+    below the table at any size (the full set is the table itself, so one always qualifies) and has the highest
+    geometric-mean ratio to the table; ties keep the smaller set (the learned policy where it is as good).
+    The table gets a key at every batch size in `batch_sizes` (its own lookup there). Returns {"table": {B: [d, V]},
+    "fallback": [B...], "per_batch_size": {B: {learned, table, guarded, ratio}}, "candidates": n} (ratio: guarded /
+    table; `BatchGuardController.from_dict` reads it)."""
+    from itertools import combinations
+
     from specpilot.envs.batch_replay import BatchTimes, replay_batch
-    from specpilot.policies.heuristics import BatchTableController
+    from specpilot.policies.heuristics import BatchGuardController, BatchTableController
 
     base = BatchTableController(table)
-    sizes = sorted({int(b) for b in batch_sizes} | {int(b) for b in table})
-    full = {b: base.lookup(b) for b in sizes}
+    sizes = sorted({int(b) for b in batch_sizes})
+    full = {b: base.lookup(b) for b in sorted(set(sizes) | {int(b) for b in table})}
+    keys = sorted(full)
     times = BatchTimes(model)
-    per, fallback = {}, []
-    for b in sorted({int(b) for b in batch_sizes}):
-        got = replay_batch(model, learned, batch_size=b, times=times)["tokens_per_s"]
-        ref = replay_batch(model, base, batch_size=b, times=times)["tokens_per_s"]
-        per[b] = {"learned": got, "table": ref, "ratio": got / ref}
-        if got < ref * (1 + margin):
-            fallback.append(b)
-    return {"table": {str(b): list(full[b]) for b in sizes}, "fallback": fallback,
-            "per_batch_size": {str(b): r for b, r in per.items()}, "margin": margin}
+    speed = lambda ctrl, b: replay_batch(model, ctrl, batch_size=b, times=times)["tokens_per_s"]  # noqa: E731
+    ref = {b: speed(base, b) for b in sizes}
+    alone = {b: speed(learned, b) for b in sizes}
+
+    def evaluate(fallback) -> tuple[bool, float, dict]:
+        guarded = BatchGuardController(learned, full, fallback)
+        got = {b: speed(guarded, b) for b in sizes}
+        ok = all(got[b] >= ref[b] * (1 - 1e-9) for b in sizes)
+        return ok, float(np.exp(np.mean([np.log(got[b] / ref[b]) for b in sizes]))), got
+
+    if len(keys) <= exhaustive_up_to:
+        subsets = [list(c) for n in range(len(keys) + 1) for c in combinations(keys, n)]
+    else:
+        subsets, fallback = [], [b for b in sizes if alone[b] < ref[b]]
+        while True:
+            subsets.append(sorted(fallback))
+            ok, _, got = evaluate(fallback)
+            if ok or len(fallback) == len(keys):
+                break
+            worst = min((b for b in sizes if b not in fallback), key=lambda b: got[b] / ref[b], default=None)
+            fallback = fallback + [worst] if worst is not None else keys
+    best = None
+    for fallback in subsets:   # smaller sets first: a tie keeps the smaller
+        ok, score, got = evaluate(fallback)
+        if ok and (best is None or score > best[0] + 1e-12):
+            best = (score, fallback, got)
+    _, fallback, got = best
+    per = {str(b): {"learned": alone[b], "table": ref[b], "guarded": got[b], "ratio": got[b] / ref[b]}
+           for b in sizes}
+    return {"table": {str(b): list(full[b]) for b in keys}, "fallback": list(fallback), "per_batch_size": per,
+            "candidates": len(subsets)}
 
 
 def write_batch_guard(run_dir: str | Path, learned: Controller, table: dict[int, tuple[int, int]],
-                      val_trace, batch_sizes: Sequence[int], *, profile=None, margin: float = 0.0) -> dict:
+                      val_trace, batch_sizes: Sequence[int], *, profile=None) -> dict:
     """`batch_guard` on the validation trace (timed by `profile`), saved as RUN/batch_guard.json: from then on
     `load_run_controllers(RUN)["ltd_guarded"]` is the guarded controller and the export's learned per-batch-size
     table is its table."""
@@ -102,7 +135,7 @@ def write_batch_guard(run_dir: str | Path, learned: Controller, table: dict[int,
 
     from specpilot.policies.ppo import BATCH_GUARD_FILE
 
-    guard = batch_guard(learned, table, ReplayModel(val_trace, profile), batch_sizes, margin=margin)
+    guard = batch_guard(learned, table, ReplayModel(val_trace, profile), batch_sizes)
     guard["validation_trace"] = str(val_trace)
     (Path(run_dir) / BATCH_GUARD_FILE).write_text(json.dumps(guard, indent=1))
     return guard
