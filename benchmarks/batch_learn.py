@@ -135,9 +135,11 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
         name, _, path = name.partition("=")
         ctrls = load_run_controllers(out / path)
         extra[name] = ctrls["ltd"]   # unguarded: the policy itself
-    # the learned policy's own table (what export writes for the engines): its modal choice per size on validation
-    own = learned_batch_table(ReplayModel(out / "traces" / "validation"), learned["ltd"], batch_sizes)
-    print("learned policy's own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
+    # the deployed policy's own table (what export writes for the engines): the guarded controller's modal choice
+    # per size on validation
+    deployed = learned.get("ltd_guarded", learned["ltd"])
+    own = learned_batch_table(ReplayModel(out / "traces" / "validation"), deployed, batch_sizes)
+    print(f"{deployed.name}'s own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
     methods = {"ar": FixedController(0, 0), "b1_static": FixedController(int(b1["depth"]), int(b1["size"])),
                "table": BatchTableController(table), "learned": learned["ltd"],
                "guarded": learned.get("ltd_guarded", learned["ltd"]), "oracle": "oracle",
