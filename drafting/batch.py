@@ -654,9 +654,12 @@ class BatchSession:
             else:
                 path, bonus = accept_tree_sampled(blk, logits[b], self.sampling, self.generator)
             keep.append([0] + path)
-            if aux is not None:  # the root's and accepted nodes' features (the bonus token has none yet)
-                self.active[b].features.keep(aux[b, keep[-1]], len(self.active[b].committed) - 1)
             results.append((len(path), [blk.tokens[i] for i in path] + [bonus]))
+        if aux is not None:  # each row's root's and accepted nodes' features (the bonus token has none yet): one gather
+            rows = torch.tensor([b for b, k in enumerate(keep) for _ in k], dtype=torch.long, device=aux.device)
+            cols = torch.tensor([c for k in keep for c in k], dtype=torch.long, device=aux.device)
+            for row, part in zip(self.active, torch.split(aux[rows, cols], [len(k) for k in keep])):
+                row.features.keep(part, len(row.committed) - 1)
         self.target.keep_tail(start, keep)
         return results
 

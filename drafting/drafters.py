@@ -77,17 +77,16 @@ class EagleDrafter:
 
     def forward(self, tokens, hidden, position_ids, attention_mask, cache, *, last_only: bool = False):
         logits, out = self.head(tokens, hidden, position_ids=position_ids, attention_mask=attention_mask,
-                                cache=cache)
+                                cache=cache, logits_to_keep=1 if last_only else 0)
         logits, out = logits[0], out[0]
         if last_only:
-            logits, out = logits[-1:], out[-1:]
+            out = out[-1:]
         return torch.log_softmax(logits, dim=-1), out
 
     def forward_batch(self, tokens, hidden, position_ids, attention_mask, cache, *, logits_to_keep: int = 0):
-        logits, out = self.head(tokens, hidden, position_ids=position_ids, attention_mask=attention_mask, cache=cache)
-        if logits_to_keep:
-            logits, out = logits[:, -logits_to_keep:], out[:, -logits_to_keep:]
-        return logits, out
+        logits, out = self.head(tokens, hidden, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                                logits_to_keep=logits_to_keep)
+        return logits, (out[:, -logits_to_keep:] if logits_to_keep else out)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(ids)

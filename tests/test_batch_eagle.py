@@ -209,3 +209,17 @@ def test_embedded_default_pair_decodes_batched():
     refs = autoregressive_generate_batch(pair, prompts, max_new_tokens=[12, 6, 9])
     assert [o.tokens for o in outs] == [r.tokens for r in refs]
     assert any(c.accepted for o in outs for c in o.cycles)
+
+
+def test_evaluate_batches_with_a_head():
+    """`eval --batch-sizes` (evaluate_batches) measures an EAGLE-3 pair: every method's rows equal batched AR's."""
+    from specpilot.eval.batched import evaluate_batches
+    from specpilot.policies import BatchTableController
+
+    result = evaluate_batches(PROMPTS, pair=eagle_pair(5, eos=13), batch_sizes=[1, 4],
+                              tree=TreeConfig(width=2, max_depth=4, max_size=16), methods=["fixed"],
+                              max_new_tokens=8, warmup=0,
+                              controllers={"table": BatchTableController({1: (3, 6), 4: (0, 0)})})
+    for section in result["batch_sizes"]:
+        rows = {r["method"]: r for r in section["methods"]}
+        assert set(rows) == {"ar", "fixed", "table"} and all(r["identical_to_ar"] for r in rows.values())
