@@ -223,3 +223,30 @@ def test_evaluate_batches_with_a_head():
     for section in result["batch_sizes"]:
         rows = {r["method"]: r for r in section["methods"]}
         assert set(rows) == {"ar", "fixed", "table"} and all(r["identical_to_ar"] for r in rows.values())
+
+
+def test_batch_replay_and_batch_profile_with_a_head():
+    """Batch replay of an EAGLE-3 pair's single-sequence traces takes the live batched decoder's decisions and each
+    row accepts the same lengths (a one-token prompt included: both start with a plain step); the batched latency
+    profile measures with the head."""
+    from specpilot.drafting.cycle import run_generation
+    from specpilot.envs.batch_replay import BatchReplaySession
+    from specpilot.envs.profile import collect_batch_samples
+    from specpilot.envs.record import record_trace
+    from specpilot.envs.replay import ReplayModel
+    from test_batch_replay import TREE, _Alternating, batched_profile
+
+    pair = eagle_pair(5)
+    prompts = [[7], [1, 2, 3, 4, 5], [3, 1, 4, 1, 5, 9], [9, 9]]
+    trace = record_trace(pair, TREE, prompts, max_new_tokens=10)
+    model = ReplayModel(trace, batched_profile())
+    decoder = SpeculativeDecoder(pair, TREE)
+    for controller in (FixedController(2, 3), _Alternating()):
+        live = decoder.generate_batch(prompts, controller=controller, max_new_tokens=10)
+        session = BatchReplaySession(model, list(range(len(prompts))))
+        run_generation(session, controller)
+        for out, row in zip(live, session.rows):
+            assert [(r.depth, r.size, r.accepted, r.emitted) for r in out.cycles] == \
+                [(r.depth, r.size, r.accepted, r.emitted) for r in row.cycles]
+    samples = collect_batch_samples(pair, TREE, prompts[1:], [1, 2], max_new_tokens=8, rng=0, warmup_cycles=1)
+    assert set(samples) == {1, 2} and all(s.verify for s in samples.values())
