@@ -1,4 +1,4 @@
-"""The learned batch-aware policy on the embedded pair (separate draft LM: batching refuses EAGLE-3 heads), in batch
+"""The learned batch-aware policy on the embedded pair (with its separate draft LM), in batch
 replay: tokens/s vs batch size for batched AR, the best static config for batch size 1 used at every size, the
 per-batch-size grid table (`BatchTableController`), the learned policy trained over batch sizes, the same policy
 behind its validation guard (`BatchGuardController`: the table at the sizes where it lost on validation), and the

@@ -1,7 +1,7 @@
 """Batched decoding throughput (not a test): tokens/s vs batch size for our batched AR
 (`drafting.batch.autoregressive_generate_batch`, target only), transformers' batched greedy `generate()`
-(left-padded), and one static speculative config through `generate_batch`, on the embedded pair with its draft LM,
-interleaved.
+(left-padded), and one static speculative config through `generate_batch`, on the embedded pair with its draft LM
+(`--drafter eagle`: its EAGLE-3 head, in every mode), interleaved.
 
     .venv/bin/python benchmarks/bench_batch.py [--batch-sizes 1,2,4,8] [--max-new-tokens 48] [--repeats 2]
         [--depth 4] [--size 12]
@@ -34,6 +34,13 @@ with its ratio to batched AR and 95% paired interval (plus `ltd` with --run). Th
 --table, --grid (its best and its per_batch_size table) or, without either, from a small live sweep of
 --candidates at every batch size on validation prompts (not the measured held-out ones). With one batch per size
 and one round there is no interval: use --repeats 2 or more.
+
+    .venv/bin/python benchmarks/bench_batch.py --configs 2:4,6:16 --drafter eagle [--batch-sizes 1,4,16]
+        [--prompts 4] [--max-new-tokens 32] [--repeats 3]
+
+--configs: each DEPTH:SIZE static config through generate_batch against batched AR at every batch size, and at
+batch size 1 generate_batch against generate() for each config, all interleaved (order rotated per round and batch
+size); ratio of pooled tokens/s with a 95% paired bootstrap interval over rounds, greedy outputs checked equal.
 """
 from __future__ import annotations
 
@@ -81,13 +88,74 @@ def sweep_table(pair, tree, sizes, candidates, prompts, max_new_tokens) -> dict[
     return table
 
 
+def load_pair(args) -> ModelPair:
+    """The embedded pair with the drafter --drafter names (its draft LM or its EAGLE-3 head)."""
+    return ModelPair.from_pretrained(**{args.drafter: "embedded"})
+
+
+def drafter_label(pair: ModelPair) -> str:
+    return "EAGLE-3 head" if pair.eagle is not None else "draft LM"
+
+
+def configs(args, sizes: list[int]) -> int:
+    """--configs (module docstring): static configs via generate_batch vs batched AR per batch size, and
+    generate_batch vs generate at batch size 1."""
+    from specpilot.eval.stats import paired_ratio_interval
+
+    pair = load_pair(args)
+    cells = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max([1] + [d for d, _ in cells]), max_size=64))
+    n = args.max_new_tokens
+    methods = {"batched_ar": lambda rows: [o.tokens for o in autoregressive_generate_batch(pair, rows,
+                                                                                           max_new_tokens=n)]}
+    pairs = {b: [] for b in sizes}
+    for d, v in cells:
+        controller = FixedController(d, v)
+        methods[f"batch_d{d}_v{v}"] = (lambda c: lambda rows: [o.tokens for o in decoder.generate_batch(
+            rows, controller=c, max_new_tokens=n)])(controller)
+        methods[f"generate_d{d}_v{v}"] = (lambda c: lambda rows: [decoder.generate(r, controller=c,
+                                                                                   max_new_tokens=n).tokens
+                                                                  for r in rows])(controller)
+        for b in sizes:
+            pairs[b].append((f"batch_d{d}_v{v}", "batched_ar"))
+        if 1 in pairs:
+            pairs[1].append((f"batch_d{d}_v{v}", f"generate_d{d}_v{v}"))
+    for run in methods.values():  # warm-up
+        run(suite[:2])
+    units = {}
+    t_start = time.perf_counter()
+    for r in range(args.repeats):
+        for j, b in enumerate(sizes):
+            rows = [suite[(r * 3 + i) % len(suite)] for i in range(b)]
+            names = sorted({m for pr in pairs[b] for m in pr})
+            shift = (r + j) % len(names)
+            outs = {}
+            for name in names[shift:] + names[:shift]:
+                t0 = time.perf_counter()
+                outs[name] = methods[name](rows)
+                units.setdefault((name, b), ([], []))[1].append(time.perf_counter() - t0)
+                units[name, b][0].append(sum(len(t) for t in outs[name]))
+            assert all(o == outs["batched_ar"] for o in outs.values()), "greedy outputs differ"
+    print(f"{pair.name} ({drafter_label(pair)}), {pair.device} {str(pair.dtype).replace('torch.', '')}, torch "
+          f"threads {torch.get_num_threads()}; greedy; {len(suite)} held-out prompts, {n} new tokens, "
+          f"{args.repeats} interleaved rounds ({time.perf_counter() - t_start:.0f}s); outputs identical")
+    for b in sizes:
+        for a, ref in pairs[b]:
+            ci = paired_ratio_interval(*units[a, b], *units[ref, b])
+            rates = [sum(units[m, b][0]) / sum(units[m, b][1]) for m in (a, ref)]
+            print(f"B={b:>2}  {a:>16} / {ref:<16} {ci.ratio:.3f}x [{ci.low:.3f}, {ci.high:.3f}]  "
+                  f"({rates[0]:.1f} vs {rates[1]:.1f} tok/s)")
+    return 0
+
+
 def depth0(args, sizes: list[int]) -> int:
     """--depth0: "don't speculate" through generate_batch (FixedController(0, 0)) against batched AR, and at batch
     size 1 generate_batch against generate() (depth 0 and --depth/--size), interleaved; one unit = one round's
     batch; ratio of pooled tokens/s with a 95% paired bootstrap interval over rounds."""
     from specpilot.eval.stats import paired_ratio_interval
 
-    pair = ModelPair.from_pretrained(draft="embedded")
+    pair = load_pair(args)
     suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
     n = args.max_new_tokens
@@ -144,7 +212,7 @@ def depth0(args, sizes: list[int]) -> int:
                 acc[1] += max(len(t) for t in outs[name])
             assert all(o == outs["batch_d0"] for o in outs.values()), "greedy outputs differ"
     pair.target.forward = forward
-    print(f"{pair.name} (draft LM), {pair.device} {str(pair.dtype).replace('torch.', '')}, torch threads "
+    print(f"{pair.name} ({drafter_label(pair)}), {pair.device} {str(pair.dtype).replace('torch.', '')}, torch threads "
           f"{torch.get_num_threads()}; greedy; {len(suite)} held-out prompts, {n} new tokens, {args.repeats} "
           f"interleaved rounds ({time.perf_counter() - t_start:.0f}s)")
     for b in sizes:
@@ -164,7 +232,7 @@ def queue(args, sizes: list[int]) -> int:
     interval over rounds."""
     from specpilot.eval.stats import paired_ratio_interval
 
-    pair = ModelPair.from_pretrained(draft="embedded")
+    pair = load_pair(args)
     suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
     n = args.max_new_tokens
@@ -198,7 +266,8 @@ def queue(args, sizes: list[int]) -> int:
                 units.setdefault((name, b), ([], []))[1].append(time.perf_counter() - t0)
                 units[name, b][0].append(sum(len(t) for t in outs[name]))
             assert all(o == outs["ar_static"] for o in outs.values()), "greedy outputs differ"
-    print(f"{pair.name} (draft LM), {pair.device}, torch threads {torch.get_num_threads()}; greedy; queue of "
+    print(f"{pair.name} ({drafter_label(pair)}), {pair.device}, torch threads {torch.get_num_threads()}; greedy; "
+          f"queue of "
           f"{len(suite)} held-out prompts, budgets {n} and {max(1, n // 4)} alternating, {args.repeats} rounds")
     for b in sizes:
         for a, ref in (("ar_queue", "ar_static"), ("spec_queue", "spec_static")):
@@ -216,7 +285,7 @@ def policies(args, sizes: list[int]) -> int:
     from specpilot.policies import BatchTableController
     from specpilot.artifacts.grid import GridResult
 
-    pair = ModelPair.from_pretrained(draft="embedded")
+    pair = load_pair(args)
     n = args.max_new_tokens
     candidates = [tuple(int(x) for x in c.split(":")) for c in args.candidates.split(",")]
     deepest = max([d for d, _ in candidates] + [1])
@@ -244,7 +313,7 @@ def policies(args, sizes: list[int]) -> int:
     result = evaluate_batches(heldout, pair=pair, batch_sizes=sizes, tree=tree, controllers=controllers,
                               methods=["ltd"] if args.run else [], run_dir=args.run, max_new_tokens=n,
                               plan=RoundPlan.make(args.repeats), warmup=1)
-    print(f"{pair.name} (draft LM), {pair.device} {str(pair.dtype).replace('torch.', '')}, "
+    print(f"{pair.name} ({drafter_label(pair)}), {pair.device} {str(pair.dtype).replace('torch.', '')}, "
           f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}; greedy; "
           f"{len(heldout)} held-out prompts, {n} new tokens, {args.repeats} round(s), tree width 4")
     print(f"static configs from {source} ({sweep_s:.0f}s); batch table "
@@ -284,6 +353,10 @@ def main(argv=None) -> int:
                     "on a queue of --prompts prompts with ragged budgets")
     ap.add_argument("--depth0", action="store_true", help="FixedController(0, 0) via generate_batch vs batched AR, "
                     "and generate_batch vs generate at batch size 1, with intervals")
+    ap.add_argument("--drafter", choices=("draft", "eagle"), default="draft",
+                    help="the embedded pair's drafter: its draft LM (default) or its EAGLE-3 head")
+    ap.add_argument("--configs", default=None, help="DEPTH:SIZE,...: each via generate_batch vs batched AR per "
+                    "batch size, and vs generate at batch size 1 (see above)")
     ap.add_argument("--grid", default=None, help="--policies: grid.json with best and per_batch_size")
     ap.add_argument("--run", default=None, help="--policies: a trained run (adds ltd)")
     ap.add_argument("--prompts", type=int, default=4, help="--policies: held-out (and sweep) prompts")
@@ -291,13 +364,15 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default=None, help="--policies: B:DEPTH:SIZE,... per-batch table (skips the sweep)")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
+    if args.configs:
+        return configs(args, sizes)
     if args.policies:
         return policies(args, sizes)
     if args.depth0:
         return depth0(args, sizes)
     if args.queue:
         return queue(args, sizes)
-    pair = ModelPair.from_pretrained(draft="embedded")
+    pair = load_pair(args)
     suite = [pair.encode(p.prompt) for p in load_suite("heldout")]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
     n = args.max_new_tokens
@@ -326,7 +401,7 @@ def main(argv=None) -> int:
                 totals[name, b][1] += time.perf_counter() - t0
                 totals[name, b][0] += sum(len(t) for t in outputs[name])
             same_as_hf[b] &= outputs["batched_ar"] == outputs["hf_generate"]
-    print(f"{pair.name} (draft LM), cpu {str(pair.dtype).replace('torch.', '')}, "
+    print(f"{pair.name} ({drafter_label(pair)}), cpu {str(pair.dtype).replace('torch.', '')}, "
           f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}; greedy; "
           f"{args.repeats} rounds, {n} new tokens, tree width 4")
     print(f"{'batch':>5}  " + "  ".join(f"{name:>18}" for name in methods) + "   ratios to hf_generate   AR==HF")

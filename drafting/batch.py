@@ -23,7 +23,14 @@ are dropped from both caches (index_select on the batch dimension).
 Sampling (temperature > 0): every tree takes the drafter's top-W children (`TreeConfig.sampled_children` is not
 used) and each row is verified by `verify.accept_tree_sampled` (draw from the target's law at each node, descend
 while the draw is a child): exact per row. One generator serves the batch, rows drawing in row order.
-Scope: draft-LM pairs; an EAGLE-3 pair raises ValueError (its feature bookkeeping is not batched yet).
+EAGLE-3 heads. The drafter runs through `drafters.LMDrafter/EagleDrafter.forward_batch`, so a head drafts like a
+draft LM (its own RaggedCache, batched tree levels) with what a single-sequence session gives it per row: every
+target forward (prefill, plain step, verification) runs with output_hidden_states and each row keeps the aux states
+of its committed positions (the root and its accepted path; `drafters.FeatureBuffer`, as DecodingSession keeps
+them); a catch-up feed reads each fed token's preceding feature (fused once for the batch), the head's entry for
+committed token m sits at position m - 1 (`offset` 1: the first token has none), and tree nodes are fed their
+parent's output hidden (one [B, nodes, H] buffer: node ids are the same in every row's tree). A batch with a row
+whose whole context is one token cannot draft (`can_draft` False: one plain step gives it a feature).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ import torch
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, num_candidates, update_acceptance
+from specpilot.drafting.drafters import FeatureBuffer, aux_batch, fuse_aux, make_drafter
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput
@@ -61,11 +69,14 @@ def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list
 
 
 class RaggedCache:
-    """A batched DynamicCache whose rows hold different numbers of entries, with holes marked in `valid`."""
+    """A batched DynamicCache whose rows hold different numbers of entries, with holes marked in `valid`. The
+    target's is `RaggedCache(target, B, device)`; a drafter's `RaggedCache(None, B, device, drafter=...)` runs the
+    drafter's `forward_batch` (`specpilot.drafting.drafters`: a draft LM or an EAGLE-3 head)."""
 
-    def __init__(self, model, batch: int, device) -> None:
+    def __init__(self, model, batch: int, device, drafter=None) -> None:
         self.model = model
-        self.cache = new_cache(model)
+        self.drafter = drafter
+        self.cache = drafter.new_cache() if drafter is not None else new_cache(model)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
 
     @property
@@ -77,20 +88,42 @@ class RaggedCache:
         """One forward of `ids` [B, q] at `positions` [B, q]; each query sees the valid cached slots plus the new
         slots `new_mask` [B, q, q] allows; holes (query_valid False) see only themselves. Appends the q slots
         (valid where query_valid). Returns logits [B, q or logits_to_keep, V]."""
+        return self.forward_out(ids, positions, new_mask, query_valid, logits_to_keep)[0]
+
+    def forward_out(self, ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor,
+                    query_valid: torch.Tensor, logits_to_keep: int = 0, *, hidden: torch.Tensor | None = None,
+                    output_hidden_states: bool = False) -> tuple[torch.Tensor, object]:
+        """`forward`, also returning what an EAGLE pair needs: (logits, the target's hidden_states tuple when
+        output_hidden_states, a head's output hidden [B, q or logits_to_keep, H] when `hidden` [B, q, H] is fed to
+        one, else None)."""
         b, q = ids.shape
         new_mask = new_mask & query_valid[:, None, :]
         new_mask |= torch.eye(q, dtype=torch.bool, device=ids.device)[None]  # every query sees itself
         old = (self.valid[:, None, :] & query_valid[:, :, None]).expand(b, q, self.length)
         mask = torch.cat([old, new_mask], dim=2)[:, None]                   # [B, 1, q, L + q]
-        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
-                         use_cache=True, **kwargs)
+        if self.drafter is not None:
+            logits, extra = self.drafter.forward_batch(ids, hidden, positions, mask, self.cache,
+                                                       logits_to_keep=logits_to_keep)
+        else:
+            kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+            if output_hidden_states:
+                kwargs["output_hidden_states"] = True
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                             use_cache=True, **kwargs)
+            logits, extra = out.logits, (out.hidden_states if output_hidden_states else None)
         self.valid = torch.cat([self.valid, query_valid], dim=1)
-        return out.logits
+        return logits, extra
 
     def feed(self, rows: list[list[int]], starts: list[int], device, logits_to_keep: int = 0) -> torch.Tensor | None:
         """Append each row's tokens causally (left-padded to the longest, so every row's last token is the last
         column); row b's first token sits at position starts[b]. None when no row has a token."""
+        out = self.feed_out(rows, starts, device, logits_to_keep)
+        return None if out is None else out[0]
+
+    def feed_out(self, rows: list[list[int]], starts: list[int], device, logits_to_keep: int = 0, *,
+                 hidden: list[torch.Tensor] | None = None, output_hidden_states: bool = False) -> tuple | None:
+        """`feed` returning `forward_out`'s pair; `hidden` (an EAGLE head) gives each row's [len(row), H] inputs,
+        left-padded with zeros like the tokens. None when no row has a token."""
         width = max(len(r) for r in rows)
         if width == 0:
             return None
@@ -103,8 +136,16 @@ class RaggedCache:
                 positions[b, width - len(tokens):] = torch.arange(start, start + len(tokens))
                 query_valid[b, width - len(tokens):] = True
         causal = torch.ones(width, width, dtype=torch.bool).tril()[None].expand(len(rows), width, width)
-        return self.forward(ids.to(device), positions.to(device), causal.to(device).clone(), query_valid.to(device),
-                            logits_to_keep)
+        padded = None
+        if hidden is not None:
+            like = next(h for h in hidden if h.shape[0])
+            padded = like.new_zeros(len(rows), width, like.shape[-1])
+            for b, h in enumerate(hidden):
+                if h.shape[0]:
+                    padded[b, width - h.shape[0]:] = h
+        return self.forward_out(ids.to(device), positions.to(device), causal.to(device).clone(),
+                                query_valid.to(device), logits_to_keep, hidden=padded,
+                                output_hidden_states=output_hidden_states)
 
     def crop(self, length: int) -> None:
         excess = self.length - length
@@ -208,15 +249,20 @@ def prefill_rows(model, rows: list, device) -> RaggedCache:
 
 
 def plain_step(cache: RaggedCache, rows: list, device, sampling: tuple | None = None,
-               generator: torch.Generator | None = None) -> list[int]:
+               generator: torch.Generator | None = None, on_hidden=None) -> list[int]:
     """One batched target step: every row's last committed token through `cache` (one forward, one query per row),
     the next token per row (greedy, or drawn at `sampling` = (temperature, top_k, top_p)). Batched AR and the
-    speculative batch's depth-0 cycle both step with this, so "don't speculate" costs what batched AR costs."""
+    speculative batch's depth-0 cycle both step with this, so "don't speculate" costs what batched AR costs.
+    on_hidden (an EAGLE pair's session): called with the forward's hidden_states (output_hidden_states on)."""
     b = len(rows)
     roots = torch.tensor([[r.committed[-1]] for r in rows], dtype=torch.long, device=device)
     positions = torch.tensor([[len(r.committed) - 1] for r in rows], dtype=torch.long, device=device)
     ones = torch.ones(b, 1, dtype=torch.bool, device=device)
-    logits = cache.forward(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1)[:, -1]
+    logits, hidden_states = cache.forward_out(roots, positions, ones[:, :, None].clone(), ones, logits_to_keep=1,
+                                              output_hidden_states=on_hidden is not None)
+    logits = logits[:, -1]
+    if on_hidden is not None:
+        on_hidden(hidden_states)
     if sampling is None:
         return logits.argmax(dim=-1).tolist()
     probs = sampling_probs(logits, *sampling)
@@ -236,7 +282,8 @@ class _Row:
         self.token_times: list[float] = []
         self.finished_by: str | None = None
         self.acceptance = 1.0
-        self.draft_committed = 0        # committed tokens the draft cache holds entries for
+        self.draft_committed = 0        # committed tokens the drafter has accounted for (entries: minus its offset)
+        self.features = FeatureBuffer()  # EAGLE: the target's aux states of committed positions the head will read
         self.tree: DraftTree | None = None
         self.fed = 0
         self.start = 0.0                # clock reading when its decoding started (after its prefill)
@@ -276,8 +323,12 @@ class BatchSession:
         self.max_batch = len(self.rows) if max_batch is None else check_int("max_batch", max_batch, minimum=1)
         self.active: list[_Row] = self.rows[: self.max_batch]
         self.queue: list[_Row] = self.rows[self.max_batch:]    # continuous batching: admitted as rows finish
+        self.drafter = make_drafter(pair)
+        self.needs_features = self.drafter.needs_features
+        self.offset = self.drafter.offset
         self.target = RaggedCache(pair.target, len(self.active), self.device)
-        self.draft = RaggedCache(pair.draft, len(self.active), self.device)
+        self.draft = RaggedCache(None, len(self.active), self.device, drafter=self.drafter)
+        self._node_hidden: torch.Tensor | None = None  # EAGLE: [B, capacity, H] the hidden each node is fed with
         self._depth = 0
         self._draft_start = 0           # draft cache length before this cycle's tree nodes
         self._drafted = False           # the draft has been fed (a cycle drafted, or prefill_draft)
@@ -294,9 +345,47 @@ class BatchSession:
         (`_start_trees`) prefills it then, so a batch that never drafts costs exactly batched AR."""
         with torch.inference_mode():
             t0 = self.clock.now()
-            rows = [r.committed[:-1] for r in self.active]
-            self.target.feed(rows, [0] * len(rows), self.device, logits_to_keep=1)
+            self.target = self._prefill_target(self.active)
             return self.clock.now() - t0
+
+    def _prefill_target(self, rows: list[_Row]) -> RaggedCache:
+        """A target RaggedCache holding these rows' committed[:-1] (one ragged forward); with an EAGLE head each row
+        keeps the forward's aux states of its tokens (features from position 0)."""
+        cache = RaggedCache(self.pair.target, len(rows), self.device)
+        feeds = [r.committed[:-1] for r in rows]
+        out = cache.feed_out(feeds, [0] * len(rows), self.device, logits_to_keep=1,
+                             output_hidden_states=self.needs_features)
+        if self.needs_features and out is not None:
+            aux = aux_batch(self.pair, out[1])
+            width = aux.shape[1]
+            for b, (row, tokens) in enumerate(zip(rows, feeds)):
+                if tokens:
+                    row.features.keep(aux[b, width - len(tokens):], 0)
+        return cache
+
+    def _feed_draft(self, cache: RaggedCache, rows: list[_Row], *, to_root: bool) -> tuple | None:
+        """Catch each row's drafter up on committed[draft_committed:] (to_root) or up to committed[:-1] (one ragged
+        forward, logits of the last column). An EAGLE head's entries are the tokens that have a preceding target
+        feature, fed with it (fused once for the batch), at position token index - 1. Returns (logits [B, 1, V],
+        output hidden [B, 1, H] or None), or None when no row had an entry."""
+        tokens, starts, feats = [], [], []
+        for row in rows:
+            new = row.committed[row.draft_committed: None if to_root else len(row.committed) - 1]
+            entries = new[max(0, self.offset - row.draft_committed):]
+            tokens.append(entries)
+            starts.append(max(0, row.draft_committed - self.offset))
+            if self.needs_features and new:  # as DecodingSession._features_for: the next fed token reads `end`
+                feats.append(row.features.take(row.draft_committed + len(new) - 1, len(entries)))
+            elif self.needs_features:
+                feats.append(None)
+            row.draft_committed += len(new)
+        hidden = None
+        if self.needs_features and any(t for t in tokens):
+            parts = [f for f in feats if f is not None]
+            fused = fuse_aux(self.pair, torch.cat(parts) if len(parts) > 1 else parts[0])
+            split = iter(torch.split(fused, [f.shape[0] for f in parts]))
+            hidden = [next(split) if f is not None else fused[:0] for f in feats]
+        return cache.feed_out(tokens, starts, self.device, logits_to_keep=1, hidden=hidden)
 
     def prefill_draft(self) -> float:
         """Catch every live row's draft up to committed[:-1] now (one ragged forward; returns its seconds): what the
@@ -304,10 +393,7 @@ class BatchSession:
         only (envs/profile.py's batch profile), as a single-sequence session's prefill gives them."""
         with torch.inference_mode():
             t0 = self.clock.now()
-            self.draft.feed([r.committed[r.draft_committed:-1] for r in self.active],
-                            [r.draft_committed for r in self.active], self.device, logits_to_keep=1)
-            for r in self.active:
-                r.draft_committed = len(r.committed) - 1
+            self._feed_draft(self.draft, self.active, to_root=False)
             self._drafted = True
             return self.clock.now() - t0
 
@@ -320,15 +406,14 @@ class BatchSession:
         self.queue = self.queue[len(take):]
         t0 = self.clock.now()
         self.target.compact()
-        self.target.append_rows(prefill_rows(self.pair.target, take, self.device))
+        self.target.append_rows(self._prefill_target(take))
         # a batch that has drafted prefills the newcomers' draft now, over them only (else the next drafting
         # cycle's catch-up would pad every row to a whole prompt); one that never drafted never pays for it
-        drafted = self._drafted
         self.draft.compact()
-        self.draft.append_rows(prefill_rows(self.pair.draft, take, self.device) if drafted
-                               else RaggedCache(self.pair.draft, len(take), self.device))
-        for r in take if drafted else ():
-            r.draft_committed = len(r.committed) - 1
+        newcomers = RaggedCache(None, len(take), self.device, drafter=self.drafter)
+        if self._drafted:
+            self._feed_draft(newcomers, take, to_root=False)
+        self.draft.append_rows(newcomers)
         now = self.clock.now()
         for r in take:
             r.start, r.prefill_s = now, now - t0
@@ -357,7 +442,9 @@ class BatchSession:
 
     @property
     def can_draft(self) -> bool:
-        return True  # a draft LM can always draft
+        """A draft LM always can; an EAGLE head needs a target feature before every row's root (False while some
+        row's whole context is one token: the cycle is a plain step)."""
+        return self.offset == 0 or all(len(r.committed) > self.offset for r in self.active)
 
     def add_policy_time(self, seconds: float) -> None:
         self._policy_s += seconds
@@ -415,16 +502,18 @@ class BatchSession:
         return state
 
     def _start_trees(self) -> None:
-        unseen = [r.committed[r.draft_committed:] for r in self.active]
-        starts = [r.draft_committed for r in self.active]
-        logits = self.draft.feed(unseen, starts, self.device, logits_to_keep=1)[:, -1]    # [B, V]
+        fed = [len(r.committed) - r.draft_committed for r in self.active]
+        logits, hidden = self._feed_draft(self.draft, self.active, to_root=True)
         self._draft_start = self.draft.length
         self._drafted = True
-        logq = torch.log_softmax(logits.float(), dim=-1)
-        values, tokens = torch.topk(logq, self.width, dim=-1)                             # [B, W]
+        logq = torch.log_softmax(logits[:, -1].float(), dim=-1)                          # [B, V_draft]
+        values, local = torch.topk(logq, self.width, dim=-1)                              # [B, W]
+        tokens = self.drafter.to_target(local)
+        if hidden is not None:  # level 1's nodes are fed the root's output hidden
+            self._node_hidden = hidden.new_empty(len(self.active), self.capacity, hidden.shape[-1])
+            self._node_hidden[:, : self.width] = hidden[:, -1:]
         for b, row in enumerate(self.active):
-            row.fed = len(unseen[b])
-            row.draft_committed = len(row.committed)
+            row.fed = fed[b]
             tree = DraftTree.empty(self.capacity, self.device)
             tree.frontier = tree.add_level(tokens[b], torch.full_like(tokens[b], -1), values[b])
             row.tree = tree
@@ -436,8 +525,8 @@ class BatchSession:
         frontiers = [t.frontier for t in trees]
         n = int(frontiers[0].numel())
         ids = torch.stack([t.tokens[f] for t, f in zip(trees, frontiers)])               # [B, n]
-        positions = torch.stack([torch.full((n,), len(r.committed) - 1 + r.tree.depth, dtype=torch.long,
-                                            device=self.device) for r in self.active])
+        positions = torch.stack([torch.full((n,), len(r.committed) - 1 - self.offset + r.tree.depth,
+                                            dtype=torch.long, device=self.device) for r in self.active])
         # each node sees the committed slots, its fed ancestors and itself (tree-node slots start at _draft_start)
         fed_masks, new_masks = [], []
         for r, f in zip(self.active, frontiers):
@@ -448,10 +537,16 @@ class BatchSession:
         query_valid = torch.ones(b, n, dtype=torch.bool, device=self.device)
         committed = self.draft.valid[:, : self._draft_start]                                # holes stay masked
         mask_old = torch.cat([committed[:, None, :].expand(b, n, self._draft_start), fed_mask], dim=2)
-        logits = self._tree_forward(ids, positions, mask_old, torch.stack(new_masks))
+        hidden = None
+        if self._node_hidden is not None:  # each node is fed its parent's output hidden
+            index = torch.stack(frontiers)                                                 # [B, n]
+            hidden = self._node_hidden.gather(1, index[:, :, None].expand(-1, -1, self._node_hidden.shape[-1]))
+        mask = torch.cat([mask_old, torch.stack(new_masks)], dim=2)[:, None]
+        logits, out = self.drafter.forward_batch(ids, hidden, positions, mask, self.draft.cache)
         self.draft.valid = torch.cat([self.draft.valid, query_valid], dim=1)
-        logq = torch.log_softmax(logits.float(), dim=-1)                                   # [B, n, V]
-        values, tokens = torch.topk(logq, self.width, dim=-1)                             # [B, n, W]
+        logq = torch.log_softmax(logits.float(), dim=-1)                                   # [B, n, V_draft]
+        values, local = torch.topk(logq, self.width, dim=-1)                              # [B, n, W]
+        tokens = self.drafter.to_target(local)
         k = self.width
         for bi, (row, tree, frontier) in enumerate(zip(self.active, trees, frontiers)):
             row.fed_nodes = torch.cat([row.fed_nodes, frontier])
@@ -462,13 +557,9 @@ class BatchSession:
             if bi == 0:
                 best = int(torch.argmax(cumulative.reshape(-1)))
                 self._record_features(logq[0, best // k], float(values[0].reshape(-1)[best]))
-
-    def _tree_forward(self, ids, positions, mask_old, mask_new) -> torch.Tensor:
-        """A draft forward whose mask over the cached slots is given in full ([B, q, L])."""
-        mask = torch.cat([mask_old, mask_new], dim=2)[:, None]
-        out = self.pair.draft(input_ids=ids, attention_mask=mask, position_ids=positions, cache=self.draft.cache,
-                              use_cache=True)
-        return out.logits
+                level_ids = new_ids  # the same ids in every row's tree (every level has n * W nodes)
+        if out is not None:
+            self._node_hidden[:, level_ids] = out.repeat_interleave(k, dim=1)
 
     def rank_candidates(self) -> None:
         with torch.inference_mode():
@@ -528,7 +619,13 @@ class BatchSession:
     def _verify_plain(self) -> list[tuple[int, list[int]]]:
         """Every row's root through the target (one token each): batched autoregressive decoding, the very step
         `autoregressive_generate_batch` takes (`plain_step`)."""
-        tokens = plain_step(self.target, self.active, self.device, self.sampling, self.generator)
+        keep = None
+        if self.needs_features:
+            def keep(hidden_states):
+                aux = aux_batch(self.pair, hidden_states)                                   # [B, 1, 3 * H]
+                for b, row in enumerate(self.active):
+                    row.features.keep(aux[b], len(row.committed) - 1)
+        tokens = plain_step(self.target, self.active, self.device, self.sampling, self.generator, on_hidden=keep)
         return [(0, [t]) for t in tokens]
 
     def _verify_trees(self, size: int) -> list[tuple[int, list[int]]]:
@@ -547,7 +644,9 @@ class BatchSession:
             positions.append(len(r.committed) - 1 + depths)
         start = self.target.length
         query_valid = torch.ones(len(blocks), q, dtype=torch.bool, device=self.device)
-        logits = self.target.forward(ids, torch.stack(positions), torch.stack(masks), query_valid)
+        logits, hidden_states = self.target.forward_out(ids, torch.stack(positions), torch.stack(masks), query_valid,
+                                                        output_hidden_states=self.needs_features)
+        aux = aux_batch(self.pair, hidden_states) if self.needs_features else None          # [B, q, 3 * H]
         results, keep = [], []
         for b, blk in enumerate(blocks):
             if self.sampling is None:
@@ -556,6 +655,11 @@ class BatchSession:
                 path, bonus = accept_tree_sampled(blk, logits[b], self.sampling, self.generator)
             keep.append([0] + path)
             results.append((len(path), [blk.tokens[i] for i in path] + [bonus]))
+        if aux is not None:  # each row's root's and accepted nodes' features (the bonus token has none yet): one gather
+            rows = torch.tensor([b for b, k in enumerate(keep) for _ in k], dtype=torch.long, device=aux.device)
+            cols = torch.tensor([c for k in keep for c in k], dtype=torch.long, device=aux.device)
+            for row, part in zip(self.active, torch.split(aux[rows, cols], [len(k) for k in keep])):
+                row.features.keep(part, len(row.committed) - 1)
         self.target.keep_tail(start, keep)
         return results
 

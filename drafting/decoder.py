@@ -22,7 +22,7 @@ from specpilot.drafting.checks import check_context, check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, update_acceptance
-from specpilot.drafting.drafters import aux_states, fuse_aux, make_drafter
+from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, make_drafter
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sample, sampling_probs
 from specpilot.drafting.timing import Clock
@@ -79,10 +79,9 @@ class DecodingSession:
                                    sample=self.sampling is not None and tree.sampled_children)
         self.needs_features = self.drafter.drafter.needs_features
         self.target_cache = new_cache(pair.target)
-        # EAGLE: the target's aux hidden states of positions _features_at.., kept unfused: the fc runs once per cycle
-        # over the rows the head reads, so a streak of plain steps costs no head work (~4% of a step on CPU)
-        self._features: list[torch.Tensor] = []
-        self._features_len = self._features_at = 0
+        # EAGLE: the target's aux hidden states, kept unfused: the fc runs once per cycle over the rows the head
+        # reads, so a streak of plain steps costs no head work (~4% of a step on CPU)
+        self._features = FeatureBuffer()
         self._draft_s = self._policy_s = 0.0
         self._level_s: list[float] = []
         self._fed = 0
@@ -106,12 +105,7 @@ class DecodingSession:
         """Append the aux states of the target forward's `rows` (all when None), the first at `position`."""
         if not self.needs_features:
             return
-        new = aux_states(self.pair, out.hidden_states, rows)
-        if not self._features:
-            self._features_at = position
-        assert position == self._features_at + self._features_len, "features must stay contiguous"
-        self._features.append(new)  # joined when the drafter reads them: no copy per plain step
-        self._features_len += new.shape[0]
+        self._features.keep(aux_states(self.pair, out.hidden_states, rows), position)
 
     def _features_for(self, tokens: list[int]) -> torch.Tensor | None:
         """Features the drafter needs to feed these next committed tokens (each entry reads the feature of the
@@ -121,12 +115,7 @@ class DecodingSession:
         # entry for committed token j reads the feature at position j - 1: the last of these tokens (index `end`)
         # reads end - 1, the first of the n with an entry reads end - n; the next token will read `end`
         end = self.drafter.committed + len(tokens) - 1
-        at = self._features_at
-        kept = torch.cat(self._features) if len(self._features) > 1 else self._features[0]
-        rows = kept[end - self.drafter.entries(tokens) - at: end - at]
-        rest = kept[end - at:]
-        self._features, self._features_len, self._features_at = [rest], rest.shape[0], end
-        return fuse_aux(self.pair, rows)
+        return fuse_aux(self.pair, self._features.take(end, self.drafter.entries(tokens)))
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
@@ -376,12 +365,10 @@ class SpeculativeDecoder:
         max_new_tokens: one int, or one per prompt. max_batch: decode at most this many at once, refilling a
         finished row's place from the remaining prompts in order (continuous batching of a prompt queue; None:
         all at once). Returns one GenerationOutput per prompt, in prompt order (an admitted prompt's prefill_s
-        and token_times count from its own admission). Draft-LM pairs only, for now; at temperature > 0 the trees
-        take top-W children (exact per row)."""
+        and token_times count from its own admission). Either drafter: a draft LM or an EAGLE-3 head (per-row target
+        features); at temperature > 0 the trees take top-W children (exact per row)."""
         from specpilot.drafting.batch import BatchSession, batch_inputs
 
-        if self.pair.eagle is not None:
-            raise ValueError("generate_batch supports draft-LM pairs only; an EAGLE-3 pair decodes with generate()")
         if controller is None:
             controller = FixedController(device=str(self.pair.device))
         _check_sampling(1, temperature, top_k, top_p, seed)

@@ -15,7 +15,13 @@ The tree drafter (`drafting/tree.py`) only ever calls:
 
 `target_features(pair, hidden_states, rows)` turns a target forward's `output_hidden_states` into what an EAGLE
 drafter consumes (None for an LM drafter, which needs nothing from the target); `aux_states` + `fuse_aux` are its two
-halves, so a session can keep the cheap half and fuse only what the head reads.
+halves, so a session can keep the cheap half and fuse only what the head reads. `FeatureBuffer` is that bookkeeping
+for one sequence (the single-sequence session keeps one, the batch one per row); `aux_batch` is the batched
+`aux_states` ([B, q, 3 * H_target]).
+
+Batched drafting (`drafting/batch.py`) calls `drafter.forward_batch(tokens [B, q], hidden [B, q, H] | None,
+position_ids [B, q], attention_mask [B, 1, q, L + q], cache)` -> (raw logits [B, q, V_draft], output hidden
+[B, q, H] or None): the same models, batched, with per-row 4-D masks and positions.
 """
 from __future__ import annotations
 
@@ -45,6 +51,12 @@ class LMDrafter:
         logits = self.model(input_ids=tokens, cache=cache, use_cache=True, **kwargs).logits[0]
         return torch.log_softmax(logits.float(), dim=-1), None
 
+    def forward_batch(self, tokens, hidden, position_ids, attention_mask, cache, *, logits_to_keep: int = 0):
+        kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+        out = self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         use_cache=True, **kwargs)
+        return out.logits, None
+
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
@@ -65,11 +77,16 @@ class EagleDrafter:
 
     def forward(self, tokens, hidden, position_ids, attention_mask, cache, *, last_only: bool = False):
         logits, out = self.head(tokens, hidden, position_ids=position_ids, attention_mask=attention_mask,
-                                cache=cache)
+                                cache=cache, logits_to_keep=1 if last_only else 0)
         logits, out = logits[0], out[0]
         if last_only:
-            logits, out = logits[-1:], out[-1:]
+            out = out[-1:]
         return torch.log_softmax(logits, dim=-1), out
+
+    def forward_batch(self, tokens, hidden, position_ids, attention_mask, cache, *, logits_to_keep: int = 0):
+        logits, out = self.head(tokens, hidden, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                                logits_to_keep=logits_to_keep)
+        return logits, (out[:, -logits_to_keep:] if logits_to_keep else out)
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(ids)
@@ -90,6 +107,44 @@ def aux_states(pair, hidden_states, rows: torch.Tensor | list[int] | None = None
     if rows is None:
         return torch.cat([hidden_states[i][0] for i in head.aux_layer_ids], dim=-1)
     return torch.cat([hidden_states[i][0, rows] for i in head.aux_layer_ids], dim=-1)
+
+
+def aux_batch(pair, hidden_states) -> torch.Tensor | None:
+    """Every row's and query's aux-layer states of a batched target forward, concatenated: [B, q, 3 * H_target]
+    (None without a head). Rows then keep their own slices (`FeatureBuffer.keep`)."""
+    head = getattr(pair, "eagle", None)
+    if head is None:
+        return None
+    return torch.cat([hidden_states[i] for i in head.aux_layer_ids], dim=-1)
+
+
+class FeatureBuffer:
+    """One sequence's target aux states of the contiguous positions at.., kept unfused until the head reads them
+    (the fc runs once per cycle over the rows the head reads, so a streak of plain steps costs no head work)."""
+
+    __slots__ = ("parts", "length", "at")
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.length = self.at = 0
+
+    def keep(self, new: torch.Tensor, position: int) -> None:
+        """Append aux states [k, 3 * H_target] of positions position..position + k - 1."""
+        if not self.parts:
+            self.at = position
+        assert position == self.at + self.length, "features must stay contiguous"
+        self.parts.append(new)  # joined when the drafter reads them: no copy per plain step
+        self.length += new.shape[0]
+
+    def take(self, end: int, count: int) -> torch.Tensor:
+        """The aux states of positions end - count .. end - 1 (unfused), forgetting every position before `end`
+        (the head's entry for committed token j reads the feature at j - 1: the next token fed reads `end`)."""
+        at = self.at
+        kept = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+        rows = kept[end - count - at: end - at]
+        rest = kept[end - at:]
+        self.parts, self.length, self.at = [rest], rest.shape[0], end
+        return rows
 
 
 def fuse_aux(pair, aux: torch.Tensor) -> torch.Tensor:

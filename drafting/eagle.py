@@ -263,12 +263,13 @@ class Eagle3Head(nn.Module):
         return self.fc(feats.to(self.fc.weight.dtype))
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, *, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor | None = None, cache: DynamicCache | None = None,
+                logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [b, n], hidden [b, n, H] (fused target features or the head's own outputs),
         position_ids [b, n]; attention_mask 4-D bool [b|1, 1, n, past + n] (True = may attend) or None for
         causal attention after the cached prefix. Appends n positions to `cache`.
-        Returns (float draft logits [b, n, draft_vocab_size], output hidden [b, n, H])."""
+        Returns (float draft logits [b, n, draft_vocab_size], output hidden [b, n, H]); logits_to_keep k > 0: the
+        logits of the last k positions only (a catch-up feed reads its last; the lm_head skips the rest)."""
         b, n = input_ids.shape
         past = cache.get_seq_length() if cache is not None else 0
         mask = self._mask(attention_mask, b, n, past, input_ids.device)
@@ -279,7 +280,8 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rotary_emb(x, position_ids)
         h = hidden + layer.self_attn(x, cos, sin, mask, cache)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h)).float(), h
+        kept = h[:, -logits_to_keep:] if logits_to_keep else h
+        return self.lm_head(self.norm(kept)).float(), h
 
     @staticmethod
     def _mask(mask: torch.Tensor | None, b: int, n: int, past: int, device) -> torch.Tensor | None:

@@ -73,9 +73,6 @@ def batch_methods(ctx: EvalContext, methods: list[str] | None, controllers: dict
     ({name: Controller or (Controller, TreeConfig)}); returns (methods, {skipped name: reason})."""
     from specpilot.drafting.batch import autoregressive_generate_batch
 
-    if ctx.pair.eagle is not None:
-        raise ValueError("batched decoding supports draft-LM pairs only; this pair drafts with an EAGLE-3 head: "
-                         "evaluate with --draft (e.g. --draft embedded)")
     names = [n for n in (methods if methods is not None else []) if n not in UNBATCHED]
     built, skipped = build_methods(names, ctx)
     skipped.update({n: "no batched implementation (transformers' generate)" for n in (methods or [])

@@ -243,9 +243,6 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     from specpilot.eval.suites import prompt_mix
 
     pair = load_pair(args)
-    if pair.eagle is not None:
-        raise ValueError("--batch-sizes decodes with a draft LM; this pair drafts with an EAGLE-3 head: add "
-                         "--draft (e.g. --draft embedded)")
     check_inputs_pair(pair.identity(), run_dir=args.run_dir, grid=args.grid)
     ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
     for note in check_prompt_lengths(plan.prompts, ids, context=pair.max_context, max_new_tokens=args.max_new_tokens,

@@ -197,17 +197,6 @@ def test_sampled_law_per_sequence(width, depth, size, sampling, alternate, max_b
         assert tv < 0.5 * math.sqrt(len(law) / n) + 0.035, (k, tv)
 
 
-def test_eagle_pair_refused_by_generate_batch_but_decodes_target_only():
-    from test_eagle_decoder import random_head
-
-    target = tiny_model(vocab=96, hidden=32, layers=4)
-    pair = ModelPair(target, eagle=random_head(target))
-    with pytest.raises(ValueError, match="draft-LM pairs only"):
-        SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(PROMPTS)
-    outs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=8)
-    assert [o.tokens for o in outs] == [autoregressive_generate(pair, p, max_new_tokens=8).tokens for p in PROMPTS]
-
-
 def test_depth0_batch_is_batched_ar_op_for_op():
     """"Don't speculate" through generate_batch costs what batched AR costs: the draft is never run (its prefill
     waits for the first cycle that drafts) and the target runs exactly the forwards autoregressive_generate_batch
