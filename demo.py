@@ -109,6 +109,7 @@ class DemoBudget:
     eval_budget_s: float = 540.0
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
+    eval_sampled_min_rounds: int = 1
     check_rounds: int = 3
     sampled_depth_steps: int = 2048
     sampled_size_steps: int = 512
@@ -134,7 +135,7 @@ STAGE_FIELDS = {
               "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs",
               "seeds"),
     "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
-             "eval_full_rounds"),
+             "eval_full_rounds", "eval_sampled_min_rounds"),
     "export": (),
 }
 
@@ -299,6 +300,7 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
                        read_json(run_dir / PROFILE_CHECK, what="profile check", fix="run the demo's grid stage again")}
                       if (run_dir / PROFILE_CHECK).is_file() else None),
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
+        sampled_min_rounds=budget.eval_sampled_min_rounds,
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
         progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
