@@ -110,6 +110,7 @@ class DemoBudget:
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
     eval_sampled_min_rounds: int = 1
+    eval_replay_only: tuple[str, ...] = ("fixed", "depth_only", "size_only")
     check_rounds: int = 3
     sampled_depth_steps: int = 2048
     sampled_size_steps: int = 512
@@ -135,7 +136,7 @@ STAGE_FIELDS = {
               "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs",
               "seeds"),
     "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
-             "eval_full_rounds", "eval_sampled_min_rounds"),
+             "eval_full_rounds", "eval_sampled_min_rounds", "eval_replay_only"),
     "export": (),
 }
 
@@ -292,6 +293,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
 
 def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) -> dict:
     from specpilot.eval.full import full_evaluation
+    from specpilot.eval.methods import METHODS
 
     result, paths = full_evaluation(
         heldout, executor=executor, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
@@ -300,7 +302,8 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
                        read_json(run_dir / PROFILE_CHECK, what="profile check", fix="run the demo's grid stage again")}
                       if (run_dir / PROFILE_CHECK).is_file() else None),
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
-        sampled_min_rounds=budget.eval_sampled_min_rounds,
+        sampled_min_rounds=budget.eval_sampled_min_rounds, replay_only=list(budget.eval_replay_only),
+        methods=[m for m in METHODS if m not in budget.eval_replay_only],
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
         progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
