@@ -188,8 +188,9 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
     which every method runs, later rounds run `ar` and the `decide` pair (None: all rounds); sampled_min_rounds:
     min_rounds at temperatures > 0 (None: min_rounds); repeats: the old name of a fixed `rounds`.
     sampled_methods: the methods run at temperatures > 0 (default: all; `ar` always runs, it is the reference).
-    Returns rows (task x language x method x temperature x concurrency, each speedup with its paired interval, tagged with the worker and device that measured it), the paired analysis,
-    a meta block (meta["workers"], meta["executor"]: which worker ran which prompts) and the raw records."""
+    Returns rows (task x language x method x temperature x concurrency, each speedup with its paired interval,
+    tagged with the worker and device that measured it), the paired analysis, a meta block (meta["workers"],
+    meta["executor"]: which worker ran which prompts) and the raw records."""
     if not prompts or warmup < 0 or concurrency < 1:
         raise ValueError("need prompts, concurrency >= 1 and warmup >= 0" if prompts else "no prompts to evaluate")
     plan = RoundPlan.make(repeats if repeats is not None else rounds, min_rounds=min_rounds, max_rounds=max_rounds,
