@@ -82,13 +82,13 @@ class DemoBudget:
       fine-tuning, 2048 depth + 512 size live cycles, and its off-switch check [8.4 min measured];
     - eval: 30 held-out prompts (5 per code group, the fewest a group verdict needs; the headline interval
       resamples prompts, so prompts, not rounds, narrow it) [the greedy trace 30 x 2.5 s ~1.3 min, the profile
-      ~0.2 min, T=0 round 1 with 9 live methods 30 x 9 x 0.75 s ~3.4 min (fixed, depth_only and size_only are
-      replayed, `eval_replay_only`: they were 3 more live generations per prompt, ~1.1 min), round 2 (ar, ltd,
-      grid) ~1.05 min, T=1 one round of ar + sampled_methods 30 x 4 x 0.8 s ~1.6 min (its second round was
-      ~1.2 min), warm-ups, replay and report ~0.3 min: ~7.8 min]; eval_budget_s 480 is about that floor, so
-      later rounds run only on a faster machine.
-    Total ~23.4 minutes quiet (estimated from unit costs, not yet measured in one run): record 4.3 + grid 2.8 +
-    train 8.4 + eval 7.8 + export and model load ~0.1. Measured once before these cuts (06ba190): 31.1 min with
+      ~0.2 min, T=0 round 1 with 9 live methods ~3.5 min (it was 4.5 with 12: fixed, depth_only and size_only
+      are replayed instead, `eval_replay_only`, ~0.6 s a generation each), round 2 (ar, ltd, grid) ~1.05 min, T=1
+      one round of ar + sampled_methods 30 x 4 x 0.8 s ~1.6 min (its second round was ~1.2 min), warm-ups,
+      replay and report ~0.3 min: ~8.0 min]; eval_budget_s 480 is about that floor, so later rounds run only on
+      a faster machine.
+    Total ~23.6 minutes quiet (estimated from unit costs, not yet measured in one run): record 4.3 + grid 2.8 +
+    train 8.4 + eval 8.0 + export and model load ~0.1. Measured once before these cuts (06ba190): 31.1 min with
     record 9.6 min (slowed ~10x for its first minutes by a concurrent test run; ~5.3 quiet), grid 2.8, train 8.4,
     eval 10.2.
     """
