@@ -120,7 +120,7 @@ class DraftTree:
             values, ids = torch.sort(self.scores[: self.size], descending=True, stable=True)
             self._ranking, self._ranked_size = (values, ids), self.size
             # taken here, beside the sort (drafting time): a size policy then reads numpy without a conversion
-            # (a tensor's .numpy() right after a model forward measured ~40 us, as much as the policy's forward)
+            # (measured: the PPO size decision 86 -> 57 us of CPU time, median, at 1 thread on the demo's policies)
             self._sorted_view = values.numpy() if self.scores_view is not None else None
         return self._ranking
 
