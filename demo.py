@@ -51,6 +51,9 @@ class DemoBudget:
     eval_budget_s / eval_rounds / eval_full_rounds: the eval stage's wall-time budget (trace, profile, live
         rounds, replay, report), its rounds ("auto": until ltd vs grid is resolved to +-1.5% or the budget is
         spent, at least 2) and how many rounds run every method (later rounds run ar, ltd and grid only);
+    eval_sampled_min_rounds: the least rounds at T > 0 (the headline is greedy; intervals resample prompts);
+    eval_replay_only: controller methods evaluated in exact replay of the held-out trace instead of live (the
+        ablations and the default config: not in the verdicts, and replay costs no generation);
     check_rounds: rounds of the live measurement that checks the latency profile before the grid search;
     sampled_depth_steps / sampled_size_steps: live PPO steps of the policies fine-tuned at each temperature > 0 of
         `temperatures` (replay models greedy decoding only; the grid measures its candidates live there too);
@@ -64,26 +67,30 @@ class DemoBudget:
         `--quick` trains 1 seed (no aggregate over seeds).
 
     Time (the full run must fit ~25 minutes on a quiet 2-core CPU). Unit costs of the embedded pair (fp32, 2
-    threads), estimated from a quiet full run (README: 20.6 min on the old suite) and a loaded one: a recorded
-    trace position (the full W=4 depth-8 tree) ~40 ms, a 64-token generation ~1 s, PPO in replay ~500-1000 env
-    steps/s. The loaded run (4 other jobs) at the old defaults (96 tokens, 1 seed, eval_budget_s=840) spent
-    record 12.4 min, grid 5.8, train 13.0 (8.6 of them the live T=1 fine-tuning) and was stopped at 44 min in
-    the eval (greedy trace 286 s, first round 450 s). The evaluation's floor is not eval_budget_s: every prompt runs at least two rounds per
-    temperature, the first with every method (12 at T=0, ar + sampled_methods at T=1), so its cost grows with
-    heldout_prompts x max_new_tokens x methods. Hence, quiet-machine estimates in brackets:
-    - max_new_tokens 48 (was 96) [record: 77 train + 21 validation prompts x 48 = 4.7k positions ~3.5 min incl.
-      the profile; more prompts, fewer tokens each: more varied training states for the same cost; the prefill
-      is ~5% of a 48-token generation and dilutes every method's speedup alike];
-    - grid: live_top 3 over the validation prompts at T=0 and T=1 [~2 min];
-    - train: 3 seeds x (BC ~10 s + 3 rounds x coadapt_steps 20k) in replay [~3-5 min] + the deployed seed's live
-      T=1 fine-tuning, 2048 depth + 512 size live cycles [~2 min];
+    threads), read from the quiet parts of the 06ba190 run's log: a recorded trace prompt (48 positions of the full
+    W=4 depth-8 tree, its greedy continuation included) ~2.35 s, a 48-token generation ~0.75 s at T=0 and ~0.8 s
+    at T=1, PPO in replay ~500-1000 env steps/s. The evaluation's floor is not eval_budget_s: every prompt runs at
+    least two rounds at T=0 (the first with every live method) and eval_sampled_min_rounds at T > 0, so its cost
+    grows with heldout_prompts x max_new_tokens x methods. Quiet-machine estimates in brackets:
+    - record: 77 train + 21 validation prompts x 48 positions [98 x 2.35 s + two profiles ~0.4 min: ~4.3 min;
+      ar.json's live AR timing is taken from the recording's own greedy generations (it was a second AR pass over
+      every prompt, ~1.2 min)]. More prompts, fewer tokens each: more varied training states for the same cost;
+      the prefill is ~5% of a 48-token generation and dilutes every method's speedup alike;
+    - grid: the cost-model check (re-measured when stale), live_top 3 over the 21 validation prompts at T=0 and
+      the sampled candidates at T=1 [2.8 min measured: 0.5 + 0.85 + 1.45];
+    - train: 3 seeds x (BC ~10 s + 3 rounds x coadapt_steps 20k) in replay + the deployed seed's live T=1
+      fine-tuning, 2048 depth + 512 size live cycles, and its off-switch check [8.4 min measured];
     - eval: 30 held-out prompts (5 per code group, the fewest a group verdict needs; the headline interval
-      resamples prompts, so prompts, not rounds, narrow it), sampled_methods 3 at T=1, eval_budget_s 540 [the
-      greedy trace ~1 min, the profile ~0.5 min, the two-round floor ~30 x 22 generations x 0.7 s ~8 min]:
-      ~9-10 min; later rounds (ar, ltd, grid) only if time is left.
-    Total ~20-22 minutes quiet (estimated), leaving a margin for the model load, export and noise. Measured once
-    (06ba190): 31.1 min with record 9.6 min (slowed ~10x for its first minutes by a concurrent test run), grid 2.8,
-    train 8.4, eval 10.2: the estimate holds for grid and eval, train ran ~2 min over it.
+      resamples prompts, so prompts, not rounds, narrow it) [the greedy trace 30 x 2.5 s ~1.3 min, the profile
+      ~0.2 min, T=0 round 1 with 9 live methods ~3.5 min (it was 4.5 with 12: fixed, depth_only and size_only
+      are replayed instead, `eval_replay_only`, ~0.6 s a generation each), round 2 (ar, ltd, grid) ~1.05 min, T=1
+      one round of ar + sampled_methods 30 x 4 x 0.8 s ~1.6 min (its second round was ~1.2 min), warm-ups,
+      replay and report ~0.3 min: ~8.0 min]; eval_budget_s 480 is about that floor, so later rounds run only on
+      a faster machine.
+    Total ~23.6 minutes quiet (estimated from unit costs, not yet measured in one run): record 4.3 + grid 2.8 +
+    train 8.4 + eval 8.0 + export and model load ~0.1. Measured once before these cuts (06ba190): 31.1 min with
+    record 9.6 min (slowed ~10x for its first minutes by a concurrent test run; ~5.3 quiet), grid 2.8, train 8.4,
+    eval 10.2.
     """
 
     train_prompts: int = 0
@@ -106,9 +113,11 @@ class DemoBudget:
     live_top: int = 3
     temperatures: tuple[float, ...] = (0.0, 1.0)
     sampled_methods: tuple[str, ...] = ("hf_assisted", "grid", "ltd")
-    eval_budget_s: float = 540.0
+    eval_budget_s: float = 480.0
     eval_rounds: int | str = "auto"
     eval_full_rounds: int | None = 1
+    eval_sampled_min_rounds: int = 1
+    eval_replay_only: tuple[str, ...] = ("fixed", "depth_only", "size_only")
     check_rounds: int = 3
     sampled_depth_steps: int = 2048
     sampled_size_steps: int = 512
@@ -134,7 +143,7 @@ STAGE_FIELDS = {
               "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs",
               "seeds"),
     "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
-             "eval_full_rounds"),
+             "eval_full_rounds", "eval_sampled_min_rounds", "eval_replay_only"),
     "export": (),
 }
 
@@ -291,6 +300,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
 
 def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) -> dict:
     from specpilot.eval.full import full_evaluation
+    from specpilot.eval.methods import METHODS
 
     result, paths = full_evaluation(
         heldout, executor=executor, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
@@ -299,6 +309,8 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
                        read_json(run_dir / PROFILE_CHECK, what="profile check", fix="run the demo's grid stage again")}
                       if (run_dir / PROFILE_CHECK).is_file() else None),
         time_budget_s=budget.eval_budget_s, rounds=budget.eval_rounds, full_rounds=budget.eval_full_rounds,
+        sampled_min_rounds=budget.eval_sampled_min_rounds, replay_only=list(budget.eval_replay_only),
+        methods=[m for m in METHODS if m not in budget.eval_replay_only],
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
         progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)

@@ -187,22 +187,32 @@ def _check_trace(head: dict, arrays: dict, header: Path, npz: Path) -> None:
 # recording
 
 
-def greedy_continuation(pair, prompt: list[int], max_new_tokens: int, lookahead: int) -> tuple[list[int], int]:
+def greedy_continuation(pair, prompt: list[int], max_new_tokens: int, lookahead: int,
+                        ar_timing: list | None = None) -> tuple[list[int], int]:
     """(target's greedy tokens, index of the first EOS or -1): up to max_new_tokens, then `lookahead` more tokens
-    past the budget or past the first EOS (autoregressive_generate stops at EOS; it is called again to go on)."""
+    past the budget or past the first EOS (autoregressive_generate stops at EOS; it is called again to go on).
+    ar_timing: when a list, the first call generates exactly max_new_tokens (the lookahead is a second call) and
+    its (tokens, seconds incl. prefill) are appended: the live autoregressive timing of this prompt that
+    `specpilot.envs.shards.measure_ar` would measure with one more generation."""
     from specpilot.drafting.decoder import autoregressive_generate
 
     eos = pair.eos_token_id
     tokens: list[int] = []
     want = max_new_tokens + lookahead
     eos_at = -1
+    timed = ar_timing is not None
     while len(tokens) < want:
-        out = autoregressive_generate(pair, prompt + tokens, max_new_tokens=want - len(tokens))
+        asked = max_new_tokens if timed else want - len(tokens)
+        out = autoregressive_generate(pair, prompt + tokens, max_new_tokens=asked)
+        if timed:
+            ar_timing.append((out.num_tokens, out.total_s))
+            timed = False
         tokens.extend(out.tokens)
         if eos_at < 0 and eos is not None and eos in tokens[:max_new_tokens]:
             eos_at = tokens.index(eos)
             want = min(want, eos_at + 1 + lookahead)
-        if out.finished_by != "eos" or not out.tokens:
+        # go on past EOS, and past the timed call's budget into the lookahead; stop when a call came up short
+        if not out.tokens or (out.finished_by != "eos" and (len(tokens) >= want or out.num_tokens < asked)):
             break
     return tokens[:want], eos_at
 
@@ -225,12 +235,12 @@ def _feed_rows(features, drafter, tokens: list[int]):
     return features[end - drafter.entries(tokens): end]
 
 
-def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int) -> dict:
+def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int, ar_timing: list | None = None) -> dict:
     from specpilot.drafting.drafters import make_drafter
     from specpilot.drafting.tree import TreeDrafter
 
     w, d_max = tree_config.width, tree_config.max_depth
-    cont, eos_at = greedy_continuation(pair, prompt, max_new_tokens, d_max)
+    cont, eos_at = greedy_continuation(pair, prompt, max_new_tokens, d_max, ar_timing)
     n = eos_at + 1 if eos_at >= 0 else min(max_new_tokens, len(cont))
     cap = num_candidates(w, d_max)
     depth_of = np.concatenate([np.ones(w, dtype=np.int64)] +
@@ -289,15 +299,16 @@ def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int) ->
 
 
 def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progress: bool = False,
-                 prompt_texts: list | None = None) -> Trace:
-    """Record a greedy trace of `prompts` (strings or token lists) on `pair` with `tree_config`."""
+                 prompt_texts: list | None = None, ar_timing: list | None = None) -> Trace:
+    """Record a greedy trace of `prompts` (strings or token lists) on `pair` with `tree_config`. ar_timing: a list
+    that receives each prompt's live autoregressive (tokens, seconds) (`greedy_continuation`)."""
     ids = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
     if not ids:
         raise ValueError("no prompts to record")
     parts = []
     started = time.perf_counter()
     for i, prompt in enumerate(ids):
-        parts.append(_record_prompt(pair, tree_config, prompt, max_new_tokens))
+        parts.append(_record_prompt(pair, tree_config, prompt, max_new_tokens, ar_timing))
         if progress:
             print(f"  trace: prompt {i + 1}/{len(ids)} ({len(parts[-1]['scores'])} positions, "
                   f"{time.perf_counter() - started:.1f}s)", flush=True)
@@ -384,15 +395,24 @@ def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, prof
     from specpilot.envs.profile import collect_samples
 
     tree_config = TreeConfig(**tree)
-    trace = record_trace(worker.pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    # the live AR timing is taken from the recording's own greedy generations (they are plain AR generations of
+    # these prompts), not from a second pass over them: one AR generation less per prompt (~25% of recording)
+    timing = None
+    if ar:
+        timing = []
+        if worker.first("ar"):  # warm-up, not timed (as measure_ar's)
+            from specpilot.drafting.decoder import autoregressive_generate
+            autoregressive_generate(worker.pair, prompts[0], max_new_tokens=max_new_tokens)
+    trace = record_trace(worker.pair, tree_config, prompts, max_new_tokens=max_new_tokens, progress=progress,
+                         ar_timing=timing)
     out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
     if profile_prompts:
         samples = collect_samples(worker.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
                                   rng=np.random.default_rng(seed), warmup_cycles=16 if worker.first("profile") else 0)
         out["samples"] = sh.samples_to_dict(samples)
     if ar:
-        out["ar"] = sh.measure_ar(worker.pair, prompts, max_new_tokens=max_new_tokens,
-                               warmup=1 if worker.first("ar") else 0)
+        out["ar"] = sh.ar_summary(timing, prompts=len(prompts), max_new_tokens=max_new_tokens,
+                                  source="the recording's greedy generations (max_new_tokens each, prefill included)")
     return out
 
 

@@ -31,13 +31,24 @@ def measure_ar(pair, prompts: Sequence, *, max_new_tokens: int, warmup: int = 1)
     items = [getattr(p, "prompt", p) for p in prompts]
     for _ in range(warmup):
         autoregressive_generate(pair, items[0], max_new_tokens=max_new_tokens)
-    tokens, seconds = 0, 0.0
+    timing = []
     for p in items:
         out = autoregressive_generate(pair, p, max_new_tokens=max_new_tokens)
-        tokens, seconds = tokens + out.num_tokens, seconds + out.total_s
-    return {"seconds_per_token": seconds / max(tokens, 1), "tokens": tokens, "time_s": seconds,
-            "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"), "prompts": len(items),
-            "max_new_tokens": max_new_tokens, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        timing.append((out.num_tokens, out.total_s))
+    return ar_summary(timing, prompts=len(items), max_new_tokens=max_new_tokens)
+
+
+def ar_summary(timing: Sequence[tuple[int, float]], *, prompts: int, max_new_tokens: int,
+               source: str | None = None) -> dict:
+    """The ar.json dict of per-generation (tokens, seconds) of live autoregressive generations."""
+    tokens = sum(int(n) for n, _ in timing)
+    seconds = sum(float(s) for _, s in timing)
+    out = {"seconds_per_token": seconds / max(tokens, 1), "tokens": tokens, "time_s": seconds,
+           "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"), "prompts": prompts,
+           "max_new_tokens": max_new_tokens, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if source:
+        out["source"] = source
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from specpilot.artifacts.profile import profile_path as profile_file
 from specpilot.drafting.executor import Executor, ShardTask, as_executor
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.costcheck import check_records, profile_age_s
+from specpilot.eval.methods import EvalContext, replay_controllers
 from specpilot.eval.report import write_report
 from specpilot.eval.runner import EvalResult, evaluate
 from specpilot.eval.suites import Prompt
@@ -40,14 +41,15 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
                     tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None, plots: bool = True,
                     progress: Callable[[str], None] | None = None, suite: dict | None = None,
-                    **evaluate_kwargs) -> tuple[EvalResult, dict]:
+                    replay_only: Sequence[str] = (), **evaluate_kwargs) -> tuple[EvalResult, dict]:
     """Run the steps of the module docstring on `pair` in this process or on `executor` (steps 1-2 on its first
     worker, step 3 on all: `evaluate`); return (the EvalResult with replay and cost_check set, report paths).
     `trace_dir`: where the trace and the fresh profile are kept (None: not saved; with an executor it must be
     reachable from the workers); `check_profiles`: {title: profile.json path} of profiles to check against this
     run's live runs; `prior_checks`: {title: `costcheck.check_and_refresh` result} of earlier checks (e.g. before
     the grid search), reported first; `suite`: {"name", "chosen_by"} of the prompts, named in the report;
-    `evaluate_kwargs`: the other settings of `evaluate` (top_k, decide, ...)."""
+    `replay_only`: controller methods evaluated in replay only (step 4, no live runs: exact and nearly free; leave
+    them out of `methods`); `evaluate_kwargs`: the other settings of `evaluate` (top_k, decide, ...)."""
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     prompts = list(prompts)
@@ -67,9 +69,14 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
                       suite=suite,
                       **evaluate_kwargs)
     if replay:
+        extra, skipped = {}, {}
+        if replay_only:
+            ctx = EvalContext(pair=None, tree=tree, grid=grid, run_dir=run_dir, device_name=str(executor.device))
+            extra, skipped = replay_controllers(list(replay_only), ctx)
+            result.meta["skipped"].update({n: f"replay only: {why}" for n, why in skipped.items()})
         attach_replay(result, trace, profile, prompts, profile_path=profile_file(trace_dir)
                       if trace_dir else None, check_profiles=check_profiles, tolerance=tolerance, seed=seed,
-                      progress=say)
+                      progress=say, replay_only=extra)
     if prior_checks:
         result.cost_check = {**prior_entries(prior_checks), **(result.cost_check or {})}
     paths = write_report(result.results, result.meta, out_dir, plots=plots, analysis=result.analysis())
@@ -99,9 +106,11 @@ def prior_entries(checks: dict[str, dict]) -> dict[str, dict]:
 
 def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt], *,
                   profile_path: Path | None = None, check_profiles: dict[str, str | Path] | None = None,
-                  tolerance: float = 0.25, seed: int = 0, progress: Callable[[str], None] | None = None) -> None:
+                  tolerance: float = 0.25, seed: int = 0, progress: Callable[[str], None] | None = None,
+                  replay_only: dict | None = None) -> None:
     """Steps 4 and 5: set `result.replay` and `result.cost_check` (or say in meta["skipped"] why not: replay
-    needs greedy runs and the trace's prompts to be the evaluated token ids)."""
+    needs greedy runs and the trace's prompts to be the evaluated token ids). `replay_only`: {name: (controller,
+    tree)} replayed beside the live methods (the cost-model check uses live runs only)."""
     say = progress or (lambda msg: None)
     if result.meta.get("prompts_truncated"):
         result.meta["skipped"]["replay"] = "prompts were truncated to fit the context: the trace does not match"
@@ -113,7 +122,8 @@ def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt],
 
     t0 = time.perf_counter()
     info = _profile_info(profile, profile_path, "re-measured for this evaluation")
-    result.replay = replay_evaluation(result, trace, profile, prompts=prompts, seed=seed, profile_info=info)
+    result.replay = replay_evaluation(result, trace, profile, prompts=prompts, seed=seed, profile_info=info,
+                                      replay_only=replay_only)
     result.cost_check = _cost_checks(result, trace, profile, prompts, check_profiles or {}, tolerance, say)
     say(f"replay and cost-model check done ({time.perf_counter() - t0:.0f}s)")
 

@@ -27,15 +27,16 @@ class MethodUnavailable(RuntimeError):
 class EvalContext:
     """What method factories may use. `grid` is a grid-search result JSON path, `run_dir` a trained run."""
 
-    pair: ModelPair
+    pair: ModelPair | None
     tree: TreeConfig
     grid: str | Path | None = None
     run_dir: str | Path | None = None
     _cache: dict = field(default_factory=dict)
+    device_name: str = "cpu"  # the device without a pair (controllers built for replay only)
 
     @property
     def device(self) -> str:
-        return str(self.pair.device)
+        return str(self.pair.device) if self.pair is not None else self.device_name
 
 
 Method = Callable[..., RunRecord]
@@ -104,6 +105,7 @@ def _controller(factory: Callable[[EvalContext], tuple]):
     def build(ctx: EvalContext, name: str) -> Method:
         controller, tree, *rest = factory(ctx)
         return ControllerMethod(name, ctx.pair, tree or ctx.tree, controller, rest[0] if rest else None)
+    build.controller_factory = factory  # for `replay_controllers`: the controller without a decoder
     return build
 
 
@@ -251,6 +253,28 @@ METHODS: dict[str, Callable[[EvalContext, str], Method]] = {
     "depth_only": _controller(_trained("depth_only")),
     "size_only": _controller(_trained("size_only")),
 }
+
+
+def replay_controllers(names: list[str], ctx: EvalContext) -> tuple[dict[str, tuple], dict[str, str]]:
+    """({name: (controller, tree)}, {skipped name: reason}) of controller methods evaluated in replay only (no
+    live runs, no pair needed: `ctx.pair` may be None)."""
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    out: dict[str, tuple] = {}
+    skipped: dict[str, str] = {}
+    for name in names:
+        factory = getattr(METHODS[name], "controller_factory", None)
+        if factory is None:
+            skipped[name] = "not a controller of our decoder: replay cannot run it"
+            continue
+        try:
+            controller, tree, *_ = factory(ctx)
+        except MethodUnavailable as err:
+            skipped[name] = str(err)
+            continue
+        out[name] = (controller, tree or ctx.tree)
+    return out, skipped
 
 
 def build_methods(names: list[str], ctx: EvalContext) -> tuple[dict[str, Method], dict[str, str]]:

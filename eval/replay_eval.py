@@ -90,10 +90,12 @@ def _ratio(a: dict, b: dict, idx: Sequence[int], *, seed: int) -> dict:
 
 
 def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 0,
-                      decide: tuple[str, str] = DECIDE, profile_info: dict | None = None) -> dict:
-    """Replay every controller of `result` (an `EvalResult`) over `trace` (recorded on `prompts`, in order) with
-    `profile`; the dict the report prints as "Replay beside live" (module docstring). Methods whose tree width
-    differs from the trace's are skipped with the reason."""
+                      decide: tuple[str, str] = DECIDE, profile_info: dict | None = None,
+                      replay_only: dict | None = None) -> dict:
+    """Replay every controller of `result` (an `EvalResult`) and of `replay_only` ({name: (controller, tree)}:
+    methods not run live) over `trace` (recorded on `prompts`, in order) with `profile`; the dict the report
+    prints as "Replay beside live" (module docstring). Methods whose tree width differs from the trace's are
+    skipped with the reason."""
     from specpilot.envs.oracle import replay_oracle
 
     if trace.num_prompts != len(prompts):
@@ -105,7 +107,7 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
         s_per_token, ar_source = ar_seconds_per_token(result.records), "this run's live ar (wall minus prefill)"
     n = trace.num_prompts
     units, skipped = {}, {}
-    for name, (controller, tree) in result.controllers.items():
+    for name, (controller, tree) in {**result.controllers, **(replay_only or {})}.items():
         if tree.width != trace.width:
             skipped[name] = f"tree width {tree.width} differs from the trace's {trace.width}"
             continue
@@ -125,7 +127,7 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
     oracle = replay_oracle(trace, profile)
     ar_tps = 1.0 / s_per_token
     return {"ar_seconds_per_token": s_per_token, "ar_source": ar_source, "n_prompts": n, "profile": profile_info or {},
-            "methods": methods, "skipped": skipped,
+            "methods": methods, "skipped": skipped, "replay_only": sorted(replay_only or {}),
             "comparisons": _replay_comparisons(units, seed=seed, decide=decide),
             "groups": _replay_groups(units, prompts, decide=decide, seed=seed),
             "oracle": {"speedup": oracle["oracle"]["tokens_per_s"] / ar_tps,

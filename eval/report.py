@@ -213,7 +213,9 @@ def _replay_lines(replay: dict | None) -> list[str]:
              f"lengths, time from the latency profile ({prof.get('source', '?')}; created {prof.get('created')}). "
              f"AR reference: decode time {replay.get('ar_source', 'of the live ar runs')}, "
              f"{1000 * replay['ar_seconds_per_token']:.2f} ms/token. Gap = replay / live - 1 (replay leaves out "
-             "prefill, the controller's own time and load changes during the live rounds).", "",
+             "prefill, the controller's own time and load changes during the live rounds)."
+             + (f" Replay only (not run live, to save time): {', '.join(replay['replay_only'])}."
+                if replay.get("replay_only") else ""), "",
              "| method | live speedup [95% CI] | replay speedup [95% CI over prompts] | gap | share of oracle |",
              "|---|---|---|---|---|"]
     share = replay.get("oracle", {}).get("share", {})

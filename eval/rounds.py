@@ -11,6 +11,8 @@ training, the cost-model check), with one clock:
   deciding comparison's interval is narrow enough, the time budget would not fit another round, or `max_rounds`
   (two methods that made the same decisions still differ by their decision time, so that is no reason to stop). Rounds after the first `full_rounds` run only `ar` and
   the deciding pair (the comparison the extra rounds are for); every other method keeps its earlier units.
+  At temperatures > 0 the floor may be lower (`sampled_min_rounds`): the greedy comparison is the headline, and the
+  intervals resample prompts, so a sampled setting's second round mostly re-times the same prompts.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ class RoundPlan:
     max_rounds: the most rounds (auto) or the fixed count; time_budget_s: wall-time budget of the whole
     evaluation, split evenly over the temperatures still to run (None: no budget); target_half_width: stop when
     the deciding interval's half-width relative to its ratio is at most this (0.015: +-1.5%); decide: the
-    deciding (method, baseline); full_rounds: rounds in which every method runs (None: all rounds)."""
+    deciding (method, baseline); full_rounds: rounds in which every method runs (None: all rounds);
+    sampled_min_rounds: min_rounds at temperatures > 0 (None: min_rounds)."""
 
     auto: bool = False
     min_rounds: int = 2
@@ -43,10 +46,13 @@ class RoundPlan:
     target_half_width: float = 0.015
     decide: tuple[str, str] = DECIDE
     full_rounds: int | None = None
+    sampled_min_rounds: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_rounds < 1 or self.min_rounds < 1:
             raise ValueError(f"rounds must be >= 1 (got min_rounds={self.min_rounds}, max_rounds={self.max_rounds})")
+        if self.sampled_min_rounds is not None and self.sampled_min_rounds < 1:
+            raise ValueError(f"sampled_min_rounds must be >= 1 or None, got {self.sampled_min_rounds}")
         if self.auto and self.min_rounds > self.max_rounds:
             raise ValueError(f"min_rounds={self.min_rounds} exceeds max_rounds={self.max_rounds}")
         if self.full_rounds is not None and self.full_rounds < 1:
@@ -69,7 +75,8 @@ class RoundPlan:
         """The plan for meta["rounds"]."""
         return {"mode": "auto" if self.auto else "fixed", "min_rounds": self.min_rounds,
                 "max_rounds": self.max_rounds, "full_rounds": self.full_rounds, "time_budget_s": self.time_budget_s,
-                "target_half_width": self.target_half_width, "decide": list(self.decide)}
+                "target_half_width": self.target_half_width, "decide": list(self.decide),
+                "sampled_min_rounds": self.sampled_min_rounds}
 
     def methods(self, round_index: int, running: list[str]) -> list[str]:
         """The methods of round `round_index` (0-based)."""
@@ -78,14 +85,17 @@ class RoundPlan:
         return [m for m in running if m == "ar" or m in self.decide]
 
     def stop_reason(self, done: int, decided: dict | None, remaining_s: float | None,
-                    next_round_s: float) -> str | None:
-        """Why to stop after `done` rounds (None: run another). `decided`: the deciding comparison so far."""
+                    next_round_s: float, temperature: float = 0.0) -> str | None:
+        """Why to stop after `done` rounds at `temperature` (None: run another). `decided`: the deciding
+        comparison so far."""
         if not self.auto:
             return "fixed" if done >= self.max_rounds else None
+        floor = (self.min_rounds if temperature == 0 or self.sampled_min_rounds is None
+                 else min(self.sampled_min_rounds, self.max_rounds))
         if decided is None:  # nothing to decide: later rounds would rerun only `ar`
-            enough = min(self.min_rounds, self.full_rounds or self.min_rounds)
+            enough = min(floor, self.full_rounds or floor)
             return "no deciding comparison" if done >= enough else None
-        if done < self.min_rounds:
+        if done < floor:
             return None
         if decided["half_width"] <= self.target_half_width:
             return "target reached"
@@ -227,7 +237,7 @@ def run_rounds(measurer: Measurer, running: list[str], sampling: dict, plan: Rou
         done, last_s = done + 1, time.perf_counter() - t0
         decided = _decided(measurer, plan, temperature)
         remaining = None if deadline is None else deadline - time.perf_counter()
-        stop = plan.stop_reason(done, decided, remaining, last_s)
+        stop = plan.stop_reason(done, decided, remaining, last_s, temperature)
         width = "" if decided is None else f", {plan.decide[0]} vs {plan.decide[1]} +-{_pct(decided['half_width'])}"
         say(f"T={temperature:g} round {done} done ({last_s:.0f}s{width})")
     return {"rounds": done, "units": done * len(measurer.ids), "stopped_by": stop,

@@ -168,6 +168,7 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
              max_new_tokens: int = 128, rounds: int | str = 1, min_rounds: int = 2, max_rounds: int = 20,
              time_budget_s: float | None = None, target_half_width: float = 0.015,
              decide: tuple[str, str] = DECIDE, full_rounds: int | None = None, repeats: int | None = None,
+             sampled_min_rounds: int | None = None,
              warmup: int = 1, concurrency: int = 1, tree: TreeConfig | None = None,
              grid: str | Path | None = None, run_dir: str | Path | None = None, seed: int = 0,
              encode: Callable[[str], list[int]] | None = None, progress: Callable[[str], None] | None = None,
@@ -184,16 +185,17 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
     rounds: an int (exactly that many rounds) or "auto" (min_rounds .. max_rounds: stop once the `decide`
     comparison's 95% interval has a half-width <= target_half_width, the pair made the same decisions on every
     unit, or `time_budget_s` (the whole call's budget) would not fit another round); full_rounds: rounds in
-    which every method runs, later rounds run `ar` and the `decide` pair (None: all rounds); repeats: the old
-    name of a fixed `rounds`. sampled_methods: the methods run at temperatures > 0 (default: all; `ar` always
-    runs, it is the reference). Returns rows (task x language x method x temperature x concurrency, each
-    speedup with its paired interval, tagged with the worker and device that measured it), the paired analysis,
-    a meta block (meta["workers"], meta["executor"]: which worker ran which prompts) and the raw records."""
+    which every method runs, later rounds run `ar` and the `decide` pair (None: all rounds); sampled_min_rounds:
+    min_rounds at temperatures > 0 (None: min_rounds); repeats: the old name of a fixed `rounds`.
+    sampled_methods: the methods run at temperatures > 0 (default: all; `ar` always runs, it is the reference).
+    Returns rows (task x language x method x temperature x concurrency, each speedup with its paired interval,
+    tagged with the worker and device that measured it), the paired analysis, a meta block (meta["workers"],
+    meta["executor"]: which worker ran which prompts) and the raw records."""
     if not prompts or warmup < 0 or concurrency < 1:
         raise ValueError("need prompts, concurrency >= 1 and warmup >= 0" if prompts else "no prompts to evaluate")
     plan = RoundPlan.make(repeats if repeats is not None else rounds, min_rounds=min_rounds, max_rounds=max_rounds,
                           time_budget_s=time_budget_s, target_half_width=target_half_width, decide=tuple(decide),
-                          full_rounds=full_rounds)
+                          full_rounds=full_rounds, sampled_min_rounds=sampled_min_rounds)
     executor = as_executor(pair, executor)
     if executor is None:
         raise ValueError("evaluate needs pair= (run in this process) or executor= (e.g. a Ray WorkerPool)")

@@ -155,6 +155,8 @@ class _Probe(Controller):
         np.testing.assert_array_equal(state.level_scores, scores[start:])          # drafting order, no sort
         np.testing.assert_array_equal(state.frontier_scores, eager.frontier_scores)
         np.testing.assert_array_equal(state.candidate_scores, eager.candidate_scores)  # the ranking's sort
+        # a CPU tree hands the size policy the ranking's own memory as numpy (no torch -> numpy conversion)
+        assert np.shares_memory(state.candidate_scores, tree.ranking()[0].numpy())
         np.testing.assert_array_equal(state.detached().candidate_scores, eager.candidate_scores)
         self.checked += 1
 

@@ -25,12 +25,16 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     for path in readme_demo_paths():  # the README's stage table lists what the demo writes
         assert (run / path).exists(), f"README.md lists {path}, which the demo did not write"
     methods = summary["methods"]
-    assert {"ar", "grid", "ltd", "depth_only", "size_only", "fixed"} <= set(methods)
+    assert {"ar", "grid", "ltd"} <= set(methods) and not {"depth_only", "size_only", "fixed"} & set(methods)
     assert all(m["identical_to_ar"] for m in methods.values())
     assert summary["ltd_vs_grid"]["verdict"] in ("faster", "slower", "indistinguishable")
     assert summary["rounds"]["by_temperature"]["0"]["rounds"] >= 2
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["replay"]["methods"] and report["replay"]["oracle"]["speedup"] > 0
+    # the ablations and the default config are replayed (exact, nearly free) instead of run live
+    assert report["replay"]["replay_only"] == ["depth_only", "fixed", "size_only"]
+    assert {"ltd", "grid", "depth_only", "size_only", "fixed"} <= {m["method"] for m in report["replay"]["methods"]}
+    assert "Replay only (not run live" in (run / "eval" / "report.md").read_text()
     assert any("before the grid search" in entry["title"] for entry in report["cost_check"].values())
     assert (run / "traces" / "heldout" / "trace.npz").exists() and (run / "eval" / "forest_speedup_T0.png").exists()
     # sampling: the grid measured its candidates live at T=1, the run trained T=1 policies, the report has T=1 rows

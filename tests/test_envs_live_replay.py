@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import gymnasium as gym
 import numpy as np
@@ -16,7 +17,7 @@ from specpilot.envs.environments import (CYCLE_INFO_KEYS, live_depth_env, live_s
                                          replay_size_env)
 from specpilot.envs.oracle import replay_controller, replay_oracle, replay_static
 from specpilot.envs.profile import LatencyProfile
-from specpilot.envs.record import Trace, record_task, record_trace
+from specpilot.envs.record import Trace, greedy_continuation, record_task, record_trace
 from specpilot.policies import DDDController, FixedController, HFHeuristicController
 
 TREE = TreeConfig(width=3, max_depth=4, max_size=16)
@@ -283,6 +284,25 @@ def test_replay_static_and_controller_agree_and_oracle_bounds(recorded):
     assert cell["tokens"] == static["tokens"] and cell["time_s"] == pytest.approx(static["time_s"])
     assert result["oracle"]["tokens_per_s"] >= best["tokens_per_s"] * (1 - 1e-9)
     assert result["oracle"]["tokens_per_s"] >= result["greedy_oracle"]["tokens_per_s"] * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("index", [0, 1])  # prompt 0 ends with EOS within the budget
+def test_greedy_continuation_timed_keeps_the_tokens(pair_prompts, index):
+    pair, prompts = pair_prompts
+    timing = []
+    plain = greedy_continuation(pair, prompts[index], MAX_NEW, TREE.max_depth)
+    assert greedy_continuation(pair, prompts[index], MAX_NEW, TREE.max_depth, timing) == plain
+    (tokens, seconds), = timing  # one timed call: the AR generation measure_ar would have run
+    assert tokens == len(autoregressive_generate(pair, prompts[index], max_new_tokens=MAX_NEW).tokens)
+    assert seconds > 0
+
+
+def test_record_task_takes_the_ar_timing_from_the_recording(pair_prompts, tmp_path):
+    pair, prompts = pair_prompts
+    record_task(pair, TREE, prompts, tmp_path, max_new_tokens=MAX_NEW, profile_prompts=1, ar=True)
+    ar = json.loads((tmp_path / "ar.json").read_text())
+    assert ar["tokens"] == sum(len(autoregressive_generate(pair, p, max_new_tokens=MAX_NEW).tokens) for p in prompts)
+    assert ar["prompts"] == len(prompts) and ar["time_s"] > 0 and "recording" in ar["shards"][0]["source"]
 
 
 def test_record_task_writes_trace_and_measured_profile(pair_prompts, tmp_path):

@@ -227,6 +227,15 @@ def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
     decide = replay["comparisons"][0]
     assert (decide["method"], decide["baseline"]) == ("ltd", "grid") and decide["same_decisions"] is False
     assert replay["oracle"]["speedup"] >= max(m["speedup"] for m in replay["methods"]) * (1 - 1e-9)
+    # controllers not run live are replayed beside the others (built without a pair)
+    from specpilot.eval.methods import EvalContext, replay_controllers
+    from specpilot.policies import FixedController
+    extra, skipped = replay_controllers(["fixed", "hf_generate"], EvalContext(pair=None, tree=TREE))
+    assert set(extra) == {"fixed"} and "not a controller" in skipped["hf_generate"]
+    plus = replay_evaluation(res, trace, profile, prompts=PROMPTS,
+                             replay_only={"shallow": (FixedController(1, 2), TREE)})
+    assert plus["replay_only"] == ["shallow"] and replay["replay_only"] == []
+    assert next(m for m in plus["methods"] if m["method"] == "shallow")["live_speedup"] is None
     ar_s = profile.meta.pop("ar_seconds_per_token")  # without it: the run's live ar is the reference
     again = replay_evaluation(res, trace, profile, prompts=PROMPTS)
     assert again["ar_source"].startswith("this run's live ar")

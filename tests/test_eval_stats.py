@@ -169,6 +169,18 @@ def test_auto_plan_stop_reasons(done, decided, remaining, reason):
     assert plan.stop_reason(done, decided, remaining, next_round_s=10.0) == reason
 
 
+@pytest.mark.parametrize("temperature, done, decided, remaining, reason", [
+    (1.0, 1, _decided(0.05), 0.0, "time budget"),        # the sampled floor is one round
+    (1.0, 1, _decided(0.05), 100.0, None),               # time left: rounds go on as at T=0
+    (1.0, 1, None, 100.0, "no deciding comparison"),
+    (0.0, 1, _decided(0.05), 0.0, None),                 # the greedy floor stays min_rounds
+])
+def test_sampled_min_rounds(temperature, done, decided, remaining, reason):
+    plan = RoundPlan.make("auto", min_rounds=2, max_rounds=5, sampled_min_rounds=1)
+    assert plan.stop_reason(done, decided, remaining, next_round_s=10.0, temperature=temperature) == reason
+    assert plan.describe()["sampled_min_rounds"] == 1
+
+
 def test_auto_plan_without_a_deciding_pair_stops_after_the_full_rounds():
     plan = RoundPlan.make("auto", min_rounds=2, full_rounds=1)
     assert plan.stop_reason(1, None, 100.0, next_round_s=1.0) == "no deciding comparison"
