@@ -32,7 +32,7 @@ import torch
 def prep(args, out: Path, batch_sizes: list[int]) -> None:
     from specpilot.drafting import ModelPair, TreeConfig
     from specpilot.envs.batch_replay import batch_static_sweep, best_per_batch_size
-    from specpilot.envs.profile import measure_batch_profile
+    from specpilot.envs.profile import LatencyProfile, measure_batch_profile
     from specpilot.envs.record import record_trace
     from specpilot.envs.replay import ReplayModel
     from specpilot.eval.suites import load_suite
@@ -47,9 +47,12 @@ def prep(args, out: Path, batch_sizes: list[int]) -> None:
         record_trace(pair, tree, prompts, max_new_tokens=args.max_new_tokens).save(out / "traces" / split)
     print(f"traces: {time.perf_counter() - started:.0f}s", flush=True)
     started = time.perf_counter()
-    train_prompts = [p.prompt for p in load_suite("train")][: args.train_prompts]
-    profile = measure_batch_profile(pair, tree, train_prompts, batch_sizes, max_new_tokens=args.max_new_tokens,
-                                    min_batches=1, progress=True)
+    if args.profile:   # a profile measured before (same machine, pair and tree): the same latency model
+        profile = LatencyProfile.load(args.profile)
+    else:
+        train_prompts = [p.prompt for p in load_suite("train")][: min(args.train_prompts, args.profile_prompts)]
+        profile = measure_batch_profile(pair, tree, train_prompts, batch_sizes, max_new_tokens=args.max_new_tokens,
+                                        min_batches=1, progress=True)
     for split in splits:
         profile.save(out / "traces" / split / "profile.json")
     print(f"batch profile: {time.perf_counter() - started:.0f}s", flush=True)
@@ -193,6 +196,9 @@ def main() -> None:
     ap.add_argument("--val-prompts", type=int, default=8)
     ap.add_argument("--test-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--profile", default="", help="prep: reuse this batch latency profile instead of measuring one")
+    ap.add_argument("--profile-prompts", type=int, default=16,
+                    help="prep: the batch profile is measured on the first N train prompts (default 16)")
     ap.add_argument("--width", type=int, default=2)
     ap.add_argument("--max-depth", type=int, default=6)
     ap.add_argument("--max-size", type=int, default=12)
