@@ -136,8 +136,10 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     extra = {}
     for name in args.compare.split(",") if args.compare else []:   # other runs, e.g. BC-only / PPO-only
         name, _, path = name.partition("=")
+        path, _, which = path.partition(":")
         ctrls = load_run_controllers(out / path)
-        extra[name] = ctrls["ltd"]   # unguarded: the policy itself
+        # unguarded: the policy itself; FOLDER:guarded: behind that run's own validation guard
+        extra[name] = ctrls["ltd_guarded"] if which == "guarded" else ctrls["ltd"]
     # the deployed policy's own table (what export writes for the engines): the guarded controller's modal choice
     # per size on validation
     deployed = learned.get("ltd_guarded", learned["ltd"])
@@ -215,7 +217,8 @@ def main() -> None:
     ap.add_argument("--bc-exact-single", action="store_true",
                     help="train: one-row batches labelled by the exact single-sequence oracle")
     ap.add_argument("--guard-only", action="store_true", help="train: only (re)write the run's validation guard")
-    ap.add_argument("--compare", default="", help="eval: more runs as name=folder,... (their guarded policy)")
+    ap.add_argument("--compare", default="", help="eval: more runs as name=folder,... (their unguarded policy; "
+                    "name=folder:guarded: behind the run's batch_guard.json)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
