@@ -17,6 +17,10 @@ replays the held-out trace in batches of B
 (`BatchReplaySession` + `run_generation`, the decoders' cycle), every method on the same batches; intervals are
 paired bootstraps over those batches of (method tokens/time) / (AR tokens/time). Replay times are the profile's
 model of this machine, not wall-clock runs.
+
+The larger suites (every bundled train and validation prompt, 48 held-out): `prep --train-prompts 77 --val-prompts
+21 --test-prompts 48 [--profile PROFILE_JSON]` (about 9 minutes of recording on a shared 2-core CPU), then
+`train --bc-iters 4 --rounds 3 [--seed S]` (1-2 minutes each) and `eval --compare NAME=RUN[:guarded],...`.
 """
 from __future__ import annotations
 

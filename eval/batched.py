@@ -129,8 +129,9 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      progress: Callable[[str], None] | None = None) -> dict:
     """Every method on `ids` (token-id lists) in batches of each B in `batch_sizes`, greedy (temperature 0) or
-    sampled at `temperature` (with top_k / top_p; per-sequence seeds), interleaved (module docstring). `methods`: registry names (None: none but `ar`, which always runs); `controllers`: more methods
-    by name, {name: Controller or (Controller, TreeConfig)}. `plan` (default one round) applies per batch size;
+    sampled at `temperature` (with top_k / top_p; per-sequence seeds), interleaved (module docstring).
+    `methods`: registry names (None: none but `ar`, which always runs); `controllers`: more methods by name,
+    {name: Controller or (Controller, TreeConfig)}. `plan` (default one round) applies per batch size;
     its time budget is shared evenly by the batch sizes still to run. Returns {"batch_sizes": [section per B], "methods": {name: describe}, "skipped": {...},
     "records": {B: [BatchRecord]}}: each section holds its temperature and how exactness stands there
     (`exactness`), per method tokens/s, per-token latency, speedup over batched `ar` with its 95% paired interval
