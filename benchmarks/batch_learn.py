@@ -17,6 +17,10 @@ replays the held-out trace in batches of B
 (`BatchReplaySession` + `run_generation`, the decoders' cycle), every method on the same batches; intervals are
 paired bootstraps over those batches of (method tokens/time) / (AR tokens/time). Replay times are the profile's
 model of this machine, not wall-clock runs.
+
+The larger suites (every bundled train and validation prompt, 48 held-out): `prep --train-prompts 77 --val-prompts
+21 --test-prompts 48 [--profile PROFILE_JSON]` (about 9 minutes of recording on a shared 2-core CPU), then
+`train --bc-iters 4 --rounds 3 [--seed S]` (1-2 minutes each) and `eval --compare NAME=RUN[:guarded],...`.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import torch
 def prep(args, out: Path, batch_sizes: list[int]) -> None:
     from specpilot.drafting import ModelPair, TreeConfig
     from specpilot.envs.batch_replay import batch_static_sweep, best_per_batch_size
-    from specpilot.envs.profile import measure_batch_profile
+    from specpilot.envs.profile import LatencyProfile, measure_batch_profile
     from specpilot.envs.record import record_trace
     from specpilot.envs.replay import ReplayModel
     from specpilot.eval.suites import load_suite
@@ -47,9 +51,12 @@ def prep(args, out: Path, batch_sizes: list[int]) -> None:
         record_trace(pair, tree, prompts, max_new_tokens=args.max_new_tokens).save(out / "traces" / split)
     print(f"traces: {time.perf_counter() - started:.0f}s", flush=True)
     started = time.perf_counter()
-    train_prompts = [p.prompt for p in load_suite("train")][: args.train_prompts]
-    profile = measure_batch_profile(pair, tree, train_prompts, batch_sizes, max_new_tokens=args.max_new_tokens,
-                                    min_batches=1, progress=True)
+    if args.profile:   # a profile measured before (same machine, pair and tree): the same latency model
+        profile = LatencyProfile.load(args.profile)
+    else:
+        train_prompts = [p.prompt for p in load_suite("train")][: min(args.train_prompts, args.profile_prompts)]
+        profile = measure_batch_profile(pair, tree, train_prompts, batch_sizes, max_new_tokens=args.max_new_tokens,
+                                        min_batches=1, progress=True)
     for split in splits:
         profile.save(out / "traces" / split / "profile.json")
     print(f"batch profile: {time.perf_counter() - started:.0f}s", flush=True)
@@ -133,8 +140,10 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     extra = {}
     for name in args.compare.split(",") if args.compare else []:   # other runs, e.g. BC-only / PPO-only
         name, _, path = name.partition("=")
+        path, _, which = path.partition(":")
         ctrls = load_run_controllers(out / path)
-        extra[name] = ctrls["ltd"]   # unguarded: the policy itself
+        # unguarded: the policy itself; FOLDER:guarded: behind that run's own validation guard
+        extra[name] = ctrls["ltd_guarded"] if which == "guarded" else ctrls["ltd"]
     # the deployed policy's own table (what export writes for the engines): the guarded controller's modal choice
     # per size on validation
     deployed = learned.get("ltd_guarded", learned["ltd"])
@@ -193,6 +202,9 @@ def main() -> None:
     ap.add_argument("--val-prompts", type=int, default=8)
     ap.add_argument("--test-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--profile", default="", help="prep: reuse this batch latency profile instead of measuring one")
+    ap.add_argument("--profile-prompts", type=int, default=16,
+                    help="prep: the batch profile is measured on the first N train prompts (default 16)")
     ap.add_argument("--width", type=int, default=2)
     ap.add_argument("--max-depth", type=int, default=6)
     ap.add_argument("--max-size", type=int, default=12)
@@ -209,7 +221,8 @@ def main() -> None:
     ap.add_argument("--bc-exact-single", action="store_true",
                     help="train: one-row batches labelled by the exact single-sequence oracle")
     ap.add_argument("--guard-only", action="store_true", help="train: only (re)write the run's validation guard")
-    ap.add_argument("--compare", default="", help="eval: more runs as name=folder,... (their guarded policy)")
+    ap.add_argument("--compare", default="", help="eval: more runs as name=folder,... (their unguarded policy; "
+                    "name=folder:guarded: behind the run's batch_guard.json)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -22,7 +22,9 @@ are dropped from both caches (index_select on the batch dimension).
 
 Sampling (temperature > 0): every tree takes the drafter's top-W children (`TreeConfig.sampled_children` is not
 used) and each row is verified by `verify.accept_tree_sampled` (draw from the target's law at each node, descend
-while the draw is a child): exact per row. One generator serves the batch, rows drawing in row order.
+while the draw is a child): exact per row. seed: an int (or None): one generator serves the batch, rows drawing in
+row order; a list of one int per prompt: each sequence draws from its own generator (`row_generators`), so its
+draws do not depend on its batchmates' (the batched evaluation pairs methods by these per-sequence seeds).
 EAGLE-3 heads. The drafter runs through `drafters.LMDrafter/EagleDrafter.forward_batch`, so a head drafts like a
 draft LM (its own RaggedCache, batched tree levels) with what a single-sequence session gives it per row: every
 target forward (prefill, plain step, verification) runs with output_hidden_states and each row keeps the aux states
@@ -39,7 +41,7 @@ import math
 import torch
 
 from specpilot.drafting.cache import new_cache
-from specpilot.drafting.checks import check_int
+from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, num_candidates, update_acceptance
 from specpilot.drafting.drafters import FeatureBuffer, aux_batch, fuse_aux, make_drafter
 from specpilot.drafting.timing import Clock
@@ -249,10 +251,11 @@ def prefill_rows(model, rows: list, device) -> RaggedCache:
 
 
 def plain_step(cache: RaggedCache, rows: list, device, sampling: tuple | None = None,
-               generator: torch.Generator | None = None, on_hidden=None) -> list[int]:
+               generator: torch.Generator | list[torch.Generator] | None = None, on_hidden=None) -> list[int]:
     """One batched target step: every row's last committed token through `cache` (one forward, one query per row),
-    the next token per row (greedy, or drawn at `sampling` = (temperature, top_k, top_p)). Batched AR and the
-    speculative batch's depth-0 cycle both step with this, so "don't speculate" costs what batched AR costs.
+    the next token per row (greedy, or drawn at `sampling` = (temperature, top_k, top_p); `generator`: one for the
+    batch, or one per row). Batched AR and the speculative batch's depth-0 cycle both step with this, so "don't
+    speculate" costs what batched AR costs.
     on_hidden (an EAGLE pair's session): called with the forward's hidden_states (output_hidden_states on)."""
     b = len(rows)
     roots = torch.tensor([[r.committed[-1]] for r in rows], dtype=torch.long, device=device)
@@ -266,7 +269,34 @@ def plain_step(cache: RaggedCache, rows: list, device, sampling: tuple | None = 
     if sampling is None:
         return logits.argmax(dim=-1).tolist()
     probs = sampling_probs(logits, *sampling)
+    if isinstance(generator, list):  # per-sequence seeds: each row draws from its own generator
+        return [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in enumerate(generator)]
     return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+
+
+def row_generators(seed, n: int, device) -> torch.Generator | list[torch.Generator]:
+    """The batch's random generators: seed an int or None -> one shared generator (None: a random seed); a list
+    of n ints -> one generator per prompt (per-sequence seeds). Bad seeds raise TypeError / ValueError."""
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed]
+    if isinstance(seed, (list, tuple)) and len(seeds) != n:
+        raise ValueError(f"seed: {len(seeds)} per-sequence seeds for {n} prompts")
+    gens = []
+    for s in seeds:
+        if s is not None:
+            check_int("seed", s)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(int(s) if s is not None else int(torch.randint(0, 2**62, ()).item()))
+        gens.append(gen)
+    return gens if isinstance(seed, (list, tuple)) else gens[0]
+
+
+def _row_generator(generator, row):
+    """The generator `row` draws from (its own under per-sequence seeds)."""
+    return generator[row.index] if isinstance(generator, list) else generator
+
+
+def _step_generators(generator, rows: list):
+    return [generator[r.index] for r in rows] if isinstance(generator, list) else generator
 
 
 class _Row:
@@ -314,8 +344,7 @@ class BatchSession:
         self.clock = Clock(self.device)
         self.eos = pair.eos_token_id
         self.sampling = sampling  # (temperature, top_k, top_p), None for greedy
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self.generator = row_generators(seed, len(prompts), self.device)
         self.capacity = num_candidates(tree.width, tree.max_depth)
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * len(prompts)
@@ -625,7 +654,8 @@ class BatchSession:
                 aux = aux_batch(self.pair, hidden_states)                                   # [B, 1, 3 * H]
                 for b, row in enumerate(self.active):
                     row.features.keep(aux[b], len(row.committed) - 1)
-        tokens = plain_step(self.target, self.active, self.device, self.sampling, self.generator, on_hidden=keep)
+        tokens = plain_step(self.target, self.active, self.device, self.sampling,
+                            _step_generators(self.generator, self.active), on_hidden=keep)
         return [(0, [t]) for t in tokens]
 
     def _verify_trees(self, size: int) -> list[tuple[int, list[int]]]:
@@ -648,11 +678,11 @@ class BatchSession:
                                                         output_hidden_states=self.needs_features)
         aux = aux_batch(self.pair, hidden_states) if self.needs_features else None          # [B, q, 3 * H]
         results, keep = [], []
-        for b, blk in enumerate(blocks):
+        for b, (r, blk) in enumerate(zip(self.active, blocks)):
             if self.sampling is None:
                 path, bonus = accept_greedy(blk, logits[b])
             else:
-                path, bonus = accept_tree_sampled(blk, logits[b], self.sampling, self.generator)
+                path, bonus = accept_tree_sampled(blk, logits[b], self.sampling, _row_generator(self.generator, r))
             keep.append([0] + path)
             results.append((len(path), [blk.tokens[i] for i in path] + [bonus]))
         if aux is not None:  # each row's root's and accepted nodes' features (the bonus token has none yet): one gather
@@ -681,9 +711,12 @@ class BatchSession:
                                  text=self.pair.decode(r.new_tokens)) for r in self.rows]
 
 
-def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batch: int | None = None
-                                  ) -> list[GenerationOutput]:
-    """Target-only greedy decoding of several prompts together (the batched baseline): one ragged prefill of every
+def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batch: int | None = None,
+                                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                                  seed=None) -> list[GenerationOutput]:
+    """Target-only decoding of several prompts together (the batched baseline): greedy, or at temperature > 0
+    drawn from the target's (top-k / top-p filtered) law with `seed` as `generate_batch` takes it (an int for the
+    batch, or one per prompt: per-sequence seeds). One ragged prefill of every
     prompt[:-1], then one target forward per step over every unfinished row's last token (`plain_step`, the step
     BatchSession's depth-0 cycle takes); rows leave the batch at EOS or their max_new_tokens (one int, or one per
     prompt). max_batch: at most this many rows at once, finished rows refilled from the remaining prompts in order
@@ -691,6 +724,11 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     steps; the draft is never touched."""
     ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
     device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
+    check_float("temperature", temperature, minimum=0.0)
+    check_int("top_k (0 disables it)", top_k, minimum=0)
+    check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
+    sampling = (temperature, top_k, top_p) if temperature > 0 else None
+    generator = row_generators(seed, len(ids), device) if sampling is not None else None
     rows = [_Row(i, p, m) for i, (p, m) in enumerate(zip(ids, budgets))]
     limit = len(rows) if max_batch is None else check_int("max_batch", max_batch, minimum=1)
     active, queue = rows[:limit], rows[limit:]
@@ -701,7 +739,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
         for r in active:
             r.start, r.prefill_s = start, start - t0
         while active:
-            tokens = plain_step(cache, active, device)
+            tokens = plain_step(cache, active, device, sampling, _step_generators(generator, active))
             now = clock.now()
             for row, token in zip(active, tokens):
                 emitted = row.truncate([token], eos)

@@ -358,7 +358,7 @@ class SpeculativeDecoder:
         return session.output()
 
     def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,
-                       top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                       top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
                        max_batch: int | None = None) -> list[GenerationOutput]:
         """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
@@ -366,12 +366,13 @@ class SpeculativeDecoder:
         finished row's place from the remaining prompts in order (continuous batching of a prompt queue; None:
         all at once). Returns one GenerationOutput per prompt, in prompt order (an admitted prompt's prefill_s
         and token_times count from its own admission). Either drafter: a draft LM or an EAGLE-3 head (per-row target
-        features); at temperature > 0 the trees take top-W children (exact per row)."""
+        features); at temperature > 0 the trees take top-W children (exact per row). seed: an int for the batch, or
+        a list of one per prompt (each sequence draws from its own generator)."""
         from specpilot.drafting.batch import BatchSession, batch_inputs
 
         if controller is None:
             controller = FixedController(device=str(self.pair.device))
-        _check_sampling(1, temperature, top_k, top_p, seed)
+        _check_sampling(1, temperature, top_k, top_p, None if isinstance(seed, (list, tuple)) else seed)
         ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth + 1)
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
         session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch)

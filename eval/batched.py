@@ -1,4 +1,5 @@
-"""`evaluate_batches()`: every method decoding the prompts in batches of B, for each B, interleaved (greedy).
+"""`evaluate_batches()`: every method decoding the prompts in batches of B, for each B, interleaved (greedy or
+sampled at one temperature).
 
 The batched counterpart of `specpilot.eval.runner.evaluate`, measured by the same loop (`specpilot.eval.rounds`:
 `Measurer`, `run_rounds`, `RoundPlan`) and compared by the same statistics (`specpilot.eval.compare.compare`):
@@ -12,8 +13,13 @@ The batched counterpart of `specpilot.eval.runner.evaluate`, measured by the sam
   over units; per-token latency = mean over the batch's sequences of (time until the sequence's last token) /
   (its tokens): what one client of the batch waits per token;
 - exactness first: every method's greedy output of every sequence is compared with batched `ar`'s of the same
-  unit (`identical_to_ar`, `mismatched_sequences`).
-Greedy only (batched sampling has no autoregressive reference here).
+  unit (`identical_to_ar`, `mismatched_sequences`);
+- at temperature > 0 every method samples (batched `ar` too: `autoregressive_generate_batch(temperature=...)`)
+  with per-sequence seeds: sequence i of a unit with seed s draws from its own generator seeded s * B + i
+  (`sequence_seeds`), the same for every method of the unit, so no sequence's draws depend on its batchmates'.
+  Sampled outputs are draws, not compared token by token (`identical_to_ar` is None): exactness there is the
+  target's law per sequence (SAMPLED_EXACTNESS names the tests that prove it); throughput and ms/token are
+  measured and paired exactly as when greedy.
 """
 from __future__ import annotations
 
@@ -32,6 +38,14 @@ from specpilot.eval.metrics import RunRecord
 from specpilot.eval.rounds import Measurer, MemoryMonitor, RoundPlan, run_rounds
 
 UNBATCHED = ("hf_generate", "hf_assisted")  # transformers' methods: no batched path in this evaluation
+SAMPLED_EXACTNESS = ("sampled: outputs are draws, not compared token by token; every method follows the target's "
+                     "law per sequence (proven by tests/test_batch_decoding.py::test_sampled_law_per_sequence)")
+GREEDY_EXACTNESS = "greedy: every sequence's tokens compared with batched ar's of the same batch"
+
+
+def sequence_seeds(seed: int, batch_size: int) -> list[int]:
+    """Per-sequence seeds of a unit with seed `seed`: seed * B + i for row i (distinct over units and rows)."""
+    return [int(seed) * batch_size + i for i in range(batch_size)]
 
 
 @dataclass
@@ -46,18 +60,21 @@ class BatchRecord(RunRecord):
 
 
 class BatchMethod:
-    """A method (batch of token-id lists, max_new_tokens=, seed=, ...) -> BatchRecord, for `Measurer`."""
+    """A method (batch of token-id lists, max_new_tokens=, temperature=, top_k=, top_p=, seed=) -> BatchRecord,
+    for `Measurer`; `run(batch, max_new_tokens, sampling)` decodes, sampling {} when greedy, else temperature,
+    top_k, top_p and the per-sequence seeds (`sequence_seeds`)."""
 
-    def __init__(self, name: str, run: Callable[[list[list[int]], int], list], describe: dict) -> None:
+    def __init__(self, name: str, run: Callable[..., list], describe: dict) -> None:
         self.name, self._run, self._describe = name, run, describe
 
     def describe(self) -> dict:
         return self._describe
 
-    def __call__(self, batch: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, **_) -> BatchRecord:
-        if temperature != 0.0:
-            raise ValueError("the batched evaluation is greedy only")
-        outs = self._run(batch, max_new_tokens)
+    def __call__(self, batch: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, **_) -> BatchRecord:
+        sampling = {} if temperature == 0.0 else dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                                      seed=sequence_seeds(seed, len(batch)))
+        outs = self._run(batch, max_new_tokens, sampling)
         longest = max(outs, key=lambda o: len(o.cycles))
         waits = [(o.prefill_s + o.token_times[-1]) / len(o.tokens) for o in outs if o.tokens and o.token_times]
         return BatchRecord(prompt_id="", method=self.name, tokens=[t for o in outs for t in o.tokens], wall_s=0.0,
@@ -85,12 +102,12 @@ def batch_methods(ctx: EvalContext, methods: list[str] | None, controllers: dict
     out = {}
     for name, method in built.items():
         if isinstance(method, ARMethod):
-            out[name] = BatchMethod(name, lambda batch, n: autoregressive_generate_batch(ctx.pair, batch,
-                                                                                        max_new_tokens=n),
+            out[name] = BatchMethod(name, lambda batch, n, sampling: autoregressive_generate_batch(
+                ctx.pair, batch, max_new_tokens=n, **sampling),
                                     {"name": name, "impl": "specpilot.drafting.batch.autoregressive_generate_batch"})
         elif isinstance(method, ControllerMethod):
-            out[name] = BatchMethod(name, lambda batch, n, m=method: m.decoder.generate_batch(
-                batch, controller=m.controller, max_new_tokens=n), {**method.describe(), "batched": True})
+            out[name] = BatchMethod(name, lambda batch, n, sampling, m=method: m.decoder.generate_batch(
+                batch, controller=m.controller, max_new_tokens=n, **sampling), {**method.describe(), "batched": True})
         else:
             skipped[name] = "no batched implementation"
     return out, skipped
@@ -106,14 +123,17 @@ def batch_units(ids: list[list[int]], batch_size: int) -> list[list[list[int]]]:
 def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree: TreeConfig,
                      methods: list[str] | None = None, controllers: dict | None = None, max_new_tokens: int = 64,
                      plan: RoundPlan | None = None, warmup: int = 1, seed: int = 0, grid=None, run_dir=None,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      progress: Callable[[str], None] | None = None) -> dict:
-    """Every method on `ids` (token-id lists) in batches of each B in `batch_sizes`, greedy, interleaved (module
-    docstring). `methods`: registry names (None: none but `ar`, which always runs); `controllers`: more methods
-    by name, {name: Controller or (Controller, TreeConfig)}. `plan` (default one round) applies per batch size;
+    """Every method on `ids` (token-id lists) in batches of each B in `batch_sizes`, greedy (temperature 0) or
+    sampled at `temperature` (with top_k / top_p; per-sequence seeds), interleaved (module docstring).
+    `methods`: registry names (None: none but `ar`, which always runs); `controllers`: more methods by name,
+    {name: Controller or (Controller, TreeConfig)}. `plan` (default one round) applies per batch size;
     its time budget is shared evenly by the batch sizes still to run. Returns {"batch_sizes": [section per B], "methods": {name: describe}, "skipped": {...},
-    "records": {B: [BatchRecord]}}: each section holds per method tokens/s, per-token latency, speedup over
-    batched `ar` with its 95% paired interval and verdict, identical_to_ar, and the comparisons between the
-    per-batch-size methods (`batch_comparisons`)."""
+    "records": {B: [BatchRecord]}}: each section holds its temperature and how exactness stands there
+    (`exactness`), per method tokens/s, per-token latency, speedup over batched `ar` with its 95% paired interval
+    and verdict, identical_to_ar (None when sampling), and the comparisons between the per-batch-size methods
+    (BATCH_PAIRS)."""
     sizes = [int(b) for b in batch_sizes]
     if not ids or not sizes or min(sizes) < 1:
         raise ValueError("evaluate_batches needs prompts and batch sizes >= 1")
@@ -121,7 +141,12 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
     say = progress or (lambda msg: None)
     ctx = EvalContext(pair=pair, tree=tree, grid=grid, run_dir=run_dir)
     built, skipped = batch_methods(ctx, methods, controllers)
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=0.0)
+    temperature = float(temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature)
+    if temperature > 0:
+        sampling.update(top_k=top_k, top_p=top_p)
     failed: dict[str, str] = {}
     sections, all_records = [], {}
     started = time.perf_counter()
@@ -138,11 +163,15 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
                                 say=lambda msg, b=size: say(f"batch size {b}: {msg}"))
             records = [r for r in records if r.method not in failed]
             all_records[size] = records
-            sections.append({"batch_size": size, "units": len(units), "rounds": rounds,
-                             **batch_section(records, [n for n in built if n not in failed], seed=seed)})
+            sections.append({"batch_size": size, "temperature": temperature, "units": len(units), "rounds": rounds,
+                             "exactness": SAMPLED_EXACTNESS if temperature > 0 else GREEDY_EXACTNESS,
+                             **batch_section(records, [n for n in built if n not in failed], seed=seed,
+                                             temperature=temperature)})
     return {"batch_sizes": sections, "methods": {n: m.describe() for n, m in built.items()},
             "skipped": {**skipped, **failed}, "records": all_records,
-            "protocol": {"max_new_tokens": max_new_tokens, "warmup": warmup, "temperature": 0.0,
+            "protocol": {"max_new_tokens": max_new_tokens, "warmup": warmup, "temperature": temperature,
+                         **({"top_k": top_k, "top_p": top_p, "seeds": "per sequence: unit seed * B + row"}
+                            if temperature > 0 else {}),
                          "rounds": plan.describe(), "seconds": round(time.perf_counter() - started, 1)}}
 
 
@@ -150,10 +179,12 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
 BATCH_PAIRS = (("batch_table", "grid"), ("ltd", "batch_table"), ("ltd", "grid"), ("batch_table", "fixed"))
 
 
-def batch_section(records: list[RunRecord], names: list[str], *, seed: int = 0) -> dict:
-    """One batch size's numbers (see `evaluate_batches`): per method rows and the BATCH_PAIRS comparisons."""
-    by_method = unit_records(records, temperature=0.0)
-    reference = {k: r.sequences for k, r in by_method.get("ar", {}).items()}
+def batch_section(records: list[RunRecord], names: list[str], *, seed: int = 0, temperature: float = 0.0) -> dict:
+    """One batch size's numbers at one temperature (see `evaluate_batches`): per method rows and the BATCH_PAIRS
+    comparisons; sequences are compared with batched ar's only when greedy."""
+    by_method = unit_records(records, temperature=temperature)
+    greedy = temperature == 0.0
+    reference = {k: r.sequences for k, r in by_method.get("ar", {}).items()} if greedy else {}
     rows = []
     for name in names:
         units = by_method.get(name, {})
@@ -164,7 +195,7 @@ def batch_section(records: list[RunRecord], names: list[str], *, seed: int = 0) 
         mismatched = sum(a != b for k, r in units.items() if k in reference
                          for a, b in zip(r.sequences, reference[k]))
         cycles = [c for r in recs for c in r.cycles]
-        c = compare(by_method, name, "ar", temperature=0.0, seed=seed) if name != "ar" else None
+        c = compare(by_method, name, "ar", temperature=temperature, seed=seed) if name != "ar" else None
         # the interval over batches (each batch's rounds together) when there are >= 2 batches, else over rounds
         by_batches = c is not None and c["n_prompts"] >= 2
         rows.append({"method": name, "tokens": tokens, "time_s": wall,
@@ -174,12 +205,13 @@ def batch_section(records: list[RunRecord], names: list[str], *, seed: int = 0) 
                      "speedup_ci": (c["ci"] if by_batches else c["ci_units"]) if c else [None, None],
                      "interval": ("batches" if by_batches else "rounds") if c else None,
                      "verdict": (c["verdict"] if by_batches else _verdict(c["ci_units"])) if c else None,
-                     "identical_to_ar": mismatched == 0, "mismatched_sequences": mismatched,
+                     "identical_to_ar": mismatched == 0 if greedy else None,
+                     "mismatched_sequences": mismatched if greedy else None,
                      "depth_mean": float(np.mean([x[0] for x in cycles])) if cycles else None,
                      "size_mean": float(np.mean([x[1] for x in cycles])) if cycles else None,
                      "n_units": len(units)})
     comparisons = [c for m, b in BATCH_PAIRS if m in by_method and b in by_method
-                   if (c := compare(by_method, m, b, temperature=0.0, seed=seed)) is not None]
+                   if (c := compare(by_method, m, b, temperature=temperature, seed=seed)) is not None]
     return {"methods": rows, "comparisons": comparisons}
 
 

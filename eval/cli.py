@@ -9,8 +9,9 @@ Before anything is measured (`prepare`): the output folder is writable, every me
 (`specpilot.eval.inputs.check_methods`: a missing or broken --run / --grid is an error, not a skipped method), and
 with --run the tree is the run's (its policies' contract; a conflicting --width/--max-depth/--max-size is refused).
 
-With --batch-sizes the command runs the batched evaluation instead (`specpilot.eval.batched.evaluate_batches`:
-greedy, in this process, every method decoding batches of each size vs batched ar) and writes its sections.
+With --batch-sizes the command runs the batched evaluation instead (`specpilot.eval.batched.evaluate_batches`,
+in this process, every method decoding batches of each size vs batched ar, at each of --temperatures: greedy with
+token identity checked, sampled with per-sequence seeds) and writes its sections.
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run N streams at once and report speedup/latency under that load")
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=None,
                         help="comma list of batch sizes (e.g. 1,2,4,8,16): decode the prompts in batches of each "
-                             "size with every method, greedy, vs batched ar (default: none, one sequence at a time)")
+                             "size with every method vs batched ar, at each of --temperatures (sampled: "
+                             "per-sequence seeds) (default: none, one sequence at a time)")
     add_pair_arguments(parser)
     parser.add_argument("--grid", default=None,
                         help="grid-search result JSON (enables methods `grid`, and `batch_table` when it has a "
@@ -164,15 +166,13 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
 
 
 def check_batch_options(args: argparse.Namespace) -> None:
-    """--batch-sizes runs the batched evaluation (greedy, in this process): options it cannot honour are refused."""
-    if 0.0 not in args.temperatures:
-        raise ValueError("--batch-sizes measures greedy decoding: add temperature 0 to --temperatures")
+    """--batch-sizes runs the batched evaluation (in this process): options it cannot honour are refused."""
     conflicts = [o for o, given in (("--replay-dir", args.replay_dir), ("--check-profile", args.check_profile),
                                     ("--concurrency", args.concurrency > 1), ("--ray", getattr(args, "ray", None)))
                  if given]
     if conflicts:
         raise ValueError(f"--batch-sizes cannot be combined with {', '.join(conflicts)}: the batched evaluation "
-                         "decodes greedy batches in this process; drop them")
+                         "decodes batches in this process; drop them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,8 +232,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
-    """`eval --batch-sizes`: `specpilot.eval.batched.evaluate_batches` on the loaded pair, one report section per
-    batch size (report.json "batch_sizes", report.md tables), and the tables printed."""
+    """`eval --batch-sizes`: `specpilot.eval.batched.evaluate_batches` on the loaded pair at each of --temperatures
+    (--sampled-methods at T > 0; --time-budget shared evenly by the temperatures still to run), one report section
+    per (temperature, batch size) (report.json "batch_sizes", report.md tables), and the tables printed."""
+    import time
+
     from specpilot.drafting.cliargs import load_pair
     from specpilot.eval.batched import evaluate_batches
     from specpilot.eval.inputs import check_inputs_pair
@@ -250,26 +253,39 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
         say(note)
     limit = pair.max_context - args.max_new_tokens - plan.tree.max_depth - 2
     tokens = [ids[p.prompt][-limit:] for p in plan.prompts]
-    rounds = RoundPlan.make(args.rounds, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
-                            time_budget_s=args.time_budget, target_half_width=args.target_half_width,
-                            decide=tuple(args.decide), full_rounds=args.full_rounds)
     methods = plan.methods if plan.methods is not None else list(METHODS)
+    temperatures = list(dict.fromkeys(float(t) for t in args.temperatures))
     say(f"evaluating {len(plan.prompts)} prompts of suite {plan.suite['name']} in batches of "
-        f"{','.join(map(str, args.batch_sizes))} on {pair.name} ({pair.device}), tree {plan.tree}, greedy")
+        f"{','.join(map(str, args.batch_sizes))} on {pair.name} ({pair.device}), tree {plan.tree}, temperatures "
+        f"{','.join(f'{t:g}' for t in temperatures)}")
     clear_outputs(args.out)
-    result = evaluate_batches(tokens, pair=pair, batch_sizes=args.batch_sizes, tree=plan.tree, methods=methods,
-                              max_new_tokens=args.max_new_tokens, plan=rounds, warmup=args.warmup, seed=args.seed,
-                              grid=args.grid, run_dir=args.run_dir, progress=say)
-    repeats = max(s["rounds"]["rounds"] for s in result["batch_sizes"])
-    meta = build_meta(pair, tree=plan.tree, prompts=plan.prompts, temperatures=(0.0,), top_k=0, top_p=1.0,
-                      max_new_tokens=args.max_new_tokens, repeats=repeats, warmup=args.warmup, concurrency=1,
-                      seed=args.seed, methods=result["methods"], skipped=result["skipped"])
-    meta.update(prompt_mix=prompt_mix(list(plan.prompts)), suite=plan.suite, batch_protocol=result["protocol"])
-    paths = write_report([], meta, args.out, plots=False, analysis={"batch_sizes": result["batch_sizes"]})
-    for name, reason in result["skipped"].items():
+    started, results = time.perf_counter(), []
+    for j, t in enumerate(temperatures):
+        budget = (None if args.time_budget is None else
+                  max(args.time_budget - (time.perf_counter() - started), 1e-3) / (len(temperatures) - j))
+        rounds = RoundPlan.make(args.rounds, min_rounds=args.min_rounds, max_rounds=args.max_rounds,
+                                time_budget_s=budget, target_half_width=args.target_half_width,
+                                decide=tuple(args.decide), full_rounds=args.full_rounds)
+        names = plan.sampled if t > 0 and plan.sampled is not None else methods
+        results.append(evaluate_batches(tokens, pair=pair, batch_sizes=args.batch_sizes, tree=plan.tree,
+                                        methods=names, max_new_tokens=args.max_new_tokens, plan=rounds,
+                                        warmup=args.warmup, seed=args.seed, grid=args.grid, run_dir=args.run_dir,
+                                        temperature=t, top_k=args.top_k, top_p=args.top_p,
+                                        progress=lambda msg, t=t: say(f"T={t:g}: {msg}")))
+    sections = [s for r in results for s in r["batch_sizes"]]
+    described = {n: d for r in results for n, d in r["methods"].items()}
+    skipped = {n: why for r in results for n, why in r["skipped"].items()}
+    repeats = max(s["rounds"]["rounds"] for s in sections)
+    meta = build_meta(pair, tree=plan.tree, prompts=plan.prompts, temperatures=tuple(temperatures),
+                      top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens, repeats=repeats,
+                      warmup=args.warmup, concurrency=1, seed=args.seed, methods=described, skipped=skipped)
+    meta.update(prompt_mix=prompt_mix(list(plan.prompts)), suite=plan.suite,
+                batch_protocol=[r["protocol"] for r in results])
+    paths = write_report([], meta, args.out, plots=False, analysis={"batch_sizes": sections})
+    for name, reason in skipped.items():
         say(f"skipped {name}: {reason}")
-    print("\n".join(batch_lines(result["batch_sizes"])))
-    inexact = sorted({r["method"] for s in result["batch_sizes"] for r in s["methods"] if not r["identical_to_ar"]})
+    print("\n".join(batch_lines(sections)))
+    inexact = sorted({r["method"] for s in sections for r in s["methods"] if r["identical_to_ar"] is False})
     if inexact:  # a report, not a crash: near-ties under low precision can flip a token; the report counts them
         say(f"WARNING: greedy output differs from batched ar for {', '.join(inexact)} (report: mismatched_sequences)")
     print(f"wrote {paths['md']} and {paths['json']}")

@@ -323,8 +323,9 @@ def _row_tables(results: list[dict]) -> list[str]:
 
 
 def batch_lines(sections: list[dict]) -> list[str]:
-    """Markdown of `specpilot.eval.batched.evaluate_batches`' sections: one table per batch size (method, tokens/s,
-    ms/token, speedup over batched ar [95% CI], verdict, exact), then its comparisons."""
+    """Markdown of `specpilot.eval.batched.evaluate_batches`' sections: a heading per temperature (naming it, and
+    how exactness stands there), one table per batch size (method, tokens/s, ms/token, speedup over batched ar
+    [95% CI], verdict, exact), then its comparisons."""
     if not sections:
         return []
 
@@ -333,21 +334,30 @@ def batch_lines(sections: list[dict]) -> list[str]:
         ok = all(isinstance(v, (int, float)) and math.isfinite(v) for v in (low, high))
         return f"[{low:.2f}, {high:.2f}]" if ok else "[n/a]"
 
-    lines = ["## Throughput by batch size (greedy; reference: batched ar)", "",
-             "A unit is one batch of B prompts (in order, wrapping so every batch is full) in one round; per unit "
-             "every method decoded the same batch back to back, order rotated. tokens/s: all sequences' tokens over "
-             "the calls' wall time (prefill included); ms/token: per sequence, time to its last token over its "
-             "tokens, averaged; intervals: 95% paired bootstrap over batches (over (batch, round) units where there "
-             "is one batch); exact: every sequence equals batched ar's.", ""]
-    for section in sections:
+    lines = []
+    for i, section in enumerate(sections):
+        temperature = float(section.get("temperature", 0.0))
+        if i == 0 or temperature != float(sections[i - 1].get("temperature", 0.0)):  # a heading per temperature
+            mode = "greedy" if temperature == 0 else f"sampled, T={temperature:g}"
+            exact = ("exact: every sequence equals batched ar's" if temperature == 0 else
+                     f"exact: {section.get('exactness', 'the target law per sequence')}; both sides sample with "
+                     "per-sequence seeds, the same for every method of a batch")
+            lines += [f"## Throughput by batch size ({mode}; reference: batched ar)", "",
+                      "A unit is one batch of B prompts (in order, wrapping so every batch is full) in one round; "
+                      "per unit every method decoded the same batch back to back, order rotated. tokens/s: all "
+                      "sequences' tokens over the calls' wall time (prefill included); ms/token: per sequence, time "
+                      "to its last token over its tokens, averaged; intervals: 95% paired bootstrap over batches "
+                      f"(over (batch, round) units where there is one batch); {exact}.", ""]
+        tag = "" if temperature == 0 else f", T={temperature:g}"
         lines += [f"### Batch size {section['batch_size']} ({section['units']} batches x "
-                  f"{section['rounds']['rounds']} round(s))", "",
+                  f"{section['rounds']['rounds']} round(s){tag})", "",
                   "| method | tokens/s | ms/token | speedup vs ar [95% CI] | verdict | depth | size | exact |",
                   "|---|---|---|---|---|---|---|---|"]
         for row in section["methods"]:
             depth = "-" if row["depth_mean"] is None else f"{row['depth_mean']:.1f}"
             size = "-" if row["size_mean"] is None else f"{row['size_mean']:.1f}"
-            exact = "yes" if row["identical_to_ar"] else f"NO ({row['mismatched_sequences']} sequences)"
+            exact = ("law (sampled)" if row["identical_to_ar"] is None else
+                     "yes" if row["identical_to_ar"] else f"NO ({row['mismatched_sequences']} sequences)")
             lines.append(f"| {row['method']} | {row['tokens_per_s']:.1f} | {row['per_token_ms']:.1f} | "
                          f"{row['speedup']:.3f} {ci(row['speedup_ci'])} | {row['verdict'] or '-'} | {depth} | "
                          f"{size} | {exact} |")

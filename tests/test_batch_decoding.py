@@ -197,6 +197,55 @@ def test_sampled_law_per_sequence(width, depth, size, sampling, alternate, max_b
         assert tv < 0.5 * math.sqrt(len(law) / n) + 0.035, (k, tv)
 
 
+@pytest.mark.parametrize("sampling", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_sampled_autoregressive_batch_law_per_sequence(sampling):
+    """Batched AR at temperature > 0 with per-sequence seeds (the batched evaluation's baseline) follows the
+    target's law per row: two ragged prompts alternating over the rows, each row's 2-token continuation counted
+    against its own prompt's enumerated law (TV with a concentration bound, as above)."""
+    target = tiny_model(vocab=6, hidden=16, layers=1, eos=None, sharpness=4.0, seed=3)
+    pair = ModelPair(target, noisy_copy(target, 2.0, seed=4))
+    prompts, steps, n = [[1, 2], [4, 3, 5, 1, 1]], 2, 1500
+    laws = [target_law(target, p, steps, sampling) for p in prompts]
+    temperature, top_k, top_p = sampling
+    outs = autoregressive_generate_batch(pair, [prompts[i % 2] for i in range(2 * n)], max_new_tokens=steps,
+                                         temperature=temperature, top_k=top_k, top_p=top_p,
+                                         seed=[1000 + i for i in range(2 * n)])
+    for k, law in enumerate(laws):
+        counts = dict.fromkeys(law, 0)
+        for out in outs[k::2]:
+            counts[tuple(out.tokens)] += 1
+        tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
+        assert tv < 0.5 * math.sqrt(len(law) / n) + 0.035, (k, tv)
+
+
+@pytest.mark.parametrize("method", ["ar", "speculative"])
+def test_per_sequence_seeds_do_not_depend_on_batchmates(method):
+    """seed=[one per prompt]: a sequence draws from its own generator, so its sampled output is the same whatever
+    the other rows of its batch are (and an int seed still reproduces the whole batch)."""
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=3, max_size=6))
+
+    def run(prompts, seed):
+        if method == "ar":
+            return autoregressive_generate_batch(pair, prompts, max_new_tokens=12, temperature=0.9, seed=seed)
+        return decoder.generate_batch(prompts, controller=FixedController(2, 4), max_new_tokens=12,
+                                      temperature=0.9, seed=seed)
+
+    a = run([PROMPTS[0], PROMPTS[1], PROMPTS[3]], [11, 12, 13])
+    b = run([PROMPTS[2], PROMPTS[1]], [99, 12])
+    assert a[1].tokens == b[1].tokens
+    assert [o.tokens for o in run(PROMPTS, 5)] == [o.tokens for o in run(PROMPTS, 5)]
+
+
+@pytest.mark.parametrize("seed,match", [([1, 2], "2 per-sequence seeds for 4 prompts"), ([1, 2, 3, 1.5], "seed")])
+def test_bad_per_sequence_seeds_raise(seed, match):
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
+    with pytest.raises((TypeError, ValueError), match=match):
+        decoder.generate_batch(PROMPTS, temperature=1.0, seed=seed)
+    with pytest.raises((TypeError, ValueError), match=match):
+        autoregressive_generate_batch(decoder.pair, PROMPTS, temperature=1.0, seed=seed)
+
+
 def test_depth0_batch_is_batched_ar_op_for_op():
     """"Don't speculate" through generate_batch costs what batched AR costs: the draft is never run (its prefill
     waits for the first cycle that drafts) and the target runs exactly the forwards autoregressive_generate_batch

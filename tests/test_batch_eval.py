@@ -164,6 +164,54 @@ def test_evaluate_batches_sections_and_identity():
     assert {r["method"]: r["depth_mean"] for r in result["batch_sizes"][2]["methods"]}["table"] < 3
 
 
+def test_evaluate_batches_sampled_sections():
+    """At temperature > 0: every method (batched ar too) samples with per-sequence seeds; each section names its
+    temperature and that exactness there is the law (no token identity), with tokens/s, ms/token and paired
+    intervals as when greedy."""
+    from specpilot.eval.batched import SAMPLED_EXACTNESS, sequence_seeds
+
+    pair = tiny_pair(noise=0.3)
+    result = evaluate_batches(PROMPTS, pair=pair, batch_sizes=[1, 2], tree=TreeConfig(width=2, max_depth=4,
+                                                                                       max_size=16),
+                              methods=["fixed"], max_new_tokens=8, warmup=0, temperature=0.8, top_k=4,
+                              controllers={"table": BatchTableController({1: (3, 6), 2: (0, 0)})})
+    assert result["protocol"]["temperature"] == 0.8 and result["protocol"]["top_k"] == 4
+    for section in result["batch_sizes"]:
+        assert section["temperature"] == 0.8 and section["exactness"] == SAMPLED_EXACTNESS
+        assert "test_sampled_law_per_sequence" in section["exactness"]
+        rows = {r["method"]: r for r in section["methods"]}
+        assert set(rows) == {"ar", "fixed", "table"}
+        for r in rows.values():
+            assert r["identical_to_ar"] is None and r["mismatched_sequences"] is None
+            assert r["tokens_per_s"] > 0 and r["per_token_ms"] > 0 and r["n_units"] == section["units"]
+        assert rows["ar"]["speedup"] == 1.0
+        assert rows["fixed"]["speedup"] > 0 and None not in rows["fixed"]["speedup_ci"]
+        assert all(c["temperature"] == 0.8 for c in section["comparisons"])
+    records = result["records"][2]
+    assert {r.temperature for r in records} == {0.8}
+    assert sequence_seeds(3, 4) == [12, 13, 14, 15]
+
+
+def test_batch_method_passes_per_sequence_seeds():
+    """The batched method hands its decoder temperature, top-k/p and one seed per sequence (unit seed * B + row),
+    the same for every method of a unit; greedy hands nothing."""
+    from specpilot.eval.batched import BatchMethod
+    from specpilot.drafting.batch import autoregressive_generate_batch
+
+    pair, seen = tiny_pair(noise=0.3), []
+
+    def run(batch, n, sampling):
+        seen.append(sampling)
+        return autoregressive_generate_batch(pair, batch, max_new_tokens=n, **sampling)
+
+    method = BatchMethod("ar", run, {})
+    first = method(PROMPTS[:2], max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, seed=4)
+    again = method(PROMPTS[:2], max_new_tokens=5, temperature=0.7, top_k=3, top_p=0.9, seed=4)
+    method(PROMPTS[:2], max_new_tokens=5, seed=4)
+    assert seen[0] == {"temperature": 0.7, "top_k": 3, "top_p": 0.9, "seed": [8, 9]} and seen[2] == {}
+    assert first.sequences == again.sequences and first.batch_size == 2
+
+
 def test_eval_batch_sizes_end_to_end(saved_pair, tmp_path, capsys):
     from specpilot.cli import main
 
@@ -197,8 +245,26 @@ def test_eval_bad_batch_sizes_is_one_line_exit_2(value, tmp_path, capsys):
     assert err and "--batch-sizes" in err[-1]
 
 
-def test_eval_batch_sizes_refuses_sampling_only(tmp_path, capsys):
+def test_eval_batch_sizes_sampled_end_to_end(saved_pair, tmp_path, capsys):
+    """`eval --batch-sizes` at temperature > 0 (sampling only): report sections per batch size at that temperature,
+    no token identity there, the report naming the temperature and the sampled-law tests."""
     from specpilot.cli import main
 
-    code = main(["eval", "--out", str(tmp_path / "out"), "--batch-sizes", "2", "--temperatures", "1"])
-    assert code == 2 and "greedy" in capsys.readouterr().err
+    suite = tmp_path / "mine.txt"
+    suite.write_text("def f(x):\nreturn x + 1\ndef g(y):\n")
+    out = tmp_path / "out"
+    code = main(["--threads", "1", "eval", "--target", str(saved_pair / "target"), "--draft",
+                 str(saved_pair / "draft"), "--device", "cpu", "--suite", str(suite), "--methods", "fixed",
+                 "--batch-sizes", "1,2", "--temperatures", "0.7", "--top-k", "5", "--max-new-tokens", "6",
+                 "--rounds", "1", "--warmup", "0", "--width", "2", "--max-depth", "3", "--max-size", "6",
+                 "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    report = json.loads((out / "report.json").read_text())
+    sections = report["batch_sizes"]
+    assert [(s["batch_size"], s["temperature"]) for s in sections] == [(1, 0.7), (2, 0.7)]
+    assert all(r["identical_to_ar"] is None and r["tokens_per_s"] > 0 for s in sections for r in s["methods"])
+    assert report["meta"]["batch_protocol"][0]["temperature"] == 0.7
+    md = (out / "report.md").read_text()
+    assert "sampled, T=0.7" in md and "test_sampled_law_per_sequence" in md and "### Batch size 2" in md
+    assert "differs from batched ar" not in printed.err
