@@ -63,10 +63,17 @@ def sampled_tv(decoder, prompt: list[int], law: dict, controller, sampling: tupl
     E[TV] <= 0.5 * sqrt(K / n) (Jensen), and TV concentrates: P(TV - E[TV] > t) <= exp(-2 n t^2) (McDiarmid)."""
     temperature, top_k, top_p = sampling
     steps = len(next(iter(law)))
+    outs = [decoder.generate(prompt, controller=controller, max_new_tokens=steps, temperature=temperature,
+                             top_k=top_k, top_p=top_p, seed=seed) for seed in range(n)]
+    return outputs_tv(outs, law)
+
+
+def outputs_tv(outputs, law: dict) -> tuple[float, float]:
+    """(total-variation distance of the outputs' token sequences from `law`, its concentration bound; see
+    sampled_tv)."""
     counts = dict.fromkeys(law, 0)
-    for seed in range(n):
-        out = decoder.generate(prompt, controller=controller, max_new_tokens=steps, temperature=temperature,
-                               top_k=top_k, top_p=top_p, seed=seed)
+    for out in outputs:
         counts[tuple(out.tokens)] += 1
+    n = len(outputs)
     tv = 0.5 * sum(abs(counts[s] / n - law[s]) for s in law)
     return tv, 0.5 * math.sqrt(len(law) / n) + 0.035
