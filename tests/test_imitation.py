@@ -122,3 +122,33 @@ def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict()
     with torch.no_grad():
         logits = policy.action_net(policy.mlp_extractor.forward_actor(torch.as_tensor(obs[:1])))
     assert int(logits.argmax()) == 0
+
+
+class _StopAt:
+    """A causal stand-in for a policy: stops after `depth` levels."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    def should_stop(self, state) -> bool:
+        return state.depth >= self.depth
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, TREE.max_depth])
+def test_continuing_as_the_policy_values_continue_at_the_depth_it_would_reach(traces, stop_at):
+    """CONTINUE costs what the cycle costs when the controller drafts on to where IT stops (best size there, the
+    oracle after); the oracle's own continuation (stopping exactly where acceptance ends) is never more."""
+    from specpilot.envs.replay import ReplaySession
+    from specpilot.policies.learned import CONTINUE, STOP
+
+    model = ReplayModel(traces.train)
+    labels = OracleLabels(model, SIZES)
+    session = ReplaySession(model, 0)
+    q = labels.tables(0).q(session.t, session.n_new)                                      # [depths 0..D, sizes]
+    stop = _StopAt(stop_at)
+    for depth in range(0, TREE.max_depth):
+        got = labels.depth_costs_continuing(session, depth, stop.should_stop)
+        reach = max(stop_at, depth + 1)
+        assert got[CONTINUE] == pytest.approx(q[reach].min())
+        assert got[STOP] == labels.depth_costs(session, depth)[STOP]
+        assert labels.depth_costs(session, depth)[CONTINUE] <= got[CONTINUE] + 1e-12
