@@ -152,3 +152,16 @@ def test_continuing_as_the_policy_values_continue_at_the_depth_it_would_reach(tr
         assert got[CONTINUE] == pytest.approx(q[reach].min())
         assert got[STOP] == labels.depth_costs(session, depth)[STOP]
         assert labels.depth_costs(session, depth)[CONTINUE] <= got[CONTINUE] + 1e-12
+
+
+def test_regret_decomposition_sums_to_the_gap_to_the_oracle(traces):
+    """Performance difference: the hindsight regrets of a controller's own answers add up to its replay time minus
+    the oracle's, exactly."""
+    from specpilot.drafting.control import FixedController
+    from specpilot.train.rl.gap import decompose
+
+    out = decompose(ReplayModel(traces.train), FixedController(*STATIC), SIZES)
+    assert out["gap_s"] > 0
+    assert sum(out["parts"].values()) == pytest.approx(out["gap_s"], rel=1e-9, abs=1e-12)
+    assert set(out["parts"]) <= {"skip", "stop_too_early", "draft_not_skip", "too_deep", "size_too_small",
+                                 "size_too_large"}
