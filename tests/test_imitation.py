@@ -105,9 +105,11 @@ def test_dagger_aggregates_and_pipeline_fine_tunes(traces, tmp_path):
     assert {"bc_ltd", "ltd", "oracle"} <= set(ev)
 
 
-def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict():
+@pytest.mark.parametrize("mode", ["regret", "cost", "soft"])
+def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict(mode):
     """Two identical observations, hindsight labels 0 and 1; answering 0 wrongly costs little, answering 1 wrongly
-    costs much: plain cross-entropy cannot choose, the regret term chooses 0 (the cheaper answer on average)."""
+    costs much: plain cross-entropy cannot choose, every cost-sensitive loss chooses 0 (the cheaper answer on
+    average)."""
     from stable_baselines3 import PPO
 
     from specpilot.train.rl.imitation import fit_policy
@@ -118,7 +120,7 @@ def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict()
     labels = np.array([1, 0])
     best = np.array([[False, True], [True, False]])
     regret = np.array([[0.2, 0.0], [0.0, 5.0]])
-    fit_policy(policy, obs, labels, best=best, regret=regret, epochs=200, batch_size=2, lr=1e-2)
+    fit_policy(policy, obs, labels, best=best, regret=regret, epochs=200, batch_size=2, lr=1e-2, mode=mode)
     with torch.no_grad():
         logits = policy.action_net(policy.mlp_extractor.forward_actor(torch.as_tensor(obs[:1])))
     assert int(logits.argmax()) == 0
