@@ -323,7 +323,7 @@ class ImitationSettings:
     0, the share of decisions the oracle still takes in rollouts (0: pure DAgger relabelling of the policy's own
     states)."""
 
-    iters: int = 4
+    iters: int = 8
     epochs: int = 30
     loss: str = "regret"
     batch_size: int = 256
