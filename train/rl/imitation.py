@@ -319,7 +319,11 @@ class ImitationSettings:
     """iters: DAgger iterations (1: plain behaviour cloning on the oracle's own rollouts). epochs / batch_size / lr:
     the supervised fit after each iteration (from the previous iteration's weights); loss: "set" (cross-entropy on
     the optimal actions), "regret" (plus the expected hindsight regret), "cost" (the expected regret alone) or "soft"
-    (cross-entropy on softmax(-regret / SOFT_TEMPERATURE)), see `_loss`; weight_decay: Adam's. expert_share: after iteration
+    (cross-entropy on softmax(-regret / SOFT_TEMPERATURE)), see `_loss`; weight_decay: Adam's. 8 iterations by default
+    (was 4): on held-out code replay (3 seeds, README) the share of the oracle's gain rose from 47.4% to 53.5% (BC
+    only, medians), while "set"/"cost" collapsed and "soft", weight decay or continuation="policy" did not help.
+    continuation: "oracle" (CONTINUE valued with the oracle stopping after it) or "policy" (as the rolled-out
+    policy would continue, `OracleLabels.depth_costs_continuing`). expert_share: after iteration
     0, the share of decisions the oracle still takes in rollouts (0: pure DAgger relabelling of the policy's own
     states)."""
 
