@@ -105,9 +105,11 @@ def test_dagger_aggregates_and_pipeline_fine_tunes(traces, tmp_path):
     assert {"bc_ltd", "ltd", "oracle"} <= set(ev)
 
 
-def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict():
+@pytest.mark.parametrize("mode", ["regret", "cost", "soft"])
+def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict(mode):
     """Two identical observations, hindsight labels 0 and 1; answering 0 wrongly costs little, answering 1 wrongly
-    costs much: plain cross-entropy cannot choose, the regret term chooses 0 (the cheaper answer on average)."""
+    costs much: plain cross-entropy cannot choose, every cost-sensitive loss chooses 0 (the cheaper answer on
+    average)."""
     from stable_baselines3 import PPO
 
     from specpilot.train.rl.imitation import fit_policy
@@ -118,7 +120,50 @@ def test_regret_loss_picks_the_cheaper_answer_on_average_where_labels_conflict()
     labels = np.array([1, 0])
     best = np.array([[False, True], [True, False]])
     regret = np.array([[0.2, 0.0], [0.0, 5.0]])
-    fit_policy(policy, obs, labels, best=best, regret=regret, epochs=200, batch_size=2, lr=1e-2)
+    fit_policy(policy, obs, labels, best=best, regret=regret, epochs=200, batch_size=2, lr=1e-2, mode=mode)
     with torch.no_grad():
         logits = policy.action_net(policy.mlp_extractor.forward_actor(torch.as_tensor(obs[:1])))
     assert int(logits.argmax()) == 0
+
+
+class _StopAt:
+    """A causal stand-in for a policy: stops after `depth` levels."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    def should_stop(self, state) -> bool:
+        return state.depth >= self.depth
+
+
+@pytest.mark.parametrize("stop_at", [1, 2, TREE.max_depth])
+def test_continuing_as_the_policy_values_continue_at_the_depth_it_would_reach(traces, stop_at):
+    """CONTINUE costs what the cycle costs when the controller drafts on to where IT stops (best size there, the
+    oracle after); the oracle's own continuation (stopping exactly where acceptance ends) is never more."""
+    from specpilot.envs.replay import ReplaySession
+    from specpilot.policies.learned import CONTINUE, STOP
+
+    model = ReplayModel(traces.train)
+    labels = OracleLabels(model, SIZES)
+    session = ReplaySession(model, 0)
+    q = labels.tables(0).q(session.t, session.n_new)                                      # [depths 0..D, sizes]
+    stop = _StopAt(stop_at)
+    for depth in range(0, TREE.max_depth):
+        got = labels.depth_costs_continuing(session, depth, stop.should_stop)
+        reach = max(stop_at, depth + 1)
+        assert got[CONTINUE] == pytest.approx(q[reach].min())
+        assert got[STOP] == labels.depth_costs(session, depth)[STOP]
+        assert labels.depth_costs(session, depth)[CONTINUE] <= got[CONTINUE] + 1e-12
+
+
+def test_regret_decomposition_sums_to_the_gap_to_the_oracle(traces):
+    """Performance difference: the hindsight regrets of a controller's own answers add up to its replay time minus
+    the oracle's, exactly."""
+    from specpilot.drafting.control import FixedController
+    from specpilot.train.rl.gap import decompose
+
+    out = decompose(ReplayModel(traces.train), FixedController(*STATIC), SIZES)
+    assert out["gap_s"] > 0
+    assert sum(out["parts"].values()) == pytest.approx(out["gap_s"], rel=1e-9, abs=1e-12)
+    assert set(out["parts"]) <= {"skip", "stop_too_early", "draft_not_skip", "too_deep", "size_too_small",
+                                 "size_too_large"}

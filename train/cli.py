@@ -144,7 +144,7 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--bc", action="store_true",
                        help="stage 1 = behaviour cloning from the replay oracle with DAgger relabelling (instead of "
                             "PPO from scratch; --size-steps/--depth-steps unused); co-adaptation fine-tunes with PPO")
-        p.add_argument("--bc-iters", type=positive_int, default=4, help="DAgger iterations of --bc (default 4)")
+        p.add_argument("--bc-iters", type=positive_int, default=8, help="DAgger iterations of --bc (default 8)")
         p.add_argument("--bc-epochs", type=positive_int, default=30,
                        help="supervised epochs per DAgger iteration of --bc (default 30)")
 
