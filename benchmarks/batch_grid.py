@@ -20,7 +20,7 @@ import torch
 
 def main() -> None:
     from specpilot.drafting import ModelPair, TreeConfig
-    from specpilot.drafting.batch import autoregressive_generate_batch
+    from specpilot.drafting.batch_ar import autoregressive_generate_batch
     from specpilot.drafting.control import FixedController
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.envs.batch_replay import batch_static_sweep, best_per_batch_size

@@ -1,5 +1,5 @@
 """Batched decoding throughput (not a test): tokens/s vs batch size for our batched AR
-(`drafting.batch.autoregressive_generate_batch`, target only), transformers' batched greedy `generate()`
+(`drafting.batch_ar.autoregressive_generate_batch`, target only), transformers' batched greedy `generate()`
 (left-padded), and one static speculative config through `generate_batch`, on the embedded pair with its draft LM
 (`--drafter eagle`: its EAGLE-3 head, in every mode), interleaved.
 
@@ -51,7 +51,7 @@ import time
 import torch
 
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig
-from specpilot.drafting.batch import autoregressive_generate_batch
+from specpilot.drafting.batch_ar import autoregressive_generate_batch
 from specpilot.eval.rounds import RoundPlan
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController

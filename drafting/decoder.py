@@ -368,7 +368,8 @@ class SpeculativeDecoder:
         and token_times count from its own admission). Either drafter: a draft LM or an EAGLE-3 head (per-row target
         features); at temperature > 0 the trees take top-W children (exact per row). seed: an int for the batch, or
         a list of one per prompt (each sequence draws from its own generator)."""
-        from specpilot.drafting.batch import BatchSession, batch_inputs
+        from specpilot.drafting.batch import BatchSession
+        from specpilot.drafting.batch_ar import batch_inputs
 
         if controller is None:
             controller = FixedController(device=str(self.pair.device))

@@ -397,7 +397,8 @@ def collect_batch_samples(pair, tree, prompts, batch_sizes: list[int], *, max_ne
     B is run first and not kept; at least `min_batches` batches run per B (the prompts cycled), so that large batch
     sizes, which fit few batches into the prompts, still get cycles. Measuring only: the decoding is
     drafting/batch.py's."""
-    from specpilot.drafting.batch import BatchSession, batch_inputs
+    from specpilot.drafting.batch import BatchSession
+    from specpilot.drafting.batch_ar import batch_inputs
     from specpilot.drafting.cycle import run_cycle
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.policies.observation import default_size_actions

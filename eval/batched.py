@@ -5,7 +5,7 @@ The batched counterpart of `specpilot.eval.runner.evaluate`, measured by the sam
 `Measurer`, `run_rounds`, `RoundPlan`) and compared by the same statistics (`specpilot.eval.compare.compare`):
 - a *unit* is one batch of B prompts (the prompts in order, wrapping around so every batch is full) in one round;
   per unit every method decodes the same batch back to back, the order rotated per unit;
-- the reference `ar` is batched autoregressive decoding (`drafting.batch.autoregressive_generate_batch`); every
+- the reference `ar` is batched autoregressive decoding (`drafting.batch_ar.autoregressive_generate_batch`); every
   Controller method decodes through `SpeculativeDecoder.generate_batch` with its own controller and tree (one
   decision per cycle for the batch; batch-aware controllers read `DraftState.batch_size`); transformers' methods
   have no batched path here and are skipped with a note;
@@ -88,7 +88,7 @@ def batch_methods(ctx: EvalContext, methods: list[str] | None, controllers: dict
                   ) -> tuple[dict[str, BatchMethod], dict[str, str]]:
     """The batched form of the registry's methods (`build_methods`: `ar` first) and of extra `controllers`
     ({name: Controller or (Controller, TreeConfig)}); returns (methods, {skipped name: reason})."""
-    from specpilot.drafting.batch import autoregressive_generate_batch
+    from specpilot.drafting.batch_ar import autoregressive_generate_batch
 
     names = [n for n in (methods if methods is not None else []) if n not in UNBATCHED]
     built, skipped = build_methods(names, ctx)
@@ -104,7 +104,7 @@ def batch_methods(ctx: EvalContext, methods: list[str] | None, controllers: dict
         if isinstance(method, ARMethod):
             out[name] = BatchMethod(name, lambda batch, n, sampling: autoregressive_generate_batch(
                 ctx.pair, batch, max_new_tokens=n, **sampling),
-                                    {"name": name, "impl": "specpilot.drafting.batch.autoregressive_generate_batch"})
+                                    {"name": name, "impl": "specpilot.drafting.batch_ar.autoregressive_generate_batch"})
         elif isinstance(method, ControllerMethod):
             out[name] = BatchMethod(name, lambda batch, n, sampling, m=method: m.decoder.generate_batch(
                 batch, controller=m.controller, max_new_tokens=n, **sampling), {**method.describe(), "batched": True})

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
-from specpilot.drafting.batch import BatchSession, autoregressive_generate_batch
+from specpilot.drafting.batch import BatchSession
+from specpilot.drafting.batch_ar import autoregressive_generate_batch
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.cycle import Session, run_cycle
 from specpilot.policies import FixedController

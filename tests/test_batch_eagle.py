@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
-from specpilot.drafting.batch import BatchSession, autoregressive_generate_batch
+from specpilot.drafting.batch import BatchSession
+from specpilot.drafting.batch_ar import autoregressive_generate_batch
 from specpilot.drafting.cycle import run_cycle
 from specpilot.policies import FixedController
 from test_batch_decoding import _Alternate, _assert_cache

@@ -196,7 +196,7 @@ def test_batch_method_passes_per_sequence_seeds():
     """The batched method hands its decoder temperature, top-k/p and one seed per sequence (unit seed * B + row),
     the same for every method of a unit; greedy hands nothing."""
     from specpilot.eval.batched import BatchMethod
-    from specpilot.drafting.batch import autoregressive_generate_batch
+    from specpilot.drafting.batch_ar import autoregressive_generate_batch
 
     pair, seen = tiny_pair(noise=0.3), []
 
