@@ -16,7 +16,7 @@ ARRAYS_FILE = "trace.npz"
 HEADER_FILE = "trace.json"
 TRACE_VERSION = 1  # the header's own "version" key (traces were versioned before the other artifacts)
 RECORD_AGAIN = "record it again with `specpilot record --out DIR`"
-AR_FILE = "ar.json"  # live autoregressive timing of the trace's prompts (`specpilot.train.rl.traces.measure_ar`)
+AR_FILE = "ar.json"  # live autoregressive timing of the trace's prompts (`specpilot.envs.shards.ar_summary`)
 
 
 def trace_dir(path: str | Path) -> Path:
