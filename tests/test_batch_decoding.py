@@ -240,27 +240,30 @@ def test_bad_per_sequence_seeds_raise(seed, match):
         autoregressive_generate_batch(decoder.pair, PROMPTS, temperature=1.0, seed=seed)
 
 
-def test_depth0_batch_is_batched_ar_op_for_op():
-    """"Don't speculate" through generate_batch costs what batched AR costs: the draft is never run (its prefill
-    waits for the first cycle that drafts) and the target runs exactly the forwards autoregressive_generate_batch
-    runs, with the same shapes."""
-    pair = tiny_pair(noise=0.3)
-    shapes = {"draft": [], "target": []}
-    def hook(key):
-        return lambda module, args, kwargs, out: shapes[key].append(tuple(kwargs["input_ids"].shape))
-
-    hooks = [model.register_forward_hook(hook(key), with_kwargs=True)
-             for key, model in (("draft", pair.draft), ("target", pair.target))]
+def assert_depth0_is_batched_ar(pair, drafter, prompts=PROMPTS, budgets=BUDGETS) -> None:
+    """"Don't speculate" through generate_batch costs what batched AR costs: `drafter` (the draft LM or the head)
+    never runs (its prefill waits for the first cycle that drafts) and the target runs exactly the forwards
+    autoregressive_generate_batch runs, with the same shapes, and the outputs are equal."""
+    drafter_calls, target_shapes = [], []
+    hooks = [drafter.register_forward_hook(lambda module, args, out: drafter_calls.append(1)),
+             pair.target.register_forward_hook(
+                 lambda module, args, kwargs, out: target_shapes.append(tuple(kwargs["input_ids"].shape)),
+                 with_kwargs=True)]
     try:
         outs = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(
-            PROMPTS, controller=FixedController(0, 0), max_new_tokens=BUDGETS)
-        batch_shapes, shapes["target"] = shapes["target"], []
-        refs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=BUDGETS)
+            prompts, controller=FixedController(0, 0), max_new_tokens=budgets)
+        batch_shapes, target_shapes[:] = list(target_shapes), []
+        refs = autoregressive_generate_batch(pair, prompts, max_new_tokens=budgets)
     finally:
         for h in hooks:
             h.remove()
-    assert shapes["draft"] == [] and batch_shapes == shapes["target"]
+    assert drafter_calls == [] and batch_shapes == target_shapes
     assert [o.tokens for o in outs] == [r.tokens for r in refs]
+
+
+def test_depth0_batch_is_batched_ar_op_for_op():
+    pair = tiny_pair(noise=0.3)
+    assert_depth0_is_batched_ar(pair, pair.draft)
 
 
 def test_draft_prefill_deferred_to_first_drafting_cycle():

@@ -11,7 +11,7 @@ from specpilot.drafting.batch import BatchSession
 from specpilot.drafting.batch_ar import autoregressive_generate_batch
 from specpilot.drafting.cycle import run_cycle
 from specpilot.policies import FixedController
-from test_batch_decoding import _Alternate, _assert_cache
+from test_batch_decoding import _Alternate, _assert_cache, assert_depth0_is_batched_ar
 from test_eagle_decoder import random_head
 from tiny import outputs_tv, target_law, tiny_model
 
@@ -147,20 +147,7 @@ def test_continuous_batching_and_deferred_prefill_exact(max_batch, depth, size, 
 def test_depth0_batch_is_batched_ar_op_for_op():
     """Depth 0 with a head: the head never runs and the target runs exactly batched AR's forwards."""
     pair = eagle_pair(5, eos=13)
-    shapes = {"head": [], "target": []}
-    hooks = [pair.eagle.register_forward_hook(lambda m, a, o: shapes["head"].append(1)),
-             pair.target.register_forward_hook(lambda m, a, k, o: shapes["target"].append(tuple(k["input_ids"].shape)),
-                                               with_kwargs=True)]
-    try:
-        outs = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4)).generate_batch(
-            PROMPTS, controller=FixedController(0, 0), max_new_tokens=BUDGETS)
-        batch_shapes, shapes["target"] = shapes["target"], []
-        refs = autoregressive_generate_batch(pair, PROMPTS, max_new_tokens=BUDGETS)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert shapes["head"] == [] and batch_shapes == shapes["target"]
-    assert [o.tokens for o in outs] == [r.tokens for r in refs]
+    assert_depth0_is_batched_ar(pair, pair.eagle, PROMPTS, BUDGETS)
 
 
 def test_batch_of_one_equals_generate():
