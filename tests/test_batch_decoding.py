@@ -181,14 +181,19 @@ def test_sampled_law_per_sequence(width, depth, size, sampling, alternate, max_b
     as tiny.sampled_tv)."""
     target = tiny_model(vocab=6, hidden=16, layers=1, eos=None, sharpness=4.0, seed=3)
     pair = ModelPair(target, noisy_copy(target, 2.0, seed=4))  # a poor draft: many rejections
+    assert_batch_follows_law(pair, TreeConfig(width=width, max_depth=depth, max_size=size), sampling,
+                             _Alternate(depth, size) if alternate else FixedController(depth, size), max_batch, seed=7)
+
+
+def assert_batch_follows_law(pair, tree: TreeConfig, sampling, controller, max_batch, *, seed: int) -> None:
+    """Two ragged prompts alternate over 3000 batch rows; each row's 2-token continuation is counted against its own
+    prompt's enumerated law under `sampling` (tiny vocabularies only)."""
     prompts, steps, n = [[1, 2], [4, 3, 5, 1, 1]], 2, 1500
-    laws = [target_law(target, p, steps, sampling) for p in prompts]
-    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size))
-    controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
+    laws = [target_law(pair.target, p, steps, sampling) for p in prompts]
     temperature, top_k, top_p = sampling
-    outs = decoder.generate_batch([prompts[i % 2] for i in range(2 * n)], controller=controller,
-                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=7,
-                                  max_batch=max_batch)
+    outs = SpeculativeDecoder(pair, tree).generate_batch(
+        [prompts[i % 2] for i in range(2 * n)], controller=controller, max_new_tokens=steps, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, max_batch=max_batch)
     for k, law in enumerate(laws):
         tv, bound = outputs_tv(outs[k::2], law)
         assert tv < bound, (k, tv)

@@ -11,9 +11,9 @@ from specpilot.drafting.batch import BatchSession
 from specpilot.drafting.batch_ar import autoregressive_generate_batch
 from specpilot.drafting.cycle import run_cycle
 from specpilot.policies import FixedController
-from test_batch_decoding import _Alternate, _assert_cache, assert_depth0_is_batched_ar
+from test_batch_decoding import _Alternate, _assert_cache, assert_batch_follows_law, assert_depth0_is_batched_ar
 from test_eagle_decoder import random_head
-from tiny import outputs_tv, target_law, tiny_model
+from tiny import tiny_model
 
 PROMPTS = [[7], [1, 2, 3, 4, 5], list(range(1, 12)) * 3, [9, 9]]
 BUDGETS = [40, 25, 33, 12]
@@ -170,17 +170,8 @@ def test_sampled_law_per_sequence(width, depth, size, sampling, alternate, max_b
     row's 2-token continuation counted against its own prompt's enumerated law; TV bound as tiny.sampled_tv)."""
     target = tiny_model(vocab=6, hidden=16, layers=4, eos=None, sharpness=4.0, seed=3)
     pair = ModelPair(target, eagle=random_head(target, draft_vocab=4, seed=5))
-    prompts, steps, n = [[1, 2], [4, 3, 5, 1, 1]], 2, 1500
-    laws = [target_law(target, p, steps, sampling) for p in prompts]
-    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size))
-    controller = _Alternate(depth, size) if alternate else FixedController(depth, size)
-    temperature, top_k, top_p = sampling
-    outs = decoder.generate_batch([prompts[i % 2] for i in range(2 * n)], controller=controller,
-                                  max_new_tokens=steps, temperature=temperature, top_k=top_k, top_p=top_p, seed=11,
-                                  max_batch=max_batch)
-    for k, law in enumerate(laws):
-        tv, bound = outputs_tv(outs[k::2], law)
-        assert tv < bound, (k, tv)
+    assert_batch_follows_law(pair, TreeConfig(width=width, max_depth=depth, max_size=size), sampling,
+                             _Alternate(depth, size) if alternate else FixedController(depth, size), max_batch, seed=11)
 
 
 def test_embedded_default_pair_decodes_batched():
@@ -213,24 +204,13 @@ def test_batch_replay_and_batch_profile_with_a_head():
     """Batch replay of an EAGLE-3 pair's single-sequence traces takes the live batched decoder's decisions and each
     row accepts the same lengths (a one-token prompt included: both start with a plain step); the batched latency
     profile measures with the head."""
-    from specpilot.drafting.cycle import run_generation
-    from specpilot.envs.batch_replay import BatchReplaySession
     from specpilot.envs.profile import collect_batch_samples
     from specpilot.envs.record import record_trace
-    from specpilot.envs.replay import ReplayModel
-    from test_batch_replay import TREE, _Alternating, batched_profile
+    from test_batch_replay import TREE, assert_batch_replay_is_live
 
     pair = eagle_pair(5)
     prompts = [[7], [1, 2, 3, 4, 5], [3, 1, 4, 1, 5, 9], [9, 9]]
     trace = record_trace(pair, TREE, prompts, max_new_tokens=10)
-    model = ReplayModel(trace, batched_profile())
-    decoder = SpeculativeDecoder(pair, TREE)
-    for controller in (FixedController(2, 3), _Alternating()):
-        live = decoder.generate_batch(prompts, controller=controller, max_new_tokens=10)
-        session = BatchReplaySession(model, list(range(len(prompts))))
-        run_generation(session, controller)
-        for out, row in zip(live, session.rows):
-            assert [(r.depth, r.size, r.accepted, r.emitted) for r in out.cycles] == \
-                [(r.depth, r.size, r.accepted, r.emitted) for r in row.cycles]
+    assert_batch_replay_is_live(pair, prompts, trace)
     samples = collect_batch_samples(pair, TREE, prompts[1:], [1, 2], max_new_tokens=8, rng=0, warmup_cycles=1)
     assert set(samples) == {1, 2} and all(s.verify for s in samples.values())

@@ -151,6 +151,12 @@ def test_replayed_batch_matches_the_live_batched_decoders_cycles(recorded):
     """The live batched decoder (drafting/batch.py) and batch replay of the recorded traces take the same decisions
     and each row accepts the same lengths."""
     pair, prompts, trace = recorded
+    assert_batch_replay_is_live(pair, prompts, trace)
+
+
+def assert_batch_replay_is_live(pair, prompts, trace) -> None:
+    """generate_batch and a BatchReplaySession of `trace` (recorded from `prompts`, 10 tokens) take the same decisions
+    and accept the same lengths per row, for a fixed and an alternating controller."""
     model = ReplayModel(trace, batched_profile())
     decoder = SpeculativeDecoder(pair, TREE)
     for controller in (FixedController(2, 3), _Alternating()):
