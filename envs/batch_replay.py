@@ -160,6 +160,18 @@ def batches_of(num_prompts: int, batch_size: int, prompts: list[int] | None = No
     return [[order[(k + j) % len(order)] for j in range(batch_size)] for k in range(0, len(order), batch_size)]
 
 
+def _run_one(model: ReplayModel, batch: list[int], controller: Controller, times: BatchTimes) -> tuple[int, float,
+                                                                                                        int, int]:
+    """One batch of prompts through `controller` (an oracle controller is bound to the batch's session first):
+    (tokens, seconds, batch cycles, row cycles)."""
+    session = BatchReplaySession(model, batch, times=times)
+    if isinstance(controller, BatchOracleController):
+        controller.session = session
+    run_generation(session, controller)
+    return (session.emitted_total, sum(r.cycle_s for r in session.cycles), len(session.cycles),
+            sum(session.batch_sizes))
+
+
 def replay_batch(model: ReplayModel, controller: Controller | None = None, *, batch_size: int,
                  prompts: list[int] | None = None, times: BatchTimes | None = None) -> dict:
     """Predicted {tokens, time_s, cycles, tokens_per_s, mean_accepted_length, batch_size} of a Controller deciding
@@ -170,12 +182,8 @@ def replay_batch(model: ReplayModel, controller: Controller | None = None, *, ba
     times = times or BatchTimes(model)
     tokens = time_s = cycles = row_cycles = 0
     for batch in batches_of(model.num_prompts, batch_size, prompts):
-        session = BatchReplaySession(model, batch, times=times)
-        run_generation(session, controller)
-        tokens += session.emitted_total
-        time_s += sum(r.cycle_s for r in session.cycles)
-        cycles += len(session.cycles)
-        row_cycles += sum(session.batch_sizes)
+        t, s, c, rc = _run_one(model, batch, controller, times)
+        tokens, time_s, cycles, row_cycles = tokens + t, time_s + s, cycles + c, row_cycles + rc
     out = summary(tokens, time_s, row_cycles)
     return {**out, "cycles": int(cycles), "batch_size": int(batch_size)}
 
@@ -302,16 +310,6 @@ class BatchOracleController(Controller):
 
     def choose_size(self, state: DraftState) -> int:
         return self._choice[1]
-
-
-def _run_one(model: ReplayModel, batch: list[int], controller: Controller, times: BatchTimes) -> tuple[int, float,
-                                                                                                        int, int]:
-    session = BatchReplaySession(model, batch, times=times)
-    if isinstance(controller, BatchOracleController):
-        controller.session = session
-    run_generation(session, controller)
-    return (session.emitted_total, sum(r.cycle_s for r in session.cycles), len(session.cycles),
-            sum(session.batch_sizes))
 
 
 def batch_oracle_batch(model: ReplayModel, batch: list[int], *, depths=None, sizes=None,
