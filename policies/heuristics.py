@@ -262,13 +262,19 @@ class BatchTableController(Controller):
             entries.append((batch, depth, size))
         self.entries = sorted(entries)
 
-    def lookup(self, batch_size: int) -> tuple[int, int]:
-        """(depth, size) for `batch_size`: the entry of the largest key <= it (the smallest key below all)."""
+    def entry(self, batch_size: int) -> tuple[int, int, int]:
+        """(key, depth, size) deciding at `batch_size`: the entry of the largest key <= it (the smallest key below
+        all), as the engines look their tables up."""
         chosen = self.entries[0]
         for entry in self.entries:
             if entry[0] <= batch_size:
                 chosen = entry
-        return chosen[1], chosen[2]
+        return chosen
+
+    def lookup(self, batch_size: int) -> tuple[int, int]:
+        """(depth, size) for `batch_size` (`entry`)."""
+        _, depth, size = self.entry(batch_size)
+        return depth, size
 
     def check_tree(self, tree) -> None:
         deepest, largest = max(e[1] for e in self.entries), max(e[2] for e in self.entries)
@@ -356,9 +362,7 @@ class BatchGuardController(Controller):
 
     def uses_table(self, batch_size: int) -> bool:
         """True where the table decides at `batch_size` (the largest table key <= it is a fallback size)."""
-        keys = [e[0] for e in self.table.entries]
-        key = max([k for k in keys if k <= batch_size], default=keys[0])
-        return key in self.fallback
+        return self.table.entry(batch_size)[0] in self.fallback
 
     def reset(self) -> None:
         self._use_table = False

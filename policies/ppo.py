@@ -150,19 +150,21 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
 
 
 BATCH_GUARD_FILE = "batch_guard.json"
+BATCH_GUARD_VERSION = 1
 
 
 def load_batch_guard(run_dir: str | Path, learned: Controller) -> Controller | None:
     """`learned` wrapped in the run's validation guard (RUN/batch_guard.json, `train/rl/validation.batch_guard`:
     the per-batch-size table decides at the batch sizes where the policy lost to it), or None without one."""
-    import json
-
+    from specpilot.artifacts.common import load_object
     from specpilot.policies.heuristics import BatchGuardController
 
     path = Path(run_dir) / BATCH_GUARD_FILE
     if not path.is_file():
         return None
     try:
-        return BatchGuardController.from_dict(learned, json.loads(path.read_text()))
+        data = load_object(path, what="batch guard", fix="train the run again with --batch-sizes",
+                           version=BATCH_GUARD_VERSION)
+        return BatchGuardController.from_dict(learned, data)
     except (KeyError, TypeError, ValueError) as err:
         raise PolicyLoadError(f"{path}: {err}") from err

@@ -97,11 +97,16 @@ def batch_guard(learned: Controller, table: dict[int, tuple[int, int]], model: R
     ref = {b: speed(base, b) for b in sizes}
     alone = {b: speed(learned, b) for b in sizes}
 
+    scored: dict[tuple, tuple[bool, float, dict]] = {}  # the greedy path's sets are scored again below: once each
+
     def evaluate(fallback) -> tuple[bool, float, dict]:
-        guarded = BatchGuardController(learned, full, fallback)
-        got = {b: speed(guarded, b) for b in sizes}
-        ok = all(got[b] >= ref[b] * (1 - 1e-9) for b in sizes)
-        return ok, float(np.exp(np.mean([np.log(got[b] / ref[b]) for b in sizes]))), got
+        key = tuple(sorted(fallback))
+        if key not in scored:
+            guarded = BatchGuardController(learned, full, fallback)
+            got = {b: speed(guarded, b) for b in sizes}
+            ok = all(got[b] >= ref[b] * (1 - 1e-9) for b in sizes)
+            scored[key] = ok, float(np.exp(np.mean([np.log(got[b] / ref[b]) for b in sizes]))), got
+        return scored[key]
 
     if len(keys) <= exhaustive_up_to:
         subsets = [list(c) for n in range(len(keys) + 1) for c in combinations(keys, n)]
@@ -131,13 +136,12 @@ def write_batch_guard(run_dir: str | Path, learned: Controller, table: dict[int,
     """`batch_guard` on the validation trace (timed by `profile`), saved as RUN/batch_guard.json: from then on
     `load_run_controllers(RUN)["ltd_guarded"]` is the guarded controller and the export's learned per-batch-size
     table is its table."""
-    import json
-
-    from specpilot.policies.ppo import BATCH_GUARD_FILE
+    from specpilot.artifacts.common import save_object
+    from specpilot.policies.ppo import BATCH_GUARD_FILE, BATCH_GUARD_VERSION
 
     guard = batch_guard(learned, table, ReplayModel(val_trace, profile), batch_sizes)
     guard["validation_trace"] = str(val_trace)
-    (Path(run_dir) / BATCH_GUARD_FILE).write_text(json.dumps(guard, indent=1))
+    save_object(Path(run_dir) / BATCH_GUARD_FILE, guard, version=BATCH_GUARD_VERSION, indent=1)
     return guard
 
 
