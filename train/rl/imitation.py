@@ -172,16 +172,14 @@ class BatchOracleLabels(OracleLabels):
         return self.oracle(len(rows)).costs(session)
 
 
-def batch_rates(model: ReplayModel, size_actions: Sequence[int], batch_sizes: Sequence[int], *, times=None
-                ) -> dict[int, float]:
+def batch_rates(model: ReplayModel, size_actions: Sequence[int], batch_sizes: Sequence[int]) -> dict[int, float]:
     """{batch size: the best static cell's batch-replay tokens/s} over depths 0..max_depth x `size_actions` on
     `model`'s trace (the per-batch-size table's rate, `BatchOracleLabels`' Dinkelbach rates)."""
-    from specpilot.envs.batch_replay import replay_batch, BatchTimes
+    from specpilot.envs.batch_replay import batch_static_sweep, best_per_batch_size
 
-    times = times or BatchTimes(model)
-    cells = [(0, 0)] + [(d, int(v)) for d in range(1, model.trace.max_depth + 1) for v in size_actions]
-    return {int(b): max(replay_batch(model, FixedController(d, v), batch_size=int(b), times=times)["tokens_per_s"]
-                        for d, v in cells) for b in batch_sizes}
+    cells = [(d, int(v)) for d in range(1, model.trace.max_depth + 1) for v in size_actions]
+    rows = batch_static_sweep(model, cells, [int(b) for b in batch_sizes])
+    return {int(r["batch_size"]): float(r["tokens_per_s"]) for r in best_per_batch_size(rows)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -473,7 +471,7 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     size_ppo = _ppo_model("size", source, actions, options, 1, fallback)
     if batch_sizes:  # batches: the per-batch oracle, Dinkelbach at the best static cell's rate per batch size
         labels = BatchOracleLabels(model, actions, allow_skip=options.skip_decisions, times=source.times,
-                                   rates=batch_rates(model, actions, batch_sizes, times=source.times),
+                                   rates=batch_rates(model, actions, batch_sizes),
                                    exact_single=settings.exact_single)
         batch_ar = evaluate_batches(FixedController(0, 0), val_model, batch_sizes)["ar"]
     else:
