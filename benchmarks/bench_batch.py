@@ -53,7 +53,7 @@ import torch
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig
 from specpilot.drafting.batch_ar import autoregressive_generate_batch
 from specpilot.eval.rounds import RoundPlan
-from specpilot.eval.suites import load_suite
+from specpilot.eval.suites import choose_suite, load_suite
 from specpilot.policies import FixedController
 
 
@@ -93,6 +93,14 @@ def load_pair(args) -> ModelPair:
     return ModelPair.from_pretrained(**{args.drafter: "embedded"})
 
 
+def bench_prompts(args, pair: ModelPair) -> list[list[int]]:
+    """The held-out prompts the modes decode, token ids: --suite, else the suite that matches the pair
+    (`eval.suites.choose_suite`: `heldout_code` for the embedded code pair, whose target answers prose with junk
+    that drafts trivially)."""
+    name = choose_suite(args.suite, getattr(args, "target", None))["name"]
+    return [pair.encode(p.prompt) for p in load_suite(name)]
+
+
 def drafter_label(pair: ModelPair) -> str:
     return "EAGLE-3 head" if pair.eagle is not None else "draft LM"
 
@@ -104,7 +112,7 @@ def configs(args, sizes: list[int]) -> int:
 
     pair = load_pair(args)
     cells = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
-    suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
+    suite = bench_prompts(args, pair)[: args.prompts]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max([1] + [d for d, _ in cells]), max_size=64))
     n = args.max_new_tokens
     methods = {"batched_ar": lambda rows: [o.tokens for o in autoregressive_generate_batch(pair, rows,
@@ -156,7 +164,7 @@ def depth0(args, sizes: list[int]) -> int:
     from specpilot.eval.stats import paired_ratio_interval
 
     pair = load_pair(args)
-    suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
+    suite = bench_prompts(args, pair)[: args.prompts]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
     n = args.max_new_tokens
     spec = FixedController(args.depth, args.size)
@@ -233,7 +241,7 @@ def queue(args, sizes: list[int]) -> int:
     from specpilot.eval.stats import paired_ratio_interval
 
     pair = load_pair(args)
-    suite = [pair.encode(p.prompt) for p in load_suite("heldout")][: args.prompts]
+    suite = bench_prompts(args, pair)[: args.prompts]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
     n = args.max_new_tokens
     budgets = [n if i % 2 == 0 else max(1, n // 4) for i in range(len(suite))]
@@ -357,6 +365,8 @@ def main(argv=None) -> int:
                     help="the embedded pair's drafter: its draft LM (default) or its EAGLE-3 head")
     ap.add_argument("--configs", default=None, help="DEPTH:SIZE,...: each via generate_batch vs batched AR per "
                     "batch size, and vs generate at batch size 1 (see above)")
+    ap.add_argument("--suite", default=None, help="held-out prompts: a suite name or file (default: the one that "
+                    "matches the pair, heldout_code for the embedded pair)")
     ap.add_argument("--grid", default=None, help="--policies: grid.json with best and per_batch_size")
     ap.add_argument("--run", default=None, help="--policies: a trained run (adds ltd)")
     ap.add_argument("--prompts", type=int, default=4, help="--policies: held-out (and sweep) prompts")
@@ -373,7 +383,7 @@ def main(argv=None) -> int:
     if args.queue:
         return queue(args, sizes)
     pair = load_pair(args)
-    suite = [pair.encode(p.prompt) for p in load_suite("heldout")]
+    suite = bench_prompts(args, pair)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=max(args.depth, 1), max_size=64))
     n = args.max_new_tokens
 
