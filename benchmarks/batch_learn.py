@@ -220,9 +220,10 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
         model = ReplayModel(out / "traces" / split)
         print(f"\n{split} trace ({model.num_prompts} prompts), batch replay; x = tokens/s over batched AR "
               f"[95% paired bootstrap over batches]; B1-static d={b1['depth']} V={b1['size']}")
-        print("| B | AR tok/s | " + " | ".join(f"{m} x" for m in shown) + " | learned / table | guarded / table | "
-              "oracle gain share (guarded) |")
-        print("|---|---|" + "---|" * (len(shown) + 3))
+        # batches: the bootstrap's units (few at large B: an interval over 2-4 batches says little)
+        print("| B | batches | AR tok/s | " + " | ".join(f"{m} x" for m in shown) + " | learned / table | "
+              "guarded / table | oracle gain share (guarded) |")
+        print("|---|---|---|" + "---|" * (len(shown) + 3))
         rows = []
         for b in batch_sizes:
             per = {m: _per_batch(model, c, b) for m, c in methods.items()}
@@ -245,7 +246,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
                 else float("nan")
             rows.append(row)
             f = lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"  # noqa: E731
-            print(f"| {b} | {row['ar_tokens_per_s']:.1f} | " + " | ".join(f(row[f"{m}_vs_ar"]) for m in shown) +
+            print(f"| {b} | {k} | {row['ar_tokens_per_s']:.1f} | " + " | ".join(f(row[f"{m}_vs_ar"]) for m in shown) +
                   f" | {f(row['learned_vs_table'])} | {f(row['guarded_vs_table'])} | "
                   f"{row['guarded_oracle_share']:.2f} |", flush=True)
         results[split] = rows
