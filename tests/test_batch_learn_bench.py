@@ -1,6 +1,6 @@
 """benchmarks/batch_learn.py's drafter choice: the EAGLE-3 recipe is the demo's (issue 23's) settings, unset flags
-follow the drafter while given ones win, and `prep --drafter eagle` measures the batch profile with the embedded
-head (first, once per folder) and records every split with it."""
+follow the drafter while given ones win, and `prep` (with the embedded head or the draft LM) measures the batch
+profile first, once per folder, and records every split with that drafter."""
 from __future__ import annotations
 
 import importlib.util
@@ -55,17 +55,18 @@ def test_draft_recipe_keeps_the_old_defaults(bench):
     assert (draft["bc_iters"], draft["bc_epochs"], draft["rounds"], draft["coadapt_steps"]) == (0, 30, 0, 2048)
 
 
-def test_prep_with_the_head_profiles_first_then_records_each_split(bench, monkeypatch, tmp_path):
+@pytest.mark.parametrize("drafter", ["eagle", "draft"])
+def test_prep_profiles_first_then_records_each_split(bench, monkeypatch, tmp_path, drafter):
     from specpilot.envs.profile import LatencyProfile
     from specpilot.envs.replay import ReplayModel
 
-    out = tmp_path / "eagle"
-    common = ["--drafter", "eagle", "--out", str(out), "--batch-sizes", "1,2", "--train-prompts", "2",
+    out = tmp_path / drafter
+    common = ["--drafter", drafter, "--out", str(out), "--batch-sizes", "1,2", "--train-prompts", "2",
               "--val-prompts", "1", "--test-prompts", "2", "--max-new-tokens", "8", "--width", "2", "--max-depth",
               "2", "--max-size", "4", "--profile-prompts", "2"]
     _run(bench, monkeypatch, "prep", *common, "--splits", "train")
     meta = json.loads((out / "prep.json").read_text())
-    assert meta["settings"] == {"drafter": "eagle", "width": 2, "max_depth": 2, "max_size": 4, "max_new_tokens": 8}
+    assert meta["settings"] == {"drafter": drafter, "width": 2, "max_depth": 2, "max_size": 4, "max_new_tokens": 8}
     assert len(meta["profile"]["loadavg_before"]) == 3 and meta["profile"]["batch_sizes"] == [1, 2]
     profile = LatencyProfile.load(out / "profile.json")
     assert profile.batch_sizes == [1, 2]
@@ -82,5 +83,6 @@ def test_prep_with_the_head_profiles_first_then_records_each_split(bench, monkey
     with pytest.raises(SystemExit, match="was prepared with"):
         _run(bench, monkeypatch, "prep", *common, "--max-size", "6")
     # train / eval read the drafter from the folder and refuse another one
-    with pytest.raises(SystemExit, match="prepared with --drafter eagle"):
-        _run(bench, monkeypatch, "train", "--out", str(out), "--drafter", "draft")
+    other = "draft" if drafter == "eagle" else "eagle"
+    with pytest.raises(SystemExit, match=f"prepared with --drafter {drafter}"):
+        _run(bench, monkeypatch, "train", "--out", str(out), "--drafter", other)
