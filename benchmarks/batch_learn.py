@@ -7,6 +7,11 @@ per-batch oracle ceiling (`envs.batch_replay.batch_oracle_batch`).
     PYTHONPATH=.. python benchmarks/batch_learn.py prep  --out /tmp/batch_learn   # traces + batched profile + grid
     PYTHONPATH=.. python benchmarks/batch_learn.py train --out /tmp/batch_learn   # PPO over batch sizes
     PYTHONPATH=.. python benchmarks/batch_learn.py eval  --out /tmp/batch_learn   # held-out batch replay table
+    PYTHONPATH=.. python benchmarks/batch_learn.py summary --out /tmp/batch_learn --runs s0,s1,s2  # seeds side by side
+
+`prep --drafter eagle` uses the embedded target's EAGLE-3 head instead of its draft LM, and every setting left unset
+follows the drafter's recipe (RECIPES: for eagle, issue 23's W4 D8 V32, 48 tokens, BC 8 x 20 + 3 PPO rounds); train
+and eval read the drafter from OUT/prep.json.
 
 prep records train (suite "train"), validation ("validation") and held-out test ("heldout_code") traces, measures
 one batched latency profile (drafting/batch.py's forwards at each batch size) on the train prompts, kept as every
@@ -253,13 +258,42 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     (out / f"eval_{args.run_name}.json").write_text(json.dumps(results, indent=1))
 
 
+def summary(args, out: Path, batch_sizes: list[int]) -> None:
+    """Several seeds' eval results (OUT/eval_<run>.json, --runs a,b,c): per batch size, each run's guarded / table
+    [interval] on the held-out trace and the median over runs; the run deployed is the one with the best geometric
+    mean of guarded / table over the batch sizes on VALIDATION (chosen without the held-out numbers)."""
+    runs = [r for r in args.runs.split(",") if r]
+    if not runs:
+        raise SystemExit("summary needs --runs RUN,RUN,... (runs evaluated with eval --run-name)")
+    res = {r: json.loads((out / f"eval_{r}.json").read_text()) for r in runs}
+    score = {r: float(np.exp(np.mean([np.log(row["guarded_vs_table"][0]) for row in res[r]["validation"]])))
+             for r in runs}
+    chosen = max(runs, key=score.get)
+    print("validation geo-mean guarded / table: " + ", ".join(f"{r} {v:.4f}" for r, v in score.items()) +
+          f"; deployed: {chosen}")
+    f = lambda v: f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"  # noqa: E731
+    for split in ("test", "validation"):
+        print(f"\n{split}: x batched AR (AR, best-for-B1 static, table, oracle: the same for every run); learned / "
+              "guarded: median over runs; guarded / table per run [95% paired bootstrap over batches]")
+        print("| B | batches | AR tok/s | best-for-B1 static | table | learned | guarded | oracle ceiling | " +
+              " | ".join(f"{r} guarded / table" for r in runs) + " | median guarded / table |")
+        print("|---|---|---|---|---|---|---|---|" + "---|" * (len(runs) + 1))
+        for i, row in enumerate(res[runs[0]][split]):
+            med = lambda key: float(np.median([res[r][split][i][key][0] for r in runs]))  # noqa: E731
+            print(f"| {row['batch_size']} | {row['batches']} | {row['ar_tokens_per_s']:.1f} | "
+                  f"{f(row['b1_static_vs_ar'])} | {f(row['table_vs_ar'])} | {med('learned_vs_ar'):.3f} | "
+                  f"{med('guarded_vs_ar'):.3f} | {row['oracle_vs_ar'][0]:.3f} | " +
+                  " | ".join(f(res[r][split][i]["guarded_vs_table"]) for r in runs) +
+                  f" | {med('guarded_vs_table'):.3f} |")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["prep", "train", "eval"])
+    ap.add_argument("phase", choices=["prep", "train", "eval", "summary"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--train-prompts", type=int, default=16)
@@ -301,6 +335,7 @@ def main() -> None:
     ap.add_argument("--guard-only", action="store_true", help="train: only (re)write the run's validation guard")
     ap.add_argument("--compare", default="", help="eval: more runs as name=folder,... (their unguarded policy; "
                     "name=folder:guarded: behind the run's batch_guard.json)")
+    ap.add_argument("--runs", default="", help="summary: the runs (eval --run-name) to put side by side")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -313,7 +348,7 @@ def main() -> None:
         if args.drafter and args.drafter != drafter:
             raise SystemExit(f"{out} was prepared with --drafter {drafter}, not {args.drafter}")
         resolve(args, drafter)
-    {"prep": prep, "train": train, "eval": evaluate}[args.phase](args, out, batch_sizes)
+    {"prep": prep, "train": train, "eval": evaluate, "summary": summary}[args.phase](args, out, batch_sizes)
 
 
 if __name__ == "__main__":

@@ -86,3 +86,26 @@ def test_prep_profiles_first_then_records_each_split(bench, monkeypatch, tmp_pat
     other = "draft" if drafter == "eagle" else "eagle"
     with pytest.raises(SystemExit, match=f"prepared with --drafter {drafter}"):
         _run(bench, monkeypatch, "train", "--out", str(out), "--drafter", other)
+
+
+def _eval_rows(ratios: list[float]) -> list[dict]:
+    rows = []
+    for b, r in zip((1, 2), ratios):
+        cell = [r, r - 0.01, r + 0.01]
+        rows.append({"batch_size": b, "batches": 4, "ar_tokens_per_s": 10.0, "b1_static_vs_ar": [1.1] * 3,
+                     "table_vs_ar": [1.2] * 3, "learned_vs_ar": cell, "guarded_vs_ar": cell, "oracle_vs_ar": [1.5] * 3,
+                     "guarded_vs_table": cell})
+    return rows
+
+
+def test_summary_deploys_the_run_best_on_validation_not_on_held_out(bench, monkeypatch, tmp_path, capsys):
+    # run a wins on held-out, run b on validation (geometric mean over batch sizes): b is deployed
+    for run, test, val in (("a", [1.10, 1.10], [1.00, 1.02]), ("b", [0.90, 0.90], [1.03, 1.00])):
+        (tmp_path / f"eval_{run}.json").write_text(json.dumps({"test": _eval_rows(test),
+                                                               "validation": _eval_rows(val)}))
+    _run(bench, monkeypatch, "summary", "--out", str(tmp_path), "--runs", "a,b")
+    text = capsys.readouterr().out
+    assert "deployed: b" in text
+    assert "| 1 | 4 | 10.0 |" in text and "1.000" in text   # median of 1.10 and 0.90 on held-out
+    with pytest.raises(SystemExit, match="summary needs --runs"):
+        _run(bench, monkeypatch, "summary", "--out", str(tmp_path))
