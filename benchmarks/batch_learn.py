@@ -21,7 +21,9 @@ oracle, then --rounds of PPO co-adaptation), then writes RUN/batch_guard.json fr
 replays the held-out trace in batches of B
 (`BatchReplaySession` + `run_generation`, the decoders' cycle), every method on the same batches; intervals are
 paired bootstraps over those batches of (method tokens/time) / (AR tokens/time). Replay times are the profile's
-model of this machine, not wall-clock runs.
+model of this machine, not wall-clock runs. prep also writes the table as OUT/grid.json (a grid-search result), so
+the live check is `specpilot eval --suite heldout_code --batch-sizes 1,2 --methods ar,batch_table,ltd --grid
+OUT/grid.json --run OUT/RUN --width 4 --max-depth 8 --max-size 32 --max-new-tokens 48 --temperatures 0`.
 
 The larger suites (every bundled train and validation prompt, 48 held-out): `prep --train-prompts 77 --val-prompts
 21 --test-prompts 48 [--profile PROFILE_JSON]` (about 9 minutes of recording on a shared 2-core CPU), then
@@ -125,7 +127,21 @@ def prep(args, out: Path, batch_sizes: list[int]) -> None:
     rows = batch_static_sweep(model, [(d, v) for d in range(1, tree.max_depth + 1) for v in sizes], batch_sizes)
     best = best_per_batch_size(rows)
     (out / "grid_table.json").write_text(json.dumps({"per_batch_size": best, "b1_best": best[0]}, indent=1))
+    write_live_grid(out / "grid.json", best, width=tree.width)
     print("grid table (train trace):", [(r["batch_size"], r["depth"], r["size"]) for r in best], flush=True)
+
+
+def write_live_grid(path: Path, table: list[dict], *, width: int) -> Path:
+    """The table as a grid-search result (`GridResult`: best = the batch-size-1 cell, per_batch_size = the table),
+    so the live check reads it the way `specpilot eval` reads any grid: `specpilot eval --batch-sizes 1,2 --methods
+    ar,batch_table,ltd --grid OUT/grid.json --run OUT/RUN` (batch_table = this table; ltd = the run's policy)."""
+    from specpilot.artifacts.grid import GridResult
+
+    rows = [{"batch_size": int(r["batch_size"]), "depth": int(r["depth"]), "size": int(r["size"]), "width": width,
+             "replay_tokens_per_s": float(r["tokens_per_s"])} for r in table]
+    best = {k: rows[0][k] for k in ("depth", "size", "width")}
+    meta = {"source": "benchmarks/batch_learn.py prep: per-batch-size static sweep in batch replay of the train trace"}
+    return GridResult(best=best, per_batch_size=rows, meta=meta).save(path)
 
 
 def train(args, out: Path, batch_sizes: list[int]) -> None:

@@ -109,3 +109,18 @@ def test_summary_deploys_the_run_best_on_validation_not_on_held_out(bench, monke
     assert "| 1 | 4 | 10.0 |" in text and "1.000" in text   # median of 1.10 and 0.90 on held-out
     with pytest.raises(SystemExit, match="summary needs --runs"):
         _run(bench, monkeypatch, "summary", "--out", str(tmp_path))
+
+
+def test_live_grid_is_a_grid_result_eval_reads(bench, tmp_path):
+    # the table prep ranks in replay, written so `specpilot eval --grid` runs `batch_table` live from it
+    from specpilot.artifacts.grid import GridResult
+    from specpilot.eval.methods import grid_batch_table
+
+    table = [{"batch_size": b, "depth": d, "size": v, "tokens_per_s": 10.0 * b}
+             for b, d, v in ((1, 3, 8), (2, 3, 8), (4, 1, 1), (16, 0, 0))]
+    path = bench.write_live_grid(tmp_path / "grid.json", table, width=4)
+    result = GridResult.load(path)
+    assert (result.best["depth"], result.best["size"], result.best["width"]) == (3, 8, 4)
+    cells = grid_batch_table(path)
+    assert {b: (c["depth"], c["size"], c["width"]) for b, c in cells.items()} == {
+        1: (3, 8, 4), 2: (3, 8, 4), 4: (1, 1, 4), 16: (0, 0, 4)}
