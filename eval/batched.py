@@ -176,7 +176,8 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
 
 
 # the per-batch-size questions beside "each method vs batched ar" (when both ran)
-BATCH_PAIRS = (("batch_table", "grid"), ("ltd", "batch_table"), ("ltd", "grid"), ("batch_table", "fixed"))
+BATCH_PAIRS = (("batch_table", "grid"), ("ltd", "batch_table"), ("ltd_guarded", "batch_table"), ("ltd", "grid"),
+               ("batch_table", "fixed"))
 
 
 def batch_section(records: list[RunRecord], names: list[str], *, seed: int = 0, temperature: float = 0.0) -> dict:

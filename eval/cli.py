@@ -23,7 +23,7 @@ from specpilot.drafting.cliargs import (add_pair_arguments, float_list, int_list
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
 # (tests/test_bad_options.py keeps the two equal)
 METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "batch_table", "ddd", "svip", "confidence",
-           "hf_heuristic", "ltd", "depth_only", "size_only")
+           "hf_heuristic", "ltd", "depth_only", "size_only", "ltd_guarded")
 
 _methods = name_list(METHODS, "method")
 
@@ -101,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grid-search result JSON (enables methods `grid`, and `batch_table` when it has a "
                              "per_batch_size table; default: none)")
     parser.add_argument("--run", dest="run_dir", default=None,
-                        help="trained run dir (enables `ltd`, `depth_only`, `size_only`; its tree is used; "
+                        help="trained run dir (enables `ltd`, `depth_only`, `size_only`, and `ltd_guarded` when it has a "
+                             "batch guard (train --batch-sizes); its tree is used; "
                              "default: none)")
     parser.add_argument("--out", type=output_dir, default="eval_out",
                         help="output folder (checked before anything is measured)")

@@ -19,7 +19,15 @@ from specpilot.artifacts.run import run_root
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.types import TreeConfig
 
-TRAINED_METHODS = {"ltd": ("depth", "size"), "depth_only": ("depth",), "size_only": ("size",)}
+TRAINED_METHODS = {"ltd": ("depth", "size"), "depth_only": ("depth",), "size_only": ("size",),
+                   "ltd_guarded": ("depth", "size")}
+GUARDED = "ltd_guarded"  # also needs the run's validation guard (RUN/batch_guard.json, from train --batch-sizes)
+
+
+def has_batch_guard(run_dir: str | Path) -> bool:
+    from specpilot.policies.ppo import BATCH_GUARD_FILE
+
+    return (Path(run_dir) / BATCH_GUARD_FILE).is_file()
 
 
 class EvalInputError(ValueError):
@@ -80,6 +88,9 @@ def check_methods(names: list[str], *, grid: str | Path | None = None, run_dir: 
             has = run_tree(run_dir)["policies"]
             if not set(needs) <= set(has):
                 problems.append(f"{name} needs a {' and a '.join(needs)} policy but {run_dir} has only {has}")
+            elif name == GUARDED and not has_batch_guard(run_dir):
+                problems.append(f"{name} needs the run's batch guard, which {run_dir} does not have (train with "
+                                "--batch-sizes writes RUN/batch_guard.json)")
         elif name == "grid":
             if grid is None:
                 problems.append("grid needs a grid-search result (--grid GRID.json)")
@@ -129,5 +140,6 @@ def requested_methods(methods: list[str] | None, sampled: list[str] | None, *, g
     wanted = ["grid"] if grid is not None else []
     if run_dir is not None:
         has = set(run_tree(run_dir)["policies"])
-        wanted += [n for n, needs in TRAINED_METHODS.items() if set(needs) <= has]
+        wanted += [n for n, needs in TRAINED_METHODS.items()
+                   if set(needs) <= has and (n != GUARDED or has_batch_guard(run_dir))]
     return wanted

@@ -252,6 +252,8 @@ METHODS: dict[str, Callable[[EvalContext, str], Method]] = {
     "ltd": _controller(_trained("ltd")),
     "depth_only": _controller(_trained("depth_only")),
     "size_only": _controller(_trained("size_only")),
+    # the run's deployed batch-aware controller: its policy behind the validation guard (RUN/batch_guard.json)
+    "ltd_guarded": _controller(_trained("ltd_guarded")),
 }
 
 
