@@ -22,7 +22,7 @@ replays the held-out trace in batches of B
 (`BatchReplaySession` + `run_generation`, the decoders' cycle), every method on the same batches; intervals are
 paired bootstraps over those batches of (method tokens/time) / (AR tokens/time). Replay times are the profile's
 model of this machine, not wall-clock runs. prep also writes the table as OUT/grid.json (a grid-search result), so
-the live check is `specpilot eval --suite heldout_code --batch-sizes 1,2 --methods ar,batch_table,ltd --grid
+the live check is `specpilot eval --suite heldout_code --batch-sizes 1,2 --methods ar,batch_table,ltd_guarded --grid
 OUT/grid.json --run OUT/RUN --width 4 --max-depth 8 --max-size 32 --max-new-tokens 48 --temperatures 0`.
 
 The larger suites (every bundled train and validation prompt, 48 held-out): `prep --train-prompts 77 --val-prompts
@@ -134,7 +134,7 @@ def prep(args, out: Path, batch_sizes: list[int]) -> None:
 def write_live_grid(path: Path, table: list[dict], *, width: int) -> Path:
     """The table as a grid-search result (`GridResult`: best = the batch-size-1 cell, per_batch_size = the table),
     so the live check reads it the way `specpilot eval` reads any grid: `specpilot eval --batch-sizes 1,2 --methods
-    ar,batch_table,ltd --grid OUT/grid.json --run OUT/RUN` (batch_table = this table; ltd = the run's policy)."""
+    ar,batch_table,ltd_guarded --grid OUT/grid.json --run OUT/RUN` (batch_table = this table; ltd_guarded = the run's deployed controller)."""
     from specpilot.artifacts.grid import GridResult
 
     rows = [{"batch_size": int(r["batch_size"]), "depth": int(r["depth"]), "size": int(r["size"]), "width": width,
