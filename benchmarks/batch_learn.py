@@ -134,7 +134,8 @@ def prep(args, out: Path, batch_sizes: list[int]) -> None:
 def write_live_grid(path: Path, table: list[dict], *, width: int) -> Path:
     """The table as a grid-search result (`GridResult`: best = the batch-size-1 cell, per_batch_size = the table),
     so the live check reads it the way `specpilot eval` reads any grid: `specpilot eval --batch-sizes 1,2 --methods
-    ar,batch_table,ltd_guarded --grid OUT/grid.json --run OUT/RUN` (batch_table = this table; ltd_guarded = the run's deployed controller)."""
+    ar,batch_table,ltd_guarded --grid OUT/grid.json --run OUT/RUN` (batch_table = this table; ltd_guarded = the
+    run's deployed controller)."""
     from specpilot.artifacts.grid import GridResult
 
     rows = [{"batch_size": int(r["batch_size"]), "depth": int(r["depth"]), "size": int(r["size"]), "width": width,
