@@ -101,9 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="grid-search result JSON (enables methods `grid`, and `batch_table` when it has a "
                              "per_batch_size table; default: none)")
     parser.add_argument("--run", dest="run_dir", default=None,
-                        help="trained run dir (enables `ltd`, `depth_only`, `size_only`, and `ltd_guarded` when it has a "
-                             "batch guard (train --batch-sizes); its tree is used; "
-                             "default: none)")
+                        help="trained run dir (enables `ltd`, `depth_only`, `size_only`, and `ltd_guarded` when "
+                             "it has a batch guard (train --batch-sizes); its tree is used; default: none)")
     parser.add_argument("--out", type=output_dir, default="eval_out",
                         help="output folder (checked before anything is measured)")
     parser.add_argument("--limit", type=positive_int, default=None,
