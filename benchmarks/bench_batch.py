@@ -101,6 +101,24 @@ def bench_prompts(args, pair: ModelPair) -> list[list[int]]:
     return [pair.encode(p.prompt) for p in load_suite(name)]
 
 
+def rotated(names: list[str], round_index: int, size_index: int) -> list[str]:
+    """The methods' order in one (round, batch size): rotated each time, so no method always runs first."""
+    shift = (round_index + size_index) % len(names)
+    return names[shift:] + names[:shift]
+
+
+def timed_call(units: dict, name: str, b: int, call) -> tuple[list[list[int]], float]:
+    """(call()'s sequences, its wall seconds); appends its tokens and seconds to units[(name, b)] ([tokens],
+    [seconds]: the paired interval's units)."""
+    t0 = time.perf_counter()
+    out = call()
+    wall = time.perf_counter() - t0
+    tokens, seconds = units.setdefault((name, b), ([], []))
+    tokens.append(sum(len(t) for t in out))
+    seconds.append(wall)
+    return out, wall
+
+
 def drafter_label(pair: ModelPair) -> str:
     return "EAGLE-3 head" if pair.eagle is not None else "draft LM"
 
@@ -136,14 +154,9 @@ def configs(args, sizes: list[int]) -> int:
     for r in range(args.repeats):
         for j, b in enumerate(sizes):
             rows = [suite[(r * 3 + i) % len(suite)] for i in range(b)]
-            names = sorted({m for pr in pairs[b] for m in pr})
-            shift = (r + j) % len(names)
             outs = {}
-            for name in names[shift:] + names[:shift]:
-                t0 = time.perf_counter()
-                outs[name] = methods[name](rows)
-                units.setdefault((name, b), ([], []))[1].append(time.perf_counter() - t0)
-                units[name, b][0].append(sum(len(t) for t in outs[name]))
+            for name in rotated(sorted({m for pr in pairs[b] for m in pr}), r, j):
+                outs[name], _ = timed_call(units, name, b, lambda: methods[name](rows))
             assert all(o == outs["batched_ar"] for o in outs.values()), "greedy outputs differ"
     print(f"{pair.name} ({drafter_label(pair)}), {pair.device} {str(pair.dtype).replace('torch.', '')}, torch "
           f"threads {torch.get_num_threads()}; greedy; {len(suite)} held-out prompts, {n} new tokens, "
@@ -205,16 +218,10 @@ def depth0(args, sizes: list[int]) -> int:
     for r in range(args.repeats):
         for j, b in enumerate(sizes):
             rows = [suite[(r * 3 + i) % len(suite)] for i in range(b)]
-            names = sorted({m for pr in pairs[b] for m in pr})
-            shift = (r + j) % len(names)
             outs = {}
-            for name in names[shift:] + names[:shift]:
+            for name in rotated(sorted({m for pr in pairs[b] for m in pr}), r, j):
                 inside["s"] = 0.0
-                t0 = time.perf_counter()
-                outs[name] = methods[name](rows)
-                wall = time.perf_counter() - t0
-                units.setdefault((name, b), ([], []))[1].append(wall)
-                units[name, b][0].append(sum(len(t) for t in outs[name]))
+                outs[name], wall = timed_call(units, name, b, lambda: methods[name](rows))
                 acc = outside.setdefault((name, b), [0.0, 0])
                 acc[0] += wall - inside["s"]
                 acc[1] += max(len(t) for t in outs[name])
@@ -266,13 +273,9 @@ def queue(args, sizes: list[int]) -> int:
     units = {}
     for r in range(args.repeats):
         for j, b in enumerate(sizes):
-            shift = (r + j) % len(names)
             outs = {}
-            for name in names[shift:] + names[:shift]:
-                t0 = time.perf_counter()
-                outs[name] = run(name, b)
-                units.setdefault((name, b), ([], []))[1].append(time.perf_counter() - t0)
-                units[name, b][0].append(sum(len(t) for t in outs[name]))
+            for name in rotated(names, r, j):
+                outs[name], _ = timed_call(units, name, b, lambda: run(name, b))
             assert all(o == outs["ar_static"] for o in outs.values()), "greedy outputs differ"
     print(f"{pair.name} ({drafter_label(pair)}), {pair.device}, torch threads {torch.get_num_threads()}; greedy; "
           f"queue of "
@@ -397,26 +400,21 @@ def main(argv=None) -> int:
                f"spec_d{args.depth}_s{args.size}": ours(FixedController(args.depth, args.size))}
     for run in methods.values():  # warm-up
         run(suite[:2])
-    totals = {(name, b): [0, 0.0] for name in methods for b in sizes}
+    units = {}
     same_as_hf = {b: True for b in sizes}
     for r in range(args.repeats):
         for j, b in enumerate(sizes):
             batch = [suite[(r * 7 + i) % len(suite)] for i in range(b)]
-            names = list(methods)
-            shift = (r + j) % len(names)
             outputs = {}
-            for name in names[shift:] + names[:shift]:
-                t0 = time.perf_counter()
-                outputs[name] = methods[name](batch)
-                totals[name, b][1] += time.perf_counter() - t0
-                totals[name, b][0] += sum(len(t) for t in outputs[name])
+            for name in rotated(list(methods), r, j):
+                outputs[name], _ = timed_call(units, name, b, lambda: methods[name](batch))
             same_as_hf[b] &= outputs["batched_ar"] == outputs["hf_generate"]
     print(f"{pair.name} ({drafter_label(pair)}), cpu {str(pair.dtype).replace('torch.', '')}, "
           f"{platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()}; greedy; "
           f"{args.repeats} rounds, {n} new tokens, tree width 4")
     print(f"{'batch':>5}  " + "  ".join(f"{name:>18}" for name in methods) + "   ratios to hf_generate   AR==HF")
     for b in sizes:
-        rates = {name: totals[name, b][0] / totals[name, b][1] for name in methods}
+        rates = {name: sum(units[name, b][0]) / sum(units[name, b][1]) for name in methods}
         ratios = " ".join(f"{rates[name] / rates['hf_generate']:.2f}" for name in methods if name != "hf_generate")
         print(f"{b:>5}  " + "  ".join(f"{rates[name]:>12.1f} tok/s" for name in methods)
               + f"   {ratios:>20}   {same_as_hf[b]}")
