@@ -21,9 +21,10 @@ oracle, then --rounds of PPO co-adaptation), then writes RUN/batch_guard.json fr
 replays the held-out trace in batches of B
 (`BatchReplaySession` + `run_generation`, the decoders' cycle), every method on the same batches; intervals are
 paired bootstraps over those batches of (method tokens/time) / (AR tokens/time). Replay times are the profile's
-model of this machine, not wall-clock runs. prep also writes the table as OUT/grid.json (a grid-search result), so
-the live check is `specpilot eval --suite heldout_code --batch-sizes 1,2 --methods ar,batch_table,ltd_guarded --grid
-OUT/grid.json --run OUT/RUN --width 4 --max-depth 8 --max-size 32 --max-new-tokens 48 --temperatures 0`.
+model of this machine, not wall-clock runs. The table is a grid-search result (OUT/grid_table.json, a
+`GridResult`), so the live check is `specpilot eval --suite heldout_code --batch-sizes 1,2 --methods
+ar,batch_table,ltd_guarded --grid OUT/grid_table.json --run OUT/RUN --width 4 --max-depth 8 --max-size 32
+--max-new-tokens 48 --temperatures 0`.
 
 The larger suites (every bundled train and validation prompt, 48 held-out): `prep --train-prompts 77 --val-prompts
 21 --test-prompts 48 [--profile PROFILE_JSON]` (about 9 minutes of recording on a shared 2-core CPU), then
@@ -40,19 +41,27 @@ import numpy as np
 import torch
 
 
+def _demo_recipe() -> dict:
+    """`specpilot demo`'s defaults (DemoBudget): the recipe that beat the static grid on held-out code at batch size
+    1 (issue 23: W4 D8 V32, 48 tokens, BC 8 DAgger iterations x 20 epochs, 3 PPO co-adaptation rounds, ...)."""
+    from specpilot.demo import DemoBudget
+
+    budget = DemoBudget()
+    keys = ("width", "max_depth", "max_size", "max_new_tokens", "bc_iters", "bc_epochs", "rounds", "coadapt_steps",
+            "n_steps", "n_epochs")
+    return {**{k: getattr(budget, k) for k in keys}, "ppo_batch_size": budget.batch_size,
+            "pi_arch": list(budget.pi_arch), "vf_arch": list(budget.vf_arch)}
+
+
 # Per drafter, the settings prep / train use where no flag is given. "draft": the embedded target's separate draft
-# LM at the settings this benchmark has always used. "eagle": the embedded target's EAGLE-3 head at the recipe that
-# beat the static grid on held-out code at batch size 1 (issue 23, `specpilot demo`'s defaults: W4 D8 V32, 48
-# tokens, BC 8 DAgger iterations x 20 epochs, 3 rounds of PPO co-adaptation of 20k steps, actor [64, 64], critic
-# [256, 256], n_steps 2048, minibatch 256, 10 epochs).
+# LM at the settings this benchmark has always used. "eagle": the embedded target's EAGLE-3 head at the demo's recipe.
 RECIPES = {
     "draft": {"width": 2, "max_depth": 6, "max_size": 12, "max_new_tokens": 32, "bc_iters": 0, "bc_epochs": 30,
               "rounds": 0, "coadapt_steps": 2048, "pi_arch": [64], "vf_arch": [64], "n_steps": None,
               "ppo_batch_size": None, "n_epochs": None},
-    "eagle": {"width": 4, "max_depth": 8, "max_size": 32, "max_new_tokens": 48, "bc_iters": 8, "bc_epochs": 20,
-              "rounds": 3, "coadapt_steps": 20_000, "pi_arch": [64, 64], "vf_arch": [256, 256], "n_steps": 2048,
-              "ppo_batch_size": 256, "n_epochs": 10},
+    "eagle": _demo_recipe(),
 }
+TABLE_FILE = "grid_table.json"
 SPLITS = {"train": "train", "validation": "validation", "test": "heldout_code"}
 
 
@@ -104,7 +113,6 @@ def prep(args, out: Path, batch_sizes: list[int]) -> None:
         profile.save(profile_file)
         meta["profile"] = {"seconds": time.perf_counter() - started, "loadavg_before": load_before,
                            "loadavg_after": os.getloadavg(), "batch_sizes": batch_sizes}
-        meta_path.write_text(json.dumps(meta, indent=1))
         print(f"batch profile: {time.perf_counter() - started:.0f}s; load average before "
               f"{load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}", flush=True)
     meta_path.write_text(json.dumps(meta, indent=1))
@@ -126,16 +134,15 @@ def prep(args, out: Path, batch_sizes: list[int]) -> None:
     sizes = [v for v in (1, 2, 4, 8, 12, 16, 24, 32) if v <= tree.max_size]
     rows = batch_static_sweep(model, [(d, v) for d in range(1, tree.max_depth + 1) for v in sizes], batch_sizes)
     best = best_per_batch_size(rows)
-    (out / "grid_table.json").write_text(json.dumps({"per_batch_size": best, "b1_best": best[0]}, indent=1))
-    write_live_grid(out / "grid.json", best, width=tree.width)
+    write_live_grid(out / TABLE_FILE, best, width=tree.width)
     print("grid table (train trace):", [(r["batch_size"], r["depth"], r["size"]) for r in best], flush=True)
 
 
 def write_live_grid(path: Path, table: list[dict], *, width: int) -> Path:
     """The table as a grid-search result (`GridResult`: best = the batch-size-1 cell, per_batch_size = the table),
-    so the live check reads it the way `specpilot eval` reads any grid: `specpilot eval --batch-sizes 1,2 --methods
-    ar,batch_table,ltd_guarded --grid OUT/grid.json --run OUT/RUN` (batch_table = this table; ltd_guarded = the
-    run's deployed controller)."""
+    so train / eval here and the live check read it the way `specpilot eval` reads any grid: `specpilot eval
+    --batch-sizes 1,2 --methods ar,batch_table,ltd_guarded --grid OUT/grid_table.json --run OUT/RUN` (batch_table =
+    this table; ltd_guarded = the run's deployed controller)."""
     from specpilot.artifacts.grid import GridResult
 
     rows = [{"batch_size": int(r["batch_size"]), "depth": int(r["depth"]), "size": int(r["size"]), "width": width,
@@ -145,12 +152,21 @@ def write_live_grid(path: Path, table: list[dict], *, width: int) -> Path:
     return GridResult(best=best, per_batch_size=rows, meta=meta).save(path)
 
 
+def read_table(out: Path) -> tuple[tuple[int, int], dict[int, tuple[int, int]]]:
+    """(the batch-size-1 cell (depth, size), {batch size: (depth, size)}) of the table prep wrote."""
+    from specpilot.artifacts.grid import GridResult
+
+    grid = GridResult.load(out / TABLE_FILE)
+    return (grid.best["depth"], grid.best["size"]), {r["batch_size"]: (r["depth"], r["size"])
+                                                     for r in grid.per_batch_size}
+
+
 def train(args, out: Path, batch_sizes: list[int]) -> None:
     from specpilot.train.rl import pipeline as P
     from specpilot.train.rl.ppo import PPOOverrides
 
-    b1 = json.loads((out / "grid_table.json").read_text())["b1_best"]
-    static = (max(1, int(b1["depth"])), max(1, int(b1["size"])))
+    b1, _ = read_table(out)
+    static = (max(1, b1[0]), max(1, b1[1]))
     ppo = PPOOverrides(pi_arch=args.pi_arch, vf_arch=args.vf_arch, n_steps=args.n_steps,
                        batch_size=args.ppo_batch_size, n_epochs=args.n_epochs)
     print(f"train: bc {args.bc_iters} x {args.bc_epochs} epochs, {args.rounds} rounds x {args.coadapt_steps} steps, "
@@ -176,8 +192,7 @@ def guard(run: Path, out: Path, batch_sizes: list[int]) -> None:
     from specpilot.policies.ppo import load_run_controllers
     from specpilot.train.rl.validation import write_batch_guard
 
-    grid = json.loads((out / "grid_table.json").read_text())
-    table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
+    _, table = read_table(out)
     g = write_batch_guard(run, load_run_controllers(run)["ltd"], table, out / "traces" / "validation", batch_sizes)
     per = g["per_batch_size"]
     print(f"guard {run.name}: table at {g['fallback']}; on validation, learned / table "
@@ -214,9 +229,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     from specpilot.policies.heuristics import BatchTableController
     from specpilot.policies.ppo import load_run_controllers
 
-    grid = json.loads((out / "grid_table.json").read_text())
-    b1 = grid["b1_best"]
-    table = {int(r["batch_size"]): (int(r["depth"]), int(r["size"])) for r in grid["per_batch_size"]}
+    b1, table = read_table(out)
     learned = load_run_controllers(out / args.run_name)
     extra = {}
     for name in args.compare.split(",") if args.compare else []:   # other runs, e.g. BC-only / PPO-only
@@ -230,7 +243,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     deployed = learned.get("ltd_guarded", learned["ltd"])
     own = learned_batch_table(ReplayModel(out / "traces" / "validation"), deployed, batch_sizes)
     print(f"{deployed.name}'s own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
-    methods = {"ar": FixedController(0, 0), "b1_static": FixedController(int(b1["depth"]), int(b1["size"])),
+    methods = {"ar": FixedController(0, 0), "b1_static": FixedController(*b1),
                "table": BatchTableController(table), "learned": learned["ltd"],
                "guarded": learned.get("ltd_guarded", learned["ltd"]), "oracle": "oracle",
                "learned_table": BatchTableController({r["batch_size"]: (r["depth"], r["size"]) for r in own}),
@@ -241,7 +254,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     for split in ("test", "validation"):
         model = ReplayModel(out / "traces" / split)
         print(f"\n{split} trace ({model.num_prompts} prompts), batch replay; x = tokens/s over batched AR "
-              f"[95% paired bootstrap over batches]; B1-static d={b1['depth']} V={b1['size']}")
+              f"[95% paired bootstrap over batches]; B1-static d={b1[0]} V={b1[1]}")
         # batches: the bootstrap's units (few at large B: an interval over 2-4 batches says little)
         print("| B | batches | AR tok/s | " + " | ".join(f"{m} x" for m in shown) + " | learned / table | "
               "guarded / table | oracle gain share (guarded) |")
