@@ -348,20 +348,27 @@ class SpeculativeDecoder:
         should_stop / choose_size / observe / reset) defaults to `default_controller` (an exported decoder's
         policies), else FixedController() for the device. A FixedController deeper or larger than the tree is
         refused (it would be capped without a word)."""
-        if controller is None:
-            controller = self.default_controller or FixedController(device=str(self.pair.device))
-        if isinstance(controller, FixedController):
-            controller.check_tree(self.tree)
+        controller = self._controller(controller)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed)
         run_generation(session, controller)
         return session.output()
+
+    def _controller(self, controller):
+        """`controller`, else `default_controller` (an exported decoder's policies), else FixedController() for the
+        device; a FixedController deeper or larger than the tree is refused (it would be capped without a word)."""
+        if controller is None:
+            controller = self.default_controller or FixedController(device=str(self.pair.device))
+        if isinstance(controller, FixedController):
+            controller.check_tree(self.tree)
+        return controller
 
     def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
                        max_batch: int | None = None) -> list[GenerationOutput]:
         """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
+        controller: as for `generate` (default: an exported decoder's policies, else FixedController()).
         max_new_tokens: one int, or one per prompt. max_batch: decode at most this many at once, refilling a
         finished row's place from the remaining prompts in order (continuous batching of a prompt queue; None:
         all at once). Returns one GenerationOutput per prompt, in prompt order (an admitted prompt's prefill_s
@@ -371,8 +378,7 @@ class SpeculativeDecoder:
         from specpilot.drafting.batch import BatchSession
         from specpilot.drafting.batch_ar import batch_inputs
 
-        if controller is None:
-            controller = FixedController(device=str(self.pair.device))
+        controller = self._controller(controller)
         _check_sampling(1, temperature, top_k, top_p, None if isinstance(seed, (list, tuple)) else seed)
         ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth + 1)
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
