@@ -13,13 +13,19 @@ decoder.json (format "specpilot-decoder", FORMAT_VERSION below), the fields this
 
     tree        {"width", "max_depth", "max_size", "size_actions"}
     pair        ModelPair.identity() of the pair the policies were trained for (names + content hashes)
-    policies    {"depth": POLICY | null, "size": POLICY | null, "fallback": {"depth": int|null, "size": int|null}}
+    policies    {"depth": POLICY | null, "size": POLICY | null, "fallback": {"depth": int|null, "size": int|null},
+                 "batch_guard": null | {"table": {batch size: [depth, size]}, "fallback": [batch sizes]}}
     POLICY      {"file": "depth.safetensors", "sha256": <hex of the file>, "spec": ObservationSpec.to_dict(),
                  "layers": [{"kind": "linear", "in": int, "out": int, "weight": key, "bias": key} |
                             {"kind": "activation", "name": "tanh" | "relu" | ..., ...}],
                  "obs_norm": null | {"mean": key, "var": key, "epsilon": float, "clip": float},
                  "actions": ["continue", "stop"] (depth) | [verification sizes] (size),
                  "probe": {"observation": [...], "logits": [...], "action": int}}
+
+With a batch_guard (a run trained over batch sizes, `specpilot train all --batch-sizes`, whose validation guard
+hands some batch sizes to the per-batch-size table) the controller is the policies behind that guard
+(`BatchGuardController`, the run's `ltd_guarded`), so the exported decoder decides as the run was deployed; exports
+without one (and older ones) load as the policies alone.
 
 Decisions are deterministic: the action is the argmax of the actor's logits (the first index on exact ties, as
 torch.argmax and SB3's deterministic predict both do), computed in float32 on the CPU.
@@ -34,7 +40,7 @@ import torch
 
 from specpilot.artifacts.decoder import (DECODER_FILE, DECODER_VERSION, FORMAT_NAME, ExportedConfigError,  # noqa: F401
                                          read_decoder_config)
-from specpilot.drafting.control import FixedController
+from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import DraftState, TreeConfig
 from specpilot.policies.actor import Actor, ActorError
 from specpilot.policies.learned import DEPTH_ACTIONS, LearnedController  # noqa: F401 (DEPTH_ACTIONS re-exported)
@@ -187,8 +193,9 @@ def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, de
 
 
 def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, allow_pair_mismatch: bool = False,
-                  device: str | None = None, dtype=None) -> tuple[ExportedController, TreeConfig, dict]:
-    """(controller, tree_config, meta) from an export directory, every file validated.
+                  device: str | None = None, dtype=None) -> tuple[Controller, TreeConfig, dict]:
+    """(controller, tree_config, meta) from an export directory, every file validated. The controller is an
+    ExportedController, behind a `BatchGuardController` when decoder.json carries the run's batch guard.
 
     pair: the ModelPair to check against the recorded identity (hash mismatch -> ExportedConfigError, unless
     allow_pair_mismatch=True). With pair=None and load_pair=True the recorded pair is loaded when possible (see
@@ -232,5 +239,19 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
                                         name=name)
     except ValueError as err:
         raise ExportedConfigError(f"{config}: {err}; re-export the run") from err
+    if policies.get("batch_guard"):
+        controller = _guarded(controller, policies["batch_guard"], tree, config)
     meta["model_pair"] = model_pair
     return controller, tree, meta
+
+
+def _guarded(controller: ExportedController, guard, tree: TreeConfig, config: str) -> Controller:
+    """The exported policies behind the run's validation guard (decoder.json policies.batch_guard), checked."""
+    from specpilot.policies.heuristics import BatchGuardController
+
+    try:
+        guarded = BatchGuardController.from_dict(controller, guard)
+        guarded.table.check_tree(tree)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ExportedConfigError(f"{config}: invalid policies.batch_guard ({err}); re-export the run") from err
+    return guarded

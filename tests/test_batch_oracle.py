@@ -223,6 +223,8 @@ def test_one_row_batches_take_the_exact_single_sequence_labels(task):
 
 
 def test_export_learned_table_goes_through_the_guard(task, trained, tmp_path):
+    from specpilot.drafting.decoder import SpeculativeDecoder, autoregressive_generate
+    from specpilot.policies.exported import load_exported
     from specpilot.policies.ppo import BATCH_GUARD_FILE
     from specpilot.train.export.writer import export_run
     from tiny import tiny_pair
@@ -235,3 +237,31 @@ def test_export_learned_table_goes_through_the_guard(task, trained, tmp_path):
                       max_new_tokens=8, num_random=100, log=lambda *a: None)
     rows = meta["engine_configs"]["per_batch_size_learned"]["table"]
     assert [(r["batch_size"], r["depth"], r["size"]) for r in rows] == [(1, 2, 4), (2, 1, 2), (4, 0, 0)]
+    # the guard travels in decoder.json: the exported decoder decides as the run's ltd_guarded
+    assert meta["policies"]["batch_guard"] == {"table": table, "fallback": [1, 2, 4]}
+    exported, _, _ = load_exported(tmp_path / "export", load_pair=False)
+    assert isinstance(exported, BatchGuardController) and exported.fallback == [1, 2, 4]
+    assert exported.name == "exported_guarded"
+    pair = tiny_pair(noise=0.4, eos=None)
+    decoder = SpeculativeDecoder.from_config(tmp_path / "export", pair=pair)
+    assert isinstance(decoder.default_controller, BatchGuardController)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    outs = decoder.generate_batch(prompts, max_new_tokens=8)
+    assert [o.tokens for o in outs] == [autoregressive_generate(pair, p, max_new_tokens=8).tokens for p in prompts]
+    # every cycle is the table's (batch size 2: depth 1, size 2; 1 row left: depth 2, size 4)
+    assert {(c.depth, c.size) for o in outs for c in o.cycles} <= {(1, 2), (2, 4)}
+
+
+@pytest.mark.parametrize("guard, match", [
+    ({"table": {"1": [2, 4]}, "fallback": [2]}, "must be keys"),
+    ({"table": {"1": [99, 4]}, "fallback": [1]}, "max_depth"),
+    ({"fallback": [1]}, "table"),
+    ("yes", "batch_guard"),
+])
+def test_exported_batch_guard_is_checked_on_load(tmp_path, guard, match):
+    from specpilot.artifacts.decoder import ExportedConfigError
+    from specpilot.policies.exported import _guarded
+
+    with pytest.raises(ExportedConfigError, match="invalid policies.batch_guard") as err:
+        _guarded(FixedController(2, 4), guard, TREE, "decoder.json")
+    assert match in str(err.value)

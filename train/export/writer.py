@@ -392,7 +392,16 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
                  if pair is not None and getattr(pair, "draft", None) is not None else None)
     # the grid's measured best cell per batch size (`specpilot grid --batch-sizes`): the engines' per-batch tables
     per_batch = GridResult.load(grid_path).per_batch_size if grid_path else []
-    learned = _learned_batch_table(exported, specs, run_dir, root, trace, per_batch, log)
+    # a run with a validation guard deploys the guarded controller: decoder.json carries the guard (so the exported
+    # decoder decides as `ltd_guarded` does) and its table is the one the engines get
+    guarded = _run_guard(run_dir, root, exported, log)
+    if guarded is not None:
+        try:
+            guarded.table.check_tree(tree)
+        except ValueError as err:
+            raise ExportError(f"the run's validation guard cannot run on the exported tree: {err}") from err
+    policies["batch_guard"] = guarded.to_dict() if guarded is not None else None
+    learned = _learned_batch_table(guarded or exported, specs, run_dir, root, trace, per_batch, log)
     engines = write_engine_configs(out_dir, pair=identity, width=tree.width, grid_best=grid_best,
                                    choices=recorder.choices() if recorder else {}, fallback=(fb_depth, fb_size),
                                    draft_generation_config=draft_gen, tokenizer=_tokenizer_folder(pair, identity),
@@ -413,14 +422,25 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
     return meta
 
 
-def _learned_batch_table(exported, specs: dict, run_dir: Path, root: Path, trace: Path | None,
+def _run_guard(run_dir: Path, root: Path, exported, log):
+    """`exported` behind the run's validation guard (RUN/batch_guard.json, `train/rl/validation.write_batch_guard`:
+    the per-batch-size table decides at the batch sizes where the policy lost to it on validation), or None."""
+    from specpilot.policies.ppo import load_batch_guard
+
+    guarded = next((g for d in (run_dir, root) if (g := load_batch_guard(d, exported)) is not None), None)
+    if guarded is not None:
+        log(f"specpilot export: the decoder runs the policies behind the run's validation guard (the table decides "
+            f"at batch sizes {guarded.fallback})")
+    return guarded
+
+
+def _learned_batch_table(controller, specs: dict, run_dir: Path, root: Path, trace: Path | None,
                          per_batch: list[dict], log) -> list[dict] | None:
-    """The batch-aware policies' own per-batch-size table (`envs.batch_replay.learned_batch_table`) on the export's
-    trace, or None for policies that do not observe the batch (or without a trace / a profile with batch curves,
-    said in the log). Batch sizes: those the run trained over (manifest stage_setup), else the grid's table's.
-    Profile: the one training used, else RUN/grid.profile_w<W>.json, else the trace's. With RUN/batch_guard.json
-    (`train/rl/validation.write_batch_guard`) it is the guarded controller's table (the table's entries where the
-    policy lost on validation)."""
+    """The batch-aware controller's own per-batch-size table (`envs.batch_replay.learned_batch_table`) on the
+    export's trace, or None for policies that do not observe the batch (or without a trace / a profile with batch
+    curves, said in the log). controller: the exported policies, behind the run's validation guard when it has one
+    (`_run_guard`). Batch sizes: those the run trained over (manifest stage_setup), else the grid's table's.
+    Profile: the one training used, else RUN/grid.profile_w<W>.json, else the trace's."""
     if not any("batch" in spec.features for spec in specs.values()):
         return None
     from specpilot.envs.batch_replay import learned_batch_table
@@ -437,15 +457,8 @@ def _learned_batch_table(exported, specs: dict, run_dir: Path, root: Path, trace
         log("specpilot export: no learned per-batch-size table (needs a trace and the batch sizes the run trained "
             "over)")
         return None
-    from specpilot.policies.ppo import load_batch_guard
-
-    # a run with a validation guard deploys the guarded controller: its table is the one the engines get
-    guarded = next((g for d in (run_dir, root) if (g := load_batch_guard(d, exported)) is not None), None)
-    if guarded is not None:
-        log(f"specpilot export: learned per-batch-size table through the validation guard (table at batch sizes "
-            f"{guarded.fallback})")
     try:
-        return learned_batch_table(ReplayModel(trace, profile), guarded or exported, sizes)
+        return learned_batch_table(ReplayModel(trace, profile), controller, sizes)
     except (ValueError, FileNotFoundError) as err:
         log(f"specpilot export: no learned per-batch-size table ({err})")
         return None
