@@ -252,6 +252,22 @@ def test_export_learned_table_goes_through_the_guard(task, trained, tmp_path):
     assert {(c.depth, c.size) for o in outs for c in o.cycles} <= {(1, 2), (2, 4)}
 
 
+def test_export_refuses_a_guard_that_does_not_fit_the_tree(trained, tmp_path):
+    from specpilot.policies.ppo import BATCH_GUARD_FILE
+    from specpilot.train.export.writer import ExportError, export_run
+
+    run, _ = trained
+    path = run / BATCH_GUARD_FILE
+    before = path.read_text() if path.is_file() else None
+    path.write_text(json.dumps({"table": {"1": [TREE.max_depth + 5, 4]}, "fallback": [1]}))
+    try:
+        with pytest.raises(ExportError, match="validation guard cannot run on the exported tree"):
+            export_run(run, tmp_path / "export", num_prompts=1, max_new_tokens=8, num_random=10, log=lambda *a: None)
+    finally:
+        path.unlink() if before is None else path.write_text(before)
+    assert not (tmp_path / "export").exists()
+
+
 @pytest.mark.parametrize("guard, match", [
     ({"table": {"1": [2, 4]}, "fallback": [2]}, "must be keys"),
     ({"table": {"1": [99, 4]}, "fallback": [1]}, "max_depth"),

@@ -385,15 +385,8 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
                                   size_actions, fallback)
     sb3_controller = PPOController(sb3.get("depth"), sb3.get("size"), specs.get("depth"), specs.get("size"),
                                    size_actions, fallback)
-    recorder, measured = _measure(exported, sb3_controller, sb3, actors, specs, tree, trace=trace, pair=pair,
-                                  identity=identity, root=root, measure_live=measure_live, num_prompts=num_prompts,
-                                  max_new_tokens=max_new_tokens, num_random=num_random, seed=seed, log=log)
-    draft_gen = (pair.draft.generation_config.to_diff_dict()
-                 if pair is not None and getattr(pair, "draft", None) is not None else None)
-    # the grid's measured best cell per batch size (`specpilot grid --batch-sizes`): the engines' per-batch tables
-    per_batch = GridResult.load(grid_path).per_batch_size if grid_path else []
     # a run with a validation guard deploys the guarded controller: decoder.json carries the guard (so the exported
-    # decoder decides as `ltd_guarded` does) and its table is the one the engines get
+    # decoder decides as `ltd_guarded` does) and its table is the one the engines get; checked before measuring
     guarded = _run_guard(run_dir, root, exported, log)
     if guarded is not None:
         try:
@@ -401,6 +394,13 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
         except ValueError as err:
             raise ExportError(f"the run's validation guard cannot run on the exported tree: {err}") from err
     policies["batch_guard"] = guarded.to_dict() if guarded is not None else None
+    recorder, measured = _measure(exported, sb3_controller, sb3, actors, specs, tree, trace=trace, pair=pair,
+                                  identity=identity, root=root, measure_live=measure_live, num_prompts=num_prompts,
+                                  max_new_tokens=max_new_tokens, num_random=num_random, seed=seed, log=log)
+    draft_gen = (pair.draft.generation_config.to_diff_dict()
+                 if pair is not None and getattr(pair, "draft", None) is not None else None)
+    # the grid's measured best cell per batch size (`specpilot grid --batch-sizes`): the engines' per-batch tables
+    per_batch = GridResult.load(grid_path).per_batch_size if grid_path else []
     learned = _learned_batch_table(guarded or exported, specs, run_dir, root, trace, per_batch, log)
     engines = write_engine_configs(out_dir, pair=identity, width=tree.width, grid_best=grid_best,
                                    choices=recorder.choices() if recorder else {}, fallback=(fb_depth, fb_size),
