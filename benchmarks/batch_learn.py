@@ -245,7 +245,7 @@ def evaluate(args, out: Path, batch_sizes: list[int]) -> None:
     print(f"{deployed.name}'s own table (validation):", [(r["batch_size"], r["depth"], r["size"]) for r in own])
     methods = {"ar": FixedController(0, 0), "b1_static": FixedController(*b1),
                "table": BatchTableController(table), "learned": learned["ltd"],
-               "guarded": learned.get("ltd_guarded", learned["ltd"]), "oracle": "oracle",
+               "guarded": deployed, "oracle": "oracle",
                "learned_table": BatchTableController({r["batch_size"]: (r["depth"], r["size"]) for r in own}),
                **extra}
     shown = ["b1_static", "table", "learned", "guarded", "oracle", *extra]
