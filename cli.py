@@ -28,6 +28,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("demo", "specpilot.demo", "run the whole mission end to end on the embedded pair (or your own)"),
     ("generate", "specpilot.drafting.cli", "generate text with the speculative decoder"),
     ("models", "specpilot.train.models.build_pair", "build the embedded default model pair (`specpilot models build`)"),
+    ("prompts", "specpilot.eval.prompts_cli", "write a code-completion suite cut out of your own Python source"),
     ("record", "specpilot.envs.cli", "record replay traces and a latency profile for a task"),
     ("grid", "specpilot.train.grid.search", "grid-search the best static (depth, size) configuration"),
     ("train", "specpilot.train.cli", "train PPO depth/size policies (stage 1) or co-adapt them (stage 2)"),

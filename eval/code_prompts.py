@@ -1,0 +1,163 @@
+"""Code-completion prompts cut out of a user's own Python source: `specpilot prompts --from DIR --out FILE.jsonl`.
+
+A suite file for `specpilot record --suite` / `specpilot eval --suite` whose text is what a user of a code model
+writes: every public function with a docstring in the given files becomes one prompt in one of the bundled code
+suites' forms (`eval/suites.py`):
+
+    signature   decorators + `def` line(s) + docstring
+    body        that, plus the first statement(s) after the docstring (at most 3 lines)
+
+Prompts end at the cursor (the end of a source line, never after a bare newline, like the bundled suites) and are
+dedented, so methods read like functions. `exclude` names suites (bundled names or paths) that the new prompts must
+not overlap: a prompt for a function they define (`def` name) or sharing any line of 30+ characters with them is
+dropped (the rule the bundled train / validation suites keep with the held-out ones), so held-out stays held out.
+
+The draw is deterministic for a seed and spread over the source: files are visited in a seeded order, each file
+gives at most `per_file` prompts, each folder directly under a given path at most `per_folder`.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import textwrap
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from specpilot.eval.suites import Prompt, SuiteError, load_suite
+
+FORMS = ("signature", "body")
+SHARED_LINE_CHARS = 30  # a line this long shared with an excluded suite counts as overlap
+DEFINED_NAME = re.compile(r"^\s*(?:async\s+)?def\s+(\w+)", re.M)
+SKIPPED_DIRS = {"__pycache__", ".git", ".venv", "venv", "node_modules", "site-packages"}
+
+
+def python_files(paths: Sequence[str | Path]) -> list[Path]:
+    """Every .py file under `paths` (files or folders), sorted; folders like .git / __pycache__ / venvs skipped
+    (unless given explicitly). Raises SuiteError when a path does not exist or holds no Python file."""
+    found: list[Path] = []
+    for root in map(Path, paths):
+        if not root.exists():
+            raise SuiteError(f"{root}: no such file or folder to take code prompts from")
+        if root.is_file():
+            found.append(root)
+            continue
+        found += [f for f in root.rglob("*.py")
+                  if f.is_file() and not SKIPPED_DIRS.intersection(f.relative_to(root).parts[:-1])]
+    if not found:
+        raise SuiteError(f"no .py files under {', '.join(map(str, paths))}: give folders of Python source")
+    return sorted(set(found))
+
+
+def _overlap_keys(suites: Iterable[str | Path]) -> tuple[set[str], set[str]]:
+    """(names the prompts define with `def`, stripped lines of >= SHARED_LINE_CHARS characters) of the excluded suites' prompts."""
+    names, lines = set(), set()
+    for suite in suites:
+        for p in load_suite(suite):
+            names |= set(DEFINED_NAME.findall(p.prompt))
+            lines |= {s.strip() for s in p.prompt.splitlines() if len(s.strip()) >= SHARED_LINE_CHARS}
+    return names, lines
+
+
+def _prompt_text(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, form: str) -> str:
+    start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+    doc_end = node.body[0].end_lineno
+    end = doc_end if form == "signature" else min(node.body[1].end_lineno, doc_end + 3)
+    return textwrap.dedent("\n".join(lines[start:end])).rstrip()
+
+
+def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: Sequence[str] = FORMS,
+                        min_doc: int = 20, max_doc: int = 500, min_chars: int = 60,
+                        max_chars: int = 900) -> list[tuple[str, str, str]]:
+    """(id, form, prompt) for each public function with a docstring in one file's `source` (the form drawn
+    from `forms` by `rng`); a file that does not parse gives none. A `body` prompt needs a statement after the
+    docstring; functions without one give a `signature` prompt."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or not min_doc <= len(doc) <= max_doc:
+            continue
+        form = rng.choice(list(forms))
+        if form == "body" and len(node.body) < 2:
+            form = "signature"
+        if form not in forms:
+            continue
+        text = _prompt_text(lines, node, form)
+        if "\t" in text or not min_chars <= len(text) <= max_chars:
+            continue
+        out.append((f"{origin}:{node.name}", form, text))
+    return out
+
+
+def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = None, seed: int = 0,
+                         split: str = "train", exclude: Sequence[str | Path] = (), per_file: int = 3,
+                         per_folder: int = 12, forms: Sequence[str] = FORMS) -> list[Prompt]:
+    """Up to `limit` prompts (None: all) from the Python files under `paths`, as `Prompt`s with task "code",
+    language "python" and the given `split` (module docstring: forms, overlap rule, spread). Raises SuiteError when
+    nothing usable is found."""
+    unknown = [f for f in forms if f not in FORMS]
+    if unknown or not forms:
+        raise SuiteError(f"unknown prompt form(s) {unknown or '(none given)'}: choose from {', '.join(FORMS)}")
+    if limit is not None and limit < 1:
+        raise SuiteError(f"limit must be a positive number of prompts, got {limit}")
+    avoid_names, avoid_lines = _overlap_keys(exclude)
+    rng = random.Random(seed)
+    roots = [Path(p) for p in paths]
+    files = python_files(roots)
+    rng.shuffle(files)
+
+    def folder_of(f: Path) -> str:
+        for root in roots:
+            if root.is_dir() and f.is_relative_to(root):
+                rel = f.relative_to(root).parts
+                return f"{root}/{rel[0]}" if len(rel) > 1 else str(root)
+        return str(f.parent)
+
+    per_folder_count: Counter = Counter()
+    seen_text: set[str] = set()
+    prompts: list[Prompt] = []
+    for f in files:
+        folder = folder_of(f)
+        if per_folder_count[folder] >= per_folder:
+            continue
+        try:
+            source = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        origin = f.stem if f.parent == Path(folder) else f"{Path(folder).name}/{f.stem}"
+        taken = 0
+        for pid, form, text in prompts_from_source(source, origin=origin, rng=rng, forms=forms):
+            name = pid.rsplit(":", 1)[-1]
+            shared = {s.strip() for s in text.splitlines() if len(s.strip()) >= SHARED_LINE_CHARS} & avoid_lines
+            if text in seen_text or name in avoid_names or shared:
+                continue
+            seen_text.add(text)
+            prompts.append(Prompt(id=f"{split}-{pid}-{len(prompts)}", task=f"code-{form}", language="python",
+                                  split=split, prompt=text))
+            taken += 1
+            per_folder_count[folder] += 1
+            if taken >= per_file or per_folder_count[folder] >= per_folder:
+                break
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise SuiteError(f"no function with a docstring of the usable size found under {', '.join(map(str, paths))}")
+    return prompts[:limit]
+
+
+def write_suite(prompts: Sequence[Prompt], out: str | Path) -> Path:
+    """Write `prompts` as a suite .jsonl (atomically: an interrupted write leaves no half file)."""
+    from specpilot.drafting.files import atomic_write_text
+
+    out = Path(out)
+    atomic_write_text(out, "".join(json.dumps(p.to_dict()) + "\n" for p in prompts))
+    return out

@@ -1,0 +1,130 @@
+"""`specpilot prompts` / eval/code_prompts.py: code-completion suites cut out of the user's own source."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from specpilot.cli import main
+from specpilot.eval.code_prompts import extract_code_prompts, prompts_from_source, write_suite
+from specpilot.eval.suites import SuiteError, load_suite
+
+SOURCE = textwrap.dedent('''\
+    """A module."""
+
+
+    def public_with_doc(path: str, limit: int = 3) -> list[str]:
+        """Read `path` and return its first `limit` non-empty lines, stripped."""
+        out = []
+        with open(path) as handle:
+            for line in handle:
+                out.append(line.strip())
+        return out[:limit]
+
+
+    def _private(x):
+        """Private helpers are not prompts, whatever their docstring says."""
+        return x
+
+
+    def no_docstring(x):
+        return x + 1
+
+
+    class Box:
+        def volume(self, scale: float = 1.0) -> float:
+            """The volume of the box, scaled by `scale` in every dimension."""
+            total = self.w * self.h * self.d
+            return total * scale ** 3
+    ''')
+
+
+def _tree(tmp_path, files: dict[str, str]):
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("form", ["signature", "body"])
+def test_each_public_documented_function_gives_one_prompt_in_the_form_asked(form):
+    import random
+
+    got = prompts_from_source(SOURCE, origin="m", rng=random.Random(0), forms=(form,))
+    assert [pid for pid, _, _ in got] == ["m:public_with_doc", "m:volume"]
+    for _, got_form, text in got:
+        assert got_form == form
+        assert text.startswith("def ") and not text.endswith("\n")
+    method = got[1][2]
+    assert method.startswith("def volume(self")  # dedented: a method reads like a function
+    if form == "signature":
+        assert method.endswith('in every dimension."""')
+    else:
+        assert method.endswith("total = self.w * self.h * self.d")
+
+
+def test_a_file_that_does_not_parse_gives_no_prompt():
+    import random
+
+    assert prompts_from_source("def broken(:\n    pass\n", origin="m", rng=random.Random(0)) == []
+
+
+def test_extraction_is_deterministic_capped_and_loads_as_a_suite(tmp_path):
+    src = _tree(tmp_path / "src", {f"pkg{i}/mod{j}.py": SOURCE.replace("public_with_doc", f"f{i}_{j}")
+                                   for i in range(3) for j in range(4)})
+    a = extract_code_prompts([src], seed=1, per_file=1, per_folder=2)
+    b = extract_code_prompts([src], seed=1, per_file=1, per_folder=2)
+    assert [p.prompt for p in a] == [p.prompt for p in b]
+    assert len(a) == 6  # 3 folders x 2
+    assert len(extract_code_prompts([src], seed=1, limit=4)) == 4
+    out = write_suite(a, tmp_path / "suite.jsonl")
+    loaded = load_suite(out)
+    assert [p.prompt for p in loaded] == [p.prompt for p in a]
+    assert {p.split for p in loaded} == {"train"} and {p.language for p in loaded} == {"python"}
+
+
+def test_prompts_overlapping_an_excluded_suite_are_dropped(tmp_path):
+    by_name = tmp_path / "by_name.jsonl"  # same function name as the method `volume`
+    by_name.write_text(json.dumps({"id": "h-volume", "prompt": "def volume(x):\n    pass"}) + "\n")
+    by_line = tmp_path / "by_line.jsonl"  # shares public_with_doc's docstring line (30+ characters)
+    by_line.write_text(json.dumps({"id": "h-2", "prompt": 'def other():\n    """Read `path` and return its first '
+                                                         '`limit` non-empty lines, stripped."""'}) + "\n")
+    src = _tree(tmp_path / "src", {"m.py": SOURCE})
+    assert len(extract_code_prompts([src])) == 2
+    kept = extract_code_prompts([src], exclude=[by_name])
+    assert [p.id.split(":")[1].rsplit("-", 1)[0] for p in kept] == ["public_with_doc"]
+    kept = extract_code_prompts([src], exclude=[by_line])
+    assert [p.id.split(":")[1].rsplit("-", 1)[0] for p in kept] == ["volume"]
+    with pytest.raises(SuiteError, match="no function"):
+        extract_code_prompts([src], exclude=[by_name, by_line])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"paths": ["missing-folder"]}, "no such file or folder"),
+    ({"forms": ("prose",)}, "unknown prompt form"),
+    ({"limit": 0}, "positive number"),
+])
+def test_bad_requests_are_refused_clearly(tmp_path, kwargs, match):
+    paths = kwargs.pop("paths", [_tree(tmp_path / "src", {"m.py": SOURCE})])
+    with pytest.raises(SuiteError, match=match):
+        extract_code_prompts(paths, **kwargs)
+
+
+def test_a_folder_without_python_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("no code here")
+    with pytest.raises(SuiteError, match="no .py files"):
+        extract_code_prompts([tmp_path])
+
+
+def test_cli_writes_the_suite_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    src = _tree(tmp_path / "src", {"m.py": SOURCE})
+    out = tmp_path / "out" / "mine.jsonl"
+    assert main(["prompts", "--from", str(src), "--out", str(out), "--exclude"]) == 0
+    assert len(load_suite(out)) == 2
+    capsys.readouterr()
+    assert main(["prompts", "--from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no such file or folder" in err and "Traceback" not in err
+    assert not (tmp_path / "x.jsonl").exists()
