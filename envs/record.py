@@ -44,6 +44,7 @@ import torch
 
 from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates
 from specpilot.drafting.errors import InputFileError
+from specpilot.artifacts.contract import same_pair
 from specpilot.artifacts.profile import profile_path
 from specpilot.artifacts.trace import (ARRAYS_FILE, HEADER_FILE, RECORD_AGAIN, TRACE_VERSION,  # noqa: F401
                                        TraceHeader)
@@ -422,10 +423,10 @@ def merge_traces(traces: Sequence[Trace]) -> Trace:
         raise ValueError("no shard traces to merge")
     first = traces[0].header
     for t in traces[1:]:
-        for key in ("version", "tree", "max_new_tokens", "eos_token_id", "temperature"):
+        for key in ("version", "tree", "max_new_tokens", "eos_token_id", "temperature", "dtype"):
             if t.header.get(key) != first.get(key):
                 raise ValueError(f"shard traces differ in {key!r} ({first.get(key)} vs {t.header.get(key)})")
-        if {k: v for k, v in t.header["pair"].items()} != first["pair"]:
+        if not same_pair(t.header["pair"], first["pair"]):  # by weight hashes: hosts' folders may differ
             raise ValueError(f"shard traces come from different pairs ({first['pair']} vs {t.header['pair']})")
     arrays: dict[str, np.ndarray] = {}
     for key in traces[0].arrays:

@@ -71,6 +71,22 @@ def test_merge_traces_refuses_shards_of_different_trees():
         merge_traces([a, b])
 
 
+def test_merge_traces_matches_pairs_by_weights_not_by_folder():
+    pair = tiny_pair(noise=0.3)
+    a = record_trace(pair, TREE, [[1, 2, 3]], max_new_tokens=4)
+    b = record_trace(pair, TREE, [[4, 5, 6]], max_new_tokens=4)
+    hashes = {"drafter": "draft_lm", "target_hash": "t1", "draft_hash": "d1", "vocab_size": 100}
+    a.header["pair"] = {**hashes, "target": "/host-a/models/target", "draft": "/host-a/models/draft"}
+    b.header["pair"] = {**hashes, "target": "/host-b/target", "draft": "/host-b/draft"}
+    assert merge_traces([a, b]).num_prompts == 2  # the same weights, loaded from another folder
+    b.header["pair"] = {**b.header["pair"], "draft_hash": "d2"}
+    with pytest.raises(ValueError, match="different pairs"):
+        merge_traces([a, b])
+    b.header["pair"], b.header["dtype"] = dict(a.header["pair"]), "torch.bfloat16"
+    with pytest.raises(ValueError, match="dtype"):
+        merge_traces([a, b])
+
+
 def _samples(offset: float, n_verify: int) -> ProfileSamples:
     s = ProfileSamples(max_depth=3, width=2, meta={"device": "x", "measured_s": 1.0})
     s.first[1].extend([offset, offset + 1])
