@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -69,6 +70,10 @@ class DemoBudget:
         (`specpilot.train.rl.seeds.run_seeds`); the one best on validation is deployed and is the only one
         fine-tuned live at T > 0 and evaluated live; every seed's ltd vs grid is replayed on the held-out trace.
         `--quick` trains 1 seed (no aggregate over seeds).
+    seed_workers: seeds trained at once, each in its own process (`run_seeds(workers=...)`; None: as many as
+        the CPU has cores, at most `seeds`). On the 2-core machine one seed took 169 s alone on 2 threads, two
+        seeds side by side on one thread each 143 s together: the small replay networks do not use a second
+        thread, so 3 seeds take about two seeds' time.
 
     Time (the full run must fit ~25 minutes on a quiet 2-core CPU). Unit costs of the embedded pair (fp32, 2
     threads), read from the quiet parts of the 06ba190 run's log: a recorded trace prompt (48 positions of the full
@@ -128,6 +133,7 @@ class DemoBudget:
     bc_iters: int = 8
     bc_epochs: int = 20
     seeds: int = 3
+    seed_workers: int | None = None
 
     @classmethod
     def quick(cls) -> "DemoBudget":
@@ -288,8 +294,9 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
                            bc_iters=budget.bc_iters, bc_epochs=budget.bc_epochs)
     # budget.seeds whole pipelines in replay (RUN/seed<k>/, seed + k), the best on validation deployed to
     # RUN/policies.json; RUN/seeds.json has every seed's validation ratio over the grid's best
-    out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, size_steps=budget.size_steps,
-                    depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,
+    workers = budget.seed_workers or min(budget.seeds, os.cpu_count() or 1)
+    out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, workers=workers,
+                    size_steps=budget.size_steps, depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,
                     wandb=wandb)
     # sampling is part of training: the DEPLOYED policies (only those: live steps are the expensive ones) are
     # fine-tuned live at each T > 0

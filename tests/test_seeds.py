@@ -42,3 +42,27 @@ def test_run_seeds_deploys_the_best_on_validation(traces, tmp_path):  # noqa: F8
     agg = evaluate_seeds(run, traces.validation)
     assert [r["ltd_vs_static"] for r in agg["seeds"]] == pytest.approx([s["ltd_vs_static"] for s in out["seeds"]])
     assert np.isfinite(agg["ltd_vs_static"]["iqm"])
+
+
+def test_seeds_trained_in_worker_processes_equal_seeds_trained_in_turn(traces, tmp_path):  # noqa: F811
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers get threads // workers = 1 as well: the same arithmetic both ways
+    try:
+        kwargs = dict(seeds=2, size_steps=64, depth_steps=64, rounds=0, options=_options(seed=5),
+                      size_actions=[2, 4, 8], wandb="disabled")
+        in_turn = run_seeds(tmp_path / "in_turn", traces, **kwargs)
+        parallel = run_seeds(tmp_path / "parallel", traces, workers=2, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+    assert [s["seed"] for s in parallel["seeds"]] == [5, 6]
+    assert [s["val_tokens_per_s"] for s in parallel["seeds"]] == pytest.approx(
+        [s["val_tokens_per_s"] for s in in_turn["seeds"]], rel=1e-9)
+    assert parallel["chosen"] == in_turn["chosen"]
+    assert (tmp_path / "parallel" / "policies.json").is_file()
+
+
+def test_run_seeds_refuses_zero_workers(traces, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match="workers"):
+        run_seeds(tmp_path / "run", traces, seeds=2, workers=0, options=_options(seed=5))

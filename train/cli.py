@@ -141,6 +141,10 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--seeds", type=positive_int, default=1,
                        help="train N seeds of the pipeline in RUN/seed<k>/ and deploy the best on validation "
                             "(RUN/seeds.json: each seed's ltd-vs-static ratio and their median/IQM; default 1)")
+        p.add_argument("--seed-workers", type=positive_int, default=1,
+                       help="with --seeds: train this many seeds at once, each in its own process with torch "
+                            "threads // N threads (replay backend; its small networks gain little from a second "
+                            "thread, so on 2 cores 2 workers nearly halve the time) (default: 1, one after another)")
         p.add_argument("--bc", action="store_true",
                        help="stage 1 = behaviour cloning from the replay oracle with DAgger relabelling (instead of "
                             "PPO from scratch; --size-steps/--depth-steps unused); co-adaptation fine-tunes with PPO")
@@ -364,8 +368,8 @@ def _run_command(cmd: str, args, run_dir: Path, traces, options, logger) -> dict
     elif args.seeds > 1:
         from specpilot.train.rl.seeds import run_seeds
 
-        out = run_seeds(run_dir, traces, seeds=args.seeds, size_steps=args.size_steps, depth_steps=args.depth_steps,
-                        coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
+        out = run_seeds(run_dir, traces, seeds=args.seeds, workers=args.seed_workers, size_steps=args.size_steps,
+                        depth_steps=args.depth_steps, coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
     else:
         out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
                              coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)

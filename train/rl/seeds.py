@@ -7,6 +7,12 @@ ltd controller (both policies) replays fastest on the VALIDATION trace is deploy
 RUN/policies.json (and RUN/stage1/). RUN/seeds.json records, per seed, the validation tokens/s and the ltd-vs-static
 replay ratio (the static config is the grid's best: the baseline ltd must beat), and the aggregate over seeds
 (median, IQM, min, max), so a verdict never rests on one lucky seed.
+
+workers > 1 trains that many seeds at once, each in its own process (spawned, `torch` threads = this process's
+threads // workers; replay backend only: live training times the decoder and must run alone). On a 2-core CPU the
+small replay networks train as fast on one thread as on two, so 3 seeds on 2 workers take about two seeds' time.
+A seed's result depends on its seed and its thread count, not on what runs beside it. Each worker logs to its own
+seed folder (RUN/seed<k>/tb, its own wandb run) instead of a logger passed in.
 """
 from __future__ import annotations
 
@@ -61,10 +67,43 @@ def _copy_policies(src: Path, dest: Path) -> None:
     write_json(dest / "policies.json", index)
 
 
+def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipeline: dict, threads: int) -> str:
+    """One seed's pipeline in a worker process (module level, so a spawned process can import it)."""
+    import torch
+
+    from specpilot.train.rl.pipeline import run_pipeline
+
+    torch.set_num_threads(threads)
+    run_pipeline(seed_dir, traces, options=options, **pipeline)
+    return str(seed_dir)
+
+
+def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTraces, pipeline: dict,
+                        workers: int) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import torch
+
+    threads = max(1, torch.get_num_threads() // workers)
+    pipeline = {k: v for k, v in pipeline.items() if k != "logger"}  # each worker logs to its own seed folder
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(_train_seed, seed_dir, traces, options, pipeline, threads) for seed_dir, options in jobs]
+        try:
+            for future in futures:
+                future.result()  # the first failure (or Ctrl-C) stops the others; finished stages stay for --resume
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
 def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: int = 3,
-              options: TrainOptions | None = None, **pipeline) -> dict:
+              options: TrainOptions | None = None, workers: int = 1, **pipeline) -> dict:
     """`seeds` full pipelines (seed = options.seed + k) in RUN/seed<k>/, the best on validation deployed (see the
-    module docstring). `pipeline`: run_pipeline's keyword arguments. Returns the RUN/seeds.json content."""
+    module docstring; `workers` > 1: that many seeds at once, in separate processes, replay backend only).
+    `pipeline`: run_pipeline's keyword arguments. Returns the RUN/seeds.json content."""
     from specpilot.policies.ppo import load_run_controllers
     from specpilot.train.rl.pipeline import run_pipeline
     from specpilot.train.rl.ppo import update_manifest, write_json
@@ -72,19 +111,26 @@ def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: in
 
     if seeds < 1:
         raise ValueError(f"seeds must be >= 1, got {seeds}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     run_dir, options = Path(run_dir), options or TrainOptions()
     traces = TaskTraces.resolve(traces)
     static = static_config(run_dir, options.static)  # fixed once: the seed directories hold no grid.json
     val = ReplayModel(traces.validation)
     static_val = evaluate_replay(FixedController(*static), val)["tokens_per_s"]
+    jobs = [(run_dir / f"seed{k}", dataclasses.replace(options, seed=options.seed + k, static=static))
+            for k in range(seeds)]
+    workers = min(workers, seeds)
+    if workers > 1 and options.backend == "replay" and options.pair is None and options.cluster is None:
+        _train_in_processes(jobs, traces, pipeline, workers)
+    else:
+        for seed_dir, seed_options in jobs:
+            run_pipeline(seed_dir, traces, options=seed_options, **pipeline)
     per_seed = []
-    for k in range(seeds):
-        seed_dir = run_dir / f"seed{k}"
-        seed_options = dataclasses.replace(options, seed=options.seed + k, static=static)
-        run_pipeline(seed_dir, traces, options=seed_options, **pipeline)
+    for seed_dir, seed_options in jobs:
         ltd = load_run_controllers(seed_dir)["ltd"]
         score = evaluate_replay(ltd, val)["tokens_per_s"]
-        per_seed.append({"seed": options.seed + k, "dir": str(seed_dir), "val_tokens_per_s": score,
+        per_seed.append({"seed": seed_options.seed, "dir": str(seed_dir), "val_tokens_per_s": score,
                          "ltd_vs_static": score / static_val})
     chosen = choose_seed({s["seed"]: s["val_tokens_per_s"] for s in per_seed})
     chosen_dir = Path(next(s["dir"] for s in per_seed if s["seed"] == chosen))
