@@ -88,7 +88,8 @@ class DemoBudget:
     - grid: the cost-model check (re-measured when stale), live_top 3 over the 21 validation prompts at T=0 and
       the sampled candidates at T=1 [2.8 min measured: 0.5 + 0.85 + 1.45];
     - train: 3 seeds x (BC ~10 s + 3 rounds x coadapt_steps 20k) in replay + the deployed seed's live T=1
-      fine-tuning, 2048 depth + 512 size live cycles, and its off-switch check [8.4 min measured];
+      fine-tuning, 2048 depth + 512 size live cycles, and its off-switch check [8.4 min measured with the seeds
+      one after another; 7.5 min (447 s) with them on 2 worker processes (seed_workers), eda45ea];
     - eval: 30 held-out prompts (5 per code group, the fewest a group verdict needs; the headline interval
       resamples prompts, so prompts, not rounds, narrow it) [the greedy trace 30 x 2.5 s ~1.3 min, the profile
       ~0.2 min, T=0 round 1 with 9 live methods ~3.5 min (it was 4.5 with 12: fixed, depth_only and size_only
@@ -96,8 +97,9 @@ class DemoBudget:
       one round of ar + sampled_methods 30 x 4 x 0.8 s ~1.6 min (its second round was ~1.2 min), warm-ups,
       replay and report ~0.3 min: ~8.0 min]; eval_budget_s 480 is about that floor, so later rounds run only on
       a faster machine.
-    Total ~23.6 minutes quiet (estimated from unit costs, not yet measured in one run): record 4.3 + grid 2.8 +
-    train 8.4 + eval 8.0 + export and model load ~0.1. Measured once before these cuts (06ba190): 31.1 min with
+    Total ~23.6 minutes quiet (estimated from unit costs): record 4.3 + grid 2.8 + train 8.4 + eval 8.0 + export
+    and model load ~0.1; measured 24.3 and 25.0 min (a93cd5d, 4683c3c), then 22.3 min with the seeds on 2 worker
+    processes (eda45ea: record 266 s, grid 173 s, train 447 s, eval 448 s). Measured once before these cuts (06ba190): 31.1 min with
     record 9.6 min (slowed ~10x for its first minutes by a concurrent test run; ~5.3 quiet), grid 2.8, train 8.4,
     eval 10.2.
     """
