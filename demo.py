@@ -298,6 +298,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     # RUN/policies.json; RUN/seeds.json has every seed's validation ratio over the grid's best
     workers = budget.seed_workers or min(budget.seeds, os.cpu_count() or 1)
     out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, workers=workers,
+                    progress=lambda msg: tqdm.write(f"  {msg}"),
                     size_steps=budget.size_steps, depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,
                     wandb=wandb)
     # sampling is part of training: the DEPLOYED policies (only those: live steps are the expensive ones) are

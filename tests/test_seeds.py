@@ -53,7 +53,8 @@ def test_seeds_trained_in_worker_processes_equal_seeds_trained_in_turn(traces, t
         kwargs = dict(seeds=2, size_steps=64, depth_steps=64, rounds=0, options=_options(seed=5),
                       size_actions=[2, 4, 8], wandb="disabled")
         in_turn = run_seeds(tmp_path / "in_turn", traces, **kwargs)
-        parallel = run_seeds(tmp_path / "parallel", traces, workers=2, **kwargs)
+        lines = []
+        parallel = run_seeds(tmp_path / "parallel", traces, workers=2, progress=lines.append, **kwargs)
     finally:
         torch.set_num_threads(threads)
     assert [s["seed"] for s in parallel["seeds"]] == [5, 6]
@@ -61,6 +62,7 @@ def test_seeds_trained_in_worker_processes_equal_seeds_trained_in_turn(traces, t
         [s["val_tokens_per_s"] for s in in_turn["seeds"]], rel=1e-9)
     assert parallel["chosen"] == in_turn["chosen"]
     assert (tmp_path / "parallel" / "policies.json").is_file()
+    assert "2 worker processes" in lines[0] and sorted(line.split()[1] for line in lines[1:]) == ["5", "6"]
 
 
 def test_run_seeds_refuses_zero_workers(traces, tmp_path):  # noqa: F811

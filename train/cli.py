@@ -369,7 +369,8 @@ def _run_command(cmd: str, args, run_dir: Path, traces, options, logger) -> dict
         from specpilot.train.rl.seeds import run_seeds
 
         out = run_seeds(run_dir, traces, seeds=args.seeds, workers=args.seed_workers, size_steps=args.size_steps,
-                        depth_steps=args.depth_steps, coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)
+                        depth_steps=args.depth_steps, coadapt_steps=args.coadapt_steps, rounds=args.rounds,
+                        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True), **common)
     else:
         out = P.run_pipeline(run_dir, traces, size_steps=args.size_steps, depth_steps=args.depth_steps,
                              coadapt_steps=args.coadapt_steps, rounds=args.rounds, **common)

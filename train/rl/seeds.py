@@ -79,9 +79,10 @@ def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipel
 
 
 def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTraces, pipeline: dict,
-                        workers: int) -> None:
+                        workers: int, progress=None) -> None:
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    import time
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import torch
 
@@ -89,10 +90,18 @@ def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTrace
     pipeline = {k: v for k, v in pipeline.items() if k != "logger"}  # each worker logs to its own seed folder
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = [pool.submit(_train_seed, seed_dir, traces, options, pipeline, threads) for seed_dir, options in jobs]
+        started = time.monotonic()
+        futures = {pool.submit(_train_seed, seed_dir, traces, options, pipeline, threads): (seed_dir, options.seed)
+                   for seed_dir, options in jobs}
+        if progress:
+            progress(f"training seeds {', '.join(str(o.seed) for _, o in jobs)} on {workers} worker processes "
+                     f"({threads} torch thread(s) each; logs in each seed's folder)")
         try:
-            for future in futures:
+            for future in as_completed(futures):
                 future.result()  # the first failure (or Ctrl-C) stops the others; finished stages stay for --resume
+                if progress:
+                    seed_dir, seed = futures[future]
+                    progress(f"seed {seed} trained ({seed_dir}, {time.monotonic() - started:.0f} s)")
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -100,10 +109,11 @@ def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTrace
 
 
 def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: int = 3,
-              options: TrainOptions | None = None, workers: int = 1, **pipeline) -> dict:
+              options: TrainOptions | None = None, workers: int = 1, progress=None, **pipeline) -> dict:
     """`seeds` full pipelines (seed = options.seed + k) in RUN/seed<k>/, the best on validation deployed (see the
     module docstring; `workers` > 1: that many seeds at once, in separate processes, replay backend only).
-    `pipeline`: run_pipeline's keyword arguments. Returns the RUN/seeds.json content."""
+    `progress`: called with a line when the workers start and as each seed finishes. `pipeline`: run_pipeline's
+    keyword arguments. Returns the RUN/seeds.json content."""
     from specpilot.policies.ppo import load_run_controllers
     from specpilot.train.rl.pipeline import run_pipeline
     from specpilot.train.rl.ppo import update_manifest, write_json
@@ -122,7 +132,7 @@ def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: in
             for k in range(seeds)]
     workers = min(workers, seeds)
     if workers > 1 and options.backend == "replay" and options.pair is None and options.cluster is None:
-        _train_in_processes(jobs, traces, pipeline, workers)
+        _train_in_processes(jobs, traces, pipeline, workers, progress)
     else:
         for seed_dir, seed_options in jobs:
             run_pipeline(seed_dir, traces, options=seed_options, **pipeline)
