@@ -17,8 +17,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="train",
                         help="the prompts' `split` field: what they may be used for (default: train)")
     parser.add_argument("--exclude", nargs="*", default=["heldout_code", "heldout"], metavar="SUITE",
-                        help="suites (names or paths) the prompts must not overlap: same function name or a shared "
-                             "line of 30+ characters (default: the bundled held-out suites)")
+                        help="suites (names or paths) the prompts must not overlap: a function they define (`def` "
+                             "name) or a shared line of 30+ characters (default: the bundled held-out suites)")
     parser.add_argument("--forms", default="signature,body",
                         help="prompt forms, comma-separated: signature (def + docstring) and/or body (plus the first "
                              "lines of the body) (default: signature,body)")
