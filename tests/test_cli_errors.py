@@ -298,3 +298,18 @@ def test_ctrl_c_prints_checkpoint_and_resume_command(fake_traces, monkeypatch, c
 def test_train_refuses_options_it_would_ignore(fake_traces, extra, fragment, capsys):
     code, err = run_cli(["train", "size", "--run", str(fake_traces), *extra], capsys)
     assert_one_line(code, err, fragment)
+
+
+def test_the_interrupt_message_names_the_checkpoints_of_every_seed(tmp_path):
+    import argparse
+
+    from specpilot.artifacts.run import RunManifest
+    from specpilot.train.cli import interrupted_message
+
+    run = tmp_path / "run"
+    RunManifest.update(run / "seed0", stages={"co1_size": {"status": "interrupted", "checkpoint": "s0/step_2048.zip"}})
+    RunManifest.update(run / "seed1", stages={"bc_depth": {"status": "done"}})
+    args = argparse.Namespace(_label="specpilot train all", _argv=["train", "all", "--run", str(run), "--seeds", "2"])
+    message = interrupted_message(args, run)
+    assert "seed0/co1_size: s0/step_2048.zip" in message and "bc_depth" not in message
+    assert message.splitlines()[-1].strip().endswith("--seeds 2 --resume")

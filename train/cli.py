@@ -263,14 +263,17 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def interrupted_message(args: argparse.Namespace, run_dir: Path) -> str:
-    """Where the interrupted stage's checkpoint is (train_policy saved it and recorded it in the manifest) and the
-    command that resumes it."""
+    """Where the interrupted stages' checkpoints are (train_policy saved them and recorded them in the manifest: the
+    run's, and with --seeds each RUN/seed<k>/'s) and the command that resumes them."""
     checkpoints = []
-    try:
-        checkpoints = [f"{name}: {stage.checkpoint}" for name, stage in RunManifest.load(run_dir).stages.items()
-                       if stage.status == "interrupted" and stage.checkpoint]
-    except (OSError, ValueError):
-        pass
+    for folder in [run_dir, *sorted(run_dir.glob("seed[0-9]*"))]:
+        prefix = "" if folder == run_dir else f"{folder.name}/"
+        try:
+            checkpoints += [f"{prefix}{name}: {stage.checkpoint}"
+                            for name, stage in RunManifest.load(folder).stages.items()
+                            if stage.status == "interrupted" and stage.checkpoint]
+        except (OSError, ValueError):
+            pass
     where = (f"checkpoint saved ({'; '.join(checkpoints)})" if checkpoints
              else "no checkpoint of the running stage yet (finished stages are kept)")
     return f"{args._label}: interrupted; {where}. Resume with:\n  {resume_command(args)}"
