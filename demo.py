@@ -99,9 +99,9 @@ class DemoBudget:
       a faster machine.
     Total ~23.6 minutes quiet (estimated from unit costs): record 4.3 + grid 2.8 + train 8.4 + eval 8.0 + export
     and model load ~0.1; measured 24.3 and 25.0 min (a93cd5d, 4683c3c), then 22.3 min with the seeds on 2 worker
-    processes (eda45ea: record 266 s, grid 173 s, train 447 s, eval 448 s). Measured once before these cuts (06ba190): 31.1 min with
-    record 9.6 min (slowed ~10x for its first minutes by a concurrent test run; ~5.3 quiet), grid 2.8, train 8.4,
-    eval 10.2.
+    processes (eda45ea: record 266 s, grid 173 s, train 447 s, eval 448 s). Measured once before these cuts
+    (06ba190): 31.1 min with record 9.6 min (slowed ~10x for its first minutes by a concurrent test run; ~5.3
+    quiet), grid 2.8, train 8.4, eval 10.2.
     """
 
     train_prompts: int = 0
@@ -298,8 +298,8 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     # RUN/policies.json; RUN/seeds.json has every seed's validation ratio over the grid's best
     workers = budget.seed_workers or min(budget.seeds, os.cpu_count() or 1)
     out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, workers=workers,
-                    progress=lambda msg: tqdm.write(f"  {msg}"),
-                    size_steps=budget.size_steps, depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,
+                    progress=lambda msg: tqdm.write(f"  {msg}"), size_steps=budget.size_steps,
+                    depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,
                     wandb=wandb)
     # sampling is part of training: the DEPLOYED policies (only those: live steps are the expensive ones) are
     # fine-tuned live at each T > 0

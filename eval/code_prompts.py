@@ -51,13 +51,18 @@ def python_files(paths: Sequence[str | Path]) -> list[Path]:
     return sorted(set(found))
 
 
+def _long_lines(text: str) -> set[str]:
+    """The stripped lines of `text` long enough to count as overlap when shared (>= SHARED_LINE_CHARS)."""
+    return {s for s in (line.strip() for line in text.splitlines()) if len(s) >= SHARED_LINE_CHARS}
+
+
 def _overlap_keys(suites: Iterable[str | Path]) -> tuple[set[str], set[str]]:
-    """(names the prompts define with `def`, stripped lines of >= SHARED_LINE_CHARS characters) of the excluded suites' prompts."""
+    """(names the prompts define with `def`, their `_long_lines`) over the excluded suites' prompts."""
     names, lines = set(), set()
     for suite in suites:
         for p in load_suite(suite):
             names |= set(DEFINED_NAME.findall(p.prompt))
-            lines |= {s.strip() for s in p.prompt.splitlines() if len(s.strip()) >= SHARED_LINE_CHARS}
+            lines |= _long_lines(p.prompt)
     return names, lines
 
 
@@ -101,7 +106,7 @@ def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: 
 def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = None, seed: int = 0,
                          split: str = "train", exclude: Sequence[str | Path] = (), per_file: int = 3,
                          per_folder: int = 12, forms: Sequence[str] = FORMS) -> list[Prompt]:
-    """Up to `limit` prompts (None: all) from the Python files under `paths`, as `Prompt`s with task "code",
+    """Up to `limit` prompts (None: all) from the Python files under `paths`, as `Prompt`s with task "code-<form>",
     language "python" and the given `split` (module docstring: forms, overlap rule, spread). Raises SuiteError when
     nothing usable is found."""
     unknown = [f for f in forms if f not in FORMS]
@@ -137,8 +142,7 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
         taken = 0
         for pid, form, text in prompts_from_source(source, origin=origin, rng=rng, forms=forms):
             name = pid.rsplit(":", 1)[-1]
-            shared = {s.strip() for s in text.splitlines() if len(s.strip()) >= SHARED_LINE_CHARS} & avoid_lines
-            if text in seen_text or name in avoid_names or shared:
+            if text in seen_text or name in avoid_names or _long_lines(text) & avoid_lines:
                 continue
             seen_text.add(text)
             prompts.append(Prompt(id=f"{split}-{pid}-{len(prompts)}", task=f"code-{form}", language="python",

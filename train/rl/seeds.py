@@ -67,7 +67,7 @@ def _copy_policies(src: Path, dest: Path) -> None:
     write_json(dest / "policies.json", index)
 
 
-def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipeline: dict, threads: int) -> str:
+def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipeline: dict, threads: int) -> None:
     """One seed's pipeline in a worker process (module level, so a spawned process can import it)."""
     import torch
 
@@ -75,7 +75,6 @@ def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipel
 
     torch.set_num_threads(threads)
     run_pipeline(seed_dir, traces, options=options, **pipeline)
-    return str(seed_dir)
 
 
 def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTraces, pipeline: dict,
