@@ -102,20 +102,25 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, target_config, *, draft_vocab_size: int, intermediate_size: int | None = None,
                    aux_layer_ids: tuple[int, int, int] | None = None) -> "Eagle3Config":
-        """A head shaped for `target_config` (an HF Llama-like config): same width, heads and RoPE."""
+        """A head shaped for `target_config`: same width, heads and RoPE. Targets whose configs do not use Llama's
+        names (GPT-2, GPT-NeoX, OPT, Falcon, ...) get the head's usual defaults: a 4x MLP and RMSNorm eps 1e-6."""
         hidden = int(target_config.hidden_size)
+        mlp = next((getattr(target_config, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim")
+                    if getattr(target_config, k, None)), 4 * hidden)
+        eps = next((getattr(target_config, k) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+                    if getattr(target_config, k, None)), 1e-6)
         heads = int(target_config.num_attention_heads)
         rope = getattr(target_config, "rope_parameters", None) or {}
         return cls(hidden_size=hidden, num_attention_heads=heads,
                    num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
                    head_dim=int(getattr(target_config, "head_dim", None) or hidden // heads),
-                   intermediate_size=int(intermediate_size or target_config.intermediate_size),
+                   intermediate_size=int(intermediate_size or mlp),
                    vocab_size=int(target_config.vocab_size), draft_vocab_size=int(draft_vocab_size),
                    target_hidden_size=hidden,
                    aux_layer_ids=tuple(aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers)),
-                   rms_norm_eps=float(target_config.rms_norm_eps),
-                   rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
-                   max_position_embeddings=int(target_config.max_position_embeddings))
+                   rms_norm_eps=float(eps),
+                   rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", None) or 10000.0)),
+                   max_position_embeddings=int(getattr(target_config, "max_position_embeddings", None) or 2048))
 
     @classmethod
     def from_dict(cls, cfg: dict, *, num_target_layers: int) -> "Eagle3Config":
