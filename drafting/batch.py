@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from specpilot.drafting.attention import model_mask
 from specpilot.drafting.batch_ar import (BatchRow, RaggedCache, plain_step, row_generator, row_generators,
                                           step_generators)
 from specpilot.drafting.checks import check_int
@@ -282,6 +283,7 @@ class BatchSession:
             index = torch.stack(frontiers)                                                 # [B, n]
             hidden = self._node_hidden.gather(1, index[:, :, None].expand(-1, -1, self._node_hidden.shape[-1]))
         mask = torch.cat([mask_old, torch.stack(new_masks)], dim=2)[:, None]
+        mask = model_mask(self.drafter.mask_layout, mask, positions, committed)
         logits, out = self.drafter.forward_batch(ids, hidden, positions, mask, self.draft.cache)
         self.draft.valid = torch.cat([self.draft.valid, query_valid], dim=1)
         logq = torch.log_softmax(logits.float(), dim=-1)                                   # [B, n, V_draft]

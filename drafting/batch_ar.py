@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.cycle_math import emitted_count
@@ -59,6 +60,7 @@ class RaggedCache:
         self.model = model
         self.drafter = drafter
         self.cache = drafter.new_cache() if drafter is not None else new_cache(model)
+        self.mask_layout = drafter.mask_layout if drafter is not None else MaskLayout.of(model)
         self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
 
     @property
@@ -83,6 +85,8 @@ class RaggedCache:
         new_mask |= torch.eye(q, dtype=torch.bool, device=ids.device)[None]  # every query sees itself
         old = (self.valid[:, None, :] & query_valid[:, :, None]).expand(b, q, self.length)
         mask = torch.cat([old, new_mask], dim=2)[:, None]                   # [B, 1, q, L + q]
+        # the cached valid slots are committed tokens; the new slots are the queries (a feed can be long)
+        mask = model_mask(self.mask_layout, mask, positions, self.valid, positions)
         if self.drafter is not None:
             logits, extra = self.drafter.forward_batch(ids, hidden, positions, mask, self.cache,
                                                        logits_to_keep=logits_to_keep)

@@ -1,15 +1,29 @@
 """KV-cache helpers over transformers' DynamicCache: create, crop to a length, keep selected positions.
 
 After every cycle the caches must hold exactly the accepted prefix: rejected tree branches are dropped and the
-accepted path is compacted to contiguous positions (`keep_positions`), or the tail is cut (`crop_to`).
+accepted path is compacted to contiguous positions (`keep_positions`), or the tail is cut (`crop_to`). Speculative
+caches therefore keep every position (`new_cache`); only target-only decoding uses the model's own layout.
 """
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 def new_cache(model) -> DynamicCache:
+    """A cache of full layers for speculative decoding. Not the model's own layout: a sliding-window layer drops
+    keys as it grows and keeps a running length, so crop / keep_positions could not restore the accepted prefix;
+    windows are applied by the masks instead (`drafting.attention.model_mask`)."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                    for layer in cache.layers]
+    return cache
+
+
+def generation_cache(model) -> DynamicCache:
+    """The cache transformers' generate() builds for `model` (sliding-window layers keep only their window): for
+    target-only decoding, which never crops, so the baseline is as fast as generate()."""
     return DynamicCache(config=model.config)
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from specpilot.drafting.cache import cache_length, keep_positions, new_cache
+from specpilot.drafting.attention import MaskLayout, model_mask
+from specpilot.drafting.cache import cache_length, generation_cache, keep_positions, new_cache
 from specpilot.drafting.checks import check_context, check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
@@ -79,6 +80,7 @@ class DecodingSession:
                                    sample=self.sampling is not None and tree.sampled_children)
         self.needs_features = self.drafter.drafter.needs_features
         self.target_cache = new_cache(pair.target)
+        self.target_mask_layout = MaskLayout.of(pair.target)
         # EAGLE: the target's aux hidden states, kept unfused: the fc runs once per cycle over the rows the head
         # reads, so a streak of plain steps costs no head work (~4% of a step on CPU)
         self._features = FeatureBuffer()
@@ -227,6 +229,9 @@ class DecodingSession:
             cache_len = cache_length(self.target_cache)
             block = select_block(tree, size, self.committed[-1])
             inputs = block_inputs(tree, block, cache_len, len(self.committed) - 1, self.device)
+            if "attention_mask" in inputs:  # the committed prefix fills cache slots 0..cache_len-1 in order
+                inputs["attention_mask"] = model_mask(self.target_mask_layout, inputs["attention_mask"],
+                                                      inputs["position_ids"], cache_len)
             out = self.pair.target(**inputs, cache=self.target_cache, use_cache=True,
                                    output_hidden_states=self.needs_features)
             logits = out.logits[0]
@@ -411,7 +416,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     check_context(pair, len(ids), max_new_tokens, 0)
     device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
     generator = _generator(seed, device) if temperature > 0 else None
-    cache = new_cache(pair.target)
+    cache = generation_cache(pair.target)
     tokens: list[int] = []
     times: list[float] = []
     finished_by = "length"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.drafting.attention import FULL_ATTENTION, MaskLayout
 from specpilot.drafting.cache import new_cache
 
 
@@ -39,6 +40,7 @@ class LMDrafter:
 
     def __init__(self, model) -> None:
         self.model = model
+        self.mask_layout = MaskLayout.of(model)  # mask format and sliding windows (drafting/attention.py)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
     def new_cache(self):
@@ -67,6 +69,8 @@ class EagleDrafter:
     offset = 1
     needs_features = True
     kind = "eagle3"
+
+    mask_layout = FULL_ATTENTION  # one full-attention layer taking boolean masks, over its own cache
 
     def __init__(self, head) -> None:
         self.head = head

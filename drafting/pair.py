@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specpilot.drafting.attention import check_tree_attention
 from specpilot.drafting.checks import check_int
 
 DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
@@ -335,6 +336,10 @@ class ModelPair:
                 raise ValueError(f"target and {name} must live on the same device; move them with pair.to(device)")
         if self.draft is not None:
             check_same_vocabulary(self.target, self.draft)
+        # refuse, before any decoding, a model whose forward would not honour tree masks (see drafting/attention.py)
+        check_tree_attention(self.target, "target")
+        if self.draft is not None:
+            check_tree_attention(self.draft, "draft")
         if self.eagle is not None:
             from specpilot.drafting.eagle import check_fits_target
 

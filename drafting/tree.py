@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specpilot.drafting.attention import model_mask
 from specpilot.drafting.cache import crop_to
 from specpilot.drafting.cycle_math import num_candidates
 from specpilot.drafting.sampling import sampling_probs
@@ -266,6 +267,7 @@ class TreeDrafter:
         prefix_part = torch.ones(n, self.prefix_len, dtype=torch.bool, device=tree_part.device)
         mask = torch.cat([prefix_part, tree_part], dim=1)[None, None]
         positions = torch.full((1, n), self.root_position + tree.depth, dtype=torch.long, device=mask.device)
+        mask = model_mask(self.drafter.mask_layout, mask, positions, self.prefix_len)
         hidden = self._node_hidden[frontier][None] if self._node_hidden is not None else None
         logq, out = self.drafter.forward(tree.tokens[frontier][None], hidden, positions, mask, self.cache)  # [n, V]
         child_tokens, child_logprobs, ranked, q = self._children(logq, sampling, generator)  # [n, k]

@@ -1,0 +1,180 @@
+"""Speculative decoding stays exact on other architectures: absolute positions (GPT-2), parallel blocks (GPT-NeoX,
+Phi), eager attention, and sliding windows the sequences outgrow (Mistral, Gemma 2's mixed layers); models that
+cannot take tree masks (BLOOM's ALiBi) are refused. References are transformers' own generate()."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from specpilot.drafting import ModelPair, SpeculativeDecoder
+from specpilot.drafting.attention import (MaskLayout, TreeAttentionError, check_tree_attention, layer_windows,
+                                          model_mask)
+from specpilot.drafting.control import FixedController
+from specpilot.drafting.decoder import autoregressive_generate
+from specpilot.drafting.types import TreeConfig
+from test_eagle_decoder import random_head
+
+VOCAB, WINDOW = 64, 8
+SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+             max_position_embeddings=128)
+ARCHS = {
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=2, n_positions=128),
+    "gpt_neox": SMALL,
+    "phi": SMALL,
+    "qwen2": dict(SMALL, num_key_value_heads=1),
+    "llama_eager": dict(SMALL, attn_implementation="eager"),
+    "mistral_window": dict(SMALL, num_key_value_heads=1, sliding_window=WINDOW),
+    "gemma2_mixed_window": dict(SMALL, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW),
+}
+PROMPTS = [list(range(3, 15)), [5, 9], list(range(20, 41))]  # 12, 2 and 21 tokens; 30 new tokens outgrow WINDOW
+
+
+def build(name: str, *, layers: int | None = None, seed: int = 0):
+    kwargs = dict(ARCHS[name])
+    attn = kwargs.pop("attn_implementation", None)
+    if layers is not None:
+        kwargs["n_layer" if "n_layer" in kwargs else "num_hidden_layers"] = layers
+    model_type = name.split("_window")[0].split("_mixed")[0].replace("llama_eager", "llama")
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None,
+                                  pad_token_id=None, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, **({"attn_implementation": attn} if attn else {}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)  # peaked next-token distributions, like a trained LM's
+    return model.eval()
+
+
+def noisy(model, noise: float = 0.2, seed: int = 1):
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen) * p.std())
+    return draft
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch_pair(request):
+    target = build(request.param)
+    return request.param, ModelPair(target, noisy(target)), [hf_greedy(target, p, 30) for p in PROMPTS]
+
+
+def test_windows_are_read_as_transformers_masks_them(arch_pair):
+    name, pair, _ = arch_pair
+    windows = layer_windows(pair.target.config)
+    if name == "mistral_window":
+        assert windows == {"sliding_attention": WINDOW}
+    elif name == "gemma2_mixed_window":
+        assert windows == {"full_attention": None, "sliding_attention": WINDOW}
+    else:
+        assert set(windows.values()) == {None}
+
+
+@pytest.mark.parametrize("width,depth,size", [(1, 3, 3), (2, 4, 8)])
+def test_greedy_identical_to_transformers_generate(arch_pair, width, depth, size):
+    name, pair, refs = arch_pair
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=4, max_size=16))
+    accepted = 0
+    for prompt, ref in zip(PROMPTS, refs):
+        out = decoder.generate(prompt, controller=FixedController(depth, size), max_new_tokens=30)
+        assert out.tokens == ref, (name, prompt)
+        accepted += sum(c.accepted for c in out.cycles)
+        assert autoregressive_generate(pair, prompt, max_new_tokens=30).tokens == ref
+    assert accepted >= 10, "the draft hardly ever agreed: the check would prove little"
+
+
+def test_batched_greedy_identical_to_transformers_generate(arch_pair):
+    name, pair, refs = arch_pair
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4, max_size=16))
+    outs = decoder.generate_batch(PROMPTS, controller=FixedController(3, 6), max_new_tokens=30)
+    assert [o.tokens for o in outs] == refs, name
+
+
+@pytest.mark.parametrize("name", ["gpt2", "mistral_window", "gemma2_mixed_window"])
+def test_eagle_head_on_other_targets_is_exact(name):
+    target = build(name, layers=4)
+    pair = ModelPair(target, eagle=random_head(target, draft_vocab=32, sharpness=2.0, seed=0))
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4, max_size=16))
+    for prompt in PROMPTS:
+        out = decoder.generate(prompt, controller=FixedController(3, 6), max_new_tokens=30)
+        assert out.tokens == hf_greedy(target, prompt, 30), (name, prompt)
+
+
+def test_alibi_model_is_refused_with_the_reason():
+    config = AutoConfig.for_model("bloom", vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=2)
+    target = AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(TreeAttentionError, match=r"BloomForCausalLM.*not supported"):
+        ModelPair(target, noisy(target))
+
+
+def test_a_model_that_ignores_the_mask_is_refused():
+    target = build("qwen2")
+
+    class IgnoresMasks(torch.nn.Module):  # what a remote-code model dropping attention_mask would do
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+            return self.inner(input_ids=input_ids, **kwargs)
+
+    with pytest.raises(TreeAttentionError, match="ignores 4-D attention masks"):
+        check_tree_attention(IgnoresMasks(target), "target")
+
+
+def test_model_mask_narrows_only_the_committed_prefix_and_skips_holes():
+    layout = MaskLayout({"full_attention": None, "sliding_attention": 3})
+    mask = torch.ones(1, 1, 2, 7, dtype=torch.bool)            # 5 prefix columns (one a hole) + 2 tree nodes
+    mask[..., 2] = False                                         # the hole
+    prefix = torch.tensor([[True, True, False, True, True]])     # committed positions 0, 1, 2, 3
+    out = model_mask(layout, mask, torch.tensor([[4, 5]]), prefix)
+    assert set(out) == {"full_attention", "sliding_attention"}
+    assert torch.equal(out["full_attention"], mask)
+    sliding = out["sliding_attention"][0, 0]
+    # query at 4 sees positions 2..3 (columns 3, 4); at 5 sees position 3 (column 4); tree columns untouched
+    assert sliding.tolist() == [[False, False, False, True, True, True, True],
+                                [False, False, False, False, True, True, True]]
+    assert model_mask(layout, mask, torch.tensor([[1, 2]]), prefix) is mask  # no window binds yet
+    additive = model_mask(MaskLayout({"full_attention": None}, torch.float32), mask, torch.tensor([[4, 5]]), 5)
+    assert additive.dtype == torch.float32 and float(additive[0, 0, 0, 2]) == torch.finfo(torch.float32).min
+    assert float(additive[0, 0, 0, 0]) == 0.0
+
+
+def test_unknown_layer_types_are_refused():
+    config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, **dict(SMALL, num_key_value_heads=1))
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(TreeAttentionError, match="chunked_attention"):
+        layer_windows(config)
+
+
+def test_cli_refuses_an_alibi_pair_in_one_line(saved_pair, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from specpilot.cli import main
+
+    tokenizer = AutoTokenizer.from_pretrained(saved_pair / "target")
+    config = AutoConfig.for_model("bloom", vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=2)
+    model = AutoModelForCausalLM.from_config(config)
+    for name in ("target", "draft"):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    capsys.readouterr()  # the save's progress bars
+    code = main(["generate", "--prompt", "def f(x):", "--target", str(tmp_path / "target"),
+                 "--draft", str(tmp_path / "draft"), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "BloomForCausalLM" in err[0] and "Traceback" not in err[0], err
