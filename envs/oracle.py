@@ -167,12 +167,13 @@ def replay_oracle(trace, profile=None, depths: list[int] | None = None, sizes: l
                      maximising throughput = minimising time, as the token count is fixed
       greedy_oracle  per-cycle greedy: each cycle picks the (d, V) with the best emitted/time of that cycle alone
       best_static    the best fixed (d, V) over `depths` x `sizes` (a grid search under replay)
-    Choices range over `depths` (default 1..max_depth; include 0 for plain target steps) and `sizes` (default
-    1..max_size).
+    Choices range over `depths` (default 0..max_depth: a plain target step is one of every policy's actions, and
+    the ceiling must cover it, or a pair whose drafter rarely helps reports a ceiling below its controllers) and
+    `sizes` (default 1..max_size).
     """
     model = _model(trace, profile, max_new_tokens)
     d_max, max_size = model.trace.max_depth, model.trace.max_size
-    depths = np.array(sorted({min(int(d), d_max) for d in (range(1, d_max + 1) if depths is None else depths)}))
+    depths = np.array(sorted({min(int(d), d_max) for d in (range(0, d_max + 1) if depths is None else depths)}))
     sizes = np.array(sorted({int(s) for s in (sizes or range(1, max_size + 1))}))
     indices = list(range(model.num_prompts)) if prompts is None else list(prompts)
     grid = (len(depths), len(sizes))

@@ -104,3 +104,16 @@ def test_profile_shrinks_a_rarely_seen_key_towards_the_line():
     value = float(profile.first_time(4))
     assert 4e-3 < value < 5e-3  # pulled most of the way to the line (~4 ms), not the lone 10 ms sample
     assert float(profile.first_time(2)) == pytest.approx(2e-3, rel=0.02)
+
+
+def test_default_ceiling_covers_plain_steps_when_drafting_never_pays():
+    """A drafter that never agrees: plain target steps (depth 0) beat every drafting cell, and the default ceiling
+    (every depth from 0) must be at least their throughput, as the controllers that skip drafting reach it."""
+    pair = tiny_pair(noise=3.0, eos=None)
+    prompts = [[3, 1, 4, 1], [5, 9, 2, 6]]
+    model = ReplayModel(record_trace(pair, TREE, prompts, max_new_tokens=6), known_profile(TREE))
+    plain = replay_controller(model, controller=FixedController(0))
+    result = replay_oracle(model)
+    assert result["oracle"]["tokens_per_s"] >= plain["tokens_per_s"] * (1 - 1e-12)
+    assert result["best_static"]["tokens_per_s"] >= plain["tokens_per_s"] * (1 - 1e-12)
+    assert 0 in {row["depth"] for row in result["static"]}
