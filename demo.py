@@ -334,12 +334,15 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
 
 def _heldout_seeds(run_dir: Path) -> dict | None:
     """Every trained seed's ltd vs the grid's best config in exact replay of the held-out trace (cheap: no
-    generation), and their aggregate; None for a run without RUN/seeds.json."""
+    generation), and their aggregate; None for a run without RUN/seeds.json. The grid's best is the evaluation's
+    `grid` method, plain steps (depth 0) included: not the best drafting cell the seeds trained beside."""
     from specpilot.train.rl.seeds import SEEDS_FILE, evaluate_seeds
 
     if not (run_dir / SEEDS_FILE).is_file():
         return None
-    out = evaluate_seeds(run_dir, run_dir / "traces" / "heldout")
+    best = GridResult.load(run_dir / GRID_FILE).best if (run_dir / GRID_FILE).is_file() else None
+    static = (int(best["depth"]), int(best["size"])) if best else None
+    out = evaluate_seeds(run_dir, run_dir / "traces" / "heldout", static=static)
     return json.loads(json.dumps(out, default=float))
 
 

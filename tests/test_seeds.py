@@ -42,6 +42,21 @@ def test_run_seeds_deploys_the_best_on_validation(traces, tmp_path):  # noqa: F8
     agg = evaluate_seeds(run, traces.validation)
     assert [r["ltd_vs_static"] for r in agg["seeds"]] == pytest.approx([s["ltd_vs_static"] for s in out["seeds"]])
     assert np.isfinite(agg["ltd_vs_static"]["iqm"])
+    # the demo's per-seed line compares with the grid's best, the evaluation's `grid`, even when it never drafts
+    # (the seeds' own static partner must draft, so it is another config then)
+    import shutil
+    from types import SimpleNamespace
+
+    from specpilot import demo
+    from specpilot.policies import FixedController
+
+    shutil.copytree(traces.validation, run / "traces" / "heldout")
+    (run / "grid.json").write_text("{}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(demo.GridResult, "load", staticmethod(lambda path: SimpleNamespace(best={"depth": 0, "size": 0})))
+        heldout = demo._heldout_seeds(run)
+    plain = evaluate_replay(FixedController(0), ReplayModel(traces.validation))["tokens_per_s"]
+    assert heldout["static"] == [0, 0] and heldout["static_tokens_per_s"] == pytest.approx(plain)
 
 
 def test_seeds_trained_in_worker_processes_equal_seeds_trained_in_turn(traces, tmp_path):  # noqa: F811
