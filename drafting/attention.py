@@ -112,7 +112,8 @@ def check_tree_attention(model, what: str = "model") -> MaskLayout:
     naming the architecture and attention implementation otherwise."""
     arch = f"{type(model).__name__}, attn_implementation={getattr(model.config, '_attn_implementation', None)!r}"
     layout = MaskLayout.of(model)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = int(head.weight.shape[0]) if getattr(head, "weight", None) is not None else int(model.config.vocab_size)
     device = next(model.parameters()).device
     ids = [1 % vocab, 2 % vocab, 3 % vocab]
     sibling = 4 % vocab
@@ -126,12 +127,12 @@ def check_tree_attention(model, what: str = "model") -> MaskLayout:
                            position_ids=torch.tensor([[0, 1, 2, 2]], device=device), use_cache=False).logits[0].float()
     except Exception as err:  # the architecture's forward rejects 4-D masks or explicit position ids
         raise TreeAttentionError(f"the {what} ({arch}) cannot take a 4-D attention mask with explicit position ids "
-                                 f"({type(err).__name__}: {str(err).splitlines()[0][:160]}); speculative tree "
+                                 f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}); speculative tree "
                                  f"attention needs both, so this architecture is not supported") from None
     expected, got = plain[[0, 1, 2]], masked[[0, 1, 3]]
     scale = 1.0 + float(expected.abs().max())
-    tolerance = (1e-4 if masked.dtype == torch.float32 and next(model.parameters()).dtype == torch.float32
-                 else 3e-2) * scale
+    # half precision: the two forwards round differently (other shapes), far less than a visible sibling moves them
+    tolerance = (1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2) * scale
     if not torch.isfinite(got).all() or float((got - expected).abs().max()) > tolerance:
         raise TreeAttentionError(f"the {what} ({arch}) ignores 4-D attention masks or explicit position ids (a "
                                  f"masked token's logits changed by {float((got - expected).abs().max()):.3g}); "
