@@ -4,6 +4,7 @@ cannot take tree masks (BLOOM's ALiBi) are refused. References are transformers'
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -65,10 +66,15 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@functools.lru_cache(maxsize=None)
+def pair_and_refs(name: str):
+    target = build(name)
+    return name, ModelPair(target, noisy(target)), [hf_greedy(target, p, 30) for p in PROMPTS]
+
+
+@pytest.fixture(params=list(ARCHS))
 def arch_pair(request):
-    target = build(request.param)
-    return request.param, ModelPair(target, noisy(target)), [hf_greedy(target, p, 30) for p in PROMPTS]
+    return pair_and_refs(request.param)
 
 
 def test_windows_are_read_as_transformers_masks_them(arch_pair):
@@ -95,8 +101,10 @@ def test_greedy_identical_to_transformers_generate(arch_pair, width, depth, size
     assert accepted >= 10, "the draft hardly ever agreed: the check would prove little"
 
 
-def test_batched_greedy_identical_to_transformers_generate(arch_pair):
-    name, pair, refs = arch_pair
+# batched masks differ from the single-sequence ones in holes, format and windows: these architectures cover them
+@pytest.mark.parametrize("name", ["gpt2", "llama_eager", "mistral_window", "gemma2_mixed_window"])
+def test_batched_greedy_identical_to_transformers_generate(name):
+    name, pair, refs = pair_and_refs(name)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4, max_size=16))
     outs = decoder.generate_batch(PROMPTS, controller=FixedController(3, 6), max_new_tokens=30)
     assert [o.tokens for o in outs] == refs, name

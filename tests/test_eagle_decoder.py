@@ -93,16 +93,18 @@ def test_single_token_prompt_starts_with_a_plain_step(pair):
     assert out.tokens == autoregressive_generate(pair, [9], max_new_tokens=8).tokens
 
 
-def test_sampled_output_follows_the_target_law():
+# the chain (width 1) runs the same acceptance code as the tree with one child per node; the draft-LM chain has
+# its own default-run law test (test_sampling_law.py), so this one's chain case runs with -m slow
+@pytest.mark.parametrize("width", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_sampled_output_follows_the_target_law(width):
     vocab, steps, n = 6, 2, 2000
     target = tiny_model(vocab=vocab, hidden=16, layers=4, eos=None, sharpness=4.0, seed=3)
     pair = ModelPair(target, eagle=random_head(target, draft_vocab=4, seed=5))
     prompt, sampling = [1, 2], (1.0, 0, 1.0)
     law = target_law(target, prompt, steps, sampling)
-    for width in (1, 3):
-        decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=3, max_size=12))
-        tv, bound = sampled_tv(decoder, prompt, law, FixedController(3, 12), sampling, n)
-        assert tv < bound, (width, tv)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=3, max_size=12))
+    tv, bound = sampled_tv(decoder, prompt, law, FixedController(3, 12), sampling, n)
+    assert tv < bound, (width, tv)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])
