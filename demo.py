@@ -203,18 +203,26 @@ def _limit(items: list, n: int) -> list:
 
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
              draft: str | None = None, eagle: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
-             wandb: str | None = None, device: str | None = None, executor=None, suite: str | None = None) -> dict:
+             wandb: str | None = None, device: str | None = None, executor=None, suite: str | None = None,
+             chat_template: str = "auto") -> dict:
     """Run (or resume) every stage; return the summary dict (also written to RUN/summary.json). `suite`: the
-    held-out suite evaluated (default: the one that matches the target, `specpilot.eval.suites.choose_suite`)."""
+    held-out suite evaluated (default: the one that matches the target, `specpilot.eval.suites.choose_suite`);
+    `chat_template`: how its prompts are sent (`specpilot.eval.suites.with_chat_template`; the code suites that
+    train the policies are completions and stay raw)."""
     from specpilot.drafting import ModelPair, TreeConfig
     from specpilot.drafting.executor import LocalExecutor
-    from specpilot.eval.suites import choose_suite, load_suite
+    from specpilot.drafting.pair import load_tokenizer
+    from specpilot.eval.suites import choose_suite, load_suite, with_chat_template
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
     run_dir = Path(out)
     run_dir.mkdir(parents=True, exist_ok=True)
     state = DemoState(run_dir)
     started = time.perf_counter()
+    heldout_suite = choose_suite(suite, target)
+    heldout = _limit(load_suite(heldout_suite["name"]), budget.heldout_prompts)
+    # checked before any model loads: --chat-template on needs a template
+    heldout, heldout_suite["chat_template"] = with_chat_template(heldout, load_tokenizer(target), chat_template)
     # dtype "auto": bf16 on CUDA, and on a CPU with AMX / AVX512-BF16 where it measures faster, fp32 otherwise
     # (`specpilot.drafting.pair.resolve_dtype`); the summary says which and why
     pair = ModelPair.from_pretrained(target, draft, device=device, dtype="auto", **({"eagle": eagle} if eagle else {}))
@@ -224,8 +232,6 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
-    heldout_suite = choose_suite(suite, target)
-    heldout = _limit(load_suite(heldout_suite["name"]), budget.heldout_prompts)
     budget_fields = asdict(budget)
     key = _key({k: v for k, v in identity.items() if k != "dtype_reason"}, seed)  # the reason may quote timings
     timings: dict[str, float] = {}
@@ -235,7 +241,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     for stage in stages:
         stages.set_postfix_str(stage)
         key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]},
-                   *([heldout_suite["name"]] if stage == "eval" else []))  # another suite: evaluate again
+                   *([heldout_suite["name"], chat_template] if stage == "eval" else []))  # other prompts: again
         previous = state.done(stage, key)
         if previous is not None:
             results[stage], timings[stage] = previous["result"], previous["seconds"]
@@ -420,6 +426,7 @@ def _seed_lines(seeds: dict | None) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specpilot.drafting.cliargs import add_pair_arguments, output_dir, seed
+    from specpilot.eval.suites import CHAT_TEMPLATE_MODES
 
     parser.add_argument("--quick", action="store_true", help="small budgets (<= ~6 minutes on 2 CPU cores)")
     parser.add_argument("--out", default="runs/demo", type=output_dir,
@@ -429,6 +436,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", default=None,
                         help="held-out suite evaluated: a bundled name or a .jsonl / .txt path (default: heldout_code "
                              "for the embedded pair or a code model, heldout for a general-purpose target)")
+    parser.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
+                        help="send the held-out prompts through the target tokenizer's chat template: auto = "
+                             "natural-language prompts when the tokenizer has one (code completions stay raw), "
+                             "on = every prompt, off = none")
     parser.add_argument("--wandb", choices=["online", "offline", "disabled"], default=None,
                         help="wandb mode (default: $WANDB_MODE, else offline)")
 
@@ -438,7 +449,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_pair_arguments(args)
     run = partial(run_demo, args.out, quick=args.quick, target=args.target, draft=args.draft, eagle=args.eagle,
-                  seed=args.seed, wandb=args.wandb, device=args.device, suite=args.suite)
+                  seed=args.seed, wandb=args.wandb, device=args.device, suite=args.suite,
+                  chat_template=args.chat_template)
     if getattr(args, "ray", None):  # a ClusterError is reported in one line by the command's handler
         from specpilot.train.scale.cluster_cli import open_pool
 

@@ -262,6 +262,14 @@ def _has_tokenizer(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES)
 
 
+def load_tokenizer(model_path):
+    """The tokenizer beside a model (its folder, a sibling `tokenizer/` folder, or its hub id), else None; the
+    embedded pair's for None or "embedded"."""
+    if model_path in (None, "embedded"):
+        model_path = DEFAULT_PAIR_DIR / "target"
+    return _load_tokenizer(None, model_path)
+
+
 def _load_tokenizer(explicit, model_path):
     """The explicit tokenizer, else the one beside the model (its folder, or a sibling `tokenizer/` folder), else
     None: a checkpoint shipped without tokenizer files still works on token ids."""
@@ -405,12 +413,17 @@ class ModelPair:
         return _vocab_size(self.draft)
 
     def encode(self, prompt: str | list[int] | torch.Tensor) -> list[int]:
-        """Prompt text or ids -> list of token ids, every id checked against the target's vocabulary."""
+        """Prompt text or ids -> list of token ids, every id checked against the target's vocabulary. Text is
+        tokenized as `tokenizer(text)` does, with the special tokens the tokenizer adds (Llama's and Mistral's BOS,
+        which those models need; GPT-2 and Qwen add none), except that a text already starting with the BOS (a
+        chat-templated prompt, `eval.suites.with_chat_template`) gets no second one."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this ModelPair has no tokenizer: pass token ids, or build it with tokenizer=")
             check_text("the prompt", prompt)
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            bos = getattr(self.tokenizer, "bos_token", None)
+            specials = not (isinstance(bos, str) and bos and prompt.startswith(bos))
+            ids = list(self.tokenizer(prompt, add_special_tokens=specials)["input_ids"])
             return check_token_ids(ids, self.vocab_size, what="the tokenizer's id")
         if isinstance(prompt, (bytes, bytearray)):
             raise TypeError("the prompt is bytes: decode it to text (str) first, or pass a list of token ids")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from specpilot.drafting.cliargs import (add_pair_arguments, float_list, int_list, name_list, non_negative_float,
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
+from specpilot.eval.suites import CHAT_TEMPLATE_MODES
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
 # (tests/test_bad_options.py keeps the two equal)
 METHODS = ("ar", "hf_generate", "hf_assisted", "fixed", "grid", "batch_table", "ddd", "svip", "confidence",
@@ -58,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: the held-out suite that matches the pair: heldout_code for the embedded "
                              "pair or a code model, heldout for a general-purpose target)")
     parser.add_argument("--split", default=None, help="keep only prompts of this split (default: all)")
+    parser.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
+                        help="send prompts through the target tokenizer's chat template: auto = natural-language "
+                             "prompts when the tokenizer has one (code completions stay raw), on = every prompt, "
+                             "off = none")
     parser.add_argument("--methods", type=_methods, default=None,
                         help=f"comma list (default: all available): {', '.join(METHODS)}; `ar` always runs; a "
                              "method named here that cannot run is an error")
@@ -137,7 +142,8 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     from specpilot.envs.profile import LatencyProfile
     from specpilot.eval.inputs import check_methods, requested_methods, resolve_tree
     from specpilot.eval.rounds import RoundPlan
-    from specpilot.eval.suites import choose_suite, load_suite
+    from specpilot.drafting.pair import load_tokenizer
+    from specpilot.eval.suites import choose_suite, load_suite, with_chat_template
 
     suite = choose_suite(args.suite, getattr(args, "target", None))
     prompts = load_suite(suite["name"], split=args.split)
@@ -162,6 +168,8 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
                   grid=args.grid, run_dir=args.run_dir)
+    prompts, suite["chat_template"] = with_chat_template(prompts, load_tokenizer(getattr(args, "target", None)),
+                                                         args.chat_template)
     return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
 
 

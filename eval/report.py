@@ -24,6 +24,7 @@ from pathlib import Path
 from specpilot.drafting.files import atomic_write_text
 from specpilot.eval.compare import describe, interval_verdict
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
+from specpilot.eval.suites import chat_template_note
 
 REQUIRED_ROW_KEYS = ("task", "language", "split", "method", "temperature", "speedup", "tau", "tokens_per_s",
                      "ttft_s", "itl_p50_s", "itl_p90_s", "itl_p99_s", "peak_mem_mb", "policy_overhead",
@@ -59,7 +60,8 @@ def _label(meta: dict) -> str:
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"
             f" | {meta.get('dtype', '?')} on {meta.get('device', '?')} ({hw})"
             f" | top_k={s.get('top_k')}, top_p={s.get('top_p')}, max_new_tokens={s.get('max_new_tokens')}"
-            + (f" | suite {meta['suite']['name']}" if isinstance(meta.get("suite"), dict) else "")
+            + (f" | suite {meta['suite']['name']}{chat_template_note(meta['suite'])}"
+               if isinstance(meta.get("suite"), dict) else "")
             + f" | {mix.get('n_prompts', '?')} prompts: "
             + ", ".join(f"{k} {v}" for k, v in sorted(mix.get("by_task", {}).items())))
 

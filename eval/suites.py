@@ -24,6 +24,12 @@ Which held-out suite matches a pair (`default_heldout_suite`, what `specpilot ev
 --suite says otherwise): `heldout_code` for the embedded pair and for targets whose name marks a code model,
 `heldout` for any other (general-purpose) target.
 
+Prompts are sent as a user of the model would send them (`with_chat_template`, `--chat-template` on `eval` and
+`demo`): with `auto`, natural-language prompts go through the target tokenizer's chat template when it has one
+(an instruct model answers a bare question as text to continue, not as a request), while code-completion prompts
+(a programming `language`, or a `task` starting with "code") stay raw text ending at the cursor; `on` templates
+every prompt, `off` none. The report says how many prompts were templated.
+
 Users add their own suite by path: a `.jsonl` file whose objects have at least a `prompt` field (`id`, `task`,
 `language`, `split` are optional), or a plain-text file with one prompt per line (blank lines skipped; a literal
 `\\n` inside a line stands for a newline, so multi-line prompts fit on one line).
@@ -42,6 +48,12 @@ REQUIRED_BUNDLED_FIELDS = ("id", "task", "language", "split", "prompt")
 # a target whose name (hub id or folder, case-insensitive) has a word starting with "code" (CodeLlama,
 # Qwen2.5-Coder, granite-3b-code-base, codegen) or names one of these families is a code model ("decoder" is not)
 CODE_MODEL_NAME = re.compile(r"(?<![a-z])code|starcoder|santacoder|wizardcoder")
+
+
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+# a prompt in one of these languages is a completion ending at the cursor: `auto` leaves it raw
+CODE_LANGUAGES = frozenset({"python", "c", "cpp", "c++", "csharp", "java", "javascript", "typescript", "go", "rust",
+                            "ruby", "php", "shell", "bash", "sql", "kotlin", "swift", "scala", "r", "julia", "code"})
 
 
 class SuiteError(ValueError):
@@ -213,3 +225,37 @@ def load_prompts(suite: str, split: str | None = None, limit: int | None = None)
     """The prompt texts of a bundled suite name or a .jsonl/.txt path, the first `limit` (all when None)."""
     prompts = [p.prompt for p in load_suite(suite, split=split)]
     return prompts[:limit] if limit else prompts
+
+
+def is_completion(prompt: Prompt) -> bool:
+    """A code-completion prompt (it ends at the cursor): a programming `language` or a `task` starting "code"."""
+    return prompt.language.lower() in CODE_LANGUAGES or prompt.task.lower().startswith("code")
+
+
+def with_chat_template(prompts: list[Prompt], tokenizer, mode: str = "auto") -> tuple[list[Prompt], dict]:
+    """The prompts as a user of the model sends them (module docstring): each templated prompt's text becomes the
+    chat template's rendering of one user turn plus the assistant header (`add_generation_prompt`), which
+    `ModelPair.encode` tokenizes without a second BOS. Returns (prompts, {"mode", "applied", "of"}) for the report.
+    mode "on" with a tokenizer that has no chat template is a ValueError (nothing to apply)."""
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat template mode {mode!r}: choose one of {', '.join(CHAT_TEMPLATE_MODES)}")
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if mode == "on" and not template:
+        raise ValueError("--chat-template on: the target's tokenizer has no chat template (a base model, or no "
+                         "tokenizer files); use --chat-template auto or off")
+    out, applied = [], 0
+    for p in prompts:
+        if template and mode != "off" and (mode == "on" or not is_completion(p)):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            p, applied = Prompt(p.id, p.task, p.language, p.split, str(text)), applied + 1
+        out.append(p)
+    return out, {"mode": mode, "applied": applied, "of": len(prompts)}
+
+
+def chat_template_note(suite: dict) -> str:
+    """", chat template on 80 of 96 prompts (--chat-template auto)" when any prompt was templated, else ""."""
+    chat = suite.get("chat_template") if isinstance(suite, dict) else None
+    if not isinstance(chat, dict) or not chat.get("applied"):
+        return ""
+    return f", chat template on {chat['applied']} of {chat['of']} prompts (--chat-template {chat['mode']})"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from specpilot.eval.compare import describe
+from specpilot.eval.suites import chat_template_note
 
 
 def _ok(x) -> bool:
@@ -111,7 +112,7 @@ def _suite_lines(summary: dict) -> list[str]:
     lines = []
     suite = summary.get("suite")
     if isinstance(suite, dict):
-        lines.append(f"suite: {suite.get('name')} ({suite.get('chosen_by')})")
+        lines.append(f"suite: {suite.get('name')} ({suite.get('chosen_by')})" + chat_template_note(suite))
     d = summary.get("degeneracy")
     if d:
         groups = f"; degenerate groups: {', '.join(d['groups'])}" if d["groups"] else ""

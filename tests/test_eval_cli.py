@@ -79,5 +79,6 @@ def test_run_writes_a_report(tmp_path, monkeypatch):
     report = json.loads((out / "report.json").read_text())
     assert {r["method"] for r in report["results"]} == {"ar", "fixed"}
     assert report["meta"]["models"]["name"] == "tiny" and (out / "report.md").exists()
-    assert report["meta"]["suite"] == {"name": str(suite), "chosen_by": "--suite"}  # the report names the suite
+    assert report["meta"]["suite"] == {"name": str(suite), "chosen_by": "--suite",  # the report names the suite
+                                       "chat_template": {"mode": "auto", "applied": 0, "of": 2}}
     assert f"suite {suite}" in (out / "report.md").read_text()
