@@ -88,7 +88,10 @@ def model_mask(layout: MaskLayout, mask: torch.Tensor, query_positions: torch.Te
     these positions (a batched feed of many committed tokens); otherwise the columns after the prefix are drafted
     nodes, within max_depth of their queries. Returns the mask in the model's format, narrowed for each sliding
     window that can bind: one tensor, or a {layer type: mask} dict when the model's layers differ."""
-    if layout.min_window is None or int(query_positions.max()) < layout.min_window:
+    if layout.min_window is None:
+        return layout._finish(mask)
+    last = int(query_positions.max())
+    if last < layout.min_window:
         return layout._finish(mask)  # every key is within every window
     b, k = mask.shape[0], mask.shape[-1]
     if isinstance(prefix, int):
@@ -96,7 +99,7 @@ def model_mask(layout: MaskLayout, mask: torch.Tensor, query_positions: torch.Te
     else:
         head = prefix.long().cumsum(dim=1) - 1
     # drafted nodes get a position no window can hide (their queries are at most max_depth after them)
-    keys = torch.full((b, k), int(query_positions.max()), dtype=torch.long, device=mask.device)
+    keys = torch.full((b, k), last, dtype=torch.long, device=mask.device)
     keys[:, :head.shape[1]] = head
     if new_positions is not None:
         keys[:, k - new_positions.shape[1]:] = new_positions

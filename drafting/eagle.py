@@ -50,6 +50,11 @@ class EagleHeadError(ValueError):
     """An EAGLE-3 head's files are incomplete, malformed, or do not fit the target model."""
 
 
+def _first_set(config, names: tuple[str, ...], default):
+    """The first of these config attributes that is set (architectures name the same field differently)."""
+    return next((value for value in (getattr(config, name, None) for name in names) if value), default)
+
+
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     """The feature layers EAGLE-3, vLLM and SGLang use by default: states entering layers 2, L//2 and L-3."""
     return (2, num_target_layers // 2, num_target_layers - 3)
@@ -105,10 +110,8 @@ class Eagle3Config:
         """A head shaped for `target_config`: same width, heads and RoPE. Targets whose configs do not use Llama's
         names (GPT-2, GPT-NeoX, OPT, Falcon, ...) get the head's usual defaults: a 4x MLP and RMSNorm eps 1e-6."""
         hidden = int(target_config.hidden_size)
-        mlp = next((getattr(target_config, k, None) for k in ("intermediate_size", "n_inner", "ffn_dim")
-                    if getattr(target_config, k, None)), 4 * hidden)
-        eps = next((getattr(target_config, k) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
-                    if getattr(target_config, k, None)), 1e-6)
+        mlp = _first_set(target_config, ("intermediate_size", "n_inner", "ffn_dim"), 4 * hidden)
+        eps = _first_set(target_config, ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"), 1e-6)
         heads = int(target_config.num_attention_heads)
         rope = getattr(target_config, "rope_parameters", None) or {}
         return cls(hidden_size=hidden, num_attention_heads=heads,

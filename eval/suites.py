@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
@@ -248,7 +248,7 @@ def with_chat_template(prompts: list[Prompt], tokenizer, mode: str = "auto") -> 
         if template and mode != "off" and (mode == "on" or not is_completion(p)):
             text = tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
                                                  add_generation_prompt=True)
-            p, applied = Prompt(p.id, p.task, p.language, p.split, str(text)), applied + 1
+            p, applied = replace(p, prompt=str(text)), applied + 1
         out.append(p)
     return out, {"mode": mode, "applied": applied, "of": len(prompts)}
 
