@@ -8,6 +8,7 @@ decoder.json names is loaded unless one is given (its content hashes are checked
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specpilot.drafting.cliargs import (add_pair_arguments, load_pair, non_negative_float, non_negative_int, pair_given,
                                positive_int, probability, seed, utf8_text)
@@ -88,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     decoder.generate(args.prompt, controller=controller, **warmup)
     out = decoder.generate(args.prompt, controller=controller, **sampling)
     print(out.text if out.text is not None else out.tokens)
+    if decoder.dtype_note:
+        print(f"note: {decoder.dtype_note}", file=sys.stderr)
     line = (f"[{len(out.tokens)} tokens, {out.tokens_per_s:.1f} tok/s, tau {out.mean_accepted_length:.2f}, "
             f"{len(out.cycles)} cycles, {pair.device.type} {str(pair.dtype).replace('torch.', '')}, "
             f"threads {torch.get_num_threads()}]")

@@ -328,6 +328,7 @@ class SpeculativeDecoder:
     """
 
     default_controller = None  # what generate() uses when given none: an exported decoder's policies (from_config)
+    dtype_note: str | None = None  # from_config: why the pair decodes in another dtype than its policies were tuned in
 
     def __init__(self, pair: ModelPair, tree: TreeConfig | None = None) -> None:
         if not isinstance(pair, ModelPair):
@@ -394,13 +395,17 @@ class SpeculativeDecoder:
     @classmethod
     def from_config(cls, config_dir, pair: ModelPair | None = None, **kwargs) -> "SpeculativeDecoder":
         """A decoder from an exported directory (`specpilot export`) whose generate() decides with its exported
-        policies (`decoder.default_controller`) unless given another controller. pair=None loads the pair decoder.json names; keyword arguments
-        (allow_pair_mismatch, device, dtype) go to `specpilot.policies.exported.load_exported`."""
+        policies (`decoder.default_controller`) unless given another controller. pair=None loads the pair decoder.json
+        names, in the dtype the run was measured in when this device runs it natively (`decoder.dtype_note` says
+        why not otherwise); keyword arguments (allow_pair_mismatch, device, dtype) go to
+        `specpilot.policies.exported.load_exported`."""
         from specpilot.policies.exported import load_exported
 
         controller, tree, meta = load_exported(config_dir, pair=pair, **kwargs)
         decoder = cls(meta["model_pair"], tree)
         decoder.default_controller = controller
+        # the pair loads in the dtype the policies were tuned in where it can; when it cannot, why (else None)
+        decoder.dtype_note = meta.get("dtype_note")
         return decoder
 
 

@@ -70,6 +70,19 @@ def resolve_tree(run_dir: str | Path | None, *, width: int | None = None, max_de
     return TreeConfig(width=contract["width"], max_depth=contract["max_depth"], max_size=size)
 
 
+def run_dtype(run_dir: str | Path | None, device: str | None, dtype=None) -> tuple[object, str | None]:
+    """(dtype to load the pair in, note or None) for evaluating a run: `dtype` when asked for, else the dtype the
+    run's traces and profile were measured in (its contract) when this device runs it natively, else the device's
+    default with a note (the same rule as an exported decoder, `policies.exported.export_dtype`): the policies and
+    the grid chose for the costs of that dtype."""
+    from specpilot.policies.exported import export_dtype
+
+    if dtype is not None or run_dir is None:
+        return dtype, None
+    contract = RunContract.of_run(run_root(run_dir))
+    return export_dtype({"dtype": contract.dtype if contract is not None else None}, device, None)
+
+
 def check_methods(names: list[str], *, grid: str | Path | None = None, run_dir: str | Path | None = None,
                   drafter_kind: str | None = None) -> None:
     """Raise EvalInputError unless every method in `names` can run with these inputs: the run has the policies and

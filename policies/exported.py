@@ -13,6 +13,8 @@ decoder.json (format "specpilot-decoder", FORMAT_VERSION below), the fields this
 
     tree        {"width", "max_depth", "max_size", "size_actions"}
     pair        ModelPair.identity() of the pair the policies were trained for (names + content hashes)
+    dtype       the dtype the run's traces and latency profile were measured in ("float32", "bfloat16", ...; absent
+                in older exports): the recorded pair loads in it unless a dtype is asked for (`export_dtype`)
     policies    {"depth": POLICY | null, "size": POLICY | null, "fallback": {"depth": int|null, "size": int|null},
                  "batch_guard": null | {"table": {batch size: [depth, size]}, "fallback": [batch sizes]}}
     POLICY      {"file": "depth.safetensors", "sha256": <hex of the file>, "spec": ObservationSpec.to_dict(),
@@ -172,6 +174,29 @@ def _load_recorded_pair(recorded: dict, config: str, device: str | None, dtype):
         f"target=..., {option}=...) (CLI: --target/--{option})")
 
 
+def export_dtype(meta: dict, device: str | None = None, dtype=None) -> tuple[object, str | None]:
+    """(dtype to load the recorded pair in, note or None). The policies chose depths and sizes for the costs of the
+    dtype the run was measured in (decoder.json "dtype"): a bf16 run loaded in fp32 decodes correctly but slower,
+    with choices made for other costs. So: `dtype` when asked for; else the recorded dtype when this device runs it
+    natively (`half_support`); else the device's default, with a note saying what was recorded and why it is not
+    used (a bf16 export on a CPU without AVX512-BF16/AMX, an export without a dtype)."""
+    from specpilot.drafting.pair import DTYPES, check_device, half_support
+
+    recorded = str(meta.get("dtype") or "").removeprefix("torch.")
+    if dtype is not None or not recorded:
+        return dtype, None
+    if recorded not in DTYPES:
+        return None, f"decoder.json records dtype {recorded!r}, which this specpilot does not know: loaded in the " \
+                     "device's default dtype"
+    device = check_device(device)
+    support, why = half_support(DTYPES[recorded], device)
+    if support == "native":
+        return recorded, None
+    return None, (f"the policies were tuned in {recorded}, which this machine does not run natively ({why}): loaded "
+                  "in the device's default dtype; decoding stays exact, but the choices were made for other costs "
+                  "(ask for --dtype to override, or re-train on this machine)")
+
+
 def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, device: str | None = None,
                  dtype=None):
     """The ModelPair to decode with: `pair` when given, else the pair decoder.json names (the embedded target with
@@ -181,13 +206,19 @@ def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, de
     recorded = meta.get("pair") or {}
     config = meta.get("_path", CONFIG_FILE)
     if pair is None:
+        dtype, _ = export_dtype(meta, device, dtype)
         pair = _load_recorded_pair(recorded, config, device, dtype)
     if recorded and not allow_pair_mismatch:
         diffs = _pair_mismatch(recorded, pair.identity())
         if diffs:
+            recorded_dtype = str(meta.get("dtype") or "").removeprefix("torch.")
+            loaded_dtype = str(pair.dtype).removeprefix("torch.")
+            hint = (f" The hashes were taken in {recorded_dtype} and the pair is loaded in {loaded_dtype}: weights that "
+                    f"{recorded_dtype} rounds hash differently." if recorded_dtype and recorded_dtype != loaded_dtype
+                    else "")
             raise ExportedConfigError(
-                f"{config}: the model pair does not match the one the policies were exported for ({'; '.join(diffs)}). "
-                "Load the recorded pair (same weights and dtype), or pass allow_pair_mismatch=True to use the "
+                f"{config}: the model pair does not match the one the policies were exported for ({'; '.join(diffs)})."
+                f"{hint} Load the recorded pair (same weights and dtype), or pass allow_pair_mismatch=True to use the "
                 "policies anyway (decoding stays lossless; speed may suffer)")
     return pair
 
@@ -230,6 +261,7 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
     model_pair = None
     if pair is not None or load_pair:
         model_pair = resolve_pair(meta, pair, allow_pair_mismatch=allow_pair_mismatch, device=device, dtype=dtype)
+        meta["dtype_note"] = _dtype_note(meta, model_pair, device, dtype, loaded=pair is None)
     fb = policies.get("fallback") or {}
     fb_device = str(model_pair.device) if model_pair is not None else None
     fallback = FixedController(fb.get("depth"), fb.get("size"), device=fb_device)
@@ -243,6 +275,17 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
         controller = _guarded(controller, policies["batch_guard"], tree, config)
     meta["model_pair"] = model_pair
     return controller, tree, meta
+
+
+def _dtype_note(meta: dict, model_pair, device, dtype, *, loaded: bool) -> str | None:
+    """Why the pair decodes in another dtype than the one the policies were tuned in (None when it does not)."""
+    recorded = str(meta.get("dtype") or "").removeprefix("torch.")
+    actual = str(model_pair.dtype).removeprefix("torch.")
+    if not recorded or actual == recorded:
+        return None
+    note = export_dtype(meta, device, dtype)[1] if loaded else None
+    return note or (f"decoding in {actual}, but the policies were tuned in {recorded}: still exact, but the choices "
+                    "were made for other costs")
 
 
 def _guarded(controller: ExportedController, guard, tree: TreeConfig, config: str) -> Controller:

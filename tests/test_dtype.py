@@ -186,3 +186,23 @@ def test_record_profile_grid_and_eval_run_in_bf16(tmp_path):
     result = evaluate(prompts, pair=pair, methods=["ar", "fixed"], temperatures=(0.0,), max_new_tokens=8, rounds=1,
                       min_rounds=1, tree=tree, encode=lambda text: [1, 2, 3])
     assert result is not None
+
+
+@pytest.mark.parametrize("recorded,cpu_flags,asked,expected,noted", [
+    ("torch.bfloat16", ("avx512_bf16",), None, "bfloat16", False),   # the run's dtype, run natively
+    ("torch.bfloat16", (), None, None, True),                         # not native here: the default, and a note
+    ("torch.bfloat16", (), "float32", "float32", False),              # asked for: as asked
+    ("torch.float32", (), None, "float32", False),
+    (None, (), None, None, False),                                    # an older run: the default, no note
+])
+def test_eval_of_a_run_loads_the_runs_dtype_where_it_runs_natively(tmp_path, flags, recorded, cpu_flags, asked,
+                                                                   expected, noted):
+    from specpilot.artifacts.run import RunManifest
+    from specpilot.eval.inputs import run_dtype
+
+    flags(*cpu_flags)
+    RunManifest.update(tmp_path, contract={"pair": {"target_hash": "t", "draft_hash": "d"}, "dtype": recorded})
+    dtype, note = run_dtype(tmp_path, "cpu", asked)
+    assert dtype == expected
+    assert (note is not None) == noted
+    assert run_dtype(None, "cpu", None) == (None, None)

@@ -3,6 +3,7 @@ policy), the exported decoder is lossless, loading needs neither stable_baseline
 export can be broken gives a clear error naming the file."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from tiny import tiny_pair
 
 from specpilot.cli import main as cli_main
 from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
+from specpilot.drafting.pair import model_digest
 from specpilot.envs.spaces import observation_space
 from specpilot.policies.observation import ObservationSpec
 from specpilot.policies.engine_configs import fit_confidence_threshold, sglang_adaptive_config, sglang_args
@@ -350,6 +352,36 @@ def test_pair_none_loads_recorded_paths_or_says_what_to_do(export_dir, pair, tmp
     assert decoder.pair.identity()["draft_hash"] == pair.identity()["draft_hash"]
     out = decoder.generate(PROMPTS[1], controller=decoder.default_controller, max_new_tokens=16)
     assert out.tokens == autoregressive_generate(pair, PROMPTS[1], max_new_tokens=16).tokens
+
+
+@pytest.mark.parametrize("cpu_flags,asked,expected,note", [
+    (("avx512_bf16",), None, torch.bfloat16, None),                # tuned in bf16, runs natively: bf16
+    ((), None, torch.float32, "does not run natively"),            # no bf16 instructions: fp32, and why
+    (("avx512_bf16",), "float32", torch.float32, "tuned in bfloat16"),  # asked for fp32: as asked, and a note
+])
+def test_exported_decoder_loads_in_the_dtype_its_policies_were_tuned_in(export_dir, pair, tmp_path, monkeypatch,
+                                                                         cpu_flags, asked, expected, note):
+    import specpilot.drafting.pair as pair_mod
+
+    assert json.loads((export_dir / "decoder.json").read_text())["dtype"] == "float32"  # the run's (fp32) pair
+    monkeypatch.setattr(pair_mod, "_CPU_FLAGS", set(cpu_flags))
+    d = _copy(export_dir, tmp_path)
+    # weights that bf16 holds exactly (as the embedded pair's): one content hash in either dtype
+    target, draft = (copy.deepcopy(m).to(torch.bfloat16).to(torch.float32) for m in (pair.target, pair.draft))
+    target.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+
+    def bf16_run(meta):
+        meta["pair"].update(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"),
+                            target_hash=model_digest(target), draft_hash=model_digest(draft))
+        meta["dtype"] = "bfloat16"
+
+    _edit_json(d / "decoder.json", bf16_run)
+    decoder = SpeculativeDecoder.from_config(d, device="cpu", dtype=asked)
+    assert decoder.pair.dtype == expected
+    assert decoder.dtype_note is None if note is None else note in decoder.dtype_note
+    out = decoder.generate(PROMPTS[1], max_new_tokens=8)
+    assert out.tokens == autoregressive_generate(decoder.pair, PROMPTS[1], max_new_tokens=8).tokens
 
 
 def test_observation_normalisation_stats_are_exported_and_applied(tmp_path):

@@ -163,13 +163,23 @@ def _pair_identity(run_dir: Path, pair, trace: Path | None) -> dict:
                       "pass the pair the run was trained on (CLI: --target/--draft, or --default-pair)")
 
 
-def _recorded_pair(identity: dict, run_dir: Path, log):
-    """The pair the identity names when it can be loaded here (embedded default, or existing local paths) and its
-    hashes match; else None (the export then goes on without live measurements)."""
+def _run_dtype(root: Path, pair) -> str | None:
+    """The dtype the run's traces and profile were measured in, i.e. the costs the policies were tuned for: the run
+    contract's, else the given pair's ("bfloat16"; None for an older run without either)."""
+    contract = RunContract.of_run(root)
+    if contract is not None and contract.dtype:
+        return str(contract.dtype).removeprefix("torch.")
+    return str(pair.dtype).removeprefix("torch.") if pair is not None else None
+
+
+def _recorded_pair(identity: dict, run_dir: Path, log, dtype: str | None = None):
+    """The pair the identity names, in the run's dtype where this machine runs it natively, when it can be loaded
+    here (embedded default, or existing local paths) and its hashes match; else None (the export then goes on
+    without live measurements)."""
     from specpilot.policies.exported import ExportedConfigError, resolve_pair
 
     try:
-        return resolve_pair({"pair": identity, "_path": str(run_dir / MANIFEST_FILE)})
+        return resolve_pair({"pair": identity, "dtype": dtype, "_path": str(run_dir / MANIFEST_FILE)})
     except (ExportedConfigError, OSError, ValueError) as err:
         log(f"specpilot export: no live measurement of the policies' choices ({err})")
         return None
@@ -272,7 +282,7 @@ def _measure(exported, sb3_controller, sb3: dict, actors: dict, specs: dict, tre
     generations > none), their agreement with SB3 and their decision latency."""
     recorder, source = None, "none (synthetic states only)"
     if trace is None and measure_live and pair is None:
-        pair = _recorded_pair(identity, root, log)
+        pair = _recorded_pair(identity, root, log, _run_dtype(root, None))
     if trace is not None:
         recorder, source = record_choices_replay(exported, tree, trace)
     elif measure_live and pair is not None:
@@ -415,7 +425,8 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
                  "size_actions": size_actions},
         "observation": {"module": "specpilot.policies.observation", "depth": "last level's scores, drafting order",
                         "size": "top candidate scores, sorted", "spec_version": spec0.version},
-        "pair": identity, "policies": policies, "engine_configs": engines, "versions": library_versions(),
+        "pair": identity, "dtype": _run_dtype(root, pair), "policies": policies, "engine_configs": engines,
+        "versions": library_versions(),
         "measured": measured,
     }
     write_decoder_config(out_dir, meta)
