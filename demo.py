@@ -23,7 +23,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from specpilot.artifacts.grid import GRID_FILE, GridResult
-from specpilot.artifacts.profile import profile_path
+from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES, profile_path
 from specpilot.artifacts.report import read_report
 from specpilot.drafting.files import atomic_write_json, read_json
 
@@ -56,6 +56,8 @@ class DemoBudget:
     eval_replay_only: controller methods evaluated in exact replay of the held-out trace instead of live (the
         ablations and the default config: not in the verdicts, and replay costs no generation);
     check_rounds: rounds of the live measurement that checks the latency profile before the grid search;
+    profile_cycles: cycles each latency profile keeps at least (train, validation and the evaluation's re-measured
+        one; `collect_samples(min_cycles=...)`): one pass over 8 prompts kept only 130-180;
     sampled_depth_steps / sampled_size_steps: live PPO steps of the policies fine-tuned at each temperature > 0 of
         `temperatures` (replay models greedy decoding only; the grid measures its candidates live there too);
     bc_iters / bc_epochs: stage 1 is behaviour cloning from the replay oracle with this many DAgger iterations
@@ -130,6 +132,7 @@ class DemoBudget:
     eval_sampled_min_rounds: int = 1
     eval_replay_only: tuple[str, ...] = ("fixed", "depth_only", "size_only")
     check_rounds: int = 3
+    profile_cycles: int = DEFAULT_PROFILE_CYCLES
     sampled_depth_steps: int = 2048
     sampled_size_steps: int = 512
     bc_iters: int = 8
@@ -142,19 +145,19 @@ class DemoBudget:
         return cls(train_prompts=10, val_prompts=4, heldout_prompts=12, max_new_tokens=48, size_steps=3_000,
                    depth_steps=4_000, coadapt_steps=2_000, rounds=3, n_steps=512, batch_size=128, n_epochs=5,
                    vf_arch=(256, 256), live_top=2, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
-                   eval_budget_s=150.0, sampled_depth_steps=1024, sampled_size_steps=256, seeds=1)
+                   eval_budget_s=150.0, sampled_depth_steps=1024, sampled_size_steps=256, seeds=1, profile_cycles=200)
 
 
 STAGES = ("record", "grid", "train", "eval", "export")
 # the budget fields each stage's result depends on; a stage's key also includes the previous stage's key, so a
 # change re-runs that stage and every later one, and reuses the earlier ones
 STAGE_FIELDS = {
-    "record": ("train_prompts", "val_prompts", "max_new_tokens", "width", "max_depth", "max_size"),
+    "record": ("train_prompts", "val_prompts", "max_new_tokens", "width", "max_depth", "max_size", "profile_cycles"),
     "grid": ("live_top", "check_rounds", "temperatures"),
     "train": ("size_steps", "depth_steps", "coadapt_steps", "rounds", "n_steps", "batch_size", "n_epochs", "pi_arch",
               "vf_arch", "reward", "temperatures", "sampled_depth_steps", "sampled_size_steps", "bc_iters", "bc_epochs",
               "seeds"),
-    "eval": ("heldout_prompts", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
+    "eval": ("heldout_prompts", "profile_cycles", "temperatures", "sampled_methods", "eval_budget_s", "eval_rounds",
              "eval_full_rounds", "eval_sampled_min_rounds", "eval_replay_only"),
     "export": (),
 }
@@ -268,7 +271,8 @@ def _record(*, run_dir, tree, budget, seed, train, val, executor, **_) -> dict:
 
     traces = record_traces(None, run_dir / "traces", tree=tree, train_prompts=[p.prompt for p in train],
                            val_prompts=[p.prompt for p in val], max_new_tokens=budget.max_new_tokens,
-                           profile_prompts=min(8, len(train)), seed=seed, progress=True, executor=executor)
+                           profile_prompts=min(8, len(train)), profile_cycles=budget.profile_cycles, seed=seed,
+                           progress=True, executor=executor)
     return {"train": str(traces.train), "validation": str(traces.validation)}
 
 
@@ -332,7 +336,7 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
         sampled_min_rounds=budget.eval_sampled_min_rounds, replay_only=list(budget.eval_replay_only),
         methods=[m for m in METHODS if m not in budget.eval_replay_only],
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
-        run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods),
+        run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods), profile_cycles=budget.profile_cycles,
         progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
             "rounds": result.meta.get("rounds"), "seeds": _heldout_seeds(run_dir)}

@@ -13,6 +13,10 @@ from specpilot.artifacts.trace import trace_dir
 PROFILE_FILE = "profile.json"
 PROFILE_VERSION = 2  # 2: optional per-batch-size profiles ("batch"); version-1 files (batch size 1 only) still load
 PROFILE_VERSIONS_READ = (1, 2)
+# cycles a profile keeps at least where specpilot measures one itself (`collect_samples(min_cycles=...)`): one pass
+# over 6-8 prompts of 48 tokens kept 130-180 cycles (4-15 per verification size), and the replay verdicts of the
+# same policies under two such profiles of one machine differed by up to 2.5% (ltd vs grid 1.042 and 1.064)
+DEFAULT_PROFILE_CYCLES = 600
 
 
 def profile_path(trace: str | Path) -> Path:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from specpilot.drafting.cliargs import add_pair_arguments, output_dir, positive_int, seed
+from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
+from specpilot.drafting.cliargs import add_pair_arguments, non_negative_int, output_dir, positive_int, seed
 from specpilot.eval.suites import load_prompts
 
 
@@ -22,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                          "(default: all)")
     parser.add_argument("--profile-prompts", type=positive_int, default=None,
                         help="measure the latency profile on the first N prompts (default: all)")
+    parser.add_argument("--profile-cycles", type=non_negative_int, default=DEFAULT_PROFILE_CYCLES,
+                        help="decode the profile prompts again until the profile holds at least N cycles (0: one "
+                             "pass)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the profile's random (depth, size) draws")
 
 
@@ -58,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
               f"({', '.join(sorted({w['device'] for w in executor.workers}))}), tree {tree}, "
               f"max_new_tokens={args.max_new_tokens}")
         trace_dir, profile_path = record_task(None, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                                              profile_prompts=args.profile_prompts, seed=args.seed, progress=True,
+                                              profile_prompts=args.profile_prompts,
+                                              profile_cycles=args.profile_cycles, seed=args.seed, progress=True,
                                               executor=executor)
     print(f"wrote {trace_dir / 'trace.npz'}, {trace_dir / 'trace.json'}, {profile_path}")
     return 0

@@ -41,7 +41,8 @@ import numpy as np
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import atomic_write_text, read_json
 
-from specpilot.artifacts.profile import PROFILE_VERSION, PROFILE_VERSIONS_READ  # noqa: E402 (one definition, beside the file name)
+# one definition each, beside the file name
+from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES, PROFILE_VERSION, PROFILE_VERSIONS_READ  # noqa: E402, F401
 
 
 def _stats(samples: dict) -> dict:
@@ -317,7 +318,7 @@ class _RandomConfigs:
 
 
 def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
-                    rng: np.random.Generator | int | None = 0, warmup_cycles: int = 16,
+                    rng: np.random.Generator | int | None = 0, warmup_cycles: int = 16, min_cycles: int = 0,
                     samples: ProfileSamples | None = None, progress: bool = False) -> ProfileSamples:
     """Run live greedy generations with a random (depth, size) per cycle through `run_cycle` and keep every step's
     time (appending to `samples` when given): the draft levels' times and the verification time the decoder itself
@@ -325,7 +326,9 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
 
     depth ~ U{0..tree.max_depth}; size ~ uniform over `sizes` (default: 1, W, the device's size actions, max_size;
     clipped to tree.max_size). A warm-up pass of `warmup_cycles` cycles on the first prompt is run but not kept
-    (allocator/kernel warm-up).
+    (allocator/kernel warm-up). The prompts are decoded again (new random configs) until this call has kept at
+    least `min_cycles` cycles: one pass over a few short prompts gives ~20 cycles per key of a 10-size, 9-depth
+    grid, and the policies exploit cost differences of a few percent between sizes.
     """
     from specpilot.drafting.cycle import run_cycle
     from specpilot.drafting.decoder import SpeculativeDecoder
@@ -345,18 +348,25 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
     started = time.perf_counter()
     prompt_ids = [pair.encode(p) for p in prompts]
     order = [prompt_ids[0]] + prompt_ids  # a warm-up pass on the first prompt, then every prompt
-    for i, prompt in enumerate(order):
-        if i == 0 and warmup_cycles <= 0:
+    kept_before = len(samples.verify)
+    i = 0
+    while i < len(order) or len(samples.verify) - kept_before < min_cycles:
+        prompt = order[i] if i < len(order) else prompt_ids[(i - 1) % len(prompt_ids)]  # further passes
+        i += 1
+        if i == 1 and warmup_cycles <= 0:
             continue
+        warmup = i == 1
         session = decoder.start(prompt, max_new_tokens=max_new_tokens)
         seen = 0
-        while not session.done and (i > 0 or seen < warmup_cycles):
+        while not session.done and (not warmup or seen < warmup_cycles):
             record = run_cycle(session, configs)
             seen += 1
-            if i > 0:  # the warm-up pass keeps nothing
+            if not warmup:  # the warm-up pass keeps nothing
                 _add(samples, record)
+        if i > len(order) and seen == 0:  # a further pass that adds nothing would never reach min_cycles
+            break
         if progress:
-            print(f"  profile: prompt {i}/{len(prompt_ids)}, {len(samples.verify)} cycles, "
+            print(f"  profile: prompt {i - 1}/{len(prompt_ids)}, {len(samples.verify)} cycles, "
                   f"{time.perf_counter() - started:.1f}s", flush=True)
     samples.meta["measured_s"] = samples.meta.get("measured_s", 0.0) + time.perf_counter() - started
     return samples
@@ -371,11 +381,12 @@ def _add(samples: ProfileSamples, record) -> None:
 
 
 def measure_profile(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
-                    seed: int = 0, warmup_cycles: int = 16, context_edges: list[int] | None = None,
+                    seed: int = 0, warmup_cycles: int = 16, min_cycles: int = 0, context_edges: list[int] | None = None,
                     progress: bool = False) -> LatencyProfile:
-    """`collect_samples` once over `prompts` (seeded random configs) and aggregate into a LatencyProfile."""
+    """`collect_samples` over `prompts` (seeded random configs; at least `min_cycles` cycles) and aggregate into a
+    LatencyProfile."""
     samples = collect_samples(pair, tree, prompts, max_new_tokens=max_new_tokens, sizes=sizes, rng=seed,
-                              warmup_cycles=warmup_cycles, progress=progress)
+                              warmup_cycles=warmup_cycles, min_cycles=min_cycles, progress=progress)
     samples.meta["seed"] = seed
     return samples.profile(context_edges)
 

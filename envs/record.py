@@ -348,15 +348,17 @@ def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progr
 
 
 def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_tokens: int = 128,
-                profile_prompts: int | None = None, seed: int = 0, progress: bool = False, executor=None,
-                ar: bool = False, shard_size: int | None = None) -> tuple[Path, Path]:
+                profile_prompts: int | None = None, profile_cycles: int = 0, seed: int = 0, progress: bool = False,
+                executor=None, ar: bool = False, shard_size: int | None = None) -> tuple[Path, Path]:
     """Write out_dir/trace.npz + trace.json and out_dir/profile.json (and ar.json when `ar`: the live
     autoregressive timing of the prompts); return (trace dir, profile path).
 
     Runs on `pair` in this process, or on `executor` (`specpilot.drafting.executor`: e.g. a Ray WorkerPool), in
     resumable shards (`specpilot.envs.shards`); out_dir/cluster.json says which worker recorded which shard. The
     latency profile is measured on the first `profile_prompts` prompts (default: all) with random (depth, size)
-    per cycle (`specpilot.envs.profile.collect_samples`), each shard seeding its draws with (seed, shard)."""
+    per cycle (`specpilot.envs.profile.collect_samples`), each shard seeding its draws with (seed, shard), and
+    decoding them again until the profile holds at least `profile_cycles` cycles (shared by the shards in
+    proportion to their profile prompts)."""
     out_dir = check_writable(out_dir, kind="dir", what="trace folder")  # before minutes of recording
     executor = as_executor(pair, executor)
     items = [getattr(p, "prompt", p) for p in prompts]
@@ -364,12 +366,14 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     n_profile = len(items) if not profile_prompts else min(int(profile_prompts), len(items))
     tree = {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size}
     key = sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed, ar=ar,
-                      ranges=ranges, pair=executor.workers[0]["pair"])
+                      ranges=ranges, pair=executor.workers[0]["pair"],
+                      **({"profile_cycles": int(profile_cycles)} if profile_cycles else {}))
     started = time.perf_counter()
     dirs = [out_dir / sh.SHARDS_DIR / f"shard-{i:04d}" for i in range(len(ranges))]
     finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key) is not None]
     tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
                            "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
+                           "profile_cycles": -(-int(profile_cycles) * max(0, min(hi, n_profile) - lo) // max(1, n_profile)),
                            "progress": progress}, list(range(lo, hi)))
              for i, (lo, hi) in enumerate(ranges) if i not in finished]
     say = (lambda msg: print(f"  {msg}", flush=True)) if progress else None
@@ -390,7 +394,7 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
 
 
 def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, profile_prompts: list, seed: list[int],
-                 ar: bool, progress: bool = False) -> dict:
+                 ar: bool, profile_cycles: int = 0, progress: bool = False) -> dict:
     """The work unit: the trace of `prompts`, profile samples of `profile_prompts` and (ar) the live AR timing."""
     from specpilot.drafting.types import TreeConfig
     from specpilot.envs.profile import collect_samples
@@ -409,7 +413,8 @@ def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, prof
     out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
     if profile_prompts:
         samples = collect_samples(worker.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
-                                  rng=np.random.default_rng(seed), warmup_cycles=16 if worker.first("profile") else 0)
+                                  rng=np.random.default_rng(seed), warmup_cycles=16 if worker.first("profile") else 0,
+                                  min_cycles=profile_cycles)
         out["samples"] = sh.samples_to_dict(samples)
     if ar:
         out["ar"] = sh.ar_summary(timing, prompts=len(prompts), max_new_tokens=max_new_tokens,

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.artifacts.profile import profile_path as profile_file
 from specpilot.drafting.executor import Executor, ShardTask, as_executor
 from specpilot.drafting.types import TreeConfig
@@ -35,7 +36,8 @@ REPORT_RESERVE_S = 15.0  # seconds kept from the budget for replay, the checks a
 def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor | None = None, tree: TreeConfig,
                     out_dir: str | Path, trace_dir: str | Path | None = None,
                     check_profiles: dict[str, str | Path] | None = None, replay: bool = True,
-                    profile_prompts: int = 6, time_budget_s: float | None = None, rounds: int | str = "auto",
+                    profile_prompts: int = 6, profile_cycles: int = DEFAULT_PROFILE_CYCLES,
+                    time_budget_s: float | None = None, rounds: int | str = "auto",
                     full_rounds: int | None = 1, temperatures=(0.0,), max_new_tokens: int = 96,
                     grid: str | Path | None = None, run_dir: str | Path | None = None,
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
@@ -57,7 +59,8 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
     trace = profile = lookup = None
     if replay:
         task = ShardTask(0, dict(texts=[p.prompt for p in prompts], tree=tree, trace_dir=trace_dir,
-                                 max_new_tokens=max_new_tokens, profile_prompts=profile_prompts, seed=seed))
+                                 max_new_tokens=max_new_tokens, profile_prompts=profile_prompts,
+                                 profile_cycles=profile_cycles, seed=seed))
         ids, trace, profile = executor.map(replay_inputs, [task], progress=say)[0].result
         lookup = dict(zip(task.payload["texts"], ids))  # the evaluated token ids are the trace's
     budget = None if time_budget_s is None else max(0.0, time_budget_s - (time.perf_counter() - started)
@@ -84,11 +87,13 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
 
 
 def replay_inputs(worker, *, texts: list[str], tree: TreeConfig, trace_dir, max_new_tokens: int,
-                  profile_prompts: int, seed: int) -> tuple[list[list[int]], object, object]:
+                  profile_prompts: int, seed: int, profile_cycles: int = DEFAULT_PROFILE_CYCLES
+                  ) -> tuple[list[list[int]], object, object]:
     """The work unit of steps 1 and 2: (token ids of `texts`, their trace, the re-measured profile)."""
     ids = [worker.pair.encode(t) for t in texts]
     trace, profile = prepare_replay(worker.pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens,
-                                    profile_prompts=profile_prompts, seed=seed, progress=worker.say)
+                                    profile_prompts=profile_prompts, profile_cycles=profile_cycles, seed=seed,
+                                    progress=worker.say)
     return ids, trace, profile
 
 
@@ -129,15 +134,17 @@ def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt],
 
 
 def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str | Path | None, *,
-                   max_new_tokens: int, profile_prompts: int = 6, seed: int = 0,
-                   progress: Callable[[str], None] | None = None):
-    """Steps 1 and 2: (trace of `ids`, latency profile re-measured now on the first `profile_prompts`)."""
+                   max_new_tokens: int, profile_prompts: int = 6, profile_cycles: int = DEFAULT_PROFILE_CYCLES,
+                   seed: int = 0, progress: Callable[[str], None] | None = None):
+    """Steps 1 and 2: (trace of `ids`, latency profile re-measured now on the first `profile_prompts`, at least
+    `profile_cycles` cycles)."""
     from specpilot.eval.replay_eval import heldout_trace
 
     t0 = time.perf_counter()
     trace = heldout_trace(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens)
     t1 = time.perf_counter()
-    profile = measure_with_ar(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed)
+    profile = measure_with_ar(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed,
+                              min_cycles=profile_cycles)
     if trace_dir is not None:
         profile.save(profile_file(trace_dir))
     say = progress or (lambda msg: None)
@@ -146,11 +153,13 @@ def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str 
     return trace, profile
 
 
-def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tokens: int, seed: int = 0):
+def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tokens: int, seed: int = 0,
+                    min_cycles: int = 0):
     """A latency profile of `ids` (`collect_samples`, random configs) with the autoregressive decode time measured
     interleaved with it, prompt by prompt, into meta["ar_seconds_per_token"] (prefill excluded, like the
     profile): the reference of replay speedups shares the machine's state with the profile, so load changes
-    cancel in the ratio."""
+    cancel in the ratio. The profile keeps at least `min_cycles` cycles: each prompt's share is decoded again
+    before its AR run (`collect_samples(min_cycles=...)`), so the interleaving holds."""
     import numpy as np
 
     from specpilot.drafting.decoder import autoregressive_generate
@@ -161,7 +170,8 @@ def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tok
     samples, ar_s, ar_tokens = None, 0.0, 0
     for k, prompt in enumerate(ids):
         samples = collect_samples(pair, tree, [prompt], max_new_tokens=max_new_tokens, rng=rng,
-                                  warmup_cycles=16 if k == 0 else 0, samples=samples)
+                                  warmup_cycles=16 if k == 0 else 0, samples=samples,
+                                  min_cycles=-(-int(min_cycles) // len(ids)))
         out = autoregressive_generate(pair, prompt, max_new_tokens=max_new_tokens)
         ar_s, ar_tokens = ar_s + out.total_s, ar_tokens + out.num_tokens
     samples.meta.update(seed=seed, pair=pair.identity(), ar_seconds_per_token=ar_s / max(1, ar_tokens))

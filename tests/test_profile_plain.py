@@ -104,3 +104,20 @@ def test_a_profile_of_plain_steps_alone_still_prices_every_size():
     profile = _profile(PLAIN)
     assert profile.verify_time(0, 100) == pytest.approx(float(plain_true(100)))
     assert profile.verify_time(4, 100) > 0  # m(V) falls back to the plain steps' mean rather than failing
+
+
+@pytest.mark.parametrize("min_cycles", [0, 60, 150])
+def test_collect_samples_decodes_the_prompts_again_until_min_cycles(min_cycles):
+    from tiny import tiny_pair
+
+    torch.set_num_threads(1)
+    pair, prompts = tiny_pair(noise=0.2, eos=None), [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    one_pass = collect_samples(pair, TREE, prompts, max_new_tokens=12, rng=1, warmup_cycles=2)
+    samples = collect_samples(pair, TREE, prompts, max_new_tokens=12, rng=1, warmup_cycles=2, min_cycles=min_cycles)
+    assert len(samples.verify) >= max(min_cycles, len(one_pass.verify))
+    assert len(samples.verify) < max(min_cycles, len(one_pass.verify)) + 12  # stops after the pass that got there
+    if min_cycles == 0:
+        assert samples.verify[0][:2] == one_pass.verify[0][:2]  # one pass, as before
+    before = len(samples.verify)  # accumulating into earlier samples: min_cycles counts this call's own cycles
+    collect_samples(pair, TREE, prompts, max_new_tokens=12, rng=1, warmup_cycles=0, min_cycles=40, samples=samples)
+    assert len(samples.verify) - before >= 40
