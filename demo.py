@@ -381,7 +381,36 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
         "pair": identity, "budget": asdict(budget), "label": report.get("meta", {}).get("label"), **summary,
         "grid_best": grid_json.get("best"), "replay_oracle": grid_json.get("oracle"),
         "seeds": (results.get("eval") or {}).get("seeds"),
+        "switches": _switches(run_dir, budget),
     }
+
+
+def _switches(run_dir: Path, budget: DemoBudget) -> dict:
+    """{temperature: the sampled policies' switch verdict} (train/rl/sampled.py: plain steps, the static config or
+    the policies themselves at that temperature)."""
+    from specpilot.artifacts.policies import PoliciesIndex
+    from specpilot.artifacts.run import sampled_dir
+
+    out = {}
+    for t in (t for t in budget.temperatures if t > 0):
+        index = sampled_dir(run_dir, t) / "policies.json"
+        if index.is_file():
+            out[f"{t:g}"] = PoliciesIndex.load(index).off_switch
+    return out
+
+
+def _switch_lines(switches: dict | None) -> list[str]:
+    lines = []
+    for t, v in (switches or {}).items():
+        if not v:
+            continue
+        static = v.get("vs_static") or {}
+        measured = (f"policies vs plain steps {v['ratio']:.3f}x" + (
+            f", vs static d{static['config'][0]} V{static['config'][1]} {static['ratio']:.3f}x" if static else ""))
+        chosen = ("plain target steps" if v.get("plain_steps") else
+                  f"the static config d{v['static'][0]} V{v['static'][1]}" if v.get("static") else "the policies")
+        lines.append(f"T={t} deployed: {chosen} (validation, live: {measured})")
+    return lines
 
 
 def format_summary(summary: dict) -> str:
@@ -406,6 +435,7 @@ def format_summary(summary: dict) -> str:
                          f"{oracle['tokens_per_s'] / ar['tokens_per_s']:.2f}x AR, tau "
                          f"{oracle.get('mean_accepted_length', float('nan')):.2f}")
     lines += _seed_lines(summary.get("seeds"))
+    lines += _switch_lines(summary.get("switches"))
     lines.append(f"files: {summary['run_dir']}/eval/report.md, {summary['run_dir']}/export/decoder.json")
     return "\n".join(lines)
 

@@ -29,7 +29,7 @@ import datetime
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,13 +117,14 @@ def _build(ctx: EvalContext, methods: list[str] | None, controllers: dict[str, C
 def measure_controllers(pair: ModelPair | None, controllers: dict, prompts, *, tree: TreeConfig,
                         max_new_tokens: int = 64, repeats: int = 1, warmup: int = 1, seed: int = 0,
                         temperature: float = 0.0, progress: bool = False, baseline: str = "ar",
-                        executor: Executor | None = None) -> dict[str, dict]:
+                        also_vs: Sequence[str] = (), executor: Executor | None = None) -> dict[str, dict]:
     """Live throughput (at `temperature`, greedy by default) of each controller (a Controller, or a (Controller, TreeConfig) pair) and of `ar` on
     `prompts` (strings or token-id lists), measured by `evaluate`'s interleaved rounds and clock: the grid search's
     live re-measure and training-time live evaluation use this, so their numbers are the report's quantity.
     Returns {name: {tokens, time_s, tokens_per_s, speedup, mean_accepted_length, policy_s, policy_overhead,
     depth_mean, size_mean, vs_baseline}}: vs_baseline is the throughput ratio over `baseline` ("ar" or one of the
-    controllers) with its paired 95% bootstrap interval over (prompt, round) units. With `executor` (instead of
+    controllers) with its paired 95% bootstrap interval over (prompt, round) units; `vs` the same against each of
+    `baseline` and `also_vs` ({name: {"baseline", "ratio", "ci"}}). With `executor` (instead of
     `pair`) the prompts are shared out over its workers and the numbers pooled over all their units."""
     items = [getattr(p, "prompt", p) for p in prompts]
     if not items:
@@ -136,17 +137,21 @@ def measure_controllers(pair: ModelPair | None, controllers: dict, prompts, *, t
     if result.meta.get("skipped"):
         raise RuntimeError(f"live measurement failed: {result.meta['skipped']}")
     names = ["ar", *controllers]
-    if baseline not in names:
-        raise ValueError(f"baseline {baseline!r} is neither 'ar' nor one of the controllers {list(controllers)}")
+    for b in (baseline, *also_vs):
+        if b not in names:
+            raise ValueError(f"baseline {b!r} is neither 'ar' nor one of the controllers {list(controllers)}")
     out = {name: _throughput([r for r in result.records if r.method == name]) for name in names}
     units = {name: {(r.repeat, r.prompt_id): (r.n_tokens, r.wall_s) for r in result.records if r.method == name}
              for name in names}
     for name, row in out.items():
         row["speedup"] = row["tokens_per_s"] / out["ar"]["tokens_per_s"]
-        keys = sorted(units[name].keys() & units[baseline].keys())  # the (round, prompt) units both ran
-        a, b = [units[name][k] for k in keys], [units[baseline][k] for k in keys]
-        ci = paired_ratio_interval([u[0] for u in a], [u[1] for u in a], [u[0] for u in b], [u[1] for u in b])
-        row["vs_baseline"] = {"baseline": baseline, "ratio": ci.ratio, "ci": ci.ci()}
+        row["vs"] = {}
+        for other in dict.fromkeys((baseline, *also_vs)):
+            keys = sorted(units[name].keys() & units[other].keys())  # the (round, prompt) units both ran
+            a, b = [units[name][k] for k in keys], [units[other][k] for k in keys]
+            ci = paired_ratio_interval([u[0] for u in a], [u[1] for u in a], [u[0] for u in b], [u[1] for u in b])
+            row["vs"][other] = {"baseline": other, "ratio": ci.ratio, "ci": ci.ci()}
+        row["vs_baseline"] = row["vs"][baseline]
     return out
 
 

@@ -101,12 +101,26 @@ class PlainSteps(FixedController):
         return {**super().describe(), "off_switch": self.off_switch}
 
 
+class StaticSteps(FixedController):
+    """What a policy set's switch gives when the static config measured faster than the policies at its
+    temperature: that config, under the policies' name, with the measurement in `describe()`."""
+
+    def __init__(self, name: str, off_switch: dict) -> None:
+        depth, size = (int(v) for v in off_switch["static"])
+        super().__init__(depth, size)
+        self.name, self.off_switch = name, dict(off_switch)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "off_switch": self.off_switch}
+
+
 def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
                          off_switch: bool = True) -> dict[str, Controller]:
     """{"ltd": both policies, "depth_only": depth policy + fixed size, "size_only": fixed depth + size policy},
     from run_dir/policies.json; entries whose policies are absent are left out. An index whose `off_switch` says
-    "plain_steps" (train/rl/sampled.py) gives `PlainSteps` controllers under the same names, unless `off_switch` is
-    False (the policies themselves, as the off-switch check measures them). A run with RUN/batch_guard.json also
+    "plain_steps" (train/rl/sampled.py) gives `PlainSteps` controllers under the same names, one that names a
+    "static" config `StaticSteps` controllers, unless `off_switch` is False (the policies themselves, as the
+    off-switch check measures them). A run with RUN/batch_guard.json also
     gives "ltd_guarded" (`load_batch_guard`: the deployed batch-aware controller)."""
     run_dir = Path(run_dir)
     index = _read_index(run_dir)
@@ -143,6 +157,8 @@ def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,
     switch = index.off_switch or {}
     if off_switch and switch.get("plain_steps"):  # measured no faster than plain target steps (train/rl/sampled.py)
         return {name: PlainSteps(name, switch) for name in out}
+    if off_switch and switch.get("static"):  # the static config measured faster than the policies
+        return {name: StaticSteps(name, switch) for name in out}
     guard = load_batch_guard(run_dir, out["ltd"]) if "ltd" in out else None
     if guard is not None:  # the deployed batch-aware controller: the table where the policy lost on validation
         out["ltd_guarded"] = guard

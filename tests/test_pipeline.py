@@ -177,3 +177,31 @@ def test_off_switch_is_measured_and_loaders_honour_it(traces, tmp_path):
     index["off_switch"]["plain_steps"] = False
     (run / "policies.json").write_text(json.dumps(index))
     assert not any(isinstance(c, PlainSteps) for c in load_run_controllers(run).values())
+
+
+def test_switch_to_the_static_config_when_it_measured_faster(traces, tmp_path):
+    """With a static config, check_off_switch also measures the policies against it; a verdict naming the static
+    config (it measured faster, and the policies beat plain steps) loads as that config under the policies' names."""
+    from specpilot.policies.ppo import PlainSteps, StaticSteps
+    from specpilot.train.rl.sampled import check_off_switch
+
+    run = tmp_path / "run"
+    P.run_pipeline(run, traces, size_steps=64, depth_steps=64, coadapt_steps=64, rounds=0, **_kw())
+    pair = tiny_pair(noise=0.2, eos=None)
+    verdict = check_off_switch(run / "policies.json", pair, [[1, 2, 3], [4, 5, 6]], tree=TREE, temperature=1.0,
+                               repeats=2, max_new_tokens=8, static=(2, 3))
+    assert verdict["vs_static"]["config"] == [2, 3] and len(verdict["vs_static"]["ci"]) == 2
+    expected = None if verdict["plain_steps"] or verdict["vs_static"]["ratio"] >= 1.0 else [2, 3]
+    assert verdict["static"] == expected
+    index = json.loads((run / "policies.json").read_text())
+    index["off_switch"].update(plain_steps=False, static=[2, 3])
+    (run / "policies.json").write_text(json.dumps(index))
+    controllers = load_run_controllers(run)
+    assert all(isinstance(c, StaticSteps) and (c.depth, c.size) == (2, 3) for c in controllers.values())
+    assert controllers["ltd"].describe()["off_switch"]["static"] == [2, 3]
+    index["off_switch"].update(plain_steps=True)  # plain steps win over the static config
+    (run / "policies.json").write_text(json.dumps(index))
+    assert all(isinstance(c, PlainSteps) for c in load_run_controllers(run).values())
+    index["off_switch"].update(plain_steps=False, static=None)
+    (run / "policies.json").write_text(json.dumps(index))
+    assert not any(isinstance(c, (PlainSteps, StaticSteps)) for c in load_run_controllers(run).values())

@@ -8,9 +8,12 @@ depth policy. No replay validation exists at T > 0, so each stage keeps its fina
 RUN/sampled/T<t>/policies.json, which evaluation uses at that temperature.
 
 The off-switch: the fine-tuned policies are then measured live on the validation prompts at T against plain target
-steps (depth 0), interleaved. Unless they are measurably faster (the paired 95% interval lies above 1), the index
-records `off_switch` and loaders give controllers that never draft at that temperature: speculation that does not
-pay switches itself off, as serving engines do per batch size, instead of costing the user a few percent.
+steps (depth 0) and against the grid's static config at T, interleaved. Unless they are measurably faster than plain
+steps (the paired 95% interval lies above 1), the index records `off_switch` and loaders give controllers that never
+draft at that temperature: speculation that does not pay switches itself off, as serving engines do per batch size,
+instead of costing the user a few percent. Else, when the static config measured faster than the policies (ratio
+below 1: at T > 0 the fine-tuned policies often settle on the static config's own choice and then only add their
+decision time), the index records the static config and loaders give it under the policies' names.
 """
 from __future__ import annotations
 
@@ -65,28 +68,38 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
         check_off_switch(index, options.pair, [val.prompt(i) for i in range(val.num_prompts)],
                          tree=TreeConfig(width=val.width, max_depth=val.max_depth, max_size=val.max_size),
                          temperature=temperature, repeats=guard_repeats, seed=options.seed,
-                         max_new_tokens=val.max_new_tokens)
+                         max_new_tokens=val.max_new_tokens, static=static)
     return index
 
 
 def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int = 2,
-                     seed: int = 0, max_new_tokens: int = 64) -> dict:
-    """Measure the index's "ltd" controller against plain target steps live at `temperature` and write the verdict
-    into the index (`off_switch`: {"plain_steps": bool, "ratio", "ci", ...}); returns it."""
+                     seed: int = 0, max_new_tokens: int = 64, static: tuple[int, int] | None = None) -> dict:
+    """Measure the index's "ltd" controller against plain target steps (and the static (depth, size) config, when
+    given and drafting) live at `temperature` and write the verdict into the index (`off_switch`: {"plain_steps":
+    bool, "static": [depth, size] | None, "ratio", "ci", "vs_static", ...}); returns it."""
     from specpilot.eval.runner import measure_controllers
     from specpilot.policies.ppo import load_run_controllers
 
     index = Path(index)
     ltd = load_run_controllers(index.parent, off_switch=False)["ltd"]  # the policies, not a previous verdict
-    res = measure_controllers(pair, {"ltd": ltd, "plain": FixedController(0)}, prompts, tree=tree,
-                              max_new_tokens=max_new_tokens, repeats=repeats, temperature=temperature, seed=seed,
-                              baseline="plain")
+    controllers = {"ltd": ltd, "plain": FixedController(0)}
+    if static is not None and int(static[0]) >= 1:
+        controllers["static"] = FixedController(int(static[0]), int(static[1]))
+    res = measure_controllers(pair, controllers, prompts, tree=tree, max_new_tokens=max_new_tokens, repeats=repeats,
+                              temperature=temperature, seed=seed, baseline="plain",
+                              also_vs=["static"] if "static" in controllers else [])
     low = res["ltd"]["vs_baseline"]["ci"][0]
-    verdict = {"plain_steps": not low > 1.0, "ratio": res["ltd"]["vs_baseline"]["ratio"],
+    vs_static = res["ltd"]["vs"].get("static")
+    plain_steps = not low > 1.0
+    use_static = not plain_steps and vs_static is not None and vs_static["ratio"] < 1.0
+    verdict = {"plain_steps": plain_steps, "ratio": res["ltd"]["vs_baseline"]["ratio"],
                "ci": res["ltd"]["vs_baseline"]["ci"], "temperature": temperature, "units": repeats * len(prompts),
-               "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1"}
+               "static": [int(static[0]), int(static[1])] if use_static else None,
+               "vs_static": vs_static and {"config": [int(static[0]), int(static[1])], "ratio": vs_static["ratio"],
+                                           "ci": vs_static["ci"]},
+               "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1; then the "
+                       "static config instead of the policies when it measured faster (ratio below 1)"}
     updated = PoliciesIndex.load(index)
     updated.off_switch = verdict
     updated.save(index)
     return verdict
-
