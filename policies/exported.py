@@ -15,6 +15,7 @@ decoder.json (format "specpilot-decoder", FORMAT_VERSION below), the fields this
     pair        ModelPair.identity() of the pair the policies were trained for (names + content hashes)
     dtype       the dtype the run's traces and latency profile were measured in ("float32", "bfloat16", ...; absent
                 in older exports): the recorded pair loads in it unless a dtype is asked for (`export_dtype`)
+    device      the device kind they were measured on ("cpu", "cuda"; absent in older exports)
     policies    {"depth": POLICY | null, "size": POLICY | null, "fallback": {"depth": int|null, "size": int|null},
                  "batch_guard": null | {"table": {batch size: [depth, size]}, "fallback": [batch sizes]}}
     POLICY      {"file": "depth.safetensors", "sha256": <hex of the file>, "spec": ObservationSpec.to_dict(),
@@ -176,10 +177,11 @@ def _load_recorded_pair(recorded: dict, config: str, device: str | None, dtype):
 
 def export_dtype(meta: dict, device: str | None = None, dtype=None) -> tuple[object, str | None]:
     """(dtype to load the recorded pair in, note or None). The policies chose depths and sizes for the costs of the
-    dtype the run was measured in (decoder.json "dtype"): a bf16 run loaded in fp32 decodes correctly but slower,
-    with choices made for other costs. So: `dtype` when asked for; else the recorded dtype when this device runs it
-    natively (`half_support`); else the device's default, with a note saying what was recorded and why it is not
-    used (a bf16 export on a CPU without AVX512-BF16/AMX, an export without a dtype)."""
+    dtype (and device kind) the run was measured in (decoder.json "dtype", "device"): a bf16 run loaded in fp32
+    decodes correctly but slower, with choices made for other costs. So: `dtype` when asked for; else the recorded
+    dtype when this device is of the recorded kind and runs it natively (`half_support`); else the device's default,
+    with a note saying what was recorded and why it is not used (another device kind, a bf16 export on a CPU without
+    AVX512-BF16/AMX). An export that records no dtype loads in the device's default, without a note."""
     from specpilot.drafting.pair import DTYPES, check_device, half_support
 
     recorded = str(meta.get("dtype") or "").removeprefix("torch.")
@@ -189,6 +191,10 @@ def export_dtype(meta: dict, device: str | None = None, dtype=None) -> tuple[obj
         return None, f"decoder.json records dtype {recorded!r}, which this specpilot does not know: loaded in the " \
                      "device's default dtype"
     device = check_device(device)
+    kind, tuned_on = device.split(":")[0], str(meta.get("device") or "").split(":")[0]
+    if tuned_on and tuned_on != kind:
+        return None, (f"the policies were tuned on {tuned_on} in {recorded}: on {kind} the pair loads in the device's "
+                      "default dtype (decoding stays exact; the choices were made for another device's costs)")
     support, why = half_support(DTYPES[recorded], device)
     if support == "native":
         return recorded, None

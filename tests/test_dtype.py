@@ -206,3 +206,21 @@ def test_eval_of_a_run_loads_the_runs_dtype_where_it_runs_natively(tmp_path, fla
     assert dtype == expected
     assert (note is not None) == noted
     assert run_dtype(None, "cpu", None) == (None, None)
+
+
+@pytest.mark.parametrize("meta,cpu_flags,asked,expected,noted", [
+    ({"dtype": "bfloat16", "device": "cpu"}, ("avx512_bf16",), None, "bfloat16", False),
+    ({"dtype": "bfloat16", "device": "cpu"}, (), None, None, True),             # emulated here: default + note
+    ({"dtype": "bfloat16", "device": "cuda"}, ("avx512_bf16",), None, None, True),  # tuned on another device kind
+    ({"dtype": "bfloat16"}, ("amx_bf16",), None, "bfloat16", False),            # an export without a device kind
+    ({"dtype": "bfloat16", "device": "cpu"}, (), "float32", "float32", False),  # asked for
+    ({}, (), None, None, False),                                                # an older export: default, no note
+    ({"dtype": "int4"}, (), None, None, True),                                  # unknown to this specpilot
+])
+def test_export_dtype_takes_the_recorded_dtype_only_where_it_runs_natively(flags, meta, cpu_flags, asked, expected,
+                                                                           noted):
+    from specpilot.policies.exported import export_dtype
+
+    flags(*cpu_flags)
+    dtype, note = export_dtype(meta, "cpu", asked)
+    assert dtype == expected and (note is not None) == noted

@@ -363,7 +363,8 @@ def test_exported_decoder_loads_in_the_dtype_its_policies_were_tuned_in(export_d
                                                                          cpu_flags, asked, expected, note):
     import specpilot.drafting.pair as pair_mod
 
-    assert json.loads((export_dir / "decoder.json").read_text())["dtype"] == "float32"  # the run's (fp32) pair
+    recorded = json.loads((export_dir / "decoder.json").read_text())
+    assert (recorded["dtype"], recorded["device"]) == ("float32", "cpu")  # the run's (fp32, CPU) pair
     monkeypatch.setattr(pair_mod, "_CPU_FLAGS", set(cpu_flags))
     d = _copy(export_dir, tmp_path)
     # weights that bf16 holds exactly (as the embedded pair's): one content hash in either dtype

@@ -172,6 +172,14 @@ def _run_dtype(root: Path, pair) -> str | None:
     return str(pair.dtype).removeprefix("torch.") if pair is not None else None
 
 
+def _run_device(pair, trace: Path | None) -> str | None:
+    """The device kind ("cpu", "cuda", ...) the run's trace was recorded on, else the given pair's (None: unknown)."""
+    device = TraceHeader.load(trace).device if trace is not None else None
+    if device is None and pair is not None:
+        device = str(pair.device)
+    return str(device).split(":")[0] if device else None
+
+
 def _recorded_pair(identity: dict, run_dir: Path, log, dtype: str | None = None):
     """The pair the identity names, in the run's dtype where this machine runs it natively, when it can be loaded
     here (embedded default, or existing local paths) and its hashes match; else None (the export then goes on
@@ -425,7 +433,8 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
                  "size_actions": size_actions},
         "observation": {"module": "specpilot.policies.observation", "depth": "last level's scores, drafting order",
                         "size": "top candidate scores, sorted", "spec_version": spec0.version},
-        "pair": identity, "dtype": _run_dtype(root, pair), "policies": policies, "engine_configs": engines,
+        "pair": identity, "dtype": _run_dtype(root, pair), "device": _run_device(pair, trace), "policies": policies,
+        "engine_configs": engines,
         "versions": library_versions(),
         "measured": measured,
     }
