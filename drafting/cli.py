@@ -72,6 +72,22 @@ def check_sampling_options(args: argparse.Namespace) -> None:
                              "--temperature T > 0, or drop them")
 
 
+def agreement_note(tokens: list[int], reference: list[int], *, temperature: float, dtype) -> str:
+    """How speculative output compares with target-only output of the same request, and why they may differ:
+    sampling draws differ; greedy half precision rounds a tree forward and a one-token forward differently (a near
+    tie can flip: `specpilot agreement` measures how often); greedy fp32 must be identical, anything else is a bug."""
+    if list(tokens) == list(reference):
+        return "identical to target-only"
+    if temperature > 0:
+        return "differs from target-only (sampling)"
+    at = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+    name = str(dtype).removeprefix("torch.")
+    if name in ("bfloat16", "float16"):
+        return (f"differs from target-only greedy from token {at} ({name} rounding: a tree forward and a one-token "
+                "forward round differently; `specpilot agreement` measures how often)")
+    return f"DIFFERS from target-only greedy from token {at} in {name}: this is a bug, please report it"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -97,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         autoregressive_generate(pair, args.prompt, **warmup)
         ref = autoregressive_generate(pair, args.prompt, **sampling)
-        same = "identical to target-only" if ref.tokens == out.tokens else "differs from target-only (sampling)"
+        same = agreement_note(out.tokens, ref.tokens, temperature=args.temperature, dtype=pair.dtype)
         line += f" speedup {out.tokens_per_s / ref.tokens_per_s:.2f}x vs " \
                 f"target-only ({ref.tokens_per_s:.1f} tok/s), {same}"
     print(line)

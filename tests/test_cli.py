@@ -63,3 +63,15 @@ def test_threads_below_one_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--threads", "0", "generate", "--prompt", "x"])
     assert exit_info.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens,temperature,dtype,expected", [
+    ([1, 2, 3], 0.0, "torch.float32", "identical to target-only"),
+    ([1, 9, 3], 1.0, "torch.float32", "differs from target-only (sampling)"),
+    ([1, 9, 3], 0.0, "torch.bfloat16", "from token 1 (bfloat16 rounding"),
+    ([1, 2, 3, 4], 0.0, "torch.float32", "DIFFERS from target-only greedy from token 3 in float32: this is a bug"),
+])
+def test_generate_compare_says_why_output_differs(tokens, temperature, dtype, expected):
+    from specpilot.drafting.cli import agreement_note
+
+    assert expected in agreement_note(tokens, [1, 2, 3], temperature=temperature, dtype=dtype)
