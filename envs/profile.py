@@ -380,6 +380,12 @@ def _add(samples: ProfileSamples, record) -> None:
     samples.verify.append((record.size, record.context_len, record.verify_s))
 
 
+def share_of(min_cycles: int, part: int, whole: int) -> int:
+    """The cycles `part` of `whole` profile prompts keep at least so that all of them keep `min_cycles` (rounded up:
+    shards, or prompts measured one at a time, each take their share)."""
+    return -(-int(min_cycles) * int(part) // max(1, int(whole)))
+
+
 def measure_profile(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
                     seed: int = 0, warmup_cycles: int = 16, min_cycles: int = 0, context_edges: list[int] | None = None,
                     progress: bool = False) -> LatencyProfile:

@@ -51,6 +51,7 @@ from specpilot.artifacts.trace import (ARRAYS_FILE, HEADER_FILE, RECORD_AGAIN, T
 from specpilot.drafting.executor import ShardTask, as_executor, shard_ranges
 from specpilot.drafting.files import atomic_path, atomic_write_json, atomic_write_text, check_writable, read_json
 from specpilot.envs import shards as sh
+from specpilot.envs.profile import share_of
 
 NO_RANK = np.iinfo(np.int16).max
 
@@ -373,7 +374,7 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key) is not None]
     tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
                            "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
-                           "profile_cycles": -(-int(profile_cycles) * max(0, min(hi, n_profile) - lo) // max(1, n_profile)),
+                           "profile_cycles": share_of(profile_cycles, max(0, min(hi, n_profile) - lo), n_profile),
                            "progress": progress}, list(range(lo, hi)))
              for i, (lo, hi) in enumerate(ranges) if i not in finished]
     say = (lambda msg: print(f"  {msg}", flush=True)) if progress else None

@@ -163,7 +163,7 @@ def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tok
     import numpy as np
 
     from specpilot.drafting.decoder import autoregressive_generate
-    from specpilot.envs.profile import collect_samples
+    from specpilot.envs.profile import collect_samples, share_of
 
     rng = np.random.default_rng(seed)
     autoregressive_generate(pair, ids[0], max_new_tokens=max_new_tokens)  # warm-up, not timed
@@ -171,7 +171,7 @@ def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tok
     for k, prompt in enumerate(ids):
         samples = collect_samples(pair, tree, [prompt], max_new_tokens=max_new_tokens, rng=rng,
                                   warmup_cycles=16 if k == 0 else 0, samples=samples,
-                                  min_cycles=-(-int(min_cycles) // len(ids)))
+                                  min_cycles=share_of(min_cycles, 1, len(ids)))
         out = autoregressive_generate(pair, prompt, max_new_tokens=max_new_tokens)
         ar_s, ar_tokens = ar_s + out.total_s, ar_tokens + out.num_tokens
     samples.meta.update(seed=seed, pair=pair.identity(), ar_seconds_per_token=ar_s / max(1, ar_tokens))

@@ -266,8 +266,9 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
 
     model_pair = None
     if pair is not None or load_pair:
+        dtype, why = export_dtype(meta, device, dtype) if pair is None else (dtype, None)
         model_pair = resolve_pair(meta, pair, allow_pair_mismatch=allow_pair_mismatch, device=device, dtype=dtype)
-        meta["dtype_note"] = _dtype_note(meta, model_pair, device, dtype, loaded=pair is None)
+        meta["dtype_note"] = _dtype_note(meta, model_pair, why)
     fb = policies.get("fallback") or {}
     fb_device = str(model_pair.device) if model_pair is not None else None
     fallback = FixedController(fb.get("depth"), fb.get("size"), device=fb_device)
@@ -283,15 +284,15 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
     return controller, tree, meta
 
 
-def _dtype_note(meta: dict, model_pair, device, dtype, *, loaded: bool) -> str | None:
-    """Why the pair decodes in another dtype than the one the policies were tuned in (None when it does not)."""
+def _dtype_note(meta: dict, model_pair, why: str | None) -> str | None:
+    """Why the pair decodes in another dtype than the one the policies were tuned in (None when it does not): `why`
+    (`export_dtype`'s note) when there is one, else that the dtype was asked for or came with the given pair."""
     recorded = str(meta.get("dtype") or "").removeprefix("torch.")
     actual = str(model_pair.dtype).removeprefix("torch.")
     if not recorded or actual == recorded:
         return None
-    note = export_dtype(meta, device, dtype)[1] if loaded else None
-    return note or (f"decoding in {actual}, but the policies were tuned in {recorded}: still exact, but the choices "
-                    "were made for other costs")
+    return why or (f"decoding in {actual}, but the policies were tuned in {recorded}: still exact, but the choices "
+                   "were made for other costs")
 
 
 def _guarded(controller: ExportedController, guard, tree: TreeConfig, config: str) -> Controller:

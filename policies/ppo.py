@@ -89,29 +89,26 @@ def _read_index(run_dir: Path) -> PoliciesIndex:
         raise PolicyLoadError(str(err)) from None
 
 
-class PlainSteps(FixedController):
-    """What a policy set's off-switch gives: never draft (every cycle a plain target step), under the policies' name,
-    with the measurement that switched them off in `describe()`."""
-
-    def __init__(self, name: str, off_switch: dict) -> None:
-        super().__init__(0, 0)
-        self.name, self.off_switch = name, dict(off_switch)
-
-    def describe(self) -> dict:
-        return {**super().describe(), "off_switch": self.off_switch}
-
-
 class StaticSteps(FixedController):
     """What a policy set's switch gives when the static config measured faster than the policies at its
-    temperature: that config, under the policies' name, with the measurement in `describe()`."""
+    temperature: that config (off_switch["static"], or `config`), under the policies' name, with the measurement in
+    `describe()`."""
 
-    def __init__(self, name: str, off_switch: dict) -> None:
-        depth, size = (int(v) for v in off_switch["static"])
+    def __init__(self, name: str, off_switch: dict, config: tuple[int, int] | None = None) -> None:
+        depth, size = config if config is not None else (int(v) for v in off_switch["static"])
         super().__init__(depth, size)
         self.name, self.off_switch = name, dict(off_switch)
 
     def describe(self) -> dict:
         return {**super().describe(), "off_switch": self.off_switch}
+
+
+class PlainSteps(StaticSteps):
+    """What a policy set's off-switch gives: never draft (every cycle a plain target step), under the policies' name,
+    with the measurement that switched them off in `describe()`."""
+
+    def __init__(self, name: str, off_switch: dict) -> None:
+        super().__init__(name, off_switch, config=(0, 0))
 
 
 def load_run_controllers(run_dir: str | Path, device: str = "cpu", *,

@@ -285,12 +285,12 @@ def _export_policy(kind: str, entry: dict, run_dir: Path, root: Path, out_dir: P
 
 def _measure(exported, sb3_controller, sb3: dict, actors: dict, specs: dict, tree: TreeConfig, *, trace, pair,
              identity: dict, root: Path, measure_live: bool, num_prompts: int, max_new_tokens: int, num_random: int,
-             seed: int, log) -> tuple:
+             seed: int, log, dtype: str | None = None) -> tuple:
     """(recorder or None, measured section of decoder.json): the policies' choices (replayed trace > live
     generations > none), their agreement with SB3 and their decision latency."""
     recorder, source = None, "none (synthetic states only)"
     if trace is None and measure_live and pair is None:
-        pair = _recorded_pair(identity, root, log, _run_dtype(root, None))
+        pair = _recorded_pair(identity, root, log, dtype)
     if trace is not None:
         recorder, source = record_choices_replay(exported, tree, trace)
     elif measure_live and pair is not None:
@@ -412,9 +412,11 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
         except ValueError as err:
             raise ExportError(f"the run's validation guard cannot run on the exported tree: {err}") from err
     policies["batch_guard"] = guarded.to_dict() if guarded is not None else None
+    dtype = _run_dtype(root, pair)  # the costs the policies were tuned for: the recorded pair loads in it
     recorder, measured = _measure(exported, sb3_controller, sb3, actors, specs, tree, trace=trace, pair=pair,
                                   identity=identity, root=root, measure_live=measure_live, num_prompts=num_prompts,
-                                  max_new_tokens=max_new_tokens, num_random=num_random, seed=seed, log=log)
+                                  max_new_tokens=max_new_tokens, num_random=num_random, seed=seed, log=log,
+                                  dtype=dtype)
     draft_gen = (pair.draft.generation_config.to_diff_dict()
                  if pair is not None and getattr(pair, "draft", None) is not None else None)
     # the grid's measured best cell per batch size (`specpilot grid --batch-sizes`): the engines' per-batch tables
@@ -433,9 +435,8 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
                  "size_actions": size_actions},
         "observation": {"module": "specpilot.policies.observation", "depth": "last level's scores, drafting order",
                         "size": "top candidate scores, sorted", "spec_version": spec0.version},
-        "pair": identity, "dtype": _run_dtype(root, pair), "device": _run_device(pair, trace), "policies": policies,
-        "engine_configs": engines,
-        "versions": library_versions(),
+        "pair": identity, "dtype": dtype, "device": _run_device(pair, trace), "policies": policies,
+        "engine_configs": engines, "versions": library_versions(),
         "measured": measured,
     }
     write_decoder_config(out_dir, meta)
