@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from stable_baselines3 import PPO
 from stable_baselines3.common.env_checker import check_env
+from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecCheckNan
 
@@ -69,6 +70,7 @@ def test_ppo_trains_a_few_hundred_steps_on_ray_workers(ray_pool):
     venv = RayVecEnv(ray_pool, partial(live_size_env, **KWARGS["size"]))
     model = PPO("MlpPolicy", venv, n_steps=64, batch_size=64, n_epochs=2, policy_kwargs={"net_arch": [16]},
                 seed=0, device="cpu")
+    model.set_logger(Logger(folder=None, output_formats=[]))  # SB3's default logger leaves a /tmp/SB3-* folder
     model.learn(total_timesteps=256)
     assert model.num_timesteps >= 256
     assert len(model.ep_info_buffer) > 0  # episodes finished on the workers reached SB3's episode statistics
