@@ -64,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
         trace_dir, profile_path = record_task(None, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                               profile_prompts=args.profile_prompts,
                                               profile_cycles=args.profile_cycles, seed=args.seed, progress=True,
-                                              executor=executor)
+                                              executor=executor, ar=True)  # the AR reference of replay speedups
     print(f"wrote {trace_dir / 'trace.npz'}, {trace_dir / 'trace.json'}, {profile_path}")
     return 0

@@ -277,6 +277,8 @@ class ProfileSamples:
 
     def profile(self, context_edges: list[int] | None = None, shrink: float = 10.0) -> LatencyProfile:
         meta = {**self.meta, "cycles": len(self.verify)}
+        if meta.get("ar_tokens"):  # AR generations timed between the profile's prompts (`collect_samples_with_ar`)
+            meta["ar_seconds_per_token"] = float(meta["ar_s"]) / int(meta["ar_tokens"])
         return LatencyProfile.from_samples(self.first, self.levels, self.verify, max_depth=self.max_depth,
                                            width=self.width, context_edges=context_edges, meta=meta, shrink=shrink)
 
@@ -369,6 +371,34 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
             print(f"  profile: prompt {i - 1}/{len(prompt_ids)}, {len(samples.verify)} cycles, "
                   f"{time.perf_counter() - started:.1f}s", flush=True)
     samples.meta["measured_s"] = samples.meta.get("measured_s", 0.0) + time.perf_counter() - started
+    return samples
+
+
+def collect_samples_with_ar(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
+                            rng: np.random.Generator | int | None = 0, warmup_cycles: int = 16, min_cycles: int = 0,
+                            samples: ProfileSamples | None = None, ar_warmup: bool = True,
+                            progress: bool = False) -> ProfileSamples:
+    """`collect_samples`, prompt by prompt, each prompt followed by a timed autoregressive generation of it: the
+    reference of replay speedups (meta "ar_s" / "ar_tokens"; `.profile()` gives meta["ar_seconds_per_token"],
+    prefill excluded like the profile's cycles) then shares the machine's state with the profile, so a change of
+    load between the recording and the profile cancels in replay / AR. Each prompt keeps its share of
+    `min_cycles`. One AR generation per prompt more than `collect_samples`, and an untimed warm-up one
+    (`ar_warmup`; skip it where the AR path has just run)."""
+    from specpilot.drafting.decoder import autoregressive_generate
+
+    rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
+    prompt_ids = [pair.encode(p) for p in prompts]
+    if not prompt_ids:
+        raise ValueError("collect_samples_with_ar needs at least one prompt")
+    if ar_warmup:
+        autoregressive_generate(pair, prompt_ids[0], max_new_tokens=max_new_tokens)  # not timed
+    for k, prompt in enumerate(prompt_ids):
+        samples = collect_samples(pair, tree, [prompt], max_new_tokens=max_new_tokens, sizes=sizes, rng=rng,
+                                  warmup_cycles=warmup_cycles if k == 0 else 0, samples=samples,
+                                  min_cycles=share_of(min_cycles, 1, len(prompt_ids)), progress=progress)
+        out = autoregressive_generate(pair, prompt, max_new_tokens=max_new_tokens)
+        samples.meta["ar_s"] = samples.meta.get("ar_s", 0.0) + out.total_s
+        samples.meta["ar_tokens"] = samples.meta.get("ar_tokens", 0) + out.num_tokens
     return samples
 
 

@@ -398,7 +398,7 @@ def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, prof
                  ar: bool, profile_cycles: int = 0, progress: bool = False) -> dict:
     """The work unit: the trace of `prompts`, profile samples of `profile_prompts` and (ar) the live AR timing."""
     from specpilot.drafting.types import TreeConfig
-    from specpilot.envs.profile import collect_samples
+    from specpilot.envs.profile import collect_samples, collect_samples_with_ar
 
     tree_config = TreeConfig(**tree)
     # the live AR timing is taken from the recording's own greedy generations (they are plain AR generations of
@@ -413,9 +413,12 @@ def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, prof
                          ar_timing=timing)
     out = {"header": trace.header, "arrays": trace.arrays, "samples": None, "ar": None}
     if profile_prompts:
-        samples = collect_samples(worker.pair, tree_config, profile_prompts, max_new_tokens=max_new_tokens,
-                                  rng=np.random.default_rng(seed), warmup_cycles=16 if worker.first("profile") else 0,
-                                  min_cycles=profile_cycles)
+        # with ar, each profile prompt is followed by a timed AR generation: the reference replay speedups divide
+        # by (profile meta "ar_seconds_per_token") is then measured beside the profile, not minutes earlier
+        kw = dict(max_new_tokens=max_new_tokens, rng=np.random.default_rng(seed), min_cycles=profile_cycles,
+                  warmup_cycles=16 if worker.first("profile") else 0)
+        samples = (collect_samples_with_ar(worker.pair, tree_config, profile_prompts, ar_warmup=False, **kw) if ar
+                   else collect_samples(worker.pair, tree_config, profile_prompts, **kw))
         out["samples"] = sh.samples_to_dict(samples)
     if ar:
         out["ar"] = sh.ar_summary(timing, prompts=len(prompts), max_new_tokens=max_new_tokens,

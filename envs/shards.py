@@ -94,6 +94,10 @@ def merge_samples(parts: Sequence[tuple[str, ProfileSamples]]) -> ProfileSamples
         merged.verify.extend(s.verify)
         where["verify"].extend([idx] * len(s.verify))
     merged.meta["measured_s"] = float(sum(s.meta.get("measured_s", 0.0) for _, s in parts))
+    merged.meta.pop("ar_s", None), merged.meta.pop("ar_tokens", None)
+    if all(s.meta.get("ar_tokens") for _, s in parts):  # AR timed beside every shard's profile prompts
+        merged.meta["ar_s"] = float(sum(s.meta["ar_s"] for _, s in parts))
+        merged.meta["ar_tokens"] = int(sum(s.meta["ar_tokens"] for _, s in parts))
     merged.meta["devices"] = devices
     merged.meta["sample_device"] = {k: (dict(v) if isinstance(v, dict) else v) for k, v in where.items()}
     return merged

@@ -155,26 +155,15 @@ def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str 
 
 def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tokens: int, seed: int = 0,
                     min_cycles: int = 0):
-    """A latency profile of `ids` (`collect_samples`, random configs) with the autoregressive decode time measured
-    interleaved with it, prompt by prompt, into meta["ar_seconds_per_token"] (prefill excluded, like the
-    profile): the reference of replay speedups shares the machine's state with the profile, so load changes
-    cancel in the ratio. The profile keeps at least `min_cycles` cycles: each prompt's share is decoded again
-    before its AR run (`collect_samples(min_cycles=...)`), so the interleaving holds."""
-    import numpy as np
+    """A latency profile of `ids` (random configs) with the autoregressive decode time measured interleaved with
+    it, prompt by prompt, into meta["ar_seconds_per_token"] (`envs.profile.collect_samples_with_ar`): the reference
+    of replay speedups shares the machine's state with the profile, so load changes cancel in the ratio. The profile
+    keeps at least `min_cycles` cycles."""
+    from specpilot.envs.profile import collect_samples_with_ar
 
-    from specpilot.drafting.decoder import autoregressive_generate
-    from specpilot.envs.profile import collect_samples, share_of
-
-    rng = np.random.default_rng(seed)
-    autoregressive_generate(pair, ids[0], max_new_tokens=max_new_tokens)  # warm-up, not timed
-    samples, ar_s, ar_tokens = None, 0.0, 0
-    for k, prompt in enumerate(ids):
-        samples = collect_samples(pair, tree, [prompt], max_new_tokens=max_new_tokens, rng=rng,
-                                  warmup_cycles=16 if k == 0 else 0, samples=samples,
-                                  min_cycles=share_of(min_cycles, 1, len(ids)))
-        out = autoregressive_generate(pair, prompt, max_new_tokens=max_new_tokens)
-        ar_s, ar_tokens = ar_s + out.total_s, ar_tokens + out.num_tokens
-    samples.meta.update(seed=seed, pair=pair.identity(), ar_seconds_per_token=ar_s / max(1, ar_tokens))
+    samples = collect_samples_with_ar(pair, tree, ids, max_new_tokens=max_new_tokens, rng=seed,
+                                      min_cycles=min_cycles)
+    samples.meta.update(seed=seed, pair=pair.identity())
     return samples.profile()
 
 

@@ -106,6 +106,20 @@ def test_merged_samples_pool_every_sample_and_record_its_device():
     assert merged.profile().meta["cycles"] == 4
 
 
+def _with_ar(samples, seconds: float, tokens: int):
+    samples.meta.update(ar_s=seconds, ar_tokens=tokens)
+    return samples
+
+
+def test_merged_samples_pool_the_ar_timed_beside_every_shard():
+    merged = merge_samples([("cpu", _with_ar(_samples(0.0, 2), 1.0, 100)), ("cpu", _with_ar(_samples(5.0, 1), 3.0, 100))])
+    assert (merged.meta["ar_s"], merged.meta["ar_tokens"]) == (4.0, 200)
+    assert merged.profile().meta["ar_seconds_per_token"] == pytest.approx(0.02)
+    # a shard without it (recorded without ar, or by an older version): no AR reference rather than a partial one
+    merged = merge_samples([("cpu", _samples(0.0, 2)), ("cpu", _with_ar(_samples(5.0, 1), 3.0, 100))])
+    assert "ar_tokens" not in merged.meta and "ar_seconds_per_token" not in merged.profile().meta
+
+
 def test_samples_survive_the_json_round_trip():
     s = _samples(1.5, 3)
     back = samples_from_dict(samples_to_dict(s))

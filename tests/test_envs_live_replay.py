@@ -305,6 +305,30 @@ def test_record_task_takes_the_ar_timing_from_the_recording(pair_prompts, tmp_pa
     assert ar["prompts"] == len(prompts) and ar["time_s"] > 0 and "recording" in ar["shards"][0]["source"]
 
 
+def test_record_task_times_ar_beside_the_profile_and_replay_divides_by_it(pair_prompts, tmp_path):
+    from specpilot.envs.replay import ReplayModel
+    from specpilot.train.rl.validation import replay_ar
+
+    pair, prompts = pair_prompts
+    record_task(pair, TREE, prompts, tmp_path / "ar", max_new_tokens=MAX_NEW, profile_prompts=2, ar=True)
+    profile = LatencyProfile.load(tmp_path / "ar" / "profile.json")
+    # one AR generation after each profile prompt: its tokens, not the trace's
+    assert profile.meta["ar_tokens"] == sum(len(autoregressive_generate(pair, p, max_new_tokens=MAX_NEW).tokens)
+                                            for p in prompts[:2])
+    assert profile.meta["ar_seconds_per_token"] == pytest.approx(profile.meta["ar_s"] / profile.meta["ar_tokens"])
+    ar = replay_ar(ReplayModel(tmp_path / "ar"))
+    assert ar["source"] == "profile" and ar["tokens_per_s"] == pytest.approx(1 / profile.meta["ar_seconds_per_token"])
+
+    profile.meta.pop("ar_seconds_per_token")  # a profile without it: the recording's ar.json, then plain steps
+    profile.save(tmp_path / "ar" / "profile.json")
+    assert replay_ar(ReplayModel(tmp_path / "ar"))["source"] == "live"
+    (tmp_path / "ar" / "ar.json").unlink()
+    assert replay_ar(ReplayModel(tmp_path / "ar"))["source"] == "plain_steps"
+
+    record_task(pair, TREE, prompts[:1], tmp_path / "no_ar", max_new_tokens=MAX_NEW)
+    assert "ar_seconds_per_token" not in LatencyProfile.load(tmp_path / "no_ar" / "profile.json").meta
+
+
 def test_record_task_writes_trace_and_measured_profile(pair_prompts, tmp_path):
     pair, prompts = pair_prompts
     trace_dir, profile_path = record_task(pair, TREE, prompts[:1], tmp_path, max_new_tokens=8)

@@ -2,8 +2,8 @@
 
 Validation deciding through the inference code path: a policy under training becomes half of a `PPOController`,
 replayed with `specpilot.envs.oracle.replay_controller` (the same `run_cycle` as `generate()`) on the trace of the
-*validation* prompts. Speedups are over `replay_ar`: the live autoregressive timing of the same prompts (ar.json)
-when recorded, else the profile's plain-step time.
+*validation* prompts. Speedups are over `replay_ar`: autoregressive timing measured beside the latency profile when
+recorded, else the recording's (ar.json), else the profile's plain-step time.
 """
 from __future__ import annotations
 
@@ -20,20 +20,26 @@ from specpilot.artifacts.trace import read_ar
 
 
 def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
-    """Autoregressive tokens/s for the trace's generations: the live measurement `ar.json` next to the trace when
-    present (`record_traces` writes it), else the profile's plain-step time (verification of the root alone) at
-    each position's context length. `source` says which was used."""
+    """Autoregressive tokens/s for the trace's generations, `source` saying from what: "profile", AR generations
+    timed between the latency profile's prompts (profile meta "ar_seconds_per_token": `record_traces` and the
+    evaluation measure it so), which shares the machine's state with the profile that times the replay; else
+    "live", the recording's own greedy generations (ar.json; minutes away from the profile: on a shared machine
+    its shards differed by 2x); else "plain_steps", the profile's plain-step time (verification of the root
+    alone) at each position's context length."""
     trace = model.trace
     indices = range(trace.num_prompts) if prompts is None else prompts
     tokens = sum(model.tables(i).n for i in indices)
-    ar = read_ar(trace.path) if trace.path is not None else None
-    if ar is not None:
-        s_per_token = float(ar["seconds_per_token"])
-        return {"tokens": tokens, "time_s": tokens * s_per_token, "tokens_per_s": 1.0 / s_per_token,
-                "source": "live"}
+    s_per_token = (getattr(model.profile, "meta", None) or {}).get("ar_seconds_per_token")
+    source = "profile"
+    if not s_per_token:
+        ar = read_ar(trace.path) if trace.path is not None else None
+        s_per_token, source = (float(ar["seconds_per_token"]), "live") if ar is not None else (None, "plain_steps")
+    if s_per_token:
+        return {"tokens": tokens, "time_s": tokens * float(s_per_token), "tokens_per_s": 1.0 / float(s_per_token),
+                "source": source}
     time_s = float(sum(model.tables(i).verify[:, 0].sum() for i in indices))
     return {"tokens": tokens, "time_s": time_s, "tokens_per_s": tokens / time_s if time_s > 0 else float("nan"),
-            "source": "profile"}
+            "source": source}
 
 
 def evaluate_replay(controller: Controller, model: ReplayModel, ar_tokens_per_s: float | None = None) -> dict:
