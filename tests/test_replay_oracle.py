@@ -106,6 +106,34 @@ def test_profile_shrinks_a_rarely_seen_key_towards_the_line():
     assert float(profile.first_time(2)) == pytest.approx(2e-3, rel=0.02)
 
 
+def _verify_samples(rng, n: int, sigma: float, step: float = 0.0) -> list:
+    """n samples per size 1..8 of 4 ms + 0.1 ms per size (+ `step` from size 5 on), with Gaussian noise sigma."""
+    return [(v, 10, 4e-3 + 1e-4 * v + (step if v >= 5 else 0.0) + float(rng.normal(0, sigma)))
+            for v in range(1, 9) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_profile_bumps_within_the_noise_follow_the_line(seed):
+    """20 noisy samples per size (a 600-cycle profile's share): the key means scatter around their line by sampling
+    noise alone; the curve keeps (almost) none of that scatter, where the count share alone would keep 2/3."""
+    samples = _verify_samples(np.random.default_rng(seed), 20, 1e-3)
+    profile = LatencyProfile.from_samples({1: [1e-3]}, {}, samples, max_depth=1, width=1)
+    sizes = np.arange(1, 9)
+    means = np.array([np.mean([t for v, _, t in samples if v == k]) for k in sizes])
+    line = np.polyval(np.polyfit(sizes, means, 1), sizes)
+    got = profile.verify_table(8, np.array([10]))[0, 1:] - profile.context_offset[profile.bucket(10)]
+    assert np.abs(got - line).max() < 0.2 * np.abs(means - line).max()
+
+
+def test_profile_keeps_a_real_step():
+    """A 1 ms step from size 5 on, measured well (200 samples per size, noise 0.1 ms): far beyond the noise, kept."""
+    profile = LatencyProfile.from_samples({1: [1e-3]}, {}, _verify_samples(np.random.default_rng(0), 200, 1e-4, 1e-3),
+                                          max_depth=1, width=1)
+    got = profile.verify_table(8, np.array([10]))[0] - profile.context_offset[profile.bucket(10)]
+    assert got[5] - got[4] == pytest.approx(1e-3 + 1e-4, rel=0.1)  # the step survives, not smeared into the line
+    assert got[4] - got[3] == pytest.approx(1e-4, abs=1e-4)
+
+
 def test_default_ceiling_covers_plain_steps_when_drafting_never_pays():
     """A drafter that never agrees: plain target steps (depth 0) beat every drafting cell, and the default ceiling
     (every depth from 0) must be at least their throughput, as the controllers that skip drafting reach it."""
