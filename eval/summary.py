@@ -48,7 +48,7 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
                                              "gap": m.get("gap")} for m in replay.get("methods", [])},
                    "comparisons": replay.get("comparisons", []), "oracle": replay.get("oracle")} if replay else None,
         "cost_check": {k: {"stale": v["stale"], "max_abs_error": v.get("max_abs_error"), "age_s": v.get("age_s"),
-                           "title": v.get("title", k)}
+                           "worst_spread": v.get("worst_spread"), "title": v.get("title", k)}
                        for k, v in (report.get("cost_check") or {}).items()},
     }
 
@@ -104,6 +104,8 @@ def _cost_lines(checks: dict) -> list[str]:
     for c in checks.values():
         age = f", profile age {c['age_s'] / 60:.1f} min" if _ok(c.get("age_s")) else ""
         err = f"max error {100 * c['max_abs_error']:.0f}%" if _ok(c.get("max_abs_error")) else "no fixed config"
+        if _ok(c.get("max_abs_error")) and _ok(c.get("worst_spread")) and c["worst_spread"] > 0:
+            err += f" where the live rounds spread +-{100 * c['worst_spread']:.0f}%"
         out.append(f"cost model ({c['title']}): {'STALE' if c['stale'] else 'within the noise'} ({err}{age})")
     return out
 

@@ -27,6 +27,15 @@ def test_error_beyond_spread_plus_tolerance_is_stale(predicted, rounds, off):
     row = out["configs"][0]
     assert row["off"] is off and out["stale"] is off
     assert row["error"] == pytest.approx(predicted / row["measured_tokens_per_s"] - 1)
+    assert out["max_abs_error"] == pytest.approx(abs(row["error"])) and out["worst_spread"] == row["spread"]
+
+
+def test_worst_spread_is_the_spread_of_the_config_with_the_largest_error():
+    runs = _runs("a", [100.0, 100.0]) + _runs("b", [80.0, 120.0])
+    out = compare_rates({"a": 105.0, "b": 140.0}, runs, tolerance=0.25)
+    a, b = out["configs"]
+    assert abs(b["error"]) > abs(a["error"]) and b["spread"] > 0 == a["spread"]
+    assert out["max_abs_error"] == pytest.approx(abs(b["error"])) and out["worst_spread"] == b["spread"]
 
 
 def test_measured_rate_is_decode_time_without_prefill():
