@@ -439,11 +439,13 @@ def share_of(min_cycles: int, part: int, whole: int) -> int:
 
 def measure_profile(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
                     seed: int = 0, warmup_cycles: int = 16, min_cycles: int = 0, context_edges: list[int] | None = None,
-                    progress: bool = False) -> LatencyProfile:
+                    progress: bool = False, ar: bool = False) -> LatencyProfile:
     """`collect_samples` over `prompts` (seeded random configs; at least `min_cycles` cycles) and aggregate into a
-    LatencyProfile."""
-    samples = collect_samples(pair, tree, prompts, max_new_tokens=max_new_tokens, sizes=sizes, rng=seed,
-                              warmup_cycles=warmup_cycles, min_cycles=min_cycles, progress=progress)
+    LatencyProfile; with `ar`, `collect_samples_with_ar` (meta["ar_seconds_per_token"], the AR reference of replay
+    speedups, timed between the prompts)."""
+    collect = collect_samples_with_ar if ar else collect_samples
+    samples = collect(pair, tree, prompts, max_new_tokens=max_new_tokens, sizes=sizes, rng=seed,
+                      warmup_cycles=warmup_cycles, min_cycles=min_cycles, progress=progress)
     samples.meta["seed"] = seed
     return samples.profile(context_edges)
 

@@ -154,10 +154,10 @@ def check_profile(pair, trace, profile, prompts: int | Sequence[int] = 3, *,
 def refresh_profile(pair, trace, path: str | Path, *, prompts: int = 4, seed: int = 0, reason: str = "",
                     progress: bool = False):
     """Re-measure the latency profile on the first `prompts` trace prompts (at least DEFAULT_PROFILE_CYCLES cycles,
-    the AR reference of replay speedups timed between them) with the trace's tree and budget; save it to `path` (an existing file is kept as profile.stale.json beside it).
-    Returns the new LatencyProfile."""
+    the AR reference of replay speedups timed between them) with the trace's tree and budget; save it to `path`
+    (an existing file is kept as profile.stale.json beside it). Returns the new LatencyProfile."""
     from specpilot.drafting.types import TreeConfig
-    from specpilot.envs.profile import DEFAULT_PROFILE_CYCLES, collect_samples_with_ar
+    from specpilot.envs.profile import DEFAULT_PROFILE_CYCLES, measure_profile
     from specpilot.envs.replay import load_trace
 
     trace = load_trace(trace)
@@ -165,10 +165,8 @@ def refresh_profile(pair, trace, path: str | Path, *, prompts: int = 4, seed: in
     tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
     ids = [trace.prompt(i) for i in range(min(prompts, trace.num_prompts))]
     # AR timed between the prompts: replay speedups over the refreshed profile divide by an AR of the same moment
-    samples = collect_samples_with_ar(pair, tree, ids, max_new_tokens=trace.max_new_tokens, rng=seed,
-                                      min_cycles=DEFAULT_PROFILE_CYCLES, progress=progress)
-    samples.meta["seed"] = seed
-    profile = samples.profile()
+    profile = measure_profile(pair, tree, ids, max_new_tokens=trace.max_new_tokens, seed=seed,
+                              min_cycles=DEFAULT_PROFILE_CYCLES, progress=progress, ar=True)
     profile.meta.setdefault("created", _now())
     profile.meta.update({"pair": trace.header.get("pair"), "refreshed": reason or "re-measured"})
     if path.is_file():

@@ -159,12 +159,12 @@ def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tok
     it, prompt by prompt, into meta["ar_seconds_per_token"] (`envs.profile.collect_samples_with_ar`): the reference
     of replay speedups shares the machine's state with the profile, so load changes cancel in the ratio. The profile
     keeps at least `min_cycles` cycles."""
-    from specpilot.envs.profile import collect_samples_with_ar
+    from specpilot.envs.profile import measure_profile
 
-    samples = collect_samples_with_ar(pair, tree, ids, max_new_tokens=max_new_tokens, rng=seed,
-                                      min_cycles=min_cycles)
-    samples.meta.update(seed=seed, pair=pair.identity())
-    return samples.profile()
+    profile = measure_profile(pair, tree, ids, max_new_tokens=max_new_tokens, seed=seed, min_cycles=min_cycles,
+                              ar=True)
+    profile.meta["pair"] = pair.identity()
+    return profile
 
 
 def _profile_info(profile, path: Path | None, source: str) -> dict:
