@@ -40,6 +40,12 @@ class Controller(ABC):
     def observe(self, record: CycleRecord) -> None:
         """Feedback after verification."""
 
+    def actor_questions(self) -> frozenset[str]:
+        """The questions ("skip", "stop", "size") this controller answers with a policy network: replay charges
+        each of them the decision time measured with the latency profile (`LatencyProfile.decision`), as the live
+        decoder's clock charges it (a rule or a fixed config answers in a few microseconds: not charged)."""
+        return frozenset()
+
     def describe(self) -> dict:
         """JSON-able description for reports and manifests."""
         return {"name": self.name}
@@ -118,6 +124,9 @@ class DecisionLog(Controller):
     def observe(self, record: CycleRecord) -> None:
         self.log.append((record.depth, record.size))
         self.inner.observe(record)
+
+    def actor_questions(self) -> frozenset[str]:
+        return self.inner.actor_questions()
 
     def describe(self) -> dict:
         return self.inner.describe()

@@ -26,27 +26,33 @@ def _model(trace, profile, max_new_tokens) -> ReplayModel:
     return ReplayModel(trace, profile, max_new_tokens=max_new_tokens)
 
 
-def summary(tokens: int, time_s: float, cycles: int) -> dict:
+def summary(tokens: int, time_s: float, cycles: int, decision_s: float = 0.0) -> dict:
     return {"tokens": int(tokens), "time_s": float(time_s), "cycles": int(cycles),
             "tokens_per_s": tokens / time_s if time_s > 0 else float("nan"),
-            "mean_accepted_length": tokens / cycles if cycles else float("nan")}
+            "mean_accepted_length": tokens / cycles if cycles else float("nan"), "decision_s": float(decision_s)}
 
 
 def replay_controller(trace: str | Path | Trace | ReplayModel, profile: str | Path | LatencyProfile | None = None,
                       controller: Controller | None = None, *, max_new_tokens: int | None = None,
                       prompts: list[int] | None = None) -> dict:
-    """Predicted {tokens, time_s, cycles, tokens_per_s, mean_accepted_length} of any Controller under replay: it
-    decides on the recorded DraftStates through `run_cycle`, exactly as in `SpeculativeDecoder.generate`, and
-    observes the replayed CycleRecords. Decision time is not charged (modelled time covers draft + verify)."""
+    """Predicted {tokens, time_s, cycles, tokens_per_s, mean_accepted_length, decision_s} of any Controller under
+    replay: it decides on the recorded DraftStates through `run_cycle`, exactly as in `SpeculativeDecoder.generate`,
+    and observes the replayed CycleRecords. time_s is the modelled draft + verify time plus decision_s, the
+    profile's measured decision time charged to each question the controller answers with a policy network
+    (`Controller.actor_questions`; 0 for rules, fixed configs and profiles that did not time decisions), as the
+    live clock charges it: a learned controller and a fixed one compared in replay pay what they pay live."""
     model = _model(trace, profile, max_new_tokens)
     controller = controller or FixedController()
-    tokens = time_s = cycles = 0
+    asks = getattr(controller, "actor_questions", None)  # (a duck-typed controller answers without a network)
+    charges = model.profile.decision_charges(asks() if asks is not None else ())
+    tokens = time_s = cycles = decision_s = 0
     for i in range(model.num_prompts) if prompts is None else prompts:
-        records = run_generation(ReplaySession(model, i), controller)
+        records = run_generation(ReplaySession(model, i, charges=charges), controller)
         tokens += sum(r.emitted for r in records)
-        time_s += sum(r.cycle_s for r in records)
+        decision_s += sum(r.policy_s for r in records)
+        time_s += sum(r.cycle_s + r.policy_s for r in records)
         cycles += len(records)
-    return summary(tokens, time_s, cycles)
+    return summary(tokens, time_s, cycles, decision_s)
 
 
 def replay_static(trace, profile=None, depth: int = 4, size: int = 12, *, max_new_tokens: int | None = None,

@@ -27,6 +27,12 @@ bump, and a policy trained in replay cannot chase one). Between measured keys th
 values are interpolated, outside they follow the line. Means, not medians: replay predicts sums of times, i.e.
 throughput. Standard deviations are kept for optional noise. Saved as JSON (`LatencyProfile.save/load`).
 
+Decisions: each profile cycle also asks a probe policy (`policies.learned.probe_controller`: random actors of the
+demo's [64, 64] layers) every question a learned controller is asked, right after the step that precedes it, and
+times its answer (the answer is not used). `decision` keeps those times per question ("skip", "stop", "size"): replay
+charges them to the questions a controller answers with a policy network (`Controller.actor_questions`), as the live
+decoder's clock does; a profile without them (older files) charges nothing.
+
 On a shared machine time drifts with load: measure the profile close in time to what it should predict
 (`collect_samples` can accumulate several passes interleaved with other work).
 """
@@ -107,6 +113,7 @@ class LatencyProfile:
     shrink: float = 10.0         # pseudo-count of the line in each key's estimate
     version: int = PROFILE_VERSION
     batch: dict = field(default_factory=dict)  # {"<B>": batch-B curves (see "Batches" below)}; {} = batch 1 only
+    decision: dict = field(default_factory=dict)  # keys: question; a probe policy's decision time; {} = not measured
 
     # -- lookups ------------------------------------------------------------------------------------------------------
     def first_time(self, n_new: np.ndarray | int) -> np.ndarray:
@@ -153,6 +160,17 @@ class LatencyProfile:
 
     def verify_time(self, size: int, context_len: int) -> float:
         return float(self.verify_table(size, np.array([context_len]))[0, size])
+
+    def decision_time(self, question: str) -> float:
+        """Mean seconds a policy network took to answer `question` ("skip", "stop", "size") on this machine; 0.0
+        where the profile did not time it."""
+        stats = self.decision or {}
+        keys = list(stats.get("keys", []))
+        return float(stats["mean"][keys.index(question)]) if question in keys else 0.0
+
+    def decision_charges(self, questions) -> dict[str, float]:
+        """{question: seconds} replay charges for each of `questions` (`Controller.actor_questions()`)."""
+        return {q: t for q in sorted(questions) if (t := self.decision_time(q)) > 0}
 
     # -- batches -------------------------------------------------------------------------------------------------------
     @property
@@ -235,9 +253,10 @@ class LatencyProfile:
         curves = ("first_level", "levels", "verify_size")
         bad = [k for k in curves if k in data and not (isinstance(data[k], dict)
                                                         and {"keys", "mean", "std", "count"} <= set(data[k]))]
-        if data.get("plain") and not (isinstance(data["plain"], dict)
-                                      and {"keys", "mean", "std", "count"} <= set(data["plain"])):
-            bad.append("plain")
+        for optional in ("plain", "decision"):
+            if data.get(optional) and not (isinstance(data[optional], dict)
+                                           and {"keys", "mean", "std", "count"} <= set(data[optional])):
+                bad.append(optional)
         batch = data.get("batch") or {}
         if not isinstance(batch, dict) or not all(str(k).isdigit() and int(k) >= 1 and isinstance(v, dict)
                                                   and {"first_level", "levels", "verify_size"} <= set(v)
@@ -252,7 +271,7 @@ class LatencyProfile:
     @classmethod
     def from_samples(cls, first: dict, levels: dict, verify: list[tuple[int, int, float]], *, max_depth: int,
                      width: int, context_edges: list[int] | None = None, meta: dict | None = None,
-                     shrink: float = 10.0) -> "LatencyProfile":
+                     shrink: float = 10.0, decisions: dict | None = None) -> "LatencyProfile":
         """Aggregate raw samples: first {n_new: [s]}, levels {level: [s]}, verify [(size, context_len, s)]; size 0
         entries are plain steps: they make the plain model and stay out of m(V) and the context offsets (with
         no size-0 entry the profile has no plain model and prices V = 0 as m(0) + o)."""
@@ -272,7 +291,8 @@ class LatencyProfile:
         profile = cls(max_depth=max_depth, width=width, first_level=_stats(first), levels=_stats(levels),
                       verify_size=by_size, context_edges=[int(e) for e in context_edges],
                       context_offset=[0.0] * len(context_edges), plain=_stats(plain_steps) if plain_steps else {},
-                      meta=dict(meta or {}), shrink=float(shrink))
+                      meta=dict(meta or {}), shrink=float(shrink),
+                      decision=_stats({q: v for q, v in (decisions or {}).items() if v}) if decisions else {})
         if verify:
             v = np.array([x[0] for x in verify])
             c = np.array([x[1] for x in verify])
@@ -295,13 +315,15 @@ class ProfileSamples:
     levels: dict = field(default_factory=lambda: defaultdict(list))     # level index -> [s]
     verify: list = field(default_factory=list)                          # [(size, context_len, s)]
     meta: dict = field(default_factory=dict)
+    decisions: dict = field(default_factory=lambda: defaultdict(list))  # question -> [s] (the probe's answers)
 
     def profile(self, context_edges: list[int] | None = None, shrink: float = 10.0) -> LatencyProfile:
         meta = {**self.meta, "cycles": len(self.verify)}
         if meta.get("ar_tokens"):  # AR generations timed between the profile's prompts (`collect_samples_with_ar`)
             meta["ar_seconds_per_token"] = float(meta["ar_s"]) / int(meta["ar_tokens"])
         return LatencyProfile.from_samples(self.first, self.levels, self.verify, max_depth=self.max_depth,
-                                           width=self.width, context_edges=context_edges, meta=meta, shrink=shrink)
+                                           width=self.width, context_edges=context_edges, meta=meta, shrink=shrink,
+                                           decisions=self.decisions)
 
 
 class _RandomConfigs:
@@ -311,15 +333,27 @@ class _RandomConfigs:
     the streak's tokens are caught up by the next cycle's first draft forward (first(n) for larger n), and the
     plain model gets enough samples."""
 
-    def __init__(self, rng: np.random.Generator, max_depth: int, sizes: list[int]) -> None:
+    def __init__(self, rng: np.random.Generator, max_depth: int, sizes: list[int], probe=None) -> None:
         self.rng, self.max_depth, self.sizes = rng, max_depth, sizes
         self.depth = self.size = 1
         self.plain_left = 0
+        # probe: a Controller asked each question first (right after the decoder's step, as a policy is) and timed;
+        # times go to `decisions` (None: not kept, e.g. during warm-up)
+        self.probe, self.decisions = probe, None
+
+    def _ask_probe(self, question: str, ask, state) -> None:
+        if self.probe is not None:
+            t0 = time.perf_counter()
+            ask(state)
+            seconds = time.perf_counter() - t0
+            if self.decisions is not None:
+                self.decisions[question].append(seconds)
 
     def reset(self) -> None:
         pass
 
     def skip_drafting(self, state) -> bool:
+        self._ask_probe("skip", self.probe and self.probe.skip_drafting, state)
         if self.plain_left > 0:
             self.plain_left -= 1
             self.depth = 0
@@ -331,9 +365,11 @@ class _RandomConfigs:
         return self.depth == 0
 
     def should_stop(self, state) -> bool:
+        self._ask_probe("stop", self.probe and self.probe.should_stop, state)
         return state.depth >= self.depth
 
     def choose_size(self, state) -> int:
+        self._ask_probe("size", self.probe and self.probe.choose_size, state)
         return self.size
 
     def observe(self, record) -> None:
@@ -342,10 +378,12 @@ class _RandomConfigs:
 
 def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: list[int] | None = None,
                     rng: np.random.Generator | int | None = 0, warmup_cycles: int = 16, min_cycles: int = 0,
-                    samples: ProfileSamples | None = None, progress: bool = False) -> ProfileSamples:
+                    samples: ProfileSamples | None = None, probe_decisions: bool = True,
+                    progress: bool = False) -> ProfileSamples:
     """Run live greedy generations with a random (depth, size) per cycle through `run_cycle` and keep every step's
     time (appending to `samples` when given): the draft levels' times and the verification time the decoder itself
-    records in each CycleRecord (`level_s`, `fed`, `verify_s`; device-synchronised clock).
+    records in each CycleRecord (`level_s`, `fed`, `verify_s`; device-synchronised clock); with `probe_decisions`,
+    also the time a probe policy takes to answer each question (module docstring, "Decisions").
 
     depth ~ U{0..tree.max_depth}; size ~ uniform over `sizes` (default: 1, W, the device's size actions, max_size;
     clipped to tree.max_size). A warm-up pass of `warmup_cycles` cycles on the first prompt is run but not kept
@@ -367,7 +405,12 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
                                  meta={"device": str(pair.device), "dtype": str(pair.dtype), "sizes": sizes,
                                        "max_new_tokens": max_new_tokens, "measured_s": 0.0,
                                        "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())})
-    configs = _RandomConfigs(rng, tree.max_depth, sizes)
+    probe = None
+    if probe_decisions:
+        from specpilot.policies.learned import probe_controller
+
+        probe = probe_controller(tree.width, tree.max_depth, default_size_actions(str(pair.device)))
+    configs = _RandomConfigs(rng, tree.max_depth, sizes, probe)
     started = time.perf_counter()
     prompt_ids = [pair.encode(p) for p in prompts]
     order = [prompt_ids[0]] + prompt_ids  # a warm-up pass on the first prompt, then every prompt
@@ -379,6 +422,7 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
         if i == 1 and warmup_cycles <= 0:
             continue
         warmup = i == 1
+        configs.decisions = None if warmup else samples.decisions
         session = decoder.start(prompt, max_new_tokens=max_new_tokens)
         seen = 0
         while not session.done and (not warmup or seen < warmup_cycles):

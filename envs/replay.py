@@ -128,7 +128,7 @@ class ReplayModel:
 
 
 class _NoClock:
-    """Replay decisions are not charged: modelled time covers drafting and verification only."""
+    """Replay does not time decisions: it charges the profile's measured decision time instead (`charges`)."""
 
     @staticmethod
     def now() -> float:
@@ -139,13 +139,21 @@ class ReplaySession:
     """One recorded prompt's generation replayed step by step (the `specpilot.drafting.cycle` protocol).
 
     rng / time_noise: optional seeded Gaussian noise on the modelled times, in units of the profile's measured
-    standard deviations (draft noise scaled by sqrt(depth))."""
+    standard deviations (draft noise scaled by sqrt(depth)).
+    charges: {question: seconds} charged to CycleRecord.policy_s each time that question is asked ("skip": the
+    cycle state before drafting, "stop": after a level below max_depth, "size": the ranked tree), as the live clock
+    charges a policy's answers (`LatencyProfile.decision_charges`); None: decisions are free (the training
+    environments: the paper's reward leaves decision time out)."""
 
     clock = _NoClock()
 
     def __init__(self, model: ReplayModel, index: int, *, rng: np.random.Generator | None = None,
-                 time_noise: float = 0.0) -> None:
+                 time_noise: float = 0.0, charges: dict[str, float] | None = None) -> None:
         self.model, self.tables, self.index = model, model.tables(index), index
+        charges = charges or {}
+        self._charge_skip, self._charge_stop, self._charge_size = (float(charges.get(q, 0.0))
+                                                                   for q in ("skip", "stop", "size"))
+        self._policy_s = 0.0
         self.max_depth = model.trace.max_depth
         self.rng, self.time_noise = rng, float(time_noise)
         self.t, self.n_new, self.depth = 0, FED_AT_START, 0
@@ -183,16 +191,19 @@ class ReplaySession:
         return self.tables.state(self.t, self.depth, *self.prev, acceptance=self.acceptance)
 
     def cycle_state(self) -> DraftState:
+        self._policy_s += self._charge_skip  # (asked only as the skip question)
         return self._state()
 
     def draft_level(self) -> DraftState:
         if self.depth >= self.max_depth:
             raise RuntimeError(f"cannot draft past max_depth={self.max_depth}; call verify()")
         self.depth += 1
+        if self.depth < self.max_depth:  # the stop question follows every level below max_depth
+            self._policy_s += self._charge_stop
         return self._state()
 
     def rank_candidates(self) -> None:
-        pass
+        self._policy_s += self._charge_size  # the size question follows
 
     def add_policy_time(self, seconds: float) -> None:
         pass
@@ -212,8 +223,9 @@ class ReplaySession:
         size = self.model.clip_size(depth, size)
         accepted, emitted = self.tables.emitted(self.t, depth, size)
         draft_s, verify_s = self._times(depth, size)
-        record = CycleRecord(depth, size, accepted, emitted, draft_s, verify_s, 0.0, self.prompt_len + self.t,
-                             fed=self.n_new if depth else 0)
+        record = CycleRecord(depth, size, accepted, emitted, draft_s, verify_s, self._policy_s,
+                             self.prompt_len + self.t, fed=self.n_new if depth else 0)
+        self._policy_s = 0.0
         self.t += emitted
         self.n_new = next_fed(depth, self.n_new, emitted)
         self.acceptance = update_acceptance(self.acceptance, accepted, depth)

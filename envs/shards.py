@@ -60,7 +60,8 @@ def samples_to_dict(samples: ProfileSamples) -> dict:
     return {"max_depth": samples.max_depth, "width": samples.width,
             "first": {str(k): list(v) for k, v in samples.first.items()},
             "levels": {str(k): list(v) for k, v in samples.levels.items()},
-            "verify": [list(v) for v in samples.verify], "meta": dict(samples.meta)}
+            "verify": [list(v) for v in samples.verify], "meta": dict(samples.meta),
+            "decisions": {str(k): list(v) for k, v in samples.decisions.items()}}
 
 
 def samples_from_dict(data: dict) -> ProfileSamples:
@@ -70,6 +71,8 @@ def samples_from_dict(data: dict) -> ProfileSamples:
     for k, v in data["levels"].items():
         samples.levels[int(k)].extend(v)
     samples.verify.extend((int(a), int(b), float(c)) for a, b, c in data["verify"])
+    for k, v in (data.get("decisions") or {}).items():
+        samples.decisions[str(k)].extend(float(x) for x in v)
     return samples
 
 
@@ -93,6 +96,8 @@ def merge_samples(parts: Sequence[tuple[str, ProfileSamples]]) -> ProfileSamples
                 where[key][k].extend([idx] * len(values))
         merged.verify.extend(s.verify)
         where["verify"].extend([idx] * len(s.verify))
+        for question, values in s.decisions.items():  # (each shard's probe timed on its own machine)
+            merged.decisions[question].extend(values)
     merged.meta["measured_s"] = float(sum(s.meta.get("measured_s", 0.0) for _, s in parts))
     merged.meta.pop("ar_s", None), merged.meta.pop("ar_tokens", None)
     if all(s.meta.get("ar_tokens") for _, s in parts):  # AR timed beside every shard's profile prompts

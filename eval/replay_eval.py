@@ -10,8 +10,11 @@ What is compared with what:
 - replay speedup of a method = its replayed tokens/s over autoregressive tokens/s: the AR decode time measured
   with the profile (profile.meta["ar_seconds_per_token"], interleaved with it, so a change of load between the
   profile and the live rounds cancels), else this run's live `ar` decode time (wall minus prefill);
-- gap = replay speedup / live speedup - 1: the cost model's error plus what replay leaves out (prefill, the
-  controller's own time, bookkeeping outside cycles);
+- decision time: each question a controller answers with a policy network costs the probe policy's time measured
+  with the profile (`LatencyProfile.decision`), as live; rules and fixed configs answer for free, and so does the
+  oracle (a ceiling on decisions, not on deciding);
+- gap = replay speedup / live speedup - 1: the cost model's error plus what replay leaves out (prefill, a rule's
+  own time, bookkeeping outside cycles);
 - the hindsight oracle (`replay_oracle`) on the same traces: the ceiling any (depth, size) policy can reach, and
   each method's share of it.
 Replay is greedy only (T=0).
@@ -70,14 +73,16 @@ def _replay_units(trace, profile, controller: Controller, n: int) -> dict:
     from specpilot.envs.oracle import replay_controller
 
     logged = DecisionLog(copy.deepcopy(controller))
-    tokens, times, logs = [], [], []
+    tokens, times, logs, deciding = [], [], [], 0.0
     for i in range(n):
         start = len(logged.log)
         out = replay_controller(trace, profile, logged, prompts=[i])
         tokens.append(out["tokens"])
         times.append(out["time_s"])
+        deciding += out["decision_s"]
         logs.append(logged.log[start:])
-    return {"tokens": np.asarray(tokens, float), "time_s": np.asarray(times, float), "logs": logs}
+    return {"tokens": np.asarray(tokens, float), "time_s": np.asarray(times, float), "logs": logs,
+            "decision_s": deciding}
 
 
 def _ratio(a: dict, b: dict, idx: Sequence[int], *, seed: int) -> dict:
@@ -123,10 +128,13 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
                         "tau": float(u["tokens"].sum() / max(1, sum(len(x) for x in u["logs"]))),
                         "tokens_per_s": float(u["tokens"].sum() / u["time_s"].sum()),
                         "live_speedup": live_speedup, "live_speedup_ci": live.get(name, {}).get("speedup_ci"),
-                        "gap": (c["ratio"] / live_speedup - 1.0) if live_speedup else None, "n_prompts": n})
+                        "gap": (c["ratio"] / live_speedup - 1.0) if live_speedup else None, "n_prompts": n,
+                        "decision_share": float(u["decision_s"] / u["time_s"].sum())})
     oracle = replay_oracle(trace, profile)
     ar_tps = 1.0 / s_per_token
+    decision_us = {q: 1e6 * t for q, t in profile.decision_charges(("skip", "stop", "size")).items()}
     return {"ar_seconds_per_token": s_per_token, "ar_source": ar_source, "n_prompts": n, "profile": profile_info or {},
+            "decision_us": decision_us,
             "methods": methods, "skipped": skipped, "replay_only": sorted(replay_only or {}),
             "comparisons": _replay_comparisons(units, seed=seed, decide=decide),
             "groups": _replay_groups(units, prompts, decide=decide, seed=seed),

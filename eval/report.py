@@ -206,6 +206,18 @@ def _group_lines(groups: list[dict], degenerate: set | None = None) -> list[str]
     return lines + [""]
 
 
+def _decision_charge(replay: dict) -> str:
+    """How replay charged deciding: the profile's measured time per question a policy network answers."""
+    charged = replay.get("decision_us") or {}
+    if not charged:
+        return "Decisions free (the profile did not time them)."
+    shares = ", ".join(f"{m['method']} {100 * m['decision_share']:.1f}%" for m in replay["methods"]
+                       if m.get("decision_share"))
+    return ("Decision time charged to each question a policy network answers, as measured with the profile ("
+            + ", ".join(f"{q} {us:.0f} us" for q, us in sorted(charged.items())) + "; rules, fixed configs and the "
+            "oracle decide for free)" + (f": {shares} of the replayed time." if shares else "."))
+
+
 def _replay_lines(replay: dict | None) -> list[str]:
     if not replay:
         return []
@@ -214,8 +226,9 @@ def _replay_lines(replay: dict | None) -> list[str]:
              f"Replay: every controller over greedy traces of the same {replay['n_prompts']} prompts, exact accepted "
              f"lengths, time from the latency profile ({prof.get('source', '?')}; created {prof.get('created')}). "
              f"AR reference: decode time {replay.get('ar_source', 'of the live ar runs')}, "
-             f"{1000 * replay['ar_seconds_per_token']:.2f} ms/token. Gap = replay / live - 1 (replay leaves out "
-             "prefill, the controller's own time and load changes during the live rounds)."
+             f"{1000 * replay['ar_seconds_per_token']:.2f} ms/token. {_decision_charge(replay)} "
+             "Gap = replay / live - 1 (replay leaves out prefill, a rule's own time and load changes during the live "
+             "rounds)."
              + (f" Replay only (not run live, to save time): {', '.join(replay['replay_only'])}."
                 if replay.get("replay_only") else ""), "",
              "| method | live speedup [95% CI] | replay speedup [95% CI over prompts] | gap | share of oracle |",

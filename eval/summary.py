@@ -46,7 +46,8 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
                                   for g in groups if not g["too_small"]]},
         "replay": {"methods": {m["method"]: {"speedup": m["speedup"], "live_speedup": m.get("live_speedup"),
                                              "gap": m.get("gap")} for m in replay.get("methods", [])},
-                   "comparisons": replay.get("comparisons", []), "oracle": replay.get("oracle")} if replay else None,
+                   "comparisons": replay.get("comparisons", []), "oracle": replay.get("oracle"),
+                   "decision_us": replay.get("decision_us") or {}} if replay else None,
         "cost_check": {k: {"stale": v["stale"], "max_abs_error": v.get("max_abs_error"), "age_s": v.get("age_s"),
                            "worst_spread": v.get("worst_spread"), "title": v.get("title", k)}
                        for k, v in (report.get("cost_check") or {}).items()},
@@ -93,7 +94,11 @@ def _replay_lines(replay: dict | None) -> list[str]:
             live = f"live {m['live_speedup']:.2f}x" if _ok(m.get("live_speedup")) else "live -"
             cells.append(f"{name} {m['speedup']:.2f}x ({live}{gap})")
     oracle = replay.get("oracle") or {}
-    lines = ["replay of the held-out traces (exact tau, modelled time): " + ", ".join(cells)
+    charged = replay.get("decision_us") or {}
+    asked = [q for q in ("skip", "stop", "size") if q in charged]
+    deciding = (f"policy decisions charged {'/'.join(f'{charged[q]:.0f}' for q in asked)} us ({'/'.join(asked)})"
+                if asked else "decisions free")
+    lines = [f"replay of the held-out traces (exact tau, modelled time, {deciding}): " + ", ".join(cells)
              + (f"; hindsight oracle {oracle['speedup']:.2f}x" if _ok(oracle.get("speedup")) else "")]
     lines += [f"  replay {describe(c)}" for c in replay.get("comparisons", [])[:1]]
     return lines

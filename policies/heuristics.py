@@ -333,6 +333,9 @@ class SpeculateBelowBatch(Controller):
         if not self._forced:
             self.inner.observe(record)
 
+    def actor_questions(self) -> frozenset[str]:
+        return self.inner.actor_questions()
+
     def describe(self) -> dict:
         return {"name": self.name, "max_batch": self.max_batch, "inner": self.inner.describe()}
 
@@ -385,6 +388,10 @@ class BatchGuardController(Controller):
 
     def observe(self, record: CycleRecord) -> None:
         self.learned.observe(record)
+
+    def actor_questions(self) -> frozenset[str]:
+        # replay runs one sequence: at batch size 1 the table or the learned controller answers every question
+        return frozenset() if self.uses_table(1) else self.learned.actor_questions()
 
     def to_dict(self) -> dict:
         return {"table": {str(b): [d, v] for b, d, v in self.table.entries}, "fallback": self.fallback}

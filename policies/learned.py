@@ -15,6 +15,7 @@ from specpilot.policies.observation import ObservationSpec
 
 CONTINUE, STOP = 0, 1  # depth actions
 DEPTH_ACTIONS = ["continue", "stop"]
+PROBE_HIDDEN = (64, 64)  # the demo's actor layers (`specpilot.demo.DemoBudget.pi_arch`)
 
 
 def check_actor(actor: Actor, spec: ObservationSpec | None, kind: str, n_actions: int) -> None:
@@ -85,6 +86,9 @@ class LearnedController(Controller):
     def observe(self, record: CycleRecord) -> None:
         self.fallback.observe(record)
 
+    def actor_questions(self) -> frozenset[str]:
+        return frozenset(({"skip", "stop"} if self.has_depth else set()) | ({"size"} if self.has_size else set()))
+
     def describe(self) -> dict:
         return {
             "name": self.name,
@@ -94,3 +98,26 @@ class LearnedController(Controller):
             "size_spec": self.size_spec.to_dict() if self.size_spec else None,
             "size_actions": self.size_actions,
         }
+
+
+def probe_controller(width: int, max_depth: int, size_actions: list[int], *, hidden: tuple[int, ...] = PROBE_HIDDEN,
+                     seed: int = 0) -> LearnedController:
+    """A LearnedController with random tanh actors of `hidden` layers for both questions, whose answers nobody
+    uses: the latency profile times its decisions right after the decoder's own steps (`envs.profile`), where a
+    trained policy of that size decides, so replay can charge what deciding costs on this machine."""
+    import torch
+
+    gen = torch.Generator().manual_seed(int(seed))
+
+    def actor(n_in: int, n_out: int) -> Actor:
+        layers, sizes = [], [n_in, *hidden, n_out]
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(("linear", torch.randn(b, a, generator=gen) / a ** 0.5, torch.zeros(b)))
+            if i < len(sizes) - 2:
+                layers.append(("activation", "tanh", {}))
+        return Actor(layers, source="decision-time probe")
+
+    depth_spec = ObservationSpec.for_depth(width, max_depth)
+    size_spec = ObservationSpec.for_size(width, max_depth, size_actions)
+    return LearnedController(actor(depth_spec.dim, len(DEPTH_ACTIONS)), actor(size_spec.dim, len(size_actions)),
+                             depth_spec, size_spec, list(size_actions), name="probe")

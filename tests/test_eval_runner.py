@@ -226,6 +226,13 @@ def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
     assert by["grid"]["tau"] == pytest.approx(next(s["tau"] for s in res.summary if s["method"] == "grid"))
     decide = replay["comparisons"][0]
     assert (decide["method"], decide["baseline"]) == ("ltd", "grid") and decide["same_decisions"] is False
+    # deciding costs what the profile's probe policy took: a policy network pays it, fixed configs do not
+    assert set(replay["decision_us"]) == {"skip", "stop", "size"} and min(replay["decision_us"].values()) > 0
+    assert all(m["decision_share"] == 0 for m in replay["methods"])  # (this "ltd" is a fixed config)
+    from specpilot.policies.learned import probe_controller
+    learned = probe_controller(TREE.width, TREE.max_depth, [1, 2, 4])
+    charged = replay_evaluation(res, trace, profile, prompts=PROMPTS, replay_only={"net": (learned, TREE)})
+    assert next(m for m in charged["methods"] if m["method"] == "net")["decision_share"] > 0
     assert replay["oracle"]["speedup"] >= max(m["speedup"] for m in replay["methods"]) * (1 - 1e-9)
     # controllers not run live are replayed beside the others (built without a pair)
     from specpilot.eval.methods import EvalContext, replay_controllers
