@@ -12,7 +12,6 @@ import torch
 from specpilot.drafting.control import DecisionLog, FixedController
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.errors import InputFileError
-from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.oracle import replay_controller
 from specpilot.envs.profile import LatencyProfile, ProfileSamples, collect_samples
@@ -21,6 +20,7 @@ from specpilot.envs.replay import ReplayModel, ReplaySession
 from specpilot.envs.shards import merge_samples, samples_from_dict, samples_to_dict
 from specpilot.policies.heuristics import BatchGuardController, SpeculateBelowBatch
 from specpilot.policies.learned import LearnedController, probe_controller
+from tiny import tiny_pair
 
 TREE = TreeConfig(width=2, max_depth=4, max_size=8)
 SIZES = [1, 2, 4, 8]
@@ -29,20 +29,10 @@ CHARGES = {"skip": 5e-5, "stop": 3e-5, "size": 4e-5}
 
 @pytest.fixture(scope="module")
 def pair_prompts():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      intermediate_size=64, max_position_embeddings=256, eos_token_id=63)
-    target = LlamaForCausalLM(cfg)
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.3 * p.std() * torch.randn_like(p))
     rng = np.random.default_rng(0)
-    yield ModelPair(target, draft), [rng.integers(0, 63, size=5).tolist() for _ in range(2)]
+    yield tiny_pair(vocab=64, layers=1, eos=63, sharpness=1.0), [rng.integers(0, 63, size=5).tolist() for _ in range(2)]
     torch.set_num_threads(threads)
 
 
