@@ -22,7 +22,7 @@ from specpilot.drafting.cache import cache_length, generation_cache, keep_positi
 from specpilot.drafting.checks import check_context, check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
-from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, update_acceptance
+from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, num_candidates, update_acceptance
 from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, make_drafter
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sample, sampling_probs
@@ -31,6 +31,10 @@ from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
 from specpilot.drafting.verify import (accept_greedy, accept_tree_recursive, accept_tree_sampled, block_inputs,
                                        near_tie_cut, select_block)
+
+# most drafted nodes a tree may keep: its ancestor matrix is nodes^2 booleans (256 MiB at this size), and a tree this
+# large verifies a tiny fraction of what it drafts (at most max_size)
+MAX_TREE_NODES = 16_384
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed=None) -> None:
@@ -340,6 +344,12 @@ class SpeculativeDecoder:
         if tree.width > vocab:  # a level cannot have more distinct children than the drafter has tokens
             raise ValueError(f"TreeConfig.width={tree.width} exceeds the drafter's vocabulary of {vocab} tokens; "
                              f"use a width in 1..{vocab}")
+        nodes = num_candidates(tree.width, tree.max_depth)
+        if nodes > MAX_TREE_NODES:  # refused before anything is allocated: a wide tree fails on memory mid-run
+            raise ValueError(f"TreeConfig(width={tree.width}, max_depth={tree.max_depth}) keeps up to {nodes:,} drafted "
+                             f"nodes per cycle (W + (max_depth - 1) W^2; its ancestor matrix alone needs "
+                             f"{nodes * nodes / 2 ** 30:.1f} GiB); at most {MAX_TREE_NODES:,}: lower the width or "
+                             "max_depth")
         self.pair = pair
         self.tree = tree
 

@@ -102,7 +102,17 @@ def test_text_with_invalid_utf8_is_refused(saved_pair):
 def test_width_larger_than_the_drafter_vocabulary(pair):
     with pytest.raises(ValueError, match="width=97 exceeds the drafter's vocabulary of 96 tokens"):
         SpeculativeDecoder(pair, TreeConfig(width=97))
-    SpeculativeDecoder(pair, TreeConfig(width=96))  # the largest width that fits
+    SpeculativeDecoder(pair, TreeConfig(width=96, max_depth=2))  # the largest width that fits
+
+
+@pytest.mark.parametrize("width, max_depth, ok", [(64, 4, True), (64, 5, False), (8, 256, True), (90, 12, False)])
+def test_trees_too_large_to_hold_are_refused_before_anything_is_allocated(pair, width, max_depth, ok):
+    tree = TreeConfig(width=width, max_depth=max_depth)
+    if ok:
+        SpeculativeDecoder(pair, tree)
+    else:
+        with pytest.raises(ValueError, match=r"drafted nodes per cycle .* GiB\); at most 16,384: lower the width"):
+            SpeculativeDecoder(pair, tree)
 
 
 def test_width_larger_than_an_eagle_heads_draft_vocabulary():
