@@ -215,6 +215,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     from specpilot.drafting import ModelPair, TreeConfig
     from specpilot.drafting.executor import LocalExecutor
     from specpilot.drafting.pair import load_tokenizer
+    from specpilot.eval.cli import check_prompt_lengths
     from specpilot.eval.suites import choose_suite, load_suite, with_chat_template
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
@@ -235,6 +236,10 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
+    for prompts in (heldout, train, val):  # now, not after the training: the evaluation would refuse them then
+        check_prompt_lengths(prompts, {p.prompt: pair.encode(p.prompt) for p in prompts}, context=pair.max_context,
+                             max_new_tokens=budget.max_new_tokens, max_depth=tree.max_depth, truncate=False,
+                             options=())
     budget_fields = asdict(budget)
     key = _key({k: v for k, v in identity.items() if k != "dtype_reason"}, seed)  # the reason may quote timings
     timings: dict[str, float] = {}

@@ -188,6 +188,7 @@ def test_a_missing_suite_path_says_so(capsys, tmp_path):
 
 
 def test_eval_refuses_prompts_that_do_not_fit_unless_told(saved_pair, tmp_path, capsys, monkeypatch):
+    import specpilot.eval.full  # noqa: F401  (imported first: its `evaluate` name is bound before the patch)
     import specpilot.eval.runner as runner
 
     long = tmp_path / "long.txt"
@@ -207,3 +208,17 @@ def test_generate_checks_the_real_request_before_the_warm_up(saved_pair, capsys)
     code, err = run_cli(["generate", "--prompt", "x", "--target", str(saved_pair / "target"), "--draft",
                          str(saved_pair / "draft"), "--max-new-tokens", "100000000"], capsys)
     assert_one_line(code, err, "max_new_tokens=100000000")
+
+
+def test_grid_refuses_live_prompts_that_do_not_fit_before_measuring(saved_pair, tmp_path, capsys):
+    pair = ["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft")]
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n")
+    assert run_cli(["record", "--suite", str(short), *pair, "--out", str(tmp_path / "t"), "--max-new-tokens", "4",
+                    "--width", "2", "--max-depth", "2", "--max-size", "4", "--profile-cycles", "0"], capsys)[0] == 0
+    long = tmp_path / "long.txt"
+    long.write_text("return x + 1 " * 400 + "\n")
+    code, err = run_cli(["grid", "--traces", str(tmp_path / "t"), *pair, "--out", str(tmp_path / "g.json"),
+                         "--live-top", "1", "--val-suite", str(long)], capsys)
+    assert_one_line(code, err, "tokens", "context; shorten them, or lower --max-new-tokens")
+    assert not (tmp_path / "g.json").exists()

@@ -87,3 +87,31 @@ def test_demo_quick_cli_on_default_pair(tmp_path):
         # decoding (ar, HF's generate) is not exposed to; the summary says why it chose it
         assert methods["ar"]["identical_to_ar"] and methods["hf_generate"]["identical_to_ar"]
         assert summary["pair"]["dtype_reason"]
+
+
+def test_demo_refuses_prompts_too_long_for_the_context_before_any_stage(saved_pair, tmp_path, capsys):
+    from test_cli_errors import assert_one_line, run_cli
+
+    suite = tmp_path / "long.jsonl"
+    suite.write_text(json.dumps({"id": "long-1", "prompt": "def f(x):\n" + "    x = x + 1\n" * 600}) + "\n")
+    code, err = run_cli(["demo", "--quick", "--out", str(tmp_path / "run"), "--suite", str(suite), "--target",
+                         str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--wandb", "disabled"],
+                        capsys)
+    assert_one_line(code, err, "prompt 'long-1' is", "context; shorten them")
+    assert not (tmp_path / "run" / "traces").exists() and not (tmp_path / "run" / "demo_state.json").exists()
+
+
+@pytest.mark.parametrize("options, advice", [
+    (("--max-new-tokens", "--truncate-prompts"), "shorten them, lower --max-new-tokens, or add --truncate-prompts"),
+    (("--max-new-tokens",), "shorten them, or lower --max-new-tokens"),
+    ((), "context; shorten them"),
+])
+def test_a_prompt_refusal_offers_only_the_options_its_command_has(options, advice):
+    from specpilot.eval.cli import check_prompt_lengths
+    from specpilot.eval.suites import Prompt
+
+    prompt = Prompt(id="p", prompt="x", task="t", language="python", split="heldout")
+    with pytest.raises(ValueError) as info:
+        check_prompt_lengths([prompt], {"x": list(range(100))}, context=64, max_new_tokens=8, max_depth=4,
+                             truncate=False, options=options)
+    assert advice in str(info.value) and (options or str(info.value).endswith("shorten them"))

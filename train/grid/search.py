@@ -606,7 +606,8 @@ def run(args: argparse.Namespace) -> int:
         if args.val_suite == "heldout" or held:
             raise ValueError(f"--val-suite {args.val_suite}: the grid's live phase selects the baseline, and "
                              "held-out prompts are never used for selection; use validation prompts (the default)")
-        prompts = [p.prompt for p in suite][: args.val_limit or None]
+        chosen = list(suite)[: args.val_limit or None]
+        prompts = [p.prompt for p in chosen]
     pair = None
     batch_sizes = getattr(args, "batch_sizes", None)
     if batch_sizes and args.live_top == 0 and getattr(args, "batch_profile", None) is None and any(
@@ -615,6 +616,15 @@ def run(args: argparse.Namespace) -> int:
 
         pair = load_pair(args)  # the traces' profiles lack these batch sizes: measured now with the pair
     with open_executor(args) if args.live_top > 0 else nullcontext() as executor:
+        if getattr(executor, "pair", None) is not None:  # local: prompts too long for the context refused now, as
+            # eval does (the runner would keep their last tokens: a baseline chosen on other text than asked)
+            from specpilot.eval.cli import check_prompt_lengths
+
+            deepest = max((load_trace(t) for t in traces), key=lambda t: t.max_depth)
+            check_prompt_lengths(chosen, {p.prompt: executor.pair.encode(p.prompt) for p in chosen},
+                                 context=executor.pair.max_context, max_depth=deepest.max_depth, truncate=False,
+                                 options=("--max-new-tokens",),
+                                 max_new_tokens=args.max_new_tokens or deepest.max_new_tokens)
         result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
                              pair=pair, executor=executor, val_prompts=prompts, live_top=args.live_top,
                              live_repeats=args.live_repeats, batch_sizes=batch_sizes,
