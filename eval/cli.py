@@ -177,6 +177,23 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
 
 
+def check_replay_dir(replay_dir, identity: dict) -> None:
+    """--replay-dir caches this pair's held-out trace (re-recorded there when the prompts, tree or budget changed);
+    a trace of another pair there is someone's data, never overwritten: ContractError naming both pairs."""
+    from specpilot.artifacts.contract import check_pair
+    from specpilot.artifacts.trace import TraceHeader, is_trace
+
+    if replay_dir is None or not is_trace(replay_dir):
+        return
+    try:
+        recorded = TraceHeader.load(replay_dir).pair
+    except (OSError, ValueError):  # unreadable: re-recorded, as before
+        return
+    check_pair(recorded, identity, expected_from=f"the trace in --replay-dir {replay_dir}",
+               got_from="the pair loaded for evaluation",
+               fix="give this pair's or an empty --replay-dir (that trace is left as it is)")
+
+
 def check_batch_options(args: argparse.Namespace) -> None:
     """--batch-sizes runs the batched evaluation (in this process): options it cannot honour are refused."""
     conflicts = [o for o, given in (("--replay-dir", args.replay_dir), ("--check-profile", args.check_profile),
@@ -202,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             SpeculativeDecoder(executor.pair, plan.tree)
         identity = executor.workers[0]["pair"]
         check_inputs_pair(identity, run_dir=args.run_dir, grid=args.grid)  # the run / grid were made on this pair
+        check_replay_dir(args.replay_dir, identity)
         methods = plan.methods
         # hf_assisted, one rule everywhere (eval.methods._assistant): transformers' assisted generation drafts with
         # a separate draft LM, the embedded one for the embedded EAGLE-3 pair; another EAGLE-3 pair has none, so the

@@ -222,3 +222,17 @@ def test_grid_refuses_live_prompts_that_do_not_fit_before_measuring(saved_pair, 
                          "--live-top", "1", "--val-suite", str(long)], capsys)
     assert_one_line(code, err, "tokens", "context; shorten them, or lower --max-new-tokens")
     assert not (tmp_path / "g.json").exists()
+
+
+def test_eval_never_overwrites_another_pairs_trace_in_replay_dir(saved_pair, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n")
+    assert run_cli(["record", "--suite", str(short), "--target", str(saved_pair / "target"), "--draft",
+                    str(saved_pair / "draft"), "--out", str(tmp_path / "t"), "--max-new-tokens", "4", "--width", "2",
+                    "--max-depth", "2", "--max-size", "4", "--profile-cycles", "0"], capsys)[0] == 0
+    before = (tmp_path / "t" / "trace.npz").read_bytes()
+    code, err = run_cli(["eval", "--suite", str(short), "--methods", "fixed", "--temperatures", "0", "--rounds", "1",
+                         "--max-new-tokens", "4", "--no-plots", "--out", str(tmp_path / "e"), "--replay-dir",
+                         str(tmp_path / "t")], capsys)  # the embedded pair, not the trace's
+    assert_one_line(code, err, "the trace in --replay-dir", "specpilot-default", "that trace is left as it is")
+    assert (tmp_path / "t" / "trace.npz").read_bytes() == before
