@@ -63,4 +63,5 @@ def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) ->
         raise ValueError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
             f"{need} positions but the models' context is {limit}; shorten the prompt or lower max_new_tokens"
+            + (" or the draft depth (max_depth)" if lookahead > 1 and lookahead > need - limit else "")
         )

@@ -184,9 +184,15 @@ def dtype(text: str) -> str:
     return text.strip().lower()
 
 
+MAX_SEED = 2 ** 63 - 1  # torch.Generator.manual_seed takes a signed 64-bit integer
+
+
 def seed(text: str) -> int:
-    """A random seed: an integer >= 0 (numpy's generators refuse negative seeds)."""
-    return non_negative_int(text)
+    """A random seed: an integer in 0..2^63 - 1 (numpy's generators refuse negative seeds, torch's larger ones)."""
+    value = non_negative_int(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..{MAX_SEED} (2^63 - 1), got {text!r}")
+    return value
 
 
 def stage_name(text: str) -> str:

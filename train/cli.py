@@ -45,6 +45,8 @@ def _static(text: str) -> tuple[int, int]:
 
 
 def _depth_range(text: str) -> list[int]:
+    if text.count(",") != 1:  # (int_list would read "3-9" as the seven depths 3..9)
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 1 <= LOW <= HIGH (e.g. 2,6), got {text!r}")
     values = int_list(1)(text)
     if len(values) != 2 or values[0] > values[1]:
         raise argparse.ArgumentTypeError(f"expected LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
