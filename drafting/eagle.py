@@ -23,7 +23,8 @@ token = the drafted token). The forward appends K/V to a transformers `DynamicCa
 Files: `config.json` (`"architectures": ["LlamaForCausalLMEagle3"]`, `num_hidden_layers: 1`, `vocab_size`,
 `draft_vocab_size`, `target_hidden_size`, `eagle_config`, the feature layers as `engine_layer_fields` writes them) and
 `model.safetensors` or `pytorch_model.bin` with keys `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
-`d2t`, `t2d`. Loading refuses missing or misshapen keys and heads that do not fit the target (EagleHeadError).
+`d2t`, `t2d`. Loading refuses missing or misshapen keys and heads that do not fit the target (EagleHeadError),
+and truncated, empty or garbage files (InputFileError naming the file).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
+
+from specpilot.drafting.files import load_weights, model_files_fix, read_json
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # The head trained for the embedded default pair's target (`specpilot models build --eagle`).
@@ -343,8 +346,9 @@ class Eagle3Head(nn.Module):
         root = Path(path)
         if not (root / "config.json").exists():
             raise EagleHeadError(f"no config.json under {root}: not an EAGLE-3 head folder")
-        cfg = Eagle3Config.from_dict(json.loads((root / "config.json").read_text()),
-                                     num_target_layers=int(target.config.num_hidden_layers))
+        # a truncated or garbage config.json is an InputFileError naming it, like the head's damaged weights
+        config = read_json(root / "config.json", what="EAGLE-3 head config", fix=model_files_fix(root))
+        cfg = Eagle3Config.from_dict(config, num_target_layers=int(target.config.num_hidden_layers))
         head = cls(cfg, target)
         state = _read_weights(root)
         _check_state(head, state, target)
@@ -395,12 +399,10 @@ def check_vocab_mapping(head: Eagle3Head) -> None:
 
 
 def _read_weights(root: Path) -> dict[str, torch.Tensor]:
-    if (root / WEIGHT_FILES["safetensors"]).exists():
-        from safetensors.torch import load_file
-
-        return load_file(str(root / WEIGHT_FILES["safetensors"]))
-    if (root / WEIGHT_FILES["bin"]).exists():
-        return torch.load(root / WEIGHT_FILES["bin"], map_location="cpu", weights_only=True)
+    """The head's tensors (safetensors first); a truncated, empty or garbage file is an InputFileError naming it."""
+    for name in (WEIGHT_FILES["safetensors"], WEIGHT_FILES["bin"]):
+        if (root / name).exists():
+            return load_weights(root / name, what="EAGLE-3 head", fix=model_files_fix(root))
     raise EagleHeadError(f"no weights under {root}: expected {WEIGHT_FILES['safetensors']} or {WEIGHT_FILES['bin']}")
 
 

@@ -6,6 +6,10 @@ with errors that name the file.
     atomic_path(path) / atomic_write_text  write to a temporary sibling, then os.replace: a crash or Ctrl-C never
                                           leaves a half-written report, trace or config behind
     read_json(path, what=..., fix=...)    a JSON object, or FileNotFoundError / InputFileError naming the file
+    load_weights(path, what=..., fix=...) a safetensors / torch weights file's tensors, or InputFileError naming
+                                          the file when it is truncated, empty or garbage
+    damaged_weights(folder, what=, fix=)  after a model folder failed to load: the InputFileError naming its
+                                          damaged weights file, or None when every weights file reads
 """
 from __future__ import annotations
 
@@ -17,6 +21,14 @@ from pathlib import Path
 from typing import Iterator
 
 from specpilot.drafting.errors import InputFileError, OutputPathError
+
+# The embedded pair (`specpilot.drafting.pair.DEFAULT_PAIR_DIR`, named here too because pair.py imports torch and
+# this module must stay light): its damaged files are rebuilt, not copied again.
+EMBEDDED_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
+# The weights files transformers and the EAGLE-3 loader read from a model folder (single or sharded), safetensors
+# first: a folder with both loads its safetensors, so only those can be the reason a load failed.
+WEIGHT_PATTERNS = (("model.safetensors", "model-*-of-*.safetensors"),
+                   ("pytorch_model.bin", "pytorch_model-*-of-*.bin"))
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -103,3 +115,78 @@ def read_json(path: str | Path, *, what: str, fix: str, kind: type = dict):
         raise InputFileError(f"{path} is not a {what}: it holds a JSON {type(data).__name__}, not a JSON "
                              f"{'object' if kind is dict else kind.__name__}; {fix}")
     return data
+
+
+def model_files_fix(folder: str | Path) -> str:
+    """How to get a good copy of a model folder's files: the embedded pair's are rebuilt, anyone else's copied or
+    saved again (the end of the messages about damaged model files)."""
+    folder = Path(folder).expanduser().resolve()
+    if folder == EMBEDDED_PAIR_DIR or EMBEDDED_PAIR_DIR in folder.parents:
+        return "rebuild the embedded pair with `specpilot models build`"
+    return ("re-copy the folder, or save the model again with `save_pretrained` "
+            "(the embedded pair: `specpilot models build`)")
+
+
+def _damaged(path: Path, what: str, fix: str, err: BaseException) -> InputFileError:
+    detail = " ".join(str(err).split()) or f"{type(err).__name__}: the file ends too early"
+    return InputFileError(f"{path}: the {what}'s weights file is damaged or incomplete (truncated, empty or "
+                          f"garbage: {detail}); {fix}")
+
+
+def _unreadable_weights() -> tuple[type[BaseException], ...]:
+    """What reading a damaged weights file raises: safetensors' error on a bad header or a file shorter than its
+    header says; torch.load's on a cut zip (OSError, RuntimeError), an empty file (EOFError) or garbage (pickle)."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return SafetensorError, OSError, EOFError, RuntimeError, pickle.UnpicklingError
+
+
+def load_weights(path: str | Path, *, what: str, fix: str) -> dict:
+    """The tensors of a `.safetensors` file (else a torch file, read with weights_only), on the CPU. A truncated,
+    empty or garbage file raises InputFileError naming the file, saying it is the `what` weights, ending with
+    `fix`. Only the read is guarded: nothing but the file can be wrong there."""
+    path = Path(path)
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        import torch
+
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except _unreadable_weights() as err:
+        raise _damaged(path, what, fix, err) from err
+
+
+def _check_weights(path: Path, *, what: str, fix: str) -> None:
+    """Read `path` as `load_weights` does, but a safetensors file only as far as its header (which safetensors
+    checks against the file's length): cheap even for a large model."""
+    if path.suffix != ".safetensors":
+        load_weights(path, what=what, fix=fix)
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except _unreadable_weights() as err:
+        raise _damaged(path, what, fix, err) from err
+
+
+def damaged_weights(folder: str | Path, *, what: str, fix: str) -> InputFileError | None:
+    """For a model folder that failed to load: the InputFileError naming its first damaged weights file (of the
+    kind a loader reads: safetensors when there are any), or None when they all read (the failure was something
+    else, and its own error should stand)."""
+    folder = Path(folder)
+    for patterns in WEIGHT_PATTERNS:
+        files = sorted({f for pattern in patterns for f in folder.glob(pattern) if f.is_file()})
+        for file in files:
+            try:
+                _check_weights(file, what=what, fix=fix)
+            except InputFileError as err:
+                return err
+        if files:
+            return None
+    return None

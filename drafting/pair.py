@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import torch
 
 from specpilot.drafting.attention import check_tree_attention
 from specpilot.drafting.checks import check_int
+from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.files import damaged_weights, model_files_fix, read_json
 
 DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
 # The embedded drafter `ModelPair.from_pretrained()` uses: the EAGLE-3 head when it is shipped, else the separate
@@ -303,19 +306,71 @@ def _checked_source(source, what: str):
     return text
 
 
+def _check_model_folder(folder: Path, what: str) -> None:
+    """Refuse, before transformers reads it, a local path that cannot be a model: a file, or a folder without
+    config.json (transformers would say "Unrecognized model ... should have a model_type key")."""
+    if not folder.is_dir():
+        raise InputFileError(f"the {what} model {folder} is a file, not a model folder: give the folder holding its "
+                             "config.json and weights")
+    if not (folder / "config.json").is_file():
+        raise InputFileError(f"the {what} model {folder} is not a model folder: no config.json in it; give the "
+                             "folder a model was saved to (`save_pretrained` writes config.json and the weights) or "
+                             "a hub id")
+
+
+def _config_problem(folder: Path, what: str) -> InputFileError | None:
+    """Why transformers could not tell what model a folder's config.json describes (no model_type, or one this
+    transformers does not know), or None when the config is not the reason."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = folder / "config.json"
+    config = read_json(path, what=f"{what} model config", fix=model_files_fix(folder))
+    model_type = config.get("model_type")
+    if not model_type:
+        return InputFileError(f"{path} has no model_type key: the {what} model {folder} is not a model folder "
+                              f"transformers can load; {model_files_fix(folder)}")
+    if model_type not in CONFIG_MAPPING:
+        return InputFileError(f"{path}: model_type {model_type!r} is unknown to transformers "
+                              f"{transformers.__version__}: fix config.json's model_type or upgrade transformers")
+    return None
+
+
 def _load_lm(source, what: str, dtype):
+    """The causal LM at `source` (a local folder or a hub id). A folder that is no model, damaged weights or a
+    config transformers cannot place are InputFileErrors naming the folder or file and the fix; other failures of
+    transformers keep their own error (they are ours to fix, not the user's)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     source = _checked_source(source, what)
+    local = isinstance(source, Path)
+    if local:
+        _check_model_folder(source, what)
     try:
         return AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
-    except OSError as err:
-        if isinstance(source, Path):
-            where = "the local folder"
-        else:
-            where = f"the hub as a model id (no local path {str(source)!r} exists; offline here?)"
+    except (SafetensorError, OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
+        # what reading a cut, empty or garbage weights file raises (safetensors, or torch.load for .bin files);
+        # translated only when a weights file is found damaged: any other failure keeps its own error
+        damaged = damaged_weights(source, what=f"{what} model", fix=model_files_fix(source)) if local else None
+        if damaged is not None:
+            raise damaged from err
+        if isinstance(err, SafetensorError) and not local:
+            raise InputFileError(f"the {what} model {source!r}: its downloaded weights are damaged or incomplete "
+                                 f"({' '.join(str(err).split())}); delete its copy in the Hugging Face cache "
+                                 "(~/.cache/huggingface/hub) and download it again") from err
+        if not isinstance(err, OSError):
+            raise
+        where = "the local folder" if local else \
+            f"the hub as a model id (no local path {str(source)!r} exists; offline here?)"
         raise FileNotFoundError(f"cannot load the {what} model {str(source)!r} from {where}: "
                                 f"{str(err).splitlines()[0]}") from err
+    except (ValueError, KeyError) as err:
+        # transformers' "Unrecognized model" / unknown model type; any other ValueError is a bug and stands
+        problem = _config_problem(source, what) if local else None
+        if problem is None:
+            raise
+        raise problem from err
 
 
 @dataclass

@@ -74,9 +74,20 @@ class Prompt:
         return asdict(self)
 
 
+def _refuse_nul(path: Path, lines: list[str]) -> None:
+    """SuiteError naming the first line with a NUL character. Text never holds one; UTF-16 saved without a
+    byte-order mark does (every ASCII character decodes as itself plus a NUL), and so do binary files: taken as
+    prompts, they would record garbage like "d\\x00e\\x00f\\x00" without a word of warning."""
+    for lineno, line in enumerate(lines, start=1):
+        if "\x00" in line:
+            raise SuiteError(f"{path}:{lineno}: NUL characters in the text: the file looks like UTF-16 without a "
+                             "byte-order mark, or binary; save it as UTF-8 (or UTF-16 with a byte-order mark)")
+
+
 def read_lines(path: Path) -> list[str]:
     """The lines of a text file as editors write it: UTF-8 with or without a byte-order mark, UTF-16 with one;
-    LF, CRLF or CR line endings. Anything else is a SuiteError naming the file and the byte."""
+    LF, CRLF or CR line endings. Anything else is a SuiteError naming the file and the byte, or the line with NUL
+    characters (UTF-16 without a byte-order mark, or a binary file)."""
     data = path.read_bytes()
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         encoding = "utf-16"  # the BOM says which byte order
@@ -85,9 +96,13 @@ def read_lines(path: Path) -> list[str]:
     try:
         text = data.decode(encoding)
     except UnicodeDecodeError as err:
+        if b"\x00" in data:  # UTF-16 without a BOM or binary: say so rather than name one odd byte
+            _refuse_nul(path, data.decode(encoding, errors="replace").splitlines())
         raise SuiteError(f"{path}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); save it as "
                          "UTF-8 (or UTF-16 with a byte-order mark)") from None
-    return text.splitlines()
+    lines = text.splitlines()
+    _refuse_nul(path, lines)
+    return lines
 
 
 def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
