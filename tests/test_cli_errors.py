@@ -320,3 +320,18 @@ def test_the_interrupt_message_names_the_checkpoints_of_every_seed(tmp_path):
     message = interrupted_message(args, run)
     assert "seed0/co1_size: s0/step_2048.zip" in message and "bc_depth" not in message
     assert message.splitlines()[-1].strip().endswith("--seeds 2 --resume")
+
+
+@pytest.mark.parametrize("where, ours", [
+    ("drafting/somewhere.py", True),
+    (".venv/lib/python3.11/site-packages/transformers/x.py", False),  # a venv in the checkout holds libraries
+    ("build/lib/site-packages/x.py", False),
+    ("tests/test_x.py", False),
+])
+def test_only_specpilots_own_frames_count_as_raised_in_the_package(where, ours):
+    from specpilot.drafting.errors import PACKAGE_DIR, raised_in_package
+
+    try:
+        exec(compile("raise ValueError('x')", str(PACKAGE_DIR / where), "exec"))
+    except ValueError as err:
+        assert raised_in_package(err) is ours
