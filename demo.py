@@ -215,7 +215,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     from specpilot.drafting import ModelPair, TreeConfig
     from specpilot.drafting.executor import LocalExecutor
     from specpilot.drafting.pair import load_tokenizer
-    from specpilot.eval.cli import check_prompt_lengths
+    from specpilot.drafting.checks import check_prompt_lengths
     from specpilot.eval.suites import choose_suite, load_suite, with_chat_template
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())

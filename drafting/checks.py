@@ -1,5 +1,6 @@
 """Argument checks shared by the constructors and `generate` (TreeConfig, the decoder's sampling arguments, token
-ids): each raises TypeError / ValueError with a message naming the argument and the accepted range."""
+ids) and by the commands that decode prompt suites (`check_prompt_lengths`: eval, grid, demo): each raises
+TypeError / ValueError with a message naming the argument and the accepted range."""
 from __future__ import annotations
 
 import math
@@ -65,3 +66,34 @@ def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) ->
             f"{need} positions but the models' context is {limit}; shorten the prompt or lower max_new_tokens"
             + (" or the draft depth (max_depth)" if lookahead > 1 and lookahead > need - limit else "")
         )
+
+
+def check_prompt_lengths(prompts, ids: dict, *, context: int, max_new_tokens: int, max_depth: int,
+                         truncate: bool, options: tuple[str, ...] = ("--max-new-tokens", "--truncate-prompts")
+                         ) -> list[str]:
+    """Prompts too long for the context (room for max_new_tokens and the deepest draft lookahead, as the runner
+    keeps) are refused, naming the first and the real numbers; with truncate=True they are kept (the runner keeps
+    their last tokens) and the returned note says how many and to what length. options: the command's options the
+    refusal may offer (--max-new-tokens, --truncate-prompts)."""
+    limit = context - max_new_tokens - max_depth - 2
+    long = [(p, len(ids[p.prompt])) for p in prompts if len(ids[p.prompt]) > limit]
+    if not long:
+        return []
+    first, n = long[0]
+    if limit < 1:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} with draft depth {max_depth} leaves no room for a "
+                         f"prompt in the models' {context}-token context: lower --max-new-tokens")
+    if not truncate:
+        more = f" ({len(long) - 1} more prompts too)" if len(long) > 1 else ""
+        raise ValueError(f"prompt {first.id!r} is {n} tokens{more}: with --max-new-tokens "
+                         f"{max_new_tokens} and draft depth {max_depth} a prompt fits in {limit} tokens of the "
+                         f"models' {context}-token context; " + _fixes(options))
+    return [f"note: {len(long)} prompt(s) truncated to their last {limit} tokens (--truncate-prompts; the longest "
+            f"had {max(k for _, k in long)}): they are recorded in report.json meta.prompts_truncated"]
+
+
+def _fixes(options: tuple[str, ...]) -> str:
+    fixes = ["shorten them"] + [{"--max-new-tokens": "lower --max-new-tokens",
+                                 "--truncate-prompts": "add --truncate-prompts to keep their last tokens"}[o]
+                                for o in options]
+    return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]

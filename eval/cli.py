@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from specpilot.drafting.cliargs import (add_pair_arguments, float_list, int_list, name_list, non_negative_float,
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
+from specpilot.drafting.checks import check_prompt_lengths
 from specpilot.eval.suites import CHAT_TEMPLATE_MODES
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
 # (tests/test_bad_options.py keeps the two equal)
@@ -320,37 +321,6 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
         say(f"WARNING: greedy output differs from batched ar for {', '.join(inexact)} (report: mismatched_sequences)")
     print(f"wrote {paths['md']} and {paths['json']}")
     return 0
-
-
-def check_prompt_lengths(prompts, ids: dict, *, context: int, max_new_tokens: int, max_depth: int,
-                         truncate: bool, options: tuple[str, ...] = ("--max-new-tokens", "--truncate-prompts")
-                         ) -> list[str]:
-    """Prompts too long for the context (room for max_new_tokens and the deepest draft lookahead, as the runner
-    keeps) are refused, naming the first and the real numbers; with truncate=True they are kept (the runner keeps
-    their last tokens) and the returned note says how many and to what length. options: the command's options the
-    refusal may offer (--max-new-tokens, --truncate-prompts)."""
-    limit = context - max_new_tokens - max_depth - 2
-    long = [(p, len(ids[p.prompt])) for p in prompts if len(ids[p.prompt]) > limit]
-    if not long:
-        return []
-    first, n = long[0]
-    if limit < 1:
-        raise ValueError(f"--max-new-tokens {max_new_tokens} with draft depth {max_depth} leaves no room for a "
-                         f"prompt in the models' {context}-token context: lower --max-new-tokens")
-    if not truncate:
-        more = f" ({len(long) - 1} more prompts too)" if len(long) > 1 else ""
-        raise ValueError(f"prompt {first.id!r} is {n} tokens{more}: with --max-new-tokens "
-                         f"{max_new_tokens} and draft depth {max_depth} a prompt fits in {limit} tokens of the "
-                         f"models' {context}-token context; " + _fixes(options))
-    return [f"note: {len(long)} prompt(s) truncated to their last {limit} tokens (--truncate-prompts; the longest "
-            f"had {max(k for _, k in long)}): they are recorded in report.json meta.prompts_truncated"]
-
-
-def _fixes(options: tuple[str, ...]) -> str:
-    fixes = ["shorten them"] + [{"--max-new-tokens": "lower --max-new-tokens",
-                                 "--truncate-prompts": "add --truncate-prompts to keep their last tokens"}[o]
-                                for o in options]
-    return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
 
 
 # the files an evaluation writes into --out beside report.json / report.md (eval/plots.py): cleared first, so a

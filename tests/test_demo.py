@@ -107,7 +107,7 @@ def test_demo_refuses_prompts_too_long_for_the_context_before_any_stage(saved_pa
     ((), "context; shorten them"),
 ])
 def test_a_prompt_refusal_offers_only_the_options_its_command_has(options, advice):
-    from specpilot.eval.cli import check_prompt_lengths
+    from specpilot.drafting.checks import check_prompt_lengths
     from specpilot.eval.suites import Prompt
 
     prompt = Prompt(id="p", prompt="x", task="t", language="python", split="heldout")

@@ -618,7 +618,7 @@ def run(args: argparse.Namespace) -> int:
     with open_executor(args) if args.live_top > 0 else nullcontext() as executor:
         if getattr(executor, "pair", None) is not None:  # local: prompts too long for the context refused now, as
             # eval does (the runner would keep their last tokens: a baseline chosen on other text than asked)
-            from specpilot.eval.cli import check_prompt_lengths
+            from specpilot.drafting.checks import check_prompt_lengths
 
             deepest = max((load_trace(t) for t in traces), key=lambda t: t.max_depth)
             check_prompt_lengths(chosen, {p.prompt: executor.pair.encode(p.prompt) for p in chosen},
