@@ -8,6 +8,11 @@
 
 Paths are relative to the index's folder (absolute when the zip lies outside it). Specs stay dicts here: the
 `ObservationSpec` class belongs to the policies layer above.
+
+Reading checks the values against the tree the policies were trained on (a hand-edited value out of it would be
+capped by the decoder without a word): every size action in 1..the size spec's num_scores (the largest size the
+size policy observes), fallback depth in 0..max_depth, fallback size in 1..the candidates a tree of the specs' width
+and max_depth drafts.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpilot.artifacts.common import load_object, save_object
+from specpilot.drafting.checks import check_int
 from specpilot.drafting.errors import InputFileError
 
 POLICIES_FILE = "policies.json"
@@ -68,8 +74,40 @@ class PoliciesIndex:
             entries[kind] = PolicyEntry(e["path"], e["spec"], actions if kind == "size" else None)
         fb = data.get("fallback") if isinstance(data.get("fallback"), dict) else {}
         off = data.get("off_switch") if isinstance(data.get("off_switch"), dict) else None
-        return cls(entries["depth"], entries["size"], {"depth": fb.get("depth"), "size": fb.get("size")}, off,
-                   data, Path(path))
+        index = cls(entries["depth"], entries["size"], {"depth": fb.get("depth"), "size": fb.get("size")}, off,
+                    data, Path(path))
+        index.check_values(fix=fix)
+        return index
+
+    def check_values(self, *, fix: str = TRAIN_FIX) -> None:
+        """InputFileError naming the file, the field, the value and its range when a size action or a fallback
+        value lies outside the tree the policies were trained on (specs without a tree are left to `tree()`)."""
+        max_depth = _spec_int([e.spec for e in self.entries().values()], "max_depth")
+        size = self.size
+        if size is not None:
+            limit = _spec_int([size.spec], "num_scores")
+            why = f"the size policy observes {limit} candidates, its spec's num_scores"
+            for value in size.size_actions:
+                self._check("each of size.size_actions", value, 1, limit, why, fix)
+        depth = self.fallback.get("depth")
+        if depth is not None:
+            self._check("fallback.depth", depth, 0, max_depth, f"the policies' tree has max_depth {max_depth}; "
+                        "0 never drafts", fix)
+        if self.fallback.get("size") is not None:
+            # the index does not record the tree's max_size (the decoder clips to it); a size above every candidate
+            # a tree of this width and depth drafts is no size at all (the size actions may stop below max_size)
+            width = _spec_int([e.spec for e in self.entries().values()], "width")
+            # (W + (D - 1) W^2, `drafting.cycle_math.num_candidates`: artifacts import nothing above drafting's files)
+            most = width + (max_depth - 1) * width * width if width is not None and max_depth is not None else None
+            self._check("fallback.size", self.fallback["size"], 0 if depth == 0 else 1, most,
+                        f"a width-{width}, depth-{max_depth} tree drafts {most} candidates", fix)
+
+    def _check(self, name: str, value, low: int, high: int | None, why: str, fix: str) -> None:
+        try:
+            check_int(name, value, minimum=low, maximum=high)
+        except (TypeError, ValueError) as err:
+            raise InputFileError(f"{self.path}: {err}" + (f" ({why})" if high is not None else "")
+                                 + f"; {fix}") from None
 
     @classmethod
     def load(cls, index: str | Path, *, fix: str = TRAIN_FIX) -> "PoliciesIndex":
@@ -126,3 +164,12 @@ class PoliciesIndex:
             raise InputFileError(f"{self.path} has no {kind} policy; {TRAIN_FIX}")
         base = Path(folder) if folder is not None else (self.path.parent if self.path else Path("."))
         return base / entry.path
+
+
+def _spec_int(specs: list[dict], key: str) -> int | None:
+    """specs[...][key] as an int when the first spec that has it holds an integer, else None."""
+    for spec in specs:
+        value = spec.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None

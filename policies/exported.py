@@ -25,6 +25,11 @@ decoder.json (format "specpilot-decoder", FORMAT_VERSION below), the fields this
                  "actions": ["continue", "stop"] (depth) | [verification sizes] (size),
                  "probe": {"observation": [...], "logits": [...], "action": int}}
 
+Loading refuses (ExportedConfigError naming decoder.json, the field, the value and the limit) a policy entry without
+its file, sha256 or layers (every export records them; without the sha256 the weights' integrity would go unchecked),
+and sizes or depths outside the tree section (the decoder would cap them without a word): policies.size.actions and
+tree.size_actions (the same list) in 1..max_size, policies.fallback depth in 0..max_depth and size in 1..max_size.
+
 With a batch_guard (a run trained over batch sizes, `specpilot train all --batch-sizes`, whose validation guard
 hands some batch sizes to the per-batch-size table) the controller is the policies behind that guard
 (`BatchGuardController`, the run's `ltd_guarded`), so the exported decoder decides as the run was deployed; exports
@@ -43,6 +48,7 @@ import torch
 
 from specpilot.artifacts.decoder import (DECODER_FILE, DECODER_VERSION, FORMAT_NAME, ExportedConfigError,  # noqa: F401
                                          read_decoder_config)
+from specpilot.drafting.checks import check_int
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.types import DraftState, TreeConfig
 from specpilot.policies.actor import Actor, ActorError
@@ -97,14 +103,17 @@ def read_config(config_dir: str | Path) -> dict:
     return read_decoder_config(config_dir)
 
 
-def _load_tensors(path: Path, expected_sha256: str | None) -> dict[str, torch.Tensor]:
+POLICY_KEYS = ("file", "sha256", "layers")  # what loading a policy entry cannot do without
+
+
+def _load_tensors(path: Path, expected_sha256: str) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not path.is_file():
         raise ExportedConfigError(f"policy file {path} named in decoder.json is missing: restore it or re-export "
                                   "the run into this directory")
-    if expected_sha256 and file_sha256(path) != expected_sha256:
+    if file_sha256(path) != expected_sha256:
         raise ExportedConfigError(f"policy file {path} does not match the sha256 recorded in decoder.json (the file "
                                   "is corrupted or was replaced): restore it or re-export the run")
     try:
@@ -122,10 +131,14 @@ def _load_policy(root: Path, entry: dict, kind: str) -> tuple[Actor, Observation
         raise ExportedConfigError(f"{where}: observation spec mismatch or unreadable spec ({err})") from err
     if spec.kind != kind:
         raise ExportedConfigError(f"{where}: the spec is for a {spec.kind!r} policy; decoder.json is corrupted")
-    if "file" not in entry or "layers" not in entry:
-        raise ExportedConfigError(f"{where}: entry lacks 'file' or 'layers'; decoder.json is corrupted: re-export")
+    missing = [key for key in POLICY_KEYS if not entry.get(key)]
+    if missing:
+        # every export records all of them (sha256 since format 1): an entry without one was edited, and loading it
+        # would skip a check (the sha256: the weights' integrity) instead of failing
+        raise ExportedConfigError(f"{where}: the entry lacks {', '.join(repr(k) for k in missing)}: decoder.json is "
+                                  "incomplete (edited or damaged); restore it or re-export the run")
     path = root / entry["file"]
-    tensors = _load_tensors(path, entry.get("sha256"))
+    tensors = _load_tensors(path, entry["sha256"])
     try:
         actor = Actor.from_layers(entry["layers"], tensors, obs_norm=entry.get("obs_norm"), source=str(path))
     except (ActorError, KeyError, TypeError) as err:
@@ -254,9 +267,10 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
         depth_actor, depth_spec = _load_policy(root, policies["depth"], "depth")
     if policies.get("size"):
         size_actor, size_spec = _load_policy(root, policies["size"], "size")
-        size_actions = [int(v) for v in policies["size"].get("actions", [])]
+        size_actions = _tree_ints(config, "policies.size.actions", policies["size"].get("actions"), tree)
     if depth_actor is None and size_actor is None:
         raise ExportedConfigError(f"{config} names neither a depth nor a size policy; re-export a trained run")
+    _check_tree_values(config, meta["tree"], policies, tree, size_actions)
     for spec in (depth_spec, size_spec):
         if spec is not None and (spec.width != tree.width or spec.max_depth != tree.max_depth):
             raise ExportedConfigError(
@@ -282,6 +296,46 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
         controller = _guarded(controller, policies["batch_guard"], tree, config)
     meta["model_pair"] = model_pair
     return controller, tree, meta
+
+
+def _in_tree(config: str, name: str, value, low: int, high: int, what: str) -> int:
+    """`value` as an int in low..high, else ExportedConfigError naming decoder.json, the field, the value and the
+    tree's limit (the decoder would cap a larger one without a word)."""
+    try:
+        return check_int(name, value, minimum=low, maximum=high)
+    except (TypeError, ValueError) as err:
+        raise ExportedConfigError(f"{config}: {err} (the tree section's {what} is {high}); restore decoder.json or "
+                                  "re-export the run") from None
+
+
+def _tree_ints(config: str, name: str, values, tree: TreeConfig) -> list[int]:
+    """A list of verification sizes (`name` in decoder.json), each in 1..tree.max_size."""
+    if not isinstance(values, list) or not values:
+        raise ExportedConfigError(f"{config}: {name} must be a non-empty list of sizes, got {values!r}; restore "
+                                  "decoder.json or re-export the run")
+    return [_in_tree(config, f"each of {name}", v, 1, tree.max_size, "max_size") for v in values]
+
+
+def _check_tree_values(config: str, tree_section: dict, policies: dict, tree: TreeConfig,
+                       size_actions: list[int] | None) -> None:
+    """Every size and depth decoder.json holds besides the policies' actions fits its tree section: the copy of the
+    size actions there (equal to the size policy's), the static fallback (depth 0..max_depth, size 1..max_size)."""
+    recorded = tree_section.get("size_actions")
+    if recorded is not None:
+        recorded = _tree_ints(config, "tree.size_actions", recorded, tree)
+        if size_actions is not None and recorded != size_actions:
+            raise ExportedConfigError(f"{config}: tree.size_actions {recorded} differs from policies.size.actions "
+                                      f"{size_actions} (export writes one list twice); restore decoder.json or "
+                                      "re-export the run")
+    fb = policies.get("fallback") or {}
+    if not isinstance(fb, dict):
+        raise ExportedConfigError(f"{config}: policies.fallback must be an object {{depth, size}} or null, "
+                                  f"got {fb!r}; restore decoder.json or re-export the run")
+    depth = fb.get("depth")
+    if depth is not None:
+        depth = _in_tree(config, "policies.fallback.depth", depth, 0, tree.max_depth, "max_depth")
+    if fb.get("size") is not None:  # a config that never drafts (depth 0) verifies nothing: size 0 is its own
+        _in_tree(config, "policies.fallback.size", fb["size"], 0 if depth == 0 else 1, tree.max_size, "max_size")
 
 
 def _dtype_note(meta: dict, model_pair, why: str | None) -> str | None:

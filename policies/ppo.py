@@ -14,7 +14,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from specpilot.artifacts.policies import POLICIES_FILE, PoliciesIndex
+from specpilot.artifacts.policies import POLICIES_FILE, TRAIN_FIX, PoliciesIndex
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.policies.actor import Actor
 from specpilot.policies.learned import CONTINUE, STOP, LearnedController  # noqa: F401 (re-exported)
@@ -56,25 +56,46 @@ class PPOController(LearnedController):
 INFERENCE_OBJECTS = {"learning_rate": 0.0, "lr_schedule": 0.0}
 
 
+SB3_MEMBERS = ("data", "policy.pth")  # what every SB3 PPO zip holds: its settings and spaces, the policy's weights
+RESTORE = "retrain the stage that wrote it, or restore the file"
+
+
+def _check_archive(path: Path) -> None:
+    """Refuse a zip that lacks the members every SB3 PPO zip holds, naming them. A truncated zip whose cut falls
+    inside an inner .pth (itself a zip) opens as that inner archive, and SB3 would then fail on its own assert."""
+    with zipfile.ZipFile(path) as archive:
+        missing = [name for name in SB3_MEMBERS if name not in archive.namelist()]
+    if missing:
+        names = " and ".join(repr(name) for name in missing)
+        raise PolicyLoadError(f"policy file {path} is not a whole SB3 PPO zip (it lacks its {names} member"
+                              f"{'s' if len(missing) > 1 else ''}: truncated, or not written by specpilot); {RESTORE}")
+
+
 def load_sb3_model(path: str | Path, device: str = "cpu"):
-    """The SB3 PPO model of a zip for deciding and scoring (not for resuming training: no schedule)."""
+    """The SB3 PPO model of a zip for deciding and scoring (not for resuming training: no schedule). Any failure
+    to read the zip is a PolicyLoadError naming the file."""
     from stable_baselines3 import PPO
 
-    return PPO.load(path, device=device, custom_objects=INFERENCE_OBJECTS)
-
-
-def load_sb3_policy(path: str | Path, device: str = "cpu"):
-    """Load the policy of an SB3 PPO zip; a clear PolicyLoadError naming the file when it is missing/corrupt."""
     path = Path(path)
     if not path.is_file():
         raise PolicyLoadError(f"policy file {path} does not exist: train the stage that writes it, or fix "
                               "policies.json to point at an existing best.zip")
     try:
-        model = load_sb3_model(path, device=device)
-    except (zipfile.BadZipFile, EOFError, KeyError, ValueError, RuntimeError, OSError) as err:
+        _check_archive(path)
+        return PPO.load(path, device=device, custom_objects=INFERENCE_OBJECTS)
+    except PolicyLoadError:
+        raise
+    except Exception as err:
+        # the file is the only input here, and a damaged one fails anywhere inside zipfile, zlib, torch.load, the
+        # JSON/pickle of SB3's "data" or SB3's own asserts: BadZipFile, EOFError, KeyError, AssertionError,
+        # UnpicklingError, RuntimeError, ... all mean the same thing to the user
         raise PolicyLoadError(f"policy file {path} is corrupted or not an SB3 PPO zip ({type(err).__name__}: "
-                              f"{err}); retrain that stage or restore the file") from err
-    return _eval_mode(model.policy)
+                              f"{' '.join(str(err).split())[:200]}); {RESTORE}") from err
+
+
+def load_sb3_policy(path: str | Path, device: str = "cpu"):
+    """Load the policy of an SB3 PPO zip; a clear PolicyLoadError naming the file when it is missing/corrupt."""
+    return _eval_mode(load_sb3_model(path, device=device).policy)
 
 
 def _read_index(run_dir: Path) -> PoliciesIndex:
@@ -84,8 +105,9 @@ def _read_index(run_dir: Path) -> PoliciesIndex:
     if not index_path.is_file():
         raise PolicyLoadError(f"{index_path} not found: this run has no final policies yet (train it first)")
     try:
-        return PoliciesIndex.load(index_path, fix="rewrite it with write_policies_index")
-    except InputFileError as err:  # truncated, binary, not a JSON object, or an entry without path / spec
+        return PoliciesIndex.load(index_path, fix=TRAIN_FIX)
+    except InputFileError as err:  # truncated, binary, not a JSON object, an entry without path / spec, a value
+        # outside the policies' tree
         raise PolicyLoadError(str(err)) from None
 
 

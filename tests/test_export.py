@@ -288,6 +288,14 @@ def _drop_sha(meta):
     meta["policies"]["depth"].pop("sha256")
 
 
+def _rehash(d: Path) -> None:
+    """decoder.json records the (damaged) depth weights' own sha256: the read itself must fail clearly."""
+    from specpilot.policies.exported import file_sha256
+
+    _edit_json(d / "decoder.json",
+               lambda m: m["policies"]["depth"].update(sha256=file_sha256(d / "depth.safetensors")))
+
+
 def _bad_num_scores(meta):
     meta["policies"]["size"]["spec"]["num_scores"] = 6
 
@@ -309,9 +317,9 @@ BREAKAGES = {
                         "size.safetensors named in decoder.json is missing"),
     "truncated weights (sha)": (lambda d: _truncate(d / "depth.safetensors"),
                                 "depth.safetensors does not match the sha256"),
-    "truncated weights (parse)": (lambda d: (_truncate(d / "depth.safetensors"),
-                                             _edit_json(d / "decoder.json", _drop_sha)),
+    "truncated weights (parse)": (lambda d: (_truncate(d / "depth.safetensors"), _rehash(d)),
                                   "depth.safetensors is not a readable safetensors"),
+    "missing sha256": (lambda d: _edit_json(d / "decoder.json", _drop_sha), "the entry lacks 'sha256'"),
     "spec mismatch": (lambda d: _edit_json(d / "decoder.json", _bad_num_scores), "observation-spec mismatch"),
     "feature drift": (lambda d: _edit_json(d / "decoder.json", _bad_probe), "observation-spec mismatch"),
     "tree/spec mismatch": (lambda d: _edit_json(d / "decoder.json", _bad_tree), "observation-spec mismatch"),

@@ -194,6 +194,7 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
         read_grid_best(grid)
     if args.init_from is not None and not Path(args.init_from).is_file():
         raise FileNotFoundError(f"--init-from {args.init_from}: no such policy zip")
+    _check_init_from(cmd, args, traces)
     _check_start_arch(cmd, args, run_dir)
     return traces, args.static if args.static is not None else args.grid
 
@@ -212,17 +213,31 @@ def _check_tree_values(args: argparse.Namespace, traces) -> None:
                        depth_range=getattr(args, "depth_range", None))
 
 
+def _check_init_from(cmd: str, args: argparse.Namespace, traces) -> None:
+    """--init-from of a size / depth stage must be a readable policy zip of that kind whose shapes (observations,
+    actions) fit the stage on the training trace's tree, and whose layers match --pi-arch / --vf-arch: checked here,
+    before the run folder is touched, not when its weights fail to load into the stage's networks."""
+    if args.init_from is None or cmd not in ("size", "depth"):
+        return
+    from specpilot.artifacts.trace import TraceHeader
+    from specpilot.train.rl.ppo import PPOOverrides
+    from specpilot.train.rl.stages import check_init_policy, fit_size_actions, stage_observation
+
+    header = TraceHeader.load(traces.train)  # the stage's tree, as train_stage reads it (arrays not needed)
+    actions = fit_size_actions(args.size_actions, header.max_size, header.device) if cmd == "size" else None
+    spec = stage_observation(cmd, header.width, header.max_depth, actions, batch=bool(args.batch_sizes))
+    check_init_policy(args.init_from, cmd, spec, actions, PPOOverrides(pi_arch=args.pi_arch, vf_arch=args.vf_arch))
+
+
 def _check_start_arch(cmd: str, args: argparse.Namespace, run_dir: Path) -> None:
-    """--pi-arch / --vf-arch for stages that start from existing policies (co-adaptation: stage 1's; --init-from)
-    must match them: checked here, before any stage trains, not when the weights fail to load."""
+    """--pi-arch / --vf-arch for stages that start from existing policies (co-adaptation: stage 1's; --init-from,
+    `_check_init_from`) must match them: checked here, before any stage trains, not when the weights fail to load."""
     if args.pi_arch is None and args.vf_arch is None:
         return
     from specpilot.train.rl.ppo import PPOOverrides
     from specpilot.train.rl.stages import start_arch
 
     ppo = PPOOverrides(pi_arch=args.pi_arch, vf_arch=args.vf_arch)
-    if args.init_from is not None and cmd in ("size", "depth"):
-        start_arch(args.init_from, cmd, ppo)
     if cmd == "coadapt":
         for kind in ("size", "depth"):
             best = run_dir / f"{kind}_s1" / "best.zip"

@@ -207,7 +207,7 @@ def write_policies_index(
         except ValueError:
             return str(p.resolve())
 
-    index = PoliciesIndex(fallback={"depth": fallback_depth, "size": fallback_size})
+    index = PoliciesIndex(fallback=_fit_fallback(fallback_depth, fallback_size, depth_spec or size_spec))
     if depth is not None:
         if depth_spec is None or depth_spec.kind != "depth":
             raise ValueError("write_policies_index: a depth policy needs its depth ObservationSpec")
@@ -217,6 +217,16 @@ def write_policies_index(
             raise ValueError("write_policies_index: a size policy needs its size ObservationSpec and size_actions")
         index.size = PolicyEntry(rel(size), size_spec.to_dict(), [int(v) for v in size_actions])
     return index.save(run_dir)
+
+
+def _fit_fallback(depth: int | None, size: int | None, spec: ObservationSpec | None) -> dict:
+    """The fallback as the policies' tree runs it: a static depth past its max_depth (the built-in (4, 12) on a
+    shallow trace without a grid result) stops at max_depth in the decoder anyway, and reading policies.json refuses
+    depths outside the tree (hand edits), so the index records the depth that runs and stays loadable. The size is
+    kept as given (the decoder clips it to the tree's max_size, which the index does not record)."""
+    if depth is not None and spec is not None:
+        depth = min(int(depth), spec.max_depth)
+    return {"depth": depth, "size": size}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -378,6 +388,34 @@ def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings
     return model, env
 
 
+def _start_model(venv, settings: PPOSettings, ckpt_dir: Path, progress: dict | None, init_from):
+    """(model, env, steps done): the checkpoint's when resuming, else a new model (with `init_from`'s weights)."""
+    if progress is not None:
+        model, env = _load_checkpoint(ckpt_dir, progress, venv, settings)
+        return model, env, int(progress["timesteps_done"])
+    env = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=settings.gamma) \
+        if settings.normalize_reward else venv
+    model = build_model(env, settings)
+    if init_from is not None:
+        _load_start_weights(model, init_from, settings.device)
+    return model, env, 0
+
+
+def _load_start_weights(model: PPO, init_from: str | Path, device: str) -> None:
+    """`init_from`'s weights into the new model, or a PolicyLoadError naming the zip: unreadable, or networks of
+    other shapes (`specpilot.train.rl.stages.check_init_policy` refuses those before a stage writes anything; this
+    covers direct callers)."""
+    from specpilot.policies.ppo import PolicyLoadError, load_sb3_model
+
+    load_sb3_model(init_from)  # a damaged zip: PolicyLoadError naming it
+    try:
+        model.set_parameters(str(init_from), exact_match=True, device=device)
+    except (RuntimeError, ValueError, KeyError) as err:  # torch's size mismatch, SB3's missing/extra parameters
+        raise PolicyLoadError(f"policy file {init_from} cannot start this stage: its networks differ from the "
+                              f"stage's ({' '.join(str(err).split())[:300]}); start from a policy of the same kind "
+                              "trained on this tree, or train without init_from") from err
+
+
 def train_policy(
     env_factory: Callable[[], gym.Env],
     val_fn: Callable[[PPO], float] | None,
@@ -409,20 +447,14 @@ def train_policy(
     progress = read_progress(stage_dir)
     if progress is not None and not resume:
         raise StageExistsError(stage_dir)
-    stage_dir.mkdir(parents=True, exist_ok=True)
     venv = venv_factory() if venv_factory is not None else _make_venv(env_factory, settings.n_envs)
-
     resumed = progress is not None
-    if resumed:
-        model, env = _load_checkpoint(ckpt_dir, progress, venv, settings)
-        done = int(progress["timesteps_done"])
-    else:
-        env = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=settings.gamma) \
-            if settings.normalize_reward else venv
-        model = build_model(env, settings)
-        if init_from is not None:
-            model.set_parameters(str(init_from), exact_match=True, device=settings.device)
-        done = 0
+    try:
+        model, env, done = _start_model(venv, settings, ckpt_dir, progress, init_from)
+    except BaseException:
+        venv.close()
+        raise
+    stage_dir.mkdir(parents=True, exist_ok=True)  # only now: a stage that cannot start leaves no folder behind
     if logger is not None:
         model.set_logger(logger.sb3_logger(stage_name))
     else:  # SB3's default logger would create an SB3-<date> directory in the system temp dir on every learn()

@@ -229,8 +229,25 @@ class StageSpec:
 def size_actions_for(model: ReplayModel, size_actions: Sequence[int] | None) -> list[int]:
     """The size actions a policy chooses among on this trace: `size_actions` (default: the trace device's) that fit
     its max size, or just the max size."""
-    acts = [int(v) for v in (size_actions or default_size_actions(model.trace.header.get("device")))]
-    return [v for v in acts if v <= model.trace.max_size] or [model.trace.max_size]
+    return fit_size_actions(size_actions, model.trace.max_size, model.trace.header.get("device"))
+
+
+def fit_size_actions(size_actions: Sequence[int] | None, max_size: int, device: str | None = None) -> list[int]:
+    """`size_actions` (default: `device`'s) that fit `max_size`, or just `max_size` (`size_actions_for` on a trace
+    header, for checks that read no arrays)."""
+    acts = [int(v) for v in (size_actions or default_size_actions(device))]
+    return [v for v in acts if v <= max_size] or [int(max_size)]
+
+
+def stage_observation(kind: str, width: int, max_depth: int, actions: Sequence[int] | None, *,
+                      max_context: int = TrainOptions.max_context, batch: bool = False) -> ObservationSpec:
+    """The observation spec a `kind` stage's policy is trained on (size: over `actions`; batch: with the batch
+    features of batch-aware training)."""
+    features = DEFAULT_FEATURES + (BATCH_FEATURES if batch else ())
+    if kind == "size":
+        return ObservationSpec.for_size(width, max_depth, size_actions=list(actions), max_context=max_context,
+                                        features=features)
+    return ObservationSpec.for_depth(width, max_depth, max_context=max_context, features=features)
 
 
 def make_env(source, spec: StageSpec, actions, *, reward: str, max_context: int, skip_decisions: bool):
@@ -331,21 +348,60 @@ def check_resume_budget(stage_dir: Path, total: int, *, resume: bool) -> None:
                          "trained)")
 
 
-def policy_arch(path: str | Path) -> tuple[list[int], list[int]]:
-    """(actor hidden layers, value hidden layers) of an SB3 policy zip."""
+def policy_shape(path: str | Path) -> dict:
+    """{"observations", "actions", "pi", "vf"} of an SB3 policy zip: its observation size, number of actions and
+    (actor, value) hidden layers (PolicyLoadError naming a missing or damaged zip)."""
     import torch
 
     from specpilot.policies.ppo import load_sb3_policy
 
-    extractor = load_sb3_policy(path).mlp_extractor
-    return ([m.out_features for m in extractor.policy_net if isinstance(m, torch.nn.Linear)],
-            [m.out_features for m in extractor.value_net if isinstance(m, torch.nn.Linear)])
+    policy = load_sb3_policy(path)
+    extractor = policy.mlp_extractor
+    return {"observations": int(np.prod(policy.observation_space.shape)), "actions": int(policy.action_space.n),
+            "pi": [m.out_features for m in extractor.policy_net if isinstance(m, torch.nn.Linear)],
+            "vf": [m.out_features for m in extractor.value_net if isinstance(m, torch.nn.Linear)]}
+
+
+def policy_arch(path: str | Path) -> tuple[list[int], list[int]]:
+    """(actor hidden layers, value hidden layers) of an SB3 policy zip."""
+    shape = policy_shape(path)
+    return shape["pi"], shape["vf"]
+
+
+def check_init_policy(init_from: str | Path, kind: str, obs_spec: ObservationSpec, actions: Sequence[int] | None,
+                      ppo: PPOOverrides | None = None) -> tuple[list[int], list[int]]:
+    """The (actor, value) layers of a `kind` stage that starts from `init_from` (observing `obs_spec`, choosing
+    among `actions` for size), after checking the zip fits it: a policy of the other kind, or of another tree, size
+    actions or observation features, is refused naming both shapes (its weights cannot load), as are layers given
+    in `ppo` that differ from its own. Called before a stage writes anything."""
+    shape = policy_shape(init_from)
+    n_actions = len(actions) if kind == "size" else 2  # depth: CONTINUE / STOP
+    if (shape["observations"], shape["actions"]) != (obs_spec.dim, n_actions):
+        depth_dim = stage_observation("depth", obs_spec.width, obs_spec.max_depth, None,
+                                      batch=bool(set(obs_spec.features) & set(BATCH_FEATURES))).dim
+        theirs = ("depth" if (shape["observations"], shape["actions"]) == (depth_dim, 2)
+                  else "size" if shape["actions"] != 2 else "other")
+        what = "a depth or size" if theirs == "other" else f"a {theirs}"
+        fix = (f"start from a {kind} policy trained on this tree (e.g. RUN/{kind}_s1/best.zip)"
+               if theirs != kind else f"it was trained on another tree{', size actions' if kind == 'size' else ''} "
+               "or observation features: start from a policy trained for this stage's trace")
+        raise ValueError(f"--init-from {init_from}: it is {what} policy ({shape['actions']} actions, "
+                         f"{shape['observations']} observations), this stage trains a {kind} policy ({n_actions} "
+                         f"actions, {obs_spec.dim} observations) on width {obs_spec.width}, max_depth "
+                         f"{obs_spec.max_depth}: {fix}, or train without --init-from")
+    return _given_arch(init_from, kind, shape["pi"], shape["vf"], ppo)
 
 
 def start_arch(init_from: str | Path, kind: str, ppo: PPOOverrides | None = None) -> tuple[list[int], list[int]]:
     """The (actor, value) layers of a stage that starts from `init_from`: the starting policy's. Layers given in
     `ppo` that differ are refused before any work, naming both (its weights cannot load into them)."""
     pi, vf = policy_arch(init_from)
+    return _given_arch(init_from, kind, pi, vf, ppo)
+
+
+def _given_arch(init_from: str | Path, kind: str, pi: list[int], vf: list[int],
+                ppo: PPOOverrides | None) -> tuple[list[int], list[int]]:
+    """(pi, vf), the starting policy's layers, unless `ppo` gives others (refused, naming both)."""
     given = {"pi_arch": getattr(ppo, "pi_arch", None), "vf_arch": getattr(ppo, "vf_arch", None)}
     for name, theirs in (("pi_arch", pi), ("vf_arch", vf)):
         if given[name] is not None and list(given[name]) != theirs:
@@ -370,19 +426,14 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     trace = model.trace
     profile = batch_profile_for(run_dir, trace, options) if options.batch_sizes else None
     actions = size_actions_for(model, spec.size_actions) if spec.kind == "size" else None
-    features = DEFAULT_FEATURES + (BATCH_FEATURES if options.batch_sizes else ())
-    if spec.kind == "size":
-        obs_spec = ObservationSpec.for_size(trace.width, trace.max_depth, size_actions=actions,
-                                            max_context=options.max_context, features=features)
-    else:
-        obs_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context,
-                                             features=features)
+    obs_spec = stage_observation(spec.kind, trace.width, trace.max_depth, actions, max_context=options.max_context,
+                                 batch=bool(options.batch_sizes))
     settings = budget_settings(spec.kind, spec.steps, seed=options.seed + spec.seed_offset, ppo=options.ppo)
     if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
         return done
     check_resume_budget(run_dir / spec.stage, settings.total_timesteps, resume=options.resume)
-    if spec.init_from is not None:  # its weights load into the networks built here: the same layers
-        pi, vf = start_arch(spec.init_from, spec.kind, options.ppo)
+    if spec.init_from is not None:  # its weights load into the networks built here: the same shapes and layers
+        pi, vf = check_init_policy(spec.init_from, spec.kind, obs_spec, actions, options.ppo)
         settings = replace(settings, pi_arch=pi, vf_arch=vf)
     # replay validation models greedy decoding only: a stage trained at T > 0 keeps its final policy
     val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
