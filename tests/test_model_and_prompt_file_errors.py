@@ -14,33 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cli_errors import assert_one_line, run_cli
 from tiny import tiny_model
 
-from specpilot.cli import main
 from specpilot.drafting.errors import InputFileError, is_user_error
 from specpilot.drafting.files import model_files_fix
 from specpilot.drafting.pair import DEFAULT_PAIR_DIR, ModelPair
 from specpilot.eval.suites import SuiteError, load_suite
 
 ROLES = ("target", "draft", "eagle")
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    """(exit code, stderr) of `specpilot ARGV` run in this process (argparse refusals raise SystemExit)."""
-    try:
-        code = main(argv)
-    except SystemExit as exit_info:
-        code = exit_info.code
-    return code, capsys.readouterr().err
-
-
-def assert_one_line(code: int, err: str, *fragments: str) -> None:
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1, err
-    assert "Traceback" not in err and lines[0].startswith("specpilot"), err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from test_bad_options import TINY_PPO, run  # noqa: F401 (module-scoped fixture: traces W=3, depth 4, max_size 8)
 from test_cli_errors import assert_one_line, run_cli
-from test_export import MAX_DEPTH, SIZE_ACTIONS, WIDTH, SpaceEnv, make_policy, write_run
+from test_export import MAX_DEPTH, SIZE_ACTIONS, WIDTH, SpaceEnv, _edit_json, _truncate, make_policy, write_run
 from tiny import tiny_pair
 
 from specpilot.artifacts.policies import PoliciesIndex
@@ -56,19 +56,10 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def _edit_json(path: Path, fn) -> None:
-    data = json.loads(path.read_text())
-    fn(data)
-    path.write_text(json.dumps(data))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # damaged SB3 zips
 
 
-def _truncate(path: Path) -> None:
-    """Half the bytes: the cut falls inside an inner .pth (itself a zip), which then opens as the archive."""
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def _drop_member(name: str):
