@@ -284,12 +284,25 @@ def _load_tokenizer(explicit, model_path):
     if local.exists():
         for folder in (local, local.parent / "tokenizer"):
             if _has_tokenizer(folder):
-                return AutoTokenizer.from_pretrained(str(folder))
+                return _read_local_tokenizer(folder)
         return None
     try:  # a hub id
         return AutoTokenizer.from_pretrained(str(model_path))
     except (OSError, ValueError):
         return None
+
+
+def _read_local_tokenizer(folder: Path):
+    """The tokenizer saved in `folder`; its files damaged (a cut tokenizer.json is a JSONDecodeError, a garbled one
+    the tokenizers library's own Exception) is an InputFileError naming the folder, the error and the fix."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as err:  # the folder's files are the only input here: any failure means they cannot be read
+        raise InputFileError(f"the tokenizer files in {folder} cannot be read ({type(err).__name__}: "
+                             f"{' '.join(str(err).split())[:200]}): damaged or incomplete; "
+                             f"{model_files_fix(folder)}") from err
 
 
 def _checked_source(source, what: str):

@@ -235,3 +235,16 @@ def test_cli_prompt_file_with_nul_in_one_line(tmp_path, capsys, command):
     code, err = run_cli(argv, capsys)
     assert_one_line(code, err, f"{bad}:1: NUL characters", "UTF-16")
     assert not (tmp_path / "rec").exists() and not (tmp_path / "p.jsonl").exists()
+
+
+@pytest.mark.parametrize("damage", ("truncate", "garbage"))
+def test_cli_damaged_tokenizer_in_one_line(good, tmp_path, capsys, damage):
+    folder = _copy(good["target"], tmp_path, "target")
+    tokenizer = folder / "tokenizer.json"
+    if damage == "truncate":
+        _truncate(tokenizer)
+    else:
+        tokenizer.write_text('{"version": "1.0", "model": 3}')  # valid JSON, not a tokenizer
+    code, err = run_cli(["generate", "--prompt", "x", "--max-new-tokens", "4", "--target", str(folder), "--draft",
+                         str(good["draft"])], capsys)
+    assert_one_line(code, err, f"the tokenizer files in {folder} cannot be read", "damaged or incomplete")
