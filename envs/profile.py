@@ -326,6 +326,9 @@ class ProfileSamples:
                                            decisions=self.decisions)
 
 
+_PROBE_METHODS = {"skip": "skip_drafting", "stop": "should_stop", "size": "choose_size"}  # question -> method
+
+
 class _RandomConfigs:
     """Profiling controller: each cycle a depth ~ U{0..max_depth} and a size drawn from `sizes`, so every level
     index and a spread of sizes and contexts are timed. Depth 0 starts a streak of U{1..max_depth+1} plain target
@@ -341,19 +344,21 @@ class _RandomConfigs:
         # times go to `decisions` (None: not kept, e.g. during warm-up)
         self.probe, self.decisions = probe, None
 
-    def _ask_probe(self, question: str, ask, state) -> None:
-        if self.probe is not None:
-            t0 = time.perf_counter()
-            ask(state)
-            seconds = time.perf_counter() - t0
-            if self.decisions is not None:
-                self.decisions[question].append(seconds)
+    def _ask_probe(self, question: str, state) -> None:
+        if self.probe is None:
+            return
+        ask = getattr(self.probe, _PROBE_METHODS[question])
+        t0 = time.perf_counter()
+        ask(state)
+        seconds = time.perf_counter() - t0
+        if self.decisions is not None:
+            self.decisions[question].append(seconds)
 
     def reset(self) -> None:
         pass
 
     def skip_drafting(self, state) -> bool:
-        self._ask_probe("skip", self.probe and self.probe.skip_drafting, state)
+        self._ask_probe("skip", state)
         if self.plain_left > 0:
             self.plain_left -= 1
             self.depth = 0
@@ -365,11 +370,11 @@ class _RandomConfigs:
         return self.depth == 0
 
     def should_stop(self, state) -> bool:
-        self._ask_probe("stop", self.probe and self.probe.should_stop, state)
+        self._ask_probe("stop", state)
         return state.depth >= self.depth
 
     def choose_size(self, state) -> int:
-        self._ask_probe("size", self.probe and self.probe.choose_size, state)
+        self._ask_probe("size", state)
         return self.size
 
     def observe(self, record) -> None:

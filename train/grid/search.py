@@ -593,10 +593,10 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.train.scale.cluster_cli import open_executor
 
     traces = [resolve_train_trace(t) for t in args.traces]
-    for trace in traces:  # every trace (and its profile) readable, every cell asked for in range, before the sweep
-        loaded = load_trace(trace)
-        load_profile(None, loaded)
-        check_cells(loaded, args.depths, args.sizes)
+    loaded = [load_trace(trace) for trace in traces]
+    for trace in loaded:  # every trace (and its profile) readable, every cell asked for in range, before the sweep
+        load_profile(None, trace)
+        check_cells(trace, args.depths, args.sizes)
     prompts = None
     if args.live_top > 0:
         from specpilot.eval.suites import load_suite
@@ -611,7 +611,7 @@ def run(args: argparse.Namespace) -> int:
     pair = None
     batch_sizes = getattr(args, "batch_sizes", None)
     if batch_sizes and args.live_top == 0 and getattr(args, "batch_profile", None) is None and any(
-            max(batch_sizes) > max(load_profile(None, load_trace(t)).batch_sizes or [1]) for t in traces):
+            max(batch_sizes) > max(load_profile(None, t).batch_sizes or [1]) for t in loaded):
         from specpilot.drafting.cliargs import load_pair
 
         pair = load_pair(args)  # the traces' profiles lack these batch sizes: measured now with the pair
@@ -620,7 +620,7 @@ def run(args: argparse.Namespace) -> int:
             # eval does (the runner would keep their last tokens: a baseline chosen on other text than asked)
             from specpilot.drafting.checks import check_prompt_lengths
 
-            deepest = max((load_trace(t) for t in traces), key=lambda t: t.max_depth)
+            deepest = max(loaded, key=lambda t: t.max_depth)
             check_prompt_lengths(chosen, {p.prompt: executor.pair.encode(p.prompt) for p in chosen},
                                  context=executor.pair.max_context, max_depth=deepest.max_depth, truncate=False,
                                  options=("--max-new-tokens",),

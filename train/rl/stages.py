@@ -362,12 +362,6 @@ def policy_shape(path: str | Path) -> dict:
             "vf": [m.out_features for m in extractor.value_net if isinstance(m, torch.nn.Linear)]}
 
 
-def policy_arch(path: str | Path) -> tuple[list[int], list[int]]:
-    """(actor hidden layers, value hidden layers) of an SB3 policy zip."""
-    shape = policy_shape(path)
-    return shape["pi"], shape["vf"]
-
-
 def check_init_policy(init_from: str | Path, kind: str, obs_spec: ObservationSpec, actions: Sequence[int] | None,
                       ppo: PPOOverrides | None = None) -> tuple[list[int], list[int]]:
     """The (actor, value) layers of a `kind` stage that starts from `init_from` (observing `obs_spec`, choosing
@@ -395,8 +389,8 @@ def check_init_policy(init_from: str | Path, kind: str, obs_spec: ObservationSpe
 def start_arch(init_from: str | Path, kind: str, ppo: PPOOverrides | None = None) -> tuple[list[int], list[int]]:
     """The (actor, value) layers of a stage that starts from `init_from`: the starting policy's. Layers given in
     `ppo` that differ are refused before any work, naming both (its weights cannot load into them)."""
-    pi, vf = policy_arch(init_from)
-    return _given_arch(init_from, kind, pi, vf, ppo)
+    shape = policy_shape(init_from)
+    return _given_arch(init_from, kind, shape["pi"], shape["vf"], ppo)
 
 
 def _given_arch(init_from: str | Path, kind: str, pi: list[int], vf: list[int],
