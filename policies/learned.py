@@ -52,10 +52,12 @@ class LearnedController(Controller):
             self.name = name
         if depth_actor is not None:
             check_actor(depth_actor, depth_spec, "depth", len(DEPTH_ACTIONS))
+            depth_actor.prepare(depth_spec)
         if size_actor is not None:
             if not self.size_actions:
                 raise ValueError("a size actor needs size_actions")
             check_actor(size_actor, size_spec, "size", len(self.size_actions))
+            size_actor.prepare(size_spec)
 
     @property
     def has_depth(self) -> bool:

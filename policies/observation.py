@@ -145,12 +145,14 @@ def scalars(state: DraftState, spec: ObservationSpec) -> tuple[float, ...]:
     values = (min(state.depth / depth, 1.0), min(state.context_len / spec.max_context, 1.0),
               min(state.new_tokens / state.max_new_tokens, 1.0) if state.max_new_tokens > 0 else 0.0,
               min(state.prev_accepted / depth, 1.0), min(state.prev_depth / depth, 1.0),
-              min(max(state.acceptance, 0.0), 1.0))
+              min(max(float(state.acceptance), 0.0), 1.0))
+    # float(): max/min return their first argument on ties, so an int field would make an int slot (the decision
+    # kernel is compiled for a tuple of floats)
     if spec.features:
         if "top_prob" in spec.features:
-            values += (min(max(state.last_top_prob, 0.0), 1.0),)
+            values += (min(max(float(state.last_top_prob), 0.0), 1.0),)
         if "entropy" in spec.features:
-            values += (min(max(state.last_entropy, 0.0) / ENTROPY_SCALE, 1.0),)
+            values += (min(max(float(state.last_entropy), 0.0) / ENTROPY_SCALE, 1.0),)
         if "batch" in spec.features:
             values += (min(math.log2(max(state.batch_size, 1)) / BATCH_LOG2_SCALE, 1.0),)
         if "context_max" in spec.features:

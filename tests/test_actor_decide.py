@@ -1,6 +1,7 @@
 """Actor.decide (the first layer folded with the observation layout, no observation vector) makes the decisions SB3's
-policy makes on the observation vector, for depth and size policies, on synthetic and recorded states; and the
-fold itself reproduces the first layer's output."""
+policy makes on the observation vector, for depth and size policies, on synthetic and recorded states, through the
+compiled kernel (`policies.kernel`, numba) and through numpy alike; and the fold itself reproduces the first layer's
+output."""
 from __future__ import annotations
 
 import gymnasium as gym
@@ -13,7 +14,7 @@ from tiny import tiny_pair
 from specpilot.drafting import SpeculativeDecoder, TreeConfig
 from specpilot.drafting.types import DraftState
 from specpilot.envs.spaces import observation_space
-from specpilot.policies import FixedController
+from specpilot.policies import FixedController, kernel
 from specpilot.policies.actor import Actor
 from specpilot.policies.learned import LearnedController
 from specpilot.policies.observation import ObservationSpec, fold_first_layer, observe, scalars
@@ -78,10 +79,20 @@ def recorded_states() -> list[DraftState]:
     return recorder.states
 
 
+@pytest.fixture(params=["kernel", "numpy"])
+def decision_path(request, monkeypatch) -> str:
+    """Decide through the numba kernel (where it is installed) or, without it, through numpy products."""
+    if request.param == "numpy":
+        monkeypatch.setattr(kernel, "KERNEL", None)
+    elif kernel.KERNEL is None:
+        pytest.skip("numba is not installed: decisions run on numpy")
+    return request.param
+
+
 @pytest.mark.parametrize("activation", [torch.nn.Tanh, torch.nn.ReLU, torch.nn.LeakyReLU])
 @pytest.mark.parametrize("pi", [[], [16], [32, 16]])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_decide_makes_sb3s_decisions(name, pi, activation, recorded_states):
+def test_decide_makes_sb3s_decisions(name, pi, activation, recorded_states, decision_path):
     spec = SPECS[name]
     states = recorded_states + edge_states() + synthetic_states(TREE, 1500, seed=len(name), max_context=300)
     obs = np.stack([observe(state, spec) for state in states])
@@ -97,6 +108,9 @@ def test_decide_makes_sb3s_decisions(name, pi, activation, recorded_states):
     clear = ((top2[:, 0] - top2[:, 1]) > 1e-5).numpy()  # float round-off may only flip exact near-ties
     assert clear.mean() > 0.99 and len(set(expected.tolist())) > 1  # the check is not vacuous
     decided = np.array([actor.decide(state, spec) for state in states])
+    # the kernel runs tanh / relu / identity stacks; a LeakyReLU one stays on numpy
+    assert (actor._folded[3] is not None) == (decision_path == "kernel" and (activation is not torch.nn.LeakyReLU
+                                                                             or not pi))
     acted = np.array([actor.act(o) for o in obs])
     np.testing.assert_array_equal(decided[clear], expected[clear])
     np.testing.assert_array_equal(acted[clear], expected[clear])
@@ -146,6 +160,26 @@ def test_decide_falls_back_where_numpy_cannot_run_the_stack(recorded_states):
         for state in recorded_states[:50]:
             obs = torch.from_numpy(observe(state, spec))[None]
             assert actor.decide(state, spec) == int(actor.logits(obs).argmax())
+
+
+def test_the_kernel_and_numpy_decide_alike_on_the_same_actor(recorded_states):
+    if kernel.KERNEL is None:
+        pytest.skip("numba is not installed: decisions run on numpy")
+    rng = np.random.default_rng(3)
+    states = recorded_states + edge_states() + synthetic_states(TREE, 500, seed=9, max_context=300)
+    states.append(DraftState.from_levels([[-1.0, -2.0, -3.0]], max_depth=DMAX, width=W, context_len=9,
+                                         acceptance=1, last_top_prob=1, last_entropy=0))  # int fields
+    for name, spec in SPECS.items():
+        n_out = 2 if spec.kind == "depth" else len(SIZES)
+        for activation in ("tanh", "relu", "identity"):
+            actor = Actor([("linear", torch.from_numpy(rng.normal(size=(24, spec.dim)).astype(np.float32)),
+                            torch.from_numpy(rng.normal(size=24).astype(np.float32))), ("activation", activation, {}),
+                           ("linear", torch.from_numpy(rng.normal(size=(n_out, 24)).astype(np.float32)), None)])
+            actor.prepare(spec)
+            assert actor._folded[3] is not None
+            compiled = [actor.decide(s, spec) for s in states]
+            actor._folded = (*actor._folded[:3], None, actor._folded[4])  # the same fold, decided by numpy
+            assert compiled == [actor.decide(s, spec) for s in states], (name, activation)
 
 
 @pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])

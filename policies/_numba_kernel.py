@@ -1,0 +1,51 @@
+"""The numba-compiled decision kernel (`specpilot.policies.kernel` imports it when numba is available)."""
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def activate(y, code):
+    if code == 1:
+        for i in range(y.shape[0]):
+            y[i] = np.tanh(y[i])
+    elif code == 2:
+        for i in range(y.shape[0]):
+            if y[i] < 0.0:
+                y[i] = 0.0
+
+
+@njit(cache=True, nogil=True)
+def decide(scores, k, floor, scalars, weights, layout):
+    """The action for the first k scores and the scalar slots (layout: `kernel.pack`)."""
+    # layout: [num_scalars, first layer width, its activation, n later layers, (offset, in, out, activation) per
+    # later layer, then the offset of the first layer folded for k = 0..num_scores real scores]
+    m, h, rest = layout[0], layout[1], layout[3]
+    base = layout[4 + 4 * rest + k]
+    y = weights[base + (k + m) * h: base + (k + m + 1) * h].copy()  # the folded constant row
+    for i in range(k):
+        s = scores[i]
+        if s < floor:  # clip at score_floor (the scale is folded into the rows)
+            s = floor
+        row = base + i * h
+        for j in range(h):
+            y[j] += s * weights[row + j]
+    for i in range(m):
+        s = np.float32(scalars[i])
+        row = base + (k + i) * h
+        for j in range(h):
+            y[j] += s * weights[row + j]
+    activate(y, layout[2])
+    for layer in range(rest):
+        at = 4 + 4 * layer
+        offset, n_in, n_out = layout[at], layout[at + 1], layout[at + 2]
+        z = weights[offset + n_in * n_out: offset + (n_in + 1) * n_out].copy()  # the bias row
+        for i in range(n_in):
+            v = y[i]
+            row = offset + i * n_out
+            for j in range(n_out):
+                z[j] += v * weights[row + j]
+        activate(z, layout[at + 3])
+        y = z
+    if y.shape[0] == 1:  # two actions reduced to l1 - l0
+        return 1 if y[0] > 0.0 else 0
+    return np.argmax(y)
