@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     else:
         compiled = probe_controller(tree.width, tree.max_depth, default_size_actions("cpu"))
     paths = {"kernel": compiled, "numpy": numpy_twin(compiled)}
-    assert compiled.depth_actor._folded[3] is not None and paths["numpy"].depth_actor._folded[3] is None
+    assert compiled.depth_actor.compiled and not paths["numpy"].depth_actor.compiled
     times = {name: {q: [] for q in ("skip", "stop", "size")} for name in paths}
     cycles = {name: [0.0, 0.0, 0] for name in paths}  # policy_s, draft + verify + policy, cycles
     rng = np.random.default_rng(args.seed)

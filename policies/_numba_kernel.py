@@ -15,12 +15,15 @@ def activate(y, code):
 
 
 @njit(cache=True, nogil=True)
-def decide(scores, k, floor, scalars, weights, layout):
-    """The action for the first k scores and the scalar slots (layout: `kernel.pack`)."""
-    # layout: [num_scalars, first layer width, its activation, n later layers, (offset, in, out, activation) per
-    # later layer, then the offset of the first layer folded for k = 0..num_scores real scores]
+def decide(scores, scalars, weights, layout):
+    """The action for a state's scores (clipped at the floor, the first num_scores of them) and scalar slots."""
+    # layout: [num_scalars, first layer width, its activation, n later layers, num_scores, (offset, in, out,
+    # activation) per later layer, then the offset of the first layer folded for k = 0..num_scores real scores];
+    # weights[0] is the score floor
     m, h, rest = layout[0], layout[1], layout[3]
-    base = layout[4 + 4 * rest + k]
+    k = min(scores.shape[0], layout[4])
+    floor = weights[0]
+    base = layout[5 + 4 * rest + k]
     y = weights[base + (k + m) * h: base + (k + m + 1) * h].copy()  # the folded constant row
     for i in range(k):
         s = scores[i]
@@ -36,7 +39,7 @@ def decide(scores, k, floor, scalars, weights, layout):
             y[j] += s * weights[row + j]
     activate(y, layout[2])
     for layer in range(rest):
-        at = 4 + 4 * layer
+        at = 5 + 4 * layer
         offset, n_in, n_out = layout[at], layout[at + 1], layout[at + 2]
         z = weights[offset + n_in * n_out: offset + (n_in + 1) * n_out].copy()  # the bias row
         for i in range(n_in):

@@ -226,12 +226,12 @@ class Actor:
         # one cached spec, compared by identity: hashing a spec (8 fields) would cost more than the rest
         folded = self._folded if spec is self._fold_spec else self._fold(spec, steps[0])
         values = state.level_scores if folded[0] else state.candidate_scores
+        if folded[3] is not None and values.dtype == np.float32:  # one compiled call (`policies.kernel`)
+            return kernel.KERNEL(values, scalars(state, spec), *folded[3])
         k = values.shape[0]
         if k > folded[1]:
             k = folded[1]
             values = values[:k]
-        if folded[3] is not None and values.dtype == np.float32:  # one compiled call (`policies.kernel`)
-            return kernel.KERNEL(values, k, folded[4], scalars(state, spec), *folded[3])
         matrix, x, head, tail, floor = folded[2][k]
         if k:  # (depth 0, the skip decision, has no scores)
             # clip at score_floor (the scale is in the matrix); an array bound of the same dtype takes numpy's
@@ -256,7 +256,7 @@ class Actor:
             x = np.ones(matrix.shape[0], np.float32)
             tables.append((matrix, x, x[:k], x[k:-1], floor[:k]))
         self._fold_spec, self._folded = spec, (spec.kind == "depth", spec.num_scores, tables,
-                                               self._pack(spec, matrices), np.float32(spec.score_floor))
+                                               self._pack(spec, matrices))
         return self._folded
 
     def prepare(self, spec: ObservationSpec) -> None:
@@ -264,6 +264,11 @@ class Actor:
         which a clock may be timing (controllers call this when they are built)."""
         if self._numpy_steps is not None and spec is not self._fold_spec:
             self._fold(spec, self._numpy_steps[0])
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decisions run through the compiled kernel (for the spec folded last)."""
+        return self._folded is not None and self._folded[3] is not None
 
     def _pack(self, spec: ObservationSpec, matrices: list[np.ndarray]) -> tuple | None:
         """The kernel's (weights, layout) for `spec`, compiled now for contiguous and strided score views, or None
@@ -276,12 +281,13 @@ class Actor:
             if code is None:
                 return None
             codes.append(code)
-        packed = kernel.pack(matrices, [step[0] for step in self._numpy_steps[1:]], codes, spec.num_scalars)
+        packed = kernel.pack(matrices, [step[0] for step in self._numpy_steps[1:]], codes, spec.num_scalars,
+                             spec.score_floor)
         try:
             probe = np.full(2 * spec.num_scores, spec.score_floor / 2, np.float32)
             blank = (0.5,) * spec.num_scalars
             for scores in (probe[:spec.num_scores], probe[::2]):  # contiguous and strided score views
-                kernel.KERNEL(scores, spec.num_scores, np.float32(spec.score_floor), blank, *packed)
+                kernel.KERNEL(scores, blank, *packed)
         except Exception:  # noqa: BLE001 - the numpy path decides instead
             return None
         return packed

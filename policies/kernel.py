@@ -36,12 +36,13 @@ def _build():
 KERNEL = _build()
 
 
-def pack(folded_first: list[np.ndarray], later: list[np.ndarray], codes: list[int],
-         num_scalars: int) -> tuple[np.ndarray, np.ndarray]:
+def pack(folded_first: list[np.ndarray], later: list[np.ndarray], codes: list[int], num_scalars: int,
+         score_floor: float) -> tuple[np.ndarray, np.ndarray]:
     """(weights, layout) for `KERNEL`: folded_first[k] is the first layer folded for k real scores
-    ((k + num_scalars + 1, width): `observation.fold_first_layer`), later the [W.T; bias] matrices of the other
-    layers (`Actor._numpy_plan`), codes the activation after each layer (ACTIVATION_CODES)."""
-    parts, layout_rest, offset = [], [], 0
+    ((k + num_scalars + 1, width): `observation.fold_first_layer`, k = 0..num_scores), later the [W.T; bias] matrices
+    of the other layers (`Actor._numpy_plan`), codes the activation after each layer (ACTIVATION_CODES). Everything
+    the kernel needs travels in these two arrays (each further argument costs a cold decision microseconds)."""
+    parts, layout_rest, offset = [np.array([score_floor], np.float32)], [], 1  # weights[0]: the score floor
     for matrix, code in zip(later, codes[1:]):
         layout_rest += [offset, matrix.shape[0] - 1, matrix.shape[1], code]
         parts.append(matrix.ravel())
@@ -51,6 +52,7 @@ def pack(folded_first: list[np.ndarray], later: list[np.ndarray], codes: list[in
         first_offsets.append(offset)
         parts.append(matrix.ravel())
         offset += matrix.size
-    layout = [num_scalars, folded_first[0].shape[1], codes[0], len(later), *layout_rest, *first_offsets]
+    layout = [num_scalars, folded_first[0].shape[1], codes[0], len(later), len(folded_first) - 1, *layout_rest,
+              *first_offsets]
     return (np.ascontiguousarray(np.concatenate(parts), dtype=np.float32),
             np.ascontiguousarray(layout, dtype=np.int64))

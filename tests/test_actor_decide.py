@@ -4,6 +4,8 @@ compiled kernel (`policies.kernel`, numba) and through numpy alike; and the fold
 output."""
 from __future__ import annotations
 
+import copy
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -109,7 +111,7 @@ def test_decide_makes_sb3s_decisions(name, pi, activation, recorded_states, deci
     assert clear.mean() > 0.99 and len(set(expected.tolist())) > 1  # the check is not vacuous
     decided = np.array([actor.decide(state, spec) for state in states])
     # the kernel runs tanh / relu / identity stacks; a LeakyReLU one stays on numpy
-    assert (actor._folded[3] is not None) == (decision_path == "kernel" and (activation is not torch.nn.LeakyReLU
+    assert actor.compiled == (decision_path == "kernel" and (activation is not torch.nn.LeakyReLU
                                                                              or not pi))
     acted = np.array([actor.act(o) for o in obs])
     np.testing.assert_array_equal(decided[clear], expected[clear])
@@ -162,7 +164,7 @@ def test_decide_falls_back_where_numpy_cannot_run_the_stack(recorded_states):
             assert actor.decide(state, spec) == int(actor.logits(obs).argmax())
 
 
-def test_the_kernel_and_numpy_decide_alike_on_the_same_actor(recorded_states):
+def test_the_kernel_and_numpy_decide_alike_on_the_same_actor(recorded_states, monkeypatch):
     if kernel.KERNEL is None:
         pytest.skip("numba is not installed: decisions run on numpy")
     rng = np.random.default_rng(3)
@@ -176,16 +178,17 @@ def test_the_kernel_and_numpy_decide_alike_on_the_same_actor(recorded_states):
                             torch.from_numpy(rng.normal(size=24).astype(np.float32))), ("activation", activation, {}),
                            ("linear", torch.from_numpy(rng.normal(size=(n_out, 24)).astype(np.float32)), None)])
             actor.prepare(spec)
-            assert actor._folded[3] is not None
-            compiled = [actor.decide(s, spec) for s in states]
-            actor._folded = (*actor._folded[:3], None, actor._folded[4])  # the same fold, decided by numpy
-            assert compiled == [actor.decide(s, spec) for s in states], (name, activation)
+            with monkeypatch.context() as patch:  # the same weights, folded without the kernel
+                patch.setattr(kernel, "KERNEL", None)
+                twin = copy.deepcopy(actor)
+                twin.prepare(spec)
+            assert actor.compiled and not twin.compiled
+            assert [actor.decide(s, spec) for s in states] == [twin.decide(s, spec) for s in states], (name, activation)
 
 
 @pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])
 def test_a_copied_controller_decides_alike(copy_kind, recorded_states):
     """Partner controllers travel to Ray workers pickled: the copy rebuilds its buffers (views do not survive)."""
-    import copy
     import pickle
 
     depth = sb3_policy(SPECS["depth"], [16], torch.nn.Tanh, seed=1)
