@@ -237,7 +237,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
     for prompts in (heldout, train, val):  # now, not after the training: the evaluation would refuse them then
-        check_prompt_lengths(prompts, {p.prompt: pair.encode(p.prompt) for p in prompts}, context=pair.max_context,
+        check_prompt_lengths(prompts, {p.prompt: len(pair.encode(p.prompt)) for p in prompts}, context=pair.max_context,
                              max_new_tokens=budget.max_new_tokens, max_depth=tree.max_depth, truncate=False,
                              options=())
     budget_fields = asdict(budget)

@@ -125,6 +125,21 @@ def as_executor(pair=None, executor: Executor | None = None) -> Executor | None:
     return executor if executor is not None else (LocalExecutor(pair) if pair is not None else None)
 
 
+def _count_tokens(worker, prompts: list[str]) -> dict:
+    """Work unit of `prompt_lengths`: each prompt's token count and the context of the worker's pair."""
+    return {"lengths": [len(worker.pair.encode(p)) for p in prompts], "context": int(worker.pair.max_context)}
+
+
+def prompt_lengths(executor: Executor, prompts: Sequence[str]) -> tuple[dict[str, int], int]:
+    """({prompt: token count}, the models' context), counted by a worker of `executor` with the pair that will
+    decode them: in this process for a LocalExecutor, on a Ray worker for a WorkerPool (the driver may have no pair),
+    so a command refuses prompts too long for the context before any work either way (`checks.check_prompt_lengths`).
+    """
+    prompts = list(dict.fromkeys(prompts))
+    [outcome] = executor.map(_count_tokens, [ShardTask(0, {"prompts": prompts})])
+    return dict(zip(prompts, outcome.result["lengths"])), outcome.result["context"]
+
+
 def shard_ranges(n: int, workers: int, shard_size: int | None = None) -> list[tuple[int, int]]:
     """Contiguous [lo, hi) prompt ranges. Default size ceil(n / (4 * workers)): several shards per worker, so fast
     workers take more and a resumed run loses little."""

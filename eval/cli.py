@@ -207,7 +207,7 @@ def check_batch_options(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
-    from specpilot.drafting.executor import LocalExecutor
+    from specpilot.drafting.executor import LocalExecutor, prompt_lengths
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.inputs import check_inputs_pair, check_methods
     from specpilot.train.scale.cluster_cli import open_executor
@@ -231,12 +231,10 @@ def run(args: argparse.Namespace) -> int:
                 and (local is None or local.draft is None)):
             asked = dict.fromkeys([*(methods or []), *(plan.sampled or [])])
             check_methods([m for m in asked if m == "hf_assisted"], drafter_kind="eagle3")
-        notes = []
-        if local is not None:  # on Ray the workers' runner keeps the prompts' last tokens instead
-            ids = {p.prompt: local.encode(p.prompt) for p in plan.prompts}
-            notes = check_prompt_lengths(plan.prompts, ids, context=local.max_context,
-                                         max_new_tokens=args.max_new_tokens, max_depth=plan.tree.max_depth,
-                                         truncate=args.truncate_prompts)
+        # counted by a worker (on Ray the driver has no pair): refused now, before any measuring
+        lengths, context = prompt_lengths(executor, [p.prompt for p in plan.prompts])
+        notes = check_prompt_lengths(plan.prompts, lengths, context=context, max_new_tokens=args.max_new_tokens,
+                                     max_depth=plan.tree.max_depth, truncate=args.truncate_prompts)
         devices = ", ".join(sorted({w["device"] for w in executor.workers}))
         say(f"evaluating {len(plan.prompts)} prompts of suite {plan.suite['name']} ({plan.suite['chosen_by']}) on "
             f"{identity['name']} ({len(executor)} worker(s): {devices}, {executor.workers[0]['dtype']}), "
@@ -279,7 +277,7 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     pair = load_pair(args)
     check_inputs_pair(pair.identity(), run_dir=args.run_dir, grid=args.grid)
     ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
-    for note in check_prompt_lengths(plan.prompts, ids, context=pair.max_context, max_new_tokens=args.max_new_tokens,
+    for note in check_prompt_lengths(plan.prompts, {k: len(v) for k, v in ids.items()}, context=pair.max_context, max_new_tokens=args.max_new_tokens,
                                      max_depth=plan.tree.max_depth, truncate=args.truncate_prompts):
         say(note)
     limit = pair.max_context - args.max_new_tokens - plan.tree.max_depth - 2

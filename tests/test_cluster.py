@@ -154,6 +154,21 @@ def test_a_failed_shard_is_retried_and_its_prompts_reported(ray_pool, local_pair
     assert json.loads((tmp_path / "after" / CLUSTER_FILE).read_text())["retried_prompts"] == []  # the pool still has working workers
 
 
+@pytest.mark.parametrize("where", ["local", "ray"])
+def test_prompt_lengths_are_counted_by_a_worker_so_ray_refuses_what_local_refuses(where, ray_pool, local_pair):
+    from specpilot.drafting.checks import check_prompt_lengths
+    from specpilot.drafting.executor import LocalExecutor, prompt_lengths
+
+    executor = ray_pool if where == "ray" else LocalExecutor(local_pair)
+    long = "x = f(1)\n" * (local_pair.max_context // 2)
+    lengths, context = prompt_lengths(executor, [PROMPTS[0], long, PROMPTS[0]])
+    assert context == local_pair.max_context
+    assert lengths == {text: len(local_pair.encode(text)) for text in (PROMPTS[0], long)}
+    prompts = [Prompt("short", "code", "python", "heldout", PROMPTS[0]), Prompt("long", "code", "python", "heldout", long)]
+    with pytest.raises(ValueError, match="prompt 'long' is"):
+        check_prompt_lengths(prompts, lengths, context=context, max_new_tokens=6, max_depth=3, truncate=False)
+
+
 def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path):
     """`specpilot record --ray local --workers 2` in a fresh process (its own local Ray)."""
     pytest.importorskip("ray", reason="Ray is not installed: pip install 'specpilot[ray]'")

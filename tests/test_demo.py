@@ -112,6 +112,6 @@ def test_a_prompt_refusal_offers_only_the_options_its_command_has(options, advic
 
     prompt = Prompt(id="p", prompt="x", task="t", language="python", split="heldout")
     with pytest.raises(ValueError) as info:
-        check_prompt_lengths([prompt], {"x": list(range(100))}, context=64, max_new_tokens=8, max_depth=4,
+        check_prompt_lengths([prompt], {"x": 100}, context=64, max_new_tokens=8, max_depth=4,
                              truncate=False, options=options)
     assert advice in str(info.value) and (options or str(info.value).endswith("shorten them"))

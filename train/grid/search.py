@@ -616,13 +616,14 @@ def run(args: argparse.Namespace) -> int:
 
         pair = load_pair(args)  # the traces' profiles lack these batch sizes: measured now with the pair
     with open_executor(args) if args.live_top > 0 else nullcontext() as executor:
-        if getattr(executor, "pair", None) is not None:  # local: prompts too long for the context refused now, as
-            # eval does (the runner would keep their last tokens: a baseline chosen on other text than asked)
+        if executor is not None:  # prompts too long for the context refused now, as eval does (the runner would
+            # keep their last tokens: a baseline chosen on other text than asked); counted by a worker, also on Ray
             from specpilot.drafting.checks import check_prompt_lengths
+            from specpilot.drafting.executor import prompt_lengths
 
             deepest = max(loaded, key=lambda t: t.max_depth)
-            check_prompt_lengths(chosen, {p.prompt: executor.pair.encode(p.prompt) for p in chosen},
-                                 context=executor.pair.max_context, max_depth=deepest.max_depth, truncate=False,
+            lengths, context = prompt_lengths(executor, [p.prompt for p in chosen])
+            check_prompt_lengths(chosen, lengths, context=context, max_depth=deepest.max_depth, truncate=False,
                                  options=("--max-new-tokens",),
                                  max_new_tokens=args.max_new_tokens or deepest.max_new_tokens)
         result = grid_search(traces, depths=args.depths, sizes=args.sizes, max_new_tokens=args.max_new_tokens,
