@@ -250,11 +250,17 @@ def pair_given(args: argparse.Namespace) -> bool:
 
 
 def check_pair_arguments(args: argparse.Namespace) -> None:
-    """--draft and --eagle exclude each other, and --target needs one of them."""
+    """--draft and --eagle exclude each other, and --target needs one of them; a --target that does not exist is
+    said first (adding a drafter would not help)."""
     draft, eagle = getattr(args, "draft", None), getattr(args, "eagle", None)
     if draft is not None and eagle is not None:
         raise ValueError("give --draft (a separate draft LM) or --eagle (an EAGLE-3 head), not both")
-    if getattr(args, "target", None) is not None and draft is None and eagle is None:
+    target = getattr(args, "target", None)
+    if target is not None and target != "embedded":
+        from specpilot.drafting.pair import checked_source
+
+        checked_source(target, "target")
+    if target is not None and draft is None and eagle is None:
         raise ValueError("--target needs its drafter: add --draft PATH (a draft LM) or --eagle PATH (an EAGLE-3 "
                          "head)")
 

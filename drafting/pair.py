@@ -279,7 +279,7 @@ def _load_tokenizer(explicit, model_path):
     from transformers import AutoTokenizer
 
     if explicit is not None:
-        return AutoTokenizer.from_pretrained(str(_checked_source(explicit, "tokenizer")))
+        return AutoTokenizer.from_pretrained(str(checked_source(explicit, "tokenizer")))
     local = Path(str(model_path))
     if local.exists():
         for folder in (local, local.parent / "tokenizer"):
@@ -305,7 +305,7 @@ def _read_local_tokenizer(folder: Path):
                              f"{model_files_fix(folder)}") from err
 
 
-def _checked_source(source, what: str):
+def checked_source(source, what: str):
     """A local path that exists, or something shaped like a hub id ("org/name"); else a clear FileNotFoundError."""
     text = str(source)
     path = Path(text).expanduser()
@@ -356,7 +356,7 @@ def _load_lm(source, what: str, dtype):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    source = _checked_source(source, what)
+    source = checked_source(source, what)
     local = isinstance(source, Path)
     if local:
         _check_model_folder(source, what)
@@ -567,7 +567,7 @@ class ModelPair:
         if eagle is not None:
             from specpilot.drafting.eagle import Eagle3Head
 
-            folder = DEFAULT_PAIR_DIR / "eagle" if eagle == "embedded" else _checked_source(eagle, "eagle head")
+            folder = DEFAULT_PAIR_DIR / "eagle" if eagle == "embedded" else checked_source(eagle, "eagle head")
             head = Eagle3Head.from_pretrained(folder, target_model.to(device))
             head.source = str(folder)
         drafter_name = "eagle" if head is not None else "draft"

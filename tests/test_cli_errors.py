@@ -76,6 +76,8 @@ CASES = {
                                          p["draft"]], ["runs/nosuchmodel", "no local path"]),
     "target without drafter": (lambda p: ["generate", "--prompt", "x", "--target", p["target"]],
                                ["--target needs its drafter"]),
+    "missing target without drafter": (lambda p: ["generate", "--prompt", "x", "--target", "/no/such/target"],
+                                       ["/no/such/target", "does not exist"]),
     "draft and eagle": (lambda p: ["generate", "--prompt", "x", *_pair(p), "--eagle", p["draft"]],
                         ["--draft", "--eagle", "not both"]),
     "embedded draft with a target": (lambda p: ["generate", "--prompt", "x", "--target", p["target"], "--draft",
