@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pair_arguments(parser)
     parser.add_argument("--config", help="an exported decoder directory (decoder.json): its policies decide depth "
                                          "and size (default: none, a static configuration)")
+    parser.add_argument("--allow-pair-mismatch", action="store_true",
+                        help="with --config: decode a pair other than the one its policies were exported for "
+                             "(still lossless; speed may suffer) (default: refuse it)")
     parser.add_argument("--depth", type=non_negative_int, default=None,
                         help="draft depth of the static controller, 0 = no drafting (default: 4 on CPU, 8 on CUDA)")
     parser.add_argument("--size", type=positive_int, default=None,
@@ -52,8 +55,12 @@ def _decoder(args: argparse.Namespace):
                              "size on the tree decoder.json fixes; drop them, or drop --config for a static "
                              "configuration")
         pair = load_pair(args) if pair_given(args) else None
-        decoder = SpeculativeDecoder.from_config(args.config, pair=pair, device=args.device, dtype=args.dtype)
+        decoder = SpeculativeDecoder.from_config(args.config, pair=pair, device=args.device, dtype=args.dtype,
+                                                 allow_pair_mismatch=args.allow_pair_mismatch)
         return decoder, decoder.default_controller
+    if args.allow_pair_mismatch:
+        raise ValueError("--allow-pair-mismatch applies only with --config (an exported decoder's recorded pair); "
+                         "drop it")
     pair = load_pair(args)
     controller = FixedController(args.depth, args.size, device=str(pair.device))
     width = args.width if args.width is not None else TreeConfig().width

@@ -74,6 +74,8 @@ CASES = {
                                        p["draft"]], ["/no/such/target", "does not exist"]),
     "missing relative path": (lambda p: ["generate", "--prompt", "x", "--target", "runs/nosuchmodel", "--draft",
                                          p["draft"]], ["runs/nosuchmodel", "no local path"]),
+    "pair mismatch flag without config": (lambda p: ["generate", "--prompt", "x", "--allow-pair-mismatch"],
+                                          ["--allow-pair-mismatch", "--config"]),
     "target without drafter": (lambda p: ["generate", "--prompt", "x", "--target", p["target"]],
                                ["--target needs its drafter"]),
     "missing target without drafter": (lambda p: ["generate", "--prompt", "x", "--target", "/no/such/target"],

@@ -450,6 +450,15 @@ def test_generate_cli_with_exported_config(run_dir, tmp_path, capsys):
                      "--max-new-tokens", "12", "--compare"])
     assert code == 0
     assert "identical to target-only" in capsys.readouterr().out
+    noisy_copy(target, 0.6).save_pretrained(tmp_path / "other")  # another draft: the CLI names its escape hatch
+    fast.save_pretrained(tmp_path / "other")
+    other = ["generate", "--config", str(tmp_path / "export"), "--prompt", "def f(x):", "--max-new-tokens", "12",
+             "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "other"), "--compare"]
+    assert cli_main(other) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "draft_hash" in err[0] and "--allow-pair-mismatch" in err[0]
+    assert cli_main([*other, "--allow-pair-mismatch"]) == 0
+    assert "identical to target-only" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------------
