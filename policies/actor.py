@@ -227,7 +227,8 @@ class Actor:
         folded = self._folded if spec is self._fold_spec else self._fold(spec, steps[0])
         values = state.level_scores if folded[0] else state.candidate_scores
         if folded[3] is not None and values.dtype == np.float32:  # one compiled call (`policies.kernel`)
-            return kernel.KERNEL(values, scalars(state, spec), *folded[3])
+            run = folded[3]
+            return run[0](values, scalars(state, spec), run[1], run[2])
         k = values.shape[0]
         if k > folded[1]:
             k = folded[1]
@@ -271,9 +272,11 @@ class Actor:
         return self._folded is not None and self._folded[3] is not None
 
     def _pack(self, spec: ObservationSpec, matrices: list[np.ndarray]) -> tuple | None:
-        """The kernel's (weights, layout) for `spec`, compiled now for contiguous and strided score views, or None
-        where the kernel cannot run this actor (no numba, an activation it lacks, a failed compile)."""
-        if kernel.KERNEL is None:
+        """(the compiled kernel, its weights, its layout) for `spec`, compiled now and tried on contiguous and
+        strided score views, or None where the kernel cannot run this actor (no numba, an activation it lacks, a
+        failed compile)."""
+        run = kernel.compiled(spec.num_scalars)
+        if run is None:
             return None
         codes = []  # the activation after each Linear (0: none)
         for _, _, _, fn, _ in self._numpy_steps:
@@ -287,10 +290,10 @@ class Actor:
             probe = np.full(2 * spec.num_scores, spec.score_floor / 2, np.float32)
             blank = (0.5,) * spec.num_scalars
             for scores in (probe[:spec.num_scores], probe[::2]):  # contiguous and strided score views
-                kernel.KERNEL(scores, blank, *packed)
+                run(scores, blank, *packed)
         except Exception:  # noqa: BLE001 - the numpy path decides instead
             return None
-        return packed
+        return (run, *packed)
 
     @staticmethod
     def _activation_name(fn) -> str:

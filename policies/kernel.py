@@ -9,7 +9,10 @@ each): the numpy path (`Actor._forward`) 73 / 78 / 44 us for skip / stop / size,
 (README, "Decision latency").
 
 The weights are packed once per (actor, observation spec) into one float32 array and an int64 layout (`pack`): numba
-unboxes two plain arrays much faster than a tuple of matrices. Without numba (not installed, or it fails to import or
+unboxes two plain arrays much faster than a tuple of matrices. Actors call the compiled function's native entry
+point (`compiled`), not numba's dispatcher: the dispatcher types every argument and looks the overload up on each
+call, ~5 us more per cold decision (measured interleaved with a demo's policies: 330 -> 312 and 304 -> 283 us of
+decisions per cycle, `benchmarks/bench_kernel.py`'s loop with the dispatcher as the other path). Without numba (not installed, or it fails to import or
 compile) `KERNEL` is None and actors decide with numpy: the same arithmetic in float32, so both paths agree up to
 float round-off (tests compare them on random actors and states).
 """
@@ -23,17 +26,31 @@ ACTIVATION_CODES = {"identity": 0, "tanh": 1, "relu": 2}  # the activations the 
 
 
 def _build():
-    """The compiled kernel, or None (numba missing or broken: decisions stay on numpy)."""
+    """The kernel module, or None (numba missing or broken: decisions stay on numpy)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from specpilot.policies._numba_kernel import decide
-        return decide
+            from specpilot.policies import _numba_kernel
+        return _numba_kernel
     except Exception:  # noqa: BLE001 - any failure to import or set up numba only means the numpy path is used
         return None
 
 
 KERNEL = _build()
+
+
+def compiled(num_scalars: int):
+    """`KERNEL.decide` for `num_scalars` scalar slots as a native entry point: (scores, scalars, weights, layout)
+    -> action, scores a float32 1-D array (any stride), scalars a tuple of `num_scalars` floats, (weights, layout)
+    from `pack`. None without numba, or when compiling fails (the numpy path decides)."""
+    if KERNEL is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return KERNEL.entry_point(num_scalars)
+    except Exception:  # noqa: BLE001 - the numpy path decides instead
+        return None
 
 
 def pack(folded_first: list[np.ndarray], later: list[np.ndarray], codes: list[int], num_scalars: int,
