@@ -143,7 +143,19 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
                        "best_static": {"depth": oracle["best_static"]["depth"], "size": oracle["best_static"]["size"],
                                        "speedup": oracle["best_static"]["tokens_per_s"] / ar_tps},
                        "share": {m["method"]: m["tokens_per_s"] / oracle["oracle"]["tokens_per_s"]
-                                 for m in methods}}}
+                                 for m in methods},
+                       "gain_share": {m["method"]: gain_share(m["tokens_per_s"], oracle["oracle"]["tokens_per_s"],
+                                                              ar_tps) for m in methods}}}
+
+
+def gain_share(tokens_per_s: float, oracle_tokens_per_s: float, ar_tokens_per_s: float) -> float | None:
+    """The share of the oracle's gain over AR a method captures: (speedup - 1) / (oracle speedup - 1), speedups
+    over the same AR reference (0: no faster than AR, 1: as fast as the oracle, < 0: slower than AR); None when
+    the oracle itself is no faster than AR (no gain to share). `share` beside it is the throughput ratio."""
+    oracle_gain = oracle_tokens_per_s / ar_tokens_per_s - 1.0
+    if not oracle_gain > 0:
+        return None
+    return (tokens_per_s / ar_tokens_per_s - 1.0) / oracle_gain
 
 
 def _replay_comparisons(units: dict, *, seed: int, decide: tuple[str, str]) -> list[dict]:

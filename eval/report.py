@@ -231,13 +231,16 @@ def _replay_lines(replay: dict | None) -> list[str]:
              "rounds)."
              + (f" Replay only (not run live, to save time): {', '.join(replay['replay_only'])}."
                 if replay.get("replay_only") else ""), "",
-             "| method | live speedup [95% CI] | replay speedup [95% CI over prompts] | gap | share of oracle |",
-             "|---|---|---|---|---|"]
+             "| method | live speedup [95% CI] | replay speedup [95% CI over prompts] | gap | share of oracle "
+             "(throughput) | share of oracle's gain over ar |",
+             "|---|---|---|---|---|---|"]
     share = replay.get("oracle", {}).get("share", {})
+    gain = replay.get("oracle", {}).get("gain_share", {})  # (older reports lack it)
     for m in sorted(replay["methods"], key=lambda m: -m["speedup"]):
         gap = f"{100 * m['gap']:+.1f}%" if m.get("gap") is not None else "-"
         lines.append(f"| {m['method']} | {_with_ci(m.get('live_speedup'), m.get('live_speedup_ci'))} | "
-                     f"{_with_ci(m['speedup'], m['speedup_ci'])} | {gap} | {_fmt(share.get(m['method']), '.0%')} |")
+                     f"{_with_ci(m['speedup'], m['speedup_ci'])} | {gap} | {_fmt(share.get(m['method']), '.0%')} | "
+                     f"{_fmt(gain.get(m['method']), '.0%')} |")
     o = replay.get("oracle")
     if o:
         bs = o["best_static"]

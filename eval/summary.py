@@ -98,8 +98,11 @@ def _replay_lines(replay: dict | None) -> list[str]:
     asked = [q for q in ("skip", "stop", "size") if q in charged]
     deciding = (f"policy decisions charged {'/'.join(f'{charged[q]:.0f}' for q in asked)} us ({'/'.join(asked)})"
                 if asked else "decisions free")
+    gains = oracle.get("gain_share") or {}
+    captured = ", ".join(f"{name} {100 * gains[name]:.0f}%" for name in ("ltd", "grid") if _ok(gains.get(name)))
     lines = [f"replay of the held-out traces (exact tau, modelled time, {deciding}): " + ", ".join(cells)
-             + (f"; hindsight oracle {oracle['speedup']:.2f}x" if _ok(oracle.get("speedup")) else "")]
+             + (f"; hindsight oracle {oracle['speedup']:.2f}x" if _ok(oracle.get("speedup")) else "")
+             + (f" (share of its gain over AR: {captured})" if captured else "")]
     lines += [f"  replay {describe(c)}" for c in replay.get("comparisons", [])[:1]]
     return lines
 

@@ -234,6 +234,11 @@ def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
     charged = replay_evaluation(res, trace, profile, prompts=PROMPTS, replay_only={"net": (learned, TREE)})
     assert next(m for m in charged["methods"] if m["method"] == "net")["decision_share"] > 0
     assert replay["oracle"]["speedup"] >= max(m["speedup"] for m in replay["methods"]) * (1 - 1e-9)
+    o = replay["oracle"]  # the share of the oracle's gain over AR, on the AR reference the speedups use
+    for m in replay["methods"]:
+        speedup = m["tokens_per_s"] * replay["ar_seconds_per_token"]
+        want = (speedup - 1) / (o["speedup"] - 1) if o["speedup"] > 1 else None  # (a tiny pair may not gain)
+        assert o["gain_share"][m["method"]] == (want if want is None else pytest.approx(want))
     # controllers not run live are replayed beside the others (built without a pair)
     from specpilot.eval.methods import EvalContext, replay_controllers
     from specpilot.policies import FixedController
@@ -253,3 +258,17 @@ def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
     assert rows["grid"]["measured_tokens_per_s"] > 0
     assert rows["ar"]["config"] == "d0_s0" and rows["ar"]["measured_tokens_per_s"] > 0  # the plain step vs live ar
     assert isinstance(check["stale"], bool)
+
+
+@pytest.mark.parametrize("tps, oracle, ar, share", [
+    (150.0, 200.0, 100.0, 0.5),   # half the oracle's gain
+    (200.0, 200.0, 100.0, 1.0),   # as fast as the oracle
+    (100.0, 200.0, 100.0, 0.0),   # no faster than AR
+    (90.0, 200.0, 100.0, -0.1),   # slower than AR
+    (120.0, 100.0, 100.0, None),  # an oracle no faster than AR: no gain to share
+])
+def test_gain_share(tps, oracle, ar, share):
+    from specpilot.eval.replay_eval import gain_share
+
+    got = gain_share(tps, oracle, ar)
+    assert got == (None if share is None else pytest.approx(share))

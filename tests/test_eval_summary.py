@@ -64,3 +64,14 @@ def test_markdown_leads_with_verdicts(tmp_path):
     assert md.index("## Verdicts") < md.index("speedup over ar (pooled") < md.index("by task group")
     assert "ltd vs grid (T=0): 0.981x (-1.9%) [0.970, 0.992], slower, 24 units; flag: same decisions" in md
     assert "too small to conclude" in md and "1.00 [0.90, 1.10]" in md
+
+
+def test_the_replay_line_gives_the_share_of_the_oracles_gain():
+    replay = {"methods": [{"method": m, "speedup": sp, "live_speedup": None, "gap": None} for m, sp in
+                          (("ltd", 1.9), ("grid", 1.8))],
+              "oracle": {"speedup": 2.5, "share": {"ltd": 0.76, "grid": 0.72},
+                         "gain_share": {"ltd": 0.6, "grid": 0.5333}}}
+    text = "\n".join(format_summary_lines(summarise_report({**REPORT, "replay": replay})))
+    assert "hindsight oracle 2.50x (share of its gain over AR: ltd 60%, grid 53%)" in text
+    older = {**replay, "oracle": {"speedup": 2.5, "share": {"ltd": 0.76}}}  # a report from before gain_share
+    assert "hindsight oracle 2.50x\n" in "\n".join(format_summary_lines(summarise_report({**REPORT, "replay": older})))
