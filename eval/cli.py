@@ -277,7 +277,8 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     pair = load_pair(args)
     check_inputs_pair(pair.identity(), run_dir=args.run_dir, grid=args.grid)
     ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
-    for note in check_prompt_lengths(plan.prompts, {k: len(v) for k, v in ids.items()}, context=pair.max_context, max_new_tokens=args.max_new_tokens,
+    lengths = {text: len(tokens) for text, tokens in ids.items()}
+    for note in check_prompt_lengths(plan.prompts, lengths, context=pair.max_context, max_new_tokens=args.max_new_tokens,
                                      max_depth=plan.tree.max_depth, truncate=args.truncate_prompts):
         say(note)
     limit = pair.max_context - args.max_new_tokens - plan.tree.max_depth - 2

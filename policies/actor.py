@@ -228,7 +228,10 @@ class Actor:
         values = state.level_scores if folded[0] else state.candidate_scores
         if folded[3] is not None and values.dtype == np.float32:  # one compiled call (`policies.kernel`)
             run = folded[3]
-            return run[0](values, scalars(state, spec), run[1], run[2])
+            try:
+                return run[0](values, scalars(state, spec), run[1], run[2])
+            except TypeError:  # scores the compiled signature cannot unbox (never seen: a guard): numpy decides
+                pass
         k = values.shape[0]
         if k > folded[1]:
             k = folded[1]

@@ -186,6 +186,24 @@ def test_the_kernel_and_numpy_decide_alike_on_the_same_actor(recorded_states, mo
             assert [actor.decide(s, spec) for s in states] == [twin.decide(s, spec) for s in states], (name, activation)
 
 
+def test_read_only_scores_decide_as_writable_ones():
+    """The kernel's native entry point is called without numba's type dispatch (which would type a read-only array
+    apart): a state built on read-only scores (np.frombuffer, a memory-mapped trace) decides as a writable one."""
+    rng = np.random.default_rng(5)
+    spec = SPECS["depth"]
+    actor = Actor([("linear", torch.from_numpy(rng.normal(size=(24, spec.dim)).astype(np.float32)),
+                    torch.from_numpy(rng.normal(size=24).astype(np.float32))), ("activation", "tanh", {}),
+                   ("linear", torch.from_numpy(rng.normal(size=(2, 24)).astype(np.float32)), None)])
+    actor.prepare(spec)
+    for _ in range(20):
+        scores = -rng.exponential(3.0, size=W + W * W).astype(np.float32)
+        frozen = np.frombuffer(scores.tobytes(), dtype=np.float32)
+        fields = dict(depth=2, max_depth=DMAX, width=W, context_len=9, level_start=W)
+        state = DraftState(scores=frozen, **fields)
+        assert not state.level_scores.flags.writeable
+        assert actor.decide(state, spec) == actor.decide(DraftState(scores=scores, **fields), spec)
+
+
 @pytest.mark.parametrize("copy_kind", ["pickle", "deepcopy"])
 def test_a_copied_controller_decides_alike(copy_kind, recorded_states):
     """Partner controllers travel to Ray workers pickled: the copy rebuilds its buffers (views do not survive)."""
