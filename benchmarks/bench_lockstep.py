@@ -5,15 +5,16 @@ milliseconds instead of within seconds, as the evaluation's per-prompt interleav
     PYTHONPATH=<tree parent> .venv/bin/python benchmarks/bench_lockstep.py RUN_DIR [--eagle embedded]
         [--dtype auto] [--prompts 30] [--rounds 3] [--max-new-tokens 48] [--suite heldout_code]
 
-RUN_DIR: a demo run (its policies.json, grid.json and manifest.json: the deployed ltd, the grid's live-picked
-static config, the tree). The prompts are those its evaluation measured (eval/report.json), less those it flagged
-degenerate, as in its verdicts; without a report, the first --prompts of --suite. Each method's time is the sum of its own cycles' wall time, from its first question to
-its `observe` (`run_cycle`, decisions included), on the perf_counter clock with the device synchronised by the
-decoder's steps; prefill is left out (both prefill the same prompt). Prints each method's decode throughput, the
-pooled ratio ltd / grid with a 95% cluster-bootstrap interval over prompts (each prompt's rounds together, as the
-evaluation's verdicts) and its verdict, and the per-cycle decision time. The first round is a warm-up and is not
-counted. Greedy outputs are checked equal to each other in fp32 (both are the target's greedy output); in half
-precision the prompts where they differ are counted (near-tie argmaxes round differently in different shapes).
+RUN_DIR: a demo run (its policies.json and grid.json: the deployed ltd and its tree, the grid's live-picked static
+config). The prompts are those its evaluation measured (eval/report.json), less those it flagged degenerate,
+as in its verdicts; without a report, the first --prompts of --suite. Each method's time is the sum of its own cycles'
+wall time, from its first question to its `observe` (`run_cycle`, decisions included), on the perf_counter clock with
+the device synchronised by the decoder's steps; prefill is left out (both prefill the same prompt). Prints each
+method's decode throughput, the pooled ratio ltd / grid with a 95% cluster-bootstrap interval over prompts (each
+prompt's rounds together, as the evaluation's verdicts) and its verdict, and the per-cycle decision time. The first
+round is a warm-up and is not counted. Greedy outputs are checked equal to each other in fp32 (both are the target's
+greedy output); in half precision the prompts where they differ are counted (near-tie argmaxes round differently in
+different shapes).
 
 Caveat: two sessions alternate, so each cycle starts after the other method's cycle, never after its own; both
 pay that alike, but absolute throughput can differ from a method decoding alone.
@@ -28,21 +29,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig
+from specpilot.drafting import ModelPair, SpeculativeDecoder
 from specpilot.drafting.cycle import run_cycle
+from specpilot.eval.inputs import read_grid_best, resolve_tree
 from specpilot.eval.stats import cluster_ratio_interval, verdict
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
 from specpilot.policies.ppo import load_run_controllers
 
 
-def _run_tree(run_dir: Path) -> TreeConfig:
-    tree = json.loads((run_dir / "manifest.json").read_text())["contract"]["tree"]
-    return TreeConfig(width=tree["width"], max_depth=tree["max_depth"], max_size=tree["max_size"])
-
-
 def _grid_controller(run_dir: Path) -> tuple[FixedController, str]:
-    best = json.loads((run_dir / "grid.json").read_text())["best"]
+    best = read_grid_best(run_dir / "grid.json")
     return FixedController(best["depth"], best["size"]), f"d{best['depth']} V{best['size']}"
 
 
@@ -85,7 +82,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     run_dir = Path(args.run_dir)
     pair = ModelPair.from_pretrained(eagle=args.eagle, dtype=args.dtype)
-    decoder = SpeculativeDecoder(pair, _run_tree(run_dir))
+    decoder = SpeculativeDecoder(pair, resolve_tree(run_dir))  # the run's tree, as its evaluation
     grid, grid_name = _grid_controller(run_dir)
     controllers = {"ltd": load_run_controllers(run_dir)["ltd"], "grid": grid}
     prompts = load_suite(args.suite)

@@ -80,8 +80,8 @@ def main(argv=None) -> int:
                 if r > 0:  # round 0 warms up
                     cells[(shape, cycle.context_len // 64)][shape == previous].append((cycle.draft_s, cycle.verify_s))
                 previous = shape
-    print(f"{pair.name} ({pair.drafter_kind}, {str(pair.dtype).replace('torch.', '')}), {args.threads} threads, {len(prompts)} {args.suite} "
-          f"prompts x {args.rounds} rounds, repeat probability {args.repeat}")
+    print(f"{pair.name} ({pair.drafter_kind}, {str(pair.dtype).replace('torch.', '')}), {args.threads} threads, "
+          f"{len(prompts)} {args.suite} prompts x {args.rounds} rounds, repeat probability {args.repeat}")
     ratios, weights = [], []
     for (shape, ctx), group in sorted(cells.items()):
         same, switched = np.array(group[True]), np.array(group[False])

@@ -73,9 +73,9 @@ def check_prompt_lengths(prompts, lengths: dict[str, int], *, context: int, max_
                          ) -> list[str]:
     """Prompts too long for the context (room for max_new_tokens and the deepest draft lookahead, as the runner
     keeps) are refused, naming the first and the real numbers (`lengths`: token count per prompt text, e.g. from
-    `executor.prompt_lengths`); with truncate=True they are kept (the runner keeps
-    their last tokens) and the returned note says how many and to what length. options: the command's options the
-    refusal may offer (--max-new-tokens, --truncate-prompts)."""
+    `executor.prompt_lengths`); with truncate=True they are kept (the runner keeps their last tokens) and the
+    returned note says how many and to what length. options: the command's options the refusal may offer
+    (--max-new-tokens, --truncate-prompts)."""
     limit = context - max_new_tokens - max_depth - 2
     long = [(p, lengths[p.prompt]) for p in prompts if lengths[p.prompt] > limit]
     if not long:

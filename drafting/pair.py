@@ -487,9 +487,10 @@ class ModelPair:
         chat-templated prompt, `eval.suites.with_chat_template`) gets no second one."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"this ModelPair has no tokenizer (none of {', '.join(TOKENIZER_FILES)} in the target's "
-                                 "folder or a sibling tokenizer/ folder): copy the target's tokenizer files there, "
-                                 "pass token ids, or load the pair with ModelPair.from_pretrained(..., tokenizer=PATH)")
+                raise ValueError(f"this ModelPair has no tokenizer (none of {', '.join(TOKENIZER_FILES)} in the "
+                                 "target's folder or a sibling tokenizer/ folder): copy the target's tokenizer files "
+                                 "there, pass token ids, or load the pair with "
+                                 "ModelPair.from_pretrained(..., tokenizer=PATH)")
             check_text("the prompt", prompt)
             bos = getattr(self.tokenizer, "bos_token", None)
             specials = not (isinstance(bos, str) and bos and prompt.startswith(bos))

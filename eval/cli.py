@@ -278,8 +278,9 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     check_inputs_pair(pair.identity(), run_dir=args.run_dir, grid=args.grid)
     ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
     lengths = {text: len(tokens) for text, tokens in ids.items()}
-    for note in check_prompt_lengths(plan.prompts, lengths, context=pair.max_context, max_new_tokens=args.max_new_tokens,
-                                     max_depth=plan.tree.max_depth, truncate=args.truncate_prompts):
+    for note in check_prompt_lengths(plan.prompts, lengths, context=pair.max_context,
+                                     max_new_tokens=args.max_new_tokens, max_depth=plan.tree.max_depth,
+                                     truncate=args.truncate_prompts):
         say(note)
     limit = pair.max_context - args.max_new_tokens - plan.tree.max_depth - 2
     tokens = [ids[p.prompt][-limit:] for p in plan.prompts]

@@ -237,8 +237,9 @@ def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, de
                     else "")
             raise ExportedConfigError(
                 f"{config}: the model pair does not match the one the policies were exported for ({'; '.join(diffs)})."
-                f"{hint} Load the recorded pair (same weights and dtype), or pass allow_pair_mismatch=True (`specpilot "
-                "generate`: --allow-pair-mismatch) to use the policies anyway (decoding stays lossless; speed may suffer)")
+                f"{hint} Load the recorded pair (same weights and dtype), or pass allow_pair_mismatch=True "
+                "(`specpilot generate`: --allow-pair-mismatch) to use the policies anyway (decoding stays lossless; "
+                "speed may suffer)")
     return pair
 
 

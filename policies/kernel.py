@@ -12,9 +12,9 @@ The weights are packed once per (actor, observation spec) into one float32 array
 unboxes two plain arrays much faster than a tuple of matrices. Actors call the compiled function's native entry
 point (`compiled`), not numba's dispatcher: the dispatcher types every argument and looks the overload up on each
 call, ~5 us more per cold decision (measured interleaved with a demo's policies: 330 -> 312 and 304 -> 283 us of
-decisions per cycle, `benchmarks/bench_kernel.py`'s loop with the dispatcher as the other path). Without numba (not installed, or it fails to import or
-compile) `KERNEL` is None and actors decide with numpy: the same arithmetic in float32, so both paths agree up to
-float round-off (tests compare them on random actors and states).
+decisions per cycle, `benchmarks/bench_kernel.py`'s loop with the dispatcher as the other path). Without numba (not
+installed, or it fails to import or compile) `KERNEL` is None and actors decide with numpy: the same arithmetic in
+float32, so both paths agree up to float round-off (tests compare them on random actors and states).
 """
 from __future__ import annotations
 

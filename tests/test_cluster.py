@@ -164,7 +164,8 @@ def test_prompt_lengths_are_counted_by_a_worker_so_ray_refuses_what_local_refuse
     lengths, context = prompt_lengths(executor, [PROMPTS[0], long, PROMPTS[0]])
     assert context == local_pair.max_context
     assert lengths == {text: len(local_pair.encode(text)) for text in (PROMPTS[0], long)}
-    prompts = [Prompt("short", "code", "python", "heldout", PROMPTS[0]), Prompt("long", "code", "python", "heldout", long)]
+    prompts = [Prompt("short", "code", "python", "heldout", PROMPTS[0]),
+               Prompt("long", "code", "python", "heldout", long)]
     with pytest.raises(ValueError, match="prompt 'long' is"):
         check_prompt_lengths(prompts, lengths, context=context, max_new_tokens=6, max_depth=3, truncate=False)
 
