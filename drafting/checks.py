@@ -68,6 +68,13 @@ def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) ->
         )
 
 
+def prompt_room(context: int, max_new_tokens: int, max_depth: int) -> int:
+    """The longest prompt (tokens) that leaves room in a `context`-token window for max_new_tokens, the deepest draft
+    lookahead (max_depth + 1, as `check_context` counts it) and one spare position: what the runner keeps of a
+    prompt, and the length `check_prompt_lengths` refuses beyond."""
+    return context - max_new_tokens - max_depth - 2
+
+
 def check_prompt_lengths(prompts, lengths: dict[str, int], *, context: int, max_new_tokens: int, max_depth: int,
                          truncate: bool, options: tuple[str, ...] = ("--max-new-tokens", "--truncate-prompts")
                          ) -> list[str]:
@@ -76,7 +83,7 @@ def check_prompt_lengths(prompts, lengths: dict[str, int], *, context: int, max_
     `executor.prompt_lengths`); with truncate=True they are kept (the runner keeps their last tokens) and the
     returned note says how many and to what length. options: the command's options the refusal may offer
     (--max-new-tokens, --truncate-prompts)."""
-    limit = context - max_new_tokens - max_depth - 2
+    limit = prompt_room(context, max_new_tokens, max_depth)
     long = [(p, lengths[p.prompt]) for p in prompts if lengths[p.prompt] > limit]
     if not long:
         return []

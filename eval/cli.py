@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from specpilot.drafting.cliargs import (add_pair_arguments, float_list, int_list, name_list, non_negative_float,
                                non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
-from specpilot.drafting.checks import check_prompt_lengths
+from specpilot.drafting.checks import check_prompt_lengths, prompt_room
 from specpilot.eval.suites import CHAT_TEMPLATE_MODES
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
 # (tests/test_bad_options.py keeps the two equal)
@@ -282,7 +282,7 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
                                      max_new_tokens=args.max_new_tokens, max_depth=plan.tree.max_depth,
                                      truncate=args.truncate_prompts):
         say(note)
-    limit = pair.max_context - args.max_new_tokens - plan.tree.max_depth - 2
+    limit = prompt_room(pair.max_context, args.max_new_tokens, plan.tree.max_depth)
     tokens = [ids[p.prompt][-limit:] for p in plan.prompts]
     methods = plan.methods if plan.methods is not None else list(METHODS)
     temperatures = list(dict.fromkeys(float(t) for t in args.temperatures))

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.drafting.checks import prompt_room
 from specpilot.drafting.executor import (Executor, ShardOutcome, ShardTask, as_executor, assign_groups,
                                          shard_report)
 from specpilot.drafting.pair import ModelPair
@@ -232,7 +233,7 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
     max_depth = max([tree.max_depth] + [getattr(getattr(m, "decoder", None), "tree", tree).max_depth
                                         for m in built.values()])
     context = pair.max_context
-    limit = context - max_new_tokens - max_depth - 2
+    limit = prompt_room(context, max_new_tokens, max_depth)
     if limit < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in a {context}-token context")
     all_ids, n_truncated = _encode_all(prompts, encode or pair.encode, limit)
