@@ -4,7 +4,8 @@ sampled at one temperature).
 The batched counterpart of `specpilot.eval.runner.evaluate`, measured by the same loop (`specpilot.eval.rounds`:
 `Measurer`, `run_rounds`, `RoundPlan`) and compared by the same statistics (`specpilot.eval.compare.compare`):
 - a *unit* is one batch of B prompts (the prompts in order, wrapping around so every batch is full) in one round;
-  per unit every method decodes the same batch back to back, the order rotated per unit;
+  per unit every method decodes the same batch back to back, in a balanced (Williams design) order per unit
+  (`rounds.method_order`);
 - the reference `ar` is batched autoregressive decoding (`drafting.batch_ar.autoregressive_generate_batch`); every
   Controller method decodes through `SpeculativeDecoder.generate_batch` with its own controller and tree (one
   decision per cycle for the batch; batch-aware controllers read `DraftState.batch_size`); transformers' methods

@@ -362,9 +362,10 @@ def batch_lines(sections: list[dict]) -> list[str]:
                      "per-sequence seeds, the same for every method of a batch")
             lines += [f"## Throughput by batch size ({mode}; reference: batched ar)", "",
                       "A unit is one batch of B prompts (in order, wrapping so every batch is full) in one round; "
-                      "per unit every method decoded the same batch back to back, order rotated. tokens/s: all "
-                      "sequences' tokens over the calls' wall time (prefill included); ms/token: per sequence, time "
-                      "to its last token over its tokens, averaged; intervals: 95% paired bootstrap over batches "
+                      "per unit every method decoded the same batch back to back, in a balanced order (Williams "
+                      "design). tokens/s: all sequences' tokens over the calls' wall time (prefill included); "
+                      "ms/token: per sequence, time to its last token over its tokens, averaged; intervals: 95% "
+                      "paired bootstrap over batches "
                       f"(over (batch, round) units where there is one batch); {exact}.", ""]
         tag = "" if temperature == 0 else f", T={temperature:g}"
         lines += [f"### Batch size {section['batch_size']} ({section['units']} batches x "

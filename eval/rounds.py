@@ -3,8 +3,11 @@
 One loop measures everything in the package (evaluation methods, arbitrary Controllers from the grid search or
 training, the cost-model check), with one clock:
 
-- a *round* runs every prompt once; per prompt the round's methods run back to back in an order rotated by one
-  per (round, prompt), so drift in load or clock frequency hits every method alike; all methods get the unit's
+- a *round* runs every prompt once; per prompt the round's methods run back to back in the order of the next row
+  of a Williams design (`method_order`): over each block of rows every method runs in every position, and right
+  after every other method, equally often. Drift in load or clock frequency then hits every method alike, and so
+  does any carry-over from the method that ran just before (a plain rotation puts B right after A in all but one
+  of every len(methods) units, so such a carry-over would bias A vs B); all methods get the unit's
   seed (`seed + round * n_prompts + prompt index`);
 - wall time is measured around each call (perf_counter after device synchronisation), identically for all;
 - `RoundPlan` says how many rounds: a fixed number, or "auto": at least `min_rounds`, then more until the
@@ -175,6 +178,29 @@ def timed(method: Callable[..., RunRecord], ids: list[int], sampling: dict, devi
     return rec
 
 
+def method_order(names: list[str], unit: int) -> list[str]:
+    """The order in which `names` run for the `unit`-th unit: row `unit` (cyclically) of a Williams design.
+
+    The rows are a Latin square whose first row is 0, 1, m-1, 2, m-2, ... and whose row i adds i (mod m); for an
+    odd m the reversed rows follow. Over any len(rows) consecutive units (m rows for even m, 2m for odd m) every
+    method takes every position equally often and follows every other method equally often (first-order
+    carry-over balance). For m = 3 the six rows are the six permutations."""
+    m = len(names)
+    if m < 2:
+        return list(names)
+    first, low, high = [0], 1, m - 1
+    while len(first) < m:
+        first.append(low)
+        low += 1
+        if len(first) < m:
+            first.append(high)
+            high -= 1
+    rows = [[(x + i) % m for x in first] for i in range(m)]
+    if m % 2:
+        rows += [row[::-1] for row in rows]
+    return [names[x] for x in rows[unit % len(rows)]]
+
+
 # ---- the loop --------------------------------------------------------------------------------------------------
 @dataclass
 class Measurer:
@@ -209,15 +235,14 @@ class Measurer:
                     break
 
     def round(self, r: int, names: list[str], sampling: dict) -> None:
-        """Every prompt once; per prompt the methods back to back, order rotated by one per (round, prompt)."""
+        """Every prompt once; per prompt the methods back to back, in `method_order`'s row for (round, prompt)."""
         n = len(self.ids)
         for i in range(n):
             k = r * n + i
             active = [m for m in names if m not in self.failed]
             if not active:
                 return
-            order = active[k % len(active):] + active[: k % len(active)]
-            for name in order:
+            for name in method_order(active, k):
                 rec = self.call(name, i, sampling, self.seed + k)
                 if rec is not None:
                     rec.prompt_id, rec.repeat = self.prompt_ids[i], r

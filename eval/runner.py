@@ -5,8 +5,9 @@ Protocol (what makes the numbers comparable; the loop itself is `specpilot.eval.
   is one (prompt, round)); `ar` (our autoregressive baseline on the same caches and clock) is always run, as the
   speedup reference;
 - warm-up generations of every method before anything is timed;
-- per prompt and round, all methods run back to back in a rotated order (round-robin), so drift in machine load
-  or clock frequency hits every method alike;
+- per prompt and round, all methods run back to back in the order of a Williams design (`rounds.method_order`:
+  every method in every position and right after every other method equally often), so drift in machine load,
+  clock frequency or carry-over from the previous method hits every method alike;
 - wall time of each call is measured around the call, identically for all methods (perf_counter after device
   synchronisation); the decoder's own draft/verify/policy times only split that time;
 - every speedup is a pooled ratio over units paired with `ar`'s runs of the same units, with a 95% paired
@@ -44,7 +45,7 @@ from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
 from specpilot.eval.metrics import RunRecord, aggregate, pooled_tau
 from specpilot.eval.stats import paired_ratio_interval
-from specpilot.eval.rounds import Measurer, MemoryMonitor, RoundPlan, run_rounds, timed
+from specpilot.eval.rounds import Measurer, MemoryMonitor, RoundPlan, method_order, run_rounds, timed
 from specpilot.eval.methods import (METHODS, ARMethod, ControllerMethod, EvalContext, Method,  # noqa: F401
                                     MethodUnavailable, build_methods)
 from specpilot.eval.suites import Prompt, prompt_mix
@@ -377,15 +378,14 @@ def _summary(records: list[RunRecord], temperatures, seed: int,
 def _run_concurrent(factories: dict[str, Callable[[], Method]], names: list[str], failed: dict, prompts: list[Prompt],
                     all_ids: list[list[int]], sampling: dict, seed: int, n: int, device: torch.device,
                     memory: MemoryMonitor) -> list[RunRecord]:
-    """N streams at once: prompts in batches of N, one thread per prompt; methods rotated per batch. Every thread
-    builds its own method instance (decoders and controllers keep per-generation state)."""
+    """N streams at once: prompts in batches of N, one thread per prompt; methods ordered per batch by
+    `method_order`. Every thread builds its own method instance (decoders and controllers keep per-generation state)."""
     out: list[RunRecord] = []
     active = [m for m in names if m not in failed]
     instances = {m: [factories[m]() for _ in range(n)] for m in active}
     batches = [list(range(s, min(s + n, len(all_ids)))) for s in range(0, len(all_ids), n)]
     for b, batch in enumerate(batches):
-        order = active[b % len(active):] + active[: b % len(active)]
-        for name in order:
+        for name in method_order(active, b):
             got: list[RunRecord | None] = [None] * len(batch)
             errors: list[BaseException] = []
 
@@ -492,7 +492,9 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
         "sampling": {"temperatures": [float(t) for t in temperatures], "top_k": top_k, "top_p": top_p,
                      "max_new_tokens": max_new_tokens, "seed": seed},
         "protocol": {"repeats": repeats, "warmup": warmup, "concurrency": concurrency,
-                     "interleaving": "rounds over all prompts; per prompt the methods back to back, order rotated",
+                     "interleaving": ("rounds over all prompts; per prompt the methods back to back, in the order of a "
+                                      "Williams design (every method in every position and after every other "
+                                      "method equally often)"),
                      "unit": "one (prompt, round): every method of the round ran it back to back",
                      "speedup": "pooled tokens/s of the method over pooled tokens/s of ar on the same units",
                      "interval": "95% paired percentile bootstrap over prompts, each prompt's rounds resampled "

@@ -1,13 +1,14 @@
 """The statistics behind every interval and verdict: coverage on synthetic data with a known ratio, degenerate
 cases, verdicts, decision comparison and the adaptive stopping rule."""
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from specpilot.eval.compare import comparison_pairs, compare, decision_stats, group_comparisons, unit_records
 from specpilot.eval.metrics import RunRecord
-from specpilot.eval.rounds import RoundPlan
+from specpilot.eval.rounds import RoundPlan, method_order
 from specpilot.eval.stats import (Interval, paired_ratio_interval, pooled_ratio, resample_weights, same_decisions,
                                   verdict)
 from specpilot.eval.suites import Prompt
@@ -197,3 +198,19 @@ def test_fixed_plan_and_round_methods():
 def test_bad_rounds_rejected(rounds, message):
     with pytest.raises(ValueError, match=message):
         RoundPlan.make(rounds)
+
+
+# ---- method order -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9])
+def test_method_order_is_a_williams_design(m):
+    """Over one block of rows every method takes every position, and follows every other method, equally often."""
+    names = [f"m{i}" for i in range(m)]
+    block = 2 * m if m % 2 else m
+    rows = [method_order(names, k) for k in range(block)]
+    assert all(sorted(row) == names for row in rows)
+    positions = Counter((name, i) for row in rows for i, name in enumerate(row))
+    assert set(positions.values()) == {block // m}
+    if m > 1:
+        follows = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+        assert len(follows) == m * (m - 1) and len(set(follows.values())) == 1
+    assert [method_order(names, k + block) for k in range(block)] == rows  # cyclic over units

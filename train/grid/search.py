@@ -5,9 +5,9 @@ Two phases:
    replayed on the training task (`specpilot.envs.replay.replay_oracle`, all cells at once): exact accepted lengths
    under greedy decoding, times from the latency profile. This ranks all cells in seconds.
 2. **Live re-measurement.** The top `live_top` cells are run with the real decoder
-   (`SpeculativeDecoder.generate` + `FixedController`) on *validation* prompts, interleaved per prompt in a rotated
-   order after a warm-up, with our autoregressive baseline alongside; the best live cell wins (replay predicts,
-   the clock decides). Without a pair (or with live_top=0) the replay best wins.
+   (`SpeculativeDecoder.generate` + `FixedController`) on *validation* prompts, interleaved per prompt in a balanced
+   order (`eval.rounds.method_order`) after a warm-up, with our autoregressive baseline alongside; the best live
+   cell wins (replay predicts, the clock decides). Without a pair (or with live_top=0) the replay best wins.
 
 Output (`out`, default grid.json) and a heat map of replay tokens/s over depth x size per width (grid.png):
 
