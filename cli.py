@@ -20,7 +20,7 @@ import argparse
 import importlib
 import sys
 
-from specpilot.drafting.cliargs import Parser, positive_int
+from specpilot.drafting.cliargs import Parser, thread_count
 from specpilot.train.scale.cluster_cli import CLUSTER_COMMANDS, add_cluster_arguments, with_cluster
 
 # (command, module, one-line help)
@@ -79,7 +79,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     description="Learn how much to speculate: exact tree speculative decoding steered by PPO "
                                 "policies.")
     # dest differs from any sub-command option, so a sub-command's defaults can never overwrite it
-    parser.add_argument("--threads", dest="global_threads", type=positive_int, default=None, metavar="N",
+    parser.add_argument("--threads", dest="global_threads", type=thread_count, default=None, metavar="N",
                         help="torch CPU threads (default: torch's choice). Batch-1 decoding of small models often "
                              "runs as fast on 1 thread, and extra threads stall when other work shares the cores")
     parser.add_argument("--debug", action="store_true",

@@ -1,7 +1,7 @@
 """What every `specpilot` command shares on the command line: the parser class (one-line errors, defaults shown in
 --help), argument types that validate at parse time (so nothing runs on a bad value), and the model-pair options.
 
-    positive_int, non_negative_int, finite_float, positive_float, non_negative_float, probability
+    positive_int, non_negative_int, thread_count, finite_float, positive_float, non_negative_float, probability
     utf8_text                  refuses invalid UTF-8 in argv (Python hands it over as lone surrogates)
     device, dtype              names this machine can load on / the dtypes ModelPair knows
     output_dir, output_file    refuse a read-only location, or a file where a folder belongs, before any work
@@ -68,6 +68,23 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+MAX_THREADS = 1024  # torch's thread pool crashes the process (SIGSEGV) when asked for ~100k threads
+
+
+def thread_count(text: str) -> int:
+    """--threads: 1..MAX_THREADS (the cores are those of the machine that runs the work: on Ray, the workers')."""
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text!r} (this machine has "
+                                         f"{_cores()} CPU cores; more threads than cores only wait for each other)")
+    return value
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1
 
 
 def float_in(low: float | None = None, high: float | None = None, *, open_low: bool = False,

@@ -566,7 +566,7 @@ def _finish(out: Path, metrics: dict, timings: dict, t_start: float) -> dict:
 # --------------------------------------------------------------------------------------------------- CLI
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import device, output_dir, positive_int, seed
+    from specpilot.drafting.cliargs import device, output_dir, positive_int, seed, thread_count
     from specpilot.drafting.pair import DEFAULT_PAIR_DIR
 
     d = BuildBudget()
@@ -580,7 +580,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft distillation tokens")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the corpus split and of training")
     parser.add_argument("--device", type=device, default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--threads", type=positive_int, default=None,
+    parser.add_argument("--threads", type=thread_count, default=None,
                         help="torch CPU threads (default: 2, or 1 on 1 core)")
     parser.add_argument("--quick", action="store_true", help="tiny pair in about a minute (smoke test)")
     stage = parser.add_mutually_exclusive_group()
