@@ -520,6 +520,17 @@ def test_a_folder_of_other_files_is_not_replaced(run_dir, pair, tmp_path):
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("foreign", ["NOTES.md", "sub/important", "engines/vllm/mine.json"])
+def test_an_earlier_export_with_other_files_is_not_replaced(run_dir, export_dir, pair, tmp_path, foreign):
+    out = _copy(export_dir, tmp_path)
+    (out / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (out / foreign).write_text("keep me")
+    before = _snapshot(out)
+    with pytest.raises(Exception, match=f"earlier export that also holds files an export does not write \\({foreign}"):
+        _quiet_export(run_dir, out, pair)
+    assert _snapshot(out) == before
+
+
 def test_a_second_export_replaces_the_first_and_modes_follow_the_umask(run_dir, export_dir, pair, tmp_path):
     out = _copy(export_dir, tmp_path)
     (out / "depth.onnx").write_bytes(b"stale")  # a file the new export does not write is not kept

@@ -354,11 +354,30 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     return meta
 
 
+def export_file_names() -> set[str]:
+    """Every path (relative, POSIX) an export may write: what an earlier export may hold and a new one replaces."""
+    from specpilot.policies.engine_configs import ENGINE_FILES
+
+    policies = {f"{kind}.{ext}" for kind in ("depth", "size") for ext in ("safetensors", "onnx")}
+    return {CONFIG_FILE, "engines/README.md", *policies, *(f"engines/{rel}" for rel in ENGINE_FILES.values())}
+
+
 def _check_replaceable(out_dir: Path) -> None:
-    """The export replaces out_dir as a whole: it must be new, empty, or an earlier export (holds decoder.json)."""
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / CONFIG_FILE).is_file():
+    """The export replaces out_dir as a whole: it must be new, empty, or an earlier export (holds decoder.json)
+    holding nothing but files an export writes, so replacing it never deletes anything of the user's."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not (out_dir / CONFIG_FILE).is_file():
         raise ExportError(f"{out_dir} holds files but no {CONFIG_FILE}: an export replaces its folder as a whole, so "
                           "give a new or empty folder (or an earlier export's)")
+    known = export_file_names()
+    foreign = sorted(rel for f in out_dir.rglob("*") if not f.is_dir()
+                     if (rel := f.relative_to(out_dir).as_posix()) not in known)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ExportError(f"{out_dir} is an earlier export that also holds files an export does not write "
+                          f"({shown}); an export replaces its folder as a whole, so move them out or give a new "
+                          "folder")
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:
