@@ -142,6 +142,16 @@ def test_bad_input_is_one_line_exit_2(case, paths, capsys):
     assert_one_line(code, err, *fragments)
 
 
+@pytest.mark.parametrize("stage", [[], ["--target-only"]])
+def test_models_build_refuses_a_folder_of_someone_elses_models(tmp_path, capsys, stage):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text("{}")
+    (tmp_path / "eagle").mkdir()
+    code, err = run_cli(["models", "build", "--quick", "--out", str(tmp_path), *stage], capsys)
+    assert_one_line(code, err, "not an earlier `specpilot models build` folder", "new or empty folder")
+    assert (tmp_path / "target" / "config.json").read_text() == "{}" and (tmp_path / "eagle").is_dir()
+
+
 @pytest.mark.skipif((DEFAULT_PAIR_DIR / "eagle" / "config.json").exists(), reason="the package ships a head")
 def test_embedded_eagle_when_none_is_shipped(capsys):
     code, err = run_cli(["generate", "--prompt", "x", "--eagle", "embedded"], capsys)

@@ -388,6 +388,18 @@ def _model_summary(model, train: dict | None, held: dict[str, torch.Tensor], *, 
             "heldout": {name: heldout_metrics(model, stream, device=device, **win) for name, stream in held.items()}}
 
 
+BUILD_MARKERS = ("metrics.json", "corpus_manifest.json")  # written by a build (the second as soon as the target is)
+
+
+def check_build_folder(out: Path) -> None:
+    """A full build writes tokenizer/, target/ and draft/ into `out` and removes a stale eagle/: `out` must be new,
+    empty, or an earlier build's folder (it holds metrics.json or corpus_manifest.json), never someone's models."""
+    if out.is_dir() and any(out.iterdir()) and not any((out / name).is_file() for name in BUILD_MARKERS):
+        raise ValueError(f"{out} holds files but is not an earlier `specpilot models build` folder (no "
+                         f"{' or '.join(BUILD_MARKERS)}): a build overwrites target/, draft/ and tokenizer/ there "
+                         "and removes eagle/, so give a new or empty folder")
+
+
 def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: int = 0, device: str | None = None,
                quick: bool = False, threads: int | None = None, target_only: bool = False,
                reuse_target: bool = False, eagle: bool = False, eagle_only: bool = False,
@@ -400,6 +412,8 @@ def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: 
     eagle_only: keep tokenizer, target and draft; train and measure only the head (implies eagle).
     eagle_budget: the head's specpilot.train.models.build_eagle.EagleBudget (default: its defaults, or quick())."""
     out = Path(out_dir)
+    if not (reuse_target or eagle_only):
+        check_build_folder(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     budget = budget or (BuildBudget.quick() if quick else BuildBudget())
     # Both cores of the 2-core reference box (tiny --quick models: one; threads only add synchronisation there).
