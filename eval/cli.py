@@ -178,11 +178,14 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
 
 
-def check_replay_dir(replay_dir, identity: dict) -> None:
+def check_replay_dir(replay_dir, identity: dict, *, tree=None, max_new_tokens: int | None = None,
+                     num_prompts: int | None = None) -> None:
     """--replay-dir caches this pair's held-out trace (re-recorded there when the prompts, tree or budget changed);
-    a trace of another pair there is someone's data, never overwritten: ContractError naming both pairs."""
+    a trace of another pair there is someone's data, never overwritten: ContractError naming both pairs; so is a
+    trace evaluation did not record there (`replay_eval.check_replaceable_trace`), unless it is the one asked for."""
     from specpilot.artifacts.contract import check_pair
     from specpilot.artifacts.trace import TraceHeader, is_trace
+    from specpilot.eval.replay_eval import check_replaceable_trace
 
     if replay_dir is None or not is_trace(replay_dir):
         return
@@ -193,6 +196,8 @@ def check_replay_dir(replay_dir, identity: dict) -> None:
     check_pair(recorded, identity, expected_from=f"the trace in --replay-dir {replay_dir}",
                got_from="the pair loaded for evaluation",
                fix="give this pair's or an empty --replay-dir (that trace is left as it is)")
+    if tree is not None and max_new_tokens is not None:
+        check_replaceable_trace(replay_dir, tree=tree, max_new_tokens=max_new_tokens, num_prompts=num_prompts)
 
 
 def check_batch_options(args: argparse.Namespace) -> None:
@@ -220,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             SpeculativeDecoder(executor.pair, plan.tree)
         identity = executor.workers[0]["pair"]
         check_inputs_pair(identity, run_dir=args.run_dir, grid=args.grid)  # the run / grid were made on this pair
-        check_replay_dir(args.replay_dir, identity)
+        check_replay_dir(args.replay_dir, identity, tree=plan.tree, max_new_tokens=args.max_new_tokens,
+                         num_prompts=len(plan.prompts))
         methods = plan.methods
         # hf_assisted, one rule everywhere (eval.methods._assistant): transformers' assisted generation drafts with
         # a separate draft LM, the embedded one for the embedded EAGLE-3 pair; another EAGLE-3 pair has none, so the

@@ -36,25 +36,64 @@ from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE, paired_ratio_interval,
 from specpilot.drafting.control import Controller, DecisionLog
 
 
+REPLAY_CACHE = "eval --replay-dir"  # trace.json "recorded_by" of the traces evaluation records (its cache)
+
+
+def check_replaceable_trace(out_dir: str | Path | None, *, tree: TreeConfig, max_new_tokens: int,
+                            num_prompts: int | None = None, also: Sequence[str] = ()) -> None:
+    """Evaluation re-records its replay cache when the prompts, tree or budget change, but a trace it did not record
+    there (`specpilot record`'s, say a training trace) is someone's data: replacing it is refused (ContractError)
+    unless it is the very recording asked for. Checked before any work with what is known then (tree, budget,
+    number of prompts), and again with the prompts' token ids before recording."""
+    from specpilot.artifacts.contract import ContractError
+    from specpilot.artifacts.trace import TraceHeader
+
+    if out_dir is None or not is_trace(out_dir):
+        return
+    try:
+        head = TraceHeader.load(out_dir)
+    except (OSError, ValueError):  # unreadable: re-recorded, as before
+        return
+    if head.data.get("recorded_by") == REPLAY_CACHE:
+        return
+    recorded = head.data.get("prompts") or []
+    want = {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size}
+    differ = [what for what, same in (
+        (f"tree {head.tree} vs {want}", head.tree == want),
+        (f"max_new_tokens {head.max_new_tokens} vs {max_new_tokens}", head.max_new_tokens == max_new_tokens),
+        (f"{len(recorded)} vs {num_prompts} prompts", num_prompts is None or len(recorded) == num_prompts))
+        if not same] + list(also)
+    if differ:
+        raise ContractError(f"--replay-dir {out_dir} holds a trace this evaluation did not record (recorded vs asked: "
+                            f"{'; '.join(differ)}); evaluation would record over it: give an empty or new folder "
+                            "(that trace is left as it is)")
+
+
 def heldout_trace(pair, tree: TreeConfig, ids: Sequence[Sequence[int]], out_dir: str | Path | None, *,
                   max_new_tokens: int, progress: bool = False):
     """The greedy trace of `ids` (token ids per prompt) with `tree`: loaded from `out_dir` when it holds one of
-    the same pair, tree, budget and prompt tokens, else recorded (and saved there when out_dir is given)."""
+    the same pair, tree, budget and prompt tokens, else recorded (and saved there, marked as evaluation's cache,
+    when out_dir is given; a trace someone else recorded there is never replaced: `check_replaceable_trace`)."""
     from specpilot.envs.record import Trace, record_trace
 
     want = {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size}
     if out_dir is not None and is_trace(out_dir):
+        also = ["unreadable arrays"]
         try:
             trace = Trace.load(out_dir)
-            same = (trace.header.get("tree") == want and trace.max_new_tokens == max_new_tokens
-                    and trace.header.get("pair") == json.loads(json.dumps(pair.identity()))
-                    and [trace.prompt(i) for i in range(trace.num_prompts)] == [list(p) for p in ids])
-            if same:
+            same_tokens = [trace.prompt(i) for i in range(trace.num_prompts)] == [list(p) for p in ids]
+            same_pair = trace.header.get("pair") == json.loads(json.dumps(pair.identity()))
+            same_shape = trace.header.get("tree") == want and trace.max_new_tokens == max_new_tokens
+            if same_tokens and same_pair and same_shape:
                 return trace
+            also = [what for what, same in (("other prompt tokens", same_tokens), ("another pair", same_pair))
+                    if not same]
         except (ValueError, OSError, KeyError):
-            pass  # unreadable or another version: record again
+            pass  # unreadable or another version: record again (if evaluation recorded it)
+        check_replaceable_trace(out_dir, tree=tree, max_new_tokens=max_new_tokens, num_prompts=len(ids), also=also)
     trace = record_trace(pair, tree, [list(p) for p in ids], max_new_tokens=max_new_tokens, progress=progress)
     if out_dir is not None:
+        trace.header["recorded_by"] = REPLAY_CACHE
         trace.save(out_dir)
     return trace
 

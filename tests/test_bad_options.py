@@ -236,3 +236,25 @@ def test_eval_never_overwrites_another_pairs_trace_in_replay_dir(saved_pair, tmp
                          str(tmp_path / "t")], capsys)  # the embedded pair, not the trace's
     assert_one_line(code, err, "the trace in --replay-dir", "specpilot-default", "that trace is left as it is")
     assert (tmp_path / "t" / "trace.npz").read_bytes() == before
+
+
+@pytest.mark.parametrize("change", [["--max-new-tokens", "6"], ["--max-depth", "3"], ["--limit", "1"]])
+def test_eval_never_records_over_a_trace_it_did_not_record(saved_pair, tmp_path, capsys, change):
+    """A `specpilot record` trace in --replay-dir (a training trace, say) is refused before any work when the
+    evaluation asks for other prompts, tree or budget; evaluation's own cache is re-recorded as before."""
+    suite = tmp_path / "two.txt"
+    suite.write_text("def f(x):\ndef g(y):\n")
+    pair = ["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft")]
+    shape = ["--width", "2", "--max-depth", "2", "--max-size", "4"]
+    assert run_cli(["record", "--suite", str(suite), *pair, "--out", str(tmp_path / "t"), "--max-new-tokens", "4",
+                    *shape, "--profile-cycles", "0"], capsys)[0] == 0
+    before = {f.name: f.read_bytes() for f in (tmp_path / "t").iterdir() if f.is_file()}
+    args = {"--max-new-tokens": "4", "--max-depth": "2", "--limit": "2"}
+    args.update(dict(zip(change[::2], change[1::2])))
+    shape = ["--width", "2", "--max-depth", args.pop("--max-depth"), "--max-size", "4"]
+    code, err = run_cli(["eval", "--suite", str(suite), *pair, *shape, "--methods", "fixed", "--temperatures", "0",
+                         "--rounds", "1", "--no-plots", "--out", str(tmp_path / "e"), "--replay-dir",
+                         str(tmp_path / "t"), *[x for kv in args.items() for x in kv]], capsys)
+    assert_one_line(code, err, "holds a trace this evaluation did not record", "that trace is left as it is")
+    assert {f.name: f.read_bytes() for f in (tmp_path / "t").iterdir() if f.is_file()} == before
+    assert not (tmp_path / "e" / "report.json").exists()

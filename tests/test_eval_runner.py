@@ -217,6 +217,8 @@ def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
     ids = [_encode(p.prompt) for p in PROMPTS]
     trace = heldout_trace(pair, TREE, ids, tmp_path / "trace", max_new_tokens=8)
     assert heldout_trace(pair, TREE, ids, tmp_path / "trace", max_new_tokens=8).path == trace.path  # reused
+    assert len(heldout_trace(pair, TREE, ids[:1], tmp_path / "trace", max_new_tokens=8).header["prompts"]) == 1
+    trace = heldout_trace(pair, TREE, ids, tmp_path / "trace", max_new_tokens=8)  # its own cache: re-recorded
     profile = measure_with_ar(pair, TREE, ids, max_new_tokens=8)
     assert profile.meta["ar_seconds_per_token"] > 0 and profile.meta["cycles"] > 0
     replay = replay_evaluation(res, trace, profile, prompts=PROMPTS)
