@@ -366,12 +366,20 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     ranges = shard_ranges(len(items), len(executor), shard_size)
     n_profile = len(items) if not profile_prompts else min(int(profile_prompts), len(items))
     tree = {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size}
-    key = sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed, ar=ar,
-                      ranges=ranges, pair=executor.workers[0]["pair"],
-                      **({"profile_cycles": int(profile_cycles)} if profile_cycles else {}))
+    worker = executor.workers[0]
+    # the plan's models by content (hashes, dtype), never by the paths they were loaded from: the same pair given
+    # relatively, absolutely or copied elsewhere resumes the shards already recorded
+    parts = dict(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile_prompts=n_profile, seed=seed, ar=ar,
+                 profile_cycles=int(profile_cycles), shards=[list(r) for r in ranges],
+                 **sh.pair_content(worker["pair"], worker.get("dtype")))
+    key = sh.plan_key(**parts)
+    plan = sh.plan_fields(**parts)
+    legacy = (sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed, ar=ar,
+                          ranges=ranges, pair=worker["pair"],
+                          **({"profile_cycles": int(profile_cycles)} if profile_cycles else {})),)  # older done.json
     started = time.perf_counter()
     dirs = [out_dir / sh.SHARDS_DIR / f"shard-{i:04d}" for i in range(len(ranges))]
-    finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key) is not None]
+    finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key, plan=plan, also=legacy) is not None]
     tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
                            "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
                            "profile_cycles": share_of(profile_cycles, max(0, min(hi, n_profile) - lo), n_profile),
@@ -381,8 +389,9 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     if say and finished:
         say(f"resuming: {len(finished)} of {len(ranges)} shards already recorded under {out_dir / sh.SHARDS_DIR}")
     executor.map(record_shard, tasks, progress=say,
-                 on_done=lambda task, outcome: write_shard(dirs[task.shard], outcome, key, ranges[task.shard]))
-    summary = merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed)
+                 on_done=lambda task, outcome: write_shard(dirs[task.shard], outcome, key, ranges[task.shard],
+                                                            plan=plan))
+    summary = merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed, plan=plan, also=legacy)
     summary.update(workers=executor.workers, wall_s=time.perf_counter() - started)
     atomic_write_text(out_dir / sh.CLUSTER_FILE, json.dumps(summary, indent=1, default=str))
     if say and summary["retried_prompts"]:
@@ -453,7 +462,7 @@ def merge_traces(traces: Sequence[Trace]) -> Trace:
     return Trace(header, arrays)
 
 
-def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int]) -> None:
+def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int], *, plan: dict | None = None) -> None:
     shard_dir.mkdir(parents=True, exist_ok=True)
     res = outcome.result
     Trace(res["header"], res["arrays"]).save(shard_dir)
@@ -462,12 +471,12 @@ def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int]) ->
     if res["ar"] is not None:
         atomic_write_json(shard_dir / sh.AR_FILE, res["ar"])
     done = {"key": key, "prompts": list(range(*prompts)), "worker": outcome.worker, "attempts": outcome.attempts,
-            "retried": outcome.retried}
+            "retried": outcome.retried, **({"plan": plan} if plan is not None else {})}
     atomic_write_json(shard_dir / sh.DONE_FILE, done)  # last: its presence means the shard is complete
 
 
 def merge_shards(out_dir: Path, dirs: list[Path], ranges, key: str, *, resumed: list[int], ar: bool,
-                 seed: int) -> dict:
+                 seed: int, plan: dict | None = None, also: Sequence[str] = ()) -> dict:
     """Merge the shard folders into out_dir's trace, profile (and ar.json); describe the shards."""
     traces = [Trace.load(d) for d in dirs]
     trace = merge_traces(traces)
@@ -475,7 +484,7 @@ def merge_shards(out_dir: Path, dirs: list[Path], ranges, key: str, *, resumed: 
     shards, samples, ar_parts, retried = [], [], [], []
     fix = "delete the shard folder to record it again"
     for i, d in enumerate(dirs):
-        done = sh.read_done(d, key)
+        done = sh.read_done(d, key, plan=plan, also=also)
         device = traces[i].header.get("device")
         if (d / "samples.json").is_file():
             data = read_json(d / "samples.json", what="profile samples of a shard", fix=fix)

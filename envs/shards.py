@@ -3,7 +3,8 @@
 A shard's profile samples travel and are stored as plain data (`samples_to_dict`) and pool into one profile
 (`merge_samples`, the device of every sample kept); its live autoregressive timing (`measure_ar`) pools into
 ar.json (`merge_ar`). OUT/shards/shard-XXXX/done.json marks a finished shard of one recording plan (`plan_key`,
-`read_done`); OUT/cluster.json says which worker recorded which shard.
+`read_done`: the models by content hash and dtype, not by path, so the same pair elsewhere resumes);
+OUT/cluster.json says which worker recorded which shard.
 """
 from __future__ import annotations
 
@@ -122,18 +123,62 @@ def merge_ar(parts: Sequence[dict]) -> dict:
 # shard folders
 
 
+# what identifies a pair in a plan: its models' contents and numbers, never the paths they were loaded from (the same
+# pair written relatively, absolutely or copied elsewhere resumes; a pair's "name" is made of its folders' names)
+PAIR_CONTENT = ("target_hash", "draft_hash", "drafter", "vocab_size")
+
+
+def pair_content(identity: dict, dtype: str | None = None) -> dict:
+    """The parts of `ModelPair.identity()` (and the weights' dtype) a recording depends on: content hashes, drafter
+    kind, vocabulary and dtype; the target/draft paths and the name made of them are left out."""
+    out = {k: identity.get(k) for k in PAIR_CONTENT}
+    if dtype is not None:
+        out["dtype"] = str(dtype).replace("torch.", "")
+    return out
+
+
 def plan_key(**parts) -> str:
     """A short hash of everything a recording's shards depend on (a shard of another plan is never reused)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def read_done(shard_dir: Path, key: str) -> dict | None:
-    """The shard's done.json, None when the shard is not finished; refuses a shard of another recording."""
+def plan_fields(**parts) -> dict:
+    """What done.json keeps of a plan to say, when a shard is refused, which of its fields differ: short values as
+    they are, long ones (the prompts) as a count and a hash."""
+    out = {}
+    for name, value in parts.items():
+        text = json.dumps(value, sort_keys=True, default=str)
+        if len(text) <= 80:
+            out[name] = json.loads(text)
+        else:
+            digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+            out[name] = f"{len(value)} items, sha256 {digest}" if isinstance(value, (list, tuple)) else \
+                f"sha256 {digest}"
+    return out
+
+
+def _differences(recorded: dict, now: dict) -> list[str]:
+    return [f"{name} (recorded {recorded.get(name, 'unset')!r}, now {now.get(name, 'unset')!r})"
+            for name in sorted(set(recorded) | set(now)) if recorded.get(name) != now.get(name)]
+
+
+def read_done(shard_dir: Path, key: str, *, plan: dict | None = None, also: Sequence[str] = ()) -> dict | None:
+    """The shard's done.json, None when the shard is not finished; refuses a shard of another recording, naming
+    the fields of `plan` (`plan_fields`) that differ from the ones it was recorded with. `also`: keys of the same
+    plan as older versions wrote them (a shard they finished still resumes)."""
     if not (shard_dir / DONE_FILE).is_file():
         return None
     done = read_json(shard_dir / DONE_FILE, what="finished-shard marker", fix="delete the shard folder to record "
                      "it again")
-    if done.get("key") != key:
-        raise InputFileError(f"{shard_dir} belongs to another recording (other prompts, tree or settings): use "
-                             f"another --out, or delete {shard_dir.parent} to record again")
-    return done
+    if done.get("key") == key or (done.get("key") in also and done.get("key") is not None):
+        return done
+    recorded = done.get("plan")
+    if isinstance(recorded, dict) and plan is not None:
+        diff = _differences(recorded, plan)
+        what = "its " + "; ".join(diff) if diff else "its settings hash differently (a newer specpilot?)"
+    else:
+        what = ("it was written by an older specpilot that kept no settings to compare (its prompts, tree, "
+                "settings, models or their paths differ)")
+    raise InputFileError(f"{shard_dir} holds a finished shard of another recording: {what}. Run again with what it "
+                         f"was recorded with to resume it, or use another --out to record these settings without "
+                         f"touching it")

@@ -22,7 +22,6 @@ Replay is greedy only (T=0).
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -75,6 +74,7 @@ def heldout_trace(pair, tree: TreeConfig, ids: Sequence[Sequence[int]], out_dir:
     the same pair, tree, budget and prompt tokens, else recorded (and saved there, marked as evaluation's cache,
     when out_dir is given; a trace someone else recorded there is never replaced: `check_replaceable_trace`)."""
     from specpilot.envs.record import Trace, record_trace
+    from specpilot.envs.shards import pair_content
 
     want = {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size}
     if out_dir is not None and is_trace(out_dir):
@@ -82,7 +82,8 @@ def heldout_trace(pair, tree: TreeConfig, ids: Sequence[Sequence[int]], out_dir:
         try:
             trace = Trace.load(out_dir)
             same_tokens = [trace.prompt(i) for i in range(trace.num_prompts)] == [list(p) for p in ids]
-            same_pair = trace.header.get("pair") == json.loads(json.dumps(pair.identity()))
+            # by content (hashes, drafter, vocabulary), not by the paths the models were loaded from
+            same_pair = pair_content(trace.header.get("pair") or {}) == pair_content(pair.identity())
             same_shape = trace.header.get("tree") == want and trace.max_new_tokens == max_new_tokens
             if same_tokens and same_pair and same_shape:
                 return trace
