@@ -105,6 +105,18 @@ def read_lines(path: Path) -> list[str]:
     return lines
 
 
+def _check_encodable(value, where: str, key: str) -> None:
+    """A JSON \\ud800-style escape decodes to a lone surrogate, which no tokenizer can encode: refused here, naming the
+    line, not later by the tokenizer with no file named."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise SuiteError(f"{where}: field \"{key}\" holds a lone surrogate ({value[err.start]!r} at character "
+                         f"{err.start}): a \\uD800-\\uDFFF escape must be half of a surrogate pair") from None
+
+
 def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
     """strict=True (bundled suites) demands every field; user suites need only `prompt`."""
     prompts: list[Prompt] = []
@@ -134,6 +146,8 @@ def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
         for key in ("id", "task", "language", "split"):
             if key in obj and not isinstance(obj[key], (str, int)):
                 raise SuiteError(f"{where}: field \"{key}\" must be a string")
+        for key in ("prompt", "id", "task", "language", "split"):
+            _check_encodable(obj.get(key), where, key)
         prompts.append(Prompt(
             id=str(obj.get("id", f"{stem}-{lineno}")),
             task=str(obj.get("task", stem)),

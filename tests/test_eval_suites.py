@@ -75,6 +75,8 @@ def test_split_filter(tmp_path):
     ('["a list"]\n', r"bad\.jsonl:1: expected a JSON object"),
     ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', r"duplicate id\(s\) a"),
     ("\n\n", r"no prompts found"),
+    ('{"prompt": "ok"}\n{"prompt": "a\\ud800b"}\n', r"bad\.jsonl:2: field \"prompt\" holds a lone surrogate"),
+    ('{"id": "\\udfff", "prompt": "x"}\n', r"bad\.jsonl:1: field \"id\" holds a lone surrogate"),
 ])
 def test_bad_jsonl_rejected_with_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
