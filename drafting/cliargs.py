@@ -144,10 +144,15 @@ def int_list(minimum: int = 0) -> Callable[[str], list[int]]:
 
 
 def float_list(item: Callable[[str], float] = non_negative_float) -> Callable[[str], tuple[float, ...]]:
+    """"0,0.7" -> (0.0, 0.7); a value given twice is refused (it would only run the same setting twice)."""
     inner = _comma_list(item, "numbers")
 
     def parse(text: str) -> tuple[float, ...]:
-        return tuple(inner(text))
+        values = tuple(inner(text))
+        repeated = sorted({f"{v:g}" for v in values if values.count(v) > 1})
+        if repeated:
+            raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once in {text!r}")
+        return values
 
     parse.__name__ = "float_list"
     return parse

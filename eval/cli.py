@@ -157,6 +157,9 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
             raise ValueError(f"{' and '.join(given)} {verb} only when sampling, but --temperatures "
                              f"{','.join(f'{t:g}' for t in args.temperatures)} is greedy only: add a temperature > 0, "
                              "or drop them")
+    given = {a.split("=", 1)[0] for a in getattr(args, "_argv", None) or []}
+    if {"--repeats", "--rounds"} <= given:  # both set args.rounds: the later one would silently win
+        raise ValueError("--repeats is the old name of --rounds: give one of them")
     if args.check_profile and not args.replay_dir:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
     for path in args.check_profile:

@@ -63,6 +63,8 @@ CASES = {
     "invalid utf-8 prompt": (lambda p: ["generate", "--prompt", "ab\udcff\udcfe"], ["--prompt", "UTF-8"]),
     "empty prompt": (lambda p: ["generate", "--prompt", " "], ["--prompt", "empty"]),
     "threads 0": (lambda p: ["--threads", "0", "generate", "--prompt", "x"], ["--threads"]),
+    "temperature twice": (lambda p: ["eval", "--temperatures", "0,1,0"], ["--temperatures", "0 given more than once"]),
+    "repeats and rounds": (lambda p: ["eval", "--repeats=3", "--rounds", "2"], ["--repeats", "--rounds"]),
     "threads past the pool": (lambda p: ["--threads", "99999", "generate", "--prompt", "x"], ["--threads", "1024"]),
     "seed past 64 bits": (lambda p: ["generate", "--prompt", "x", "--seed", "9" * 23, "--temperature", "1"],
                           ["--seed", "2^63 - 1"]),
