@@ -158,10 +158,20 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
     return prompts[:limit]
 
 
+def check_suite_path(out: str | Path) -> Path:
+    """A suite is written as JSON lines, which `load_suite` reads back only from a .jsonl (or .json) file: any
+    other name would read back as plain text, one raw JSON line per prompt (ValueError)."""
+    out = Path(out)
+    if out.suffix.lower() not in (".jsonl", ".json"):
+        raise ValueError(f"{out}: a suite is written as JSON lines, so its name must end in .jsonl (suites named "
+                         f"{out.suffix or 'without a suffix'} are read back as plain text, one prompt per line)")
+    return out
+
+
 def write_suite(prompts: Sequence[Prompt], out: str | Path) -> Path:
     """Write `prompts` as a suite .jsonl (atomically: an interrupted write leaves no half file)."""
     from specpilot.drafting.files import atomic_write_text
 
-    out = Path(out)
+    out = check_suite_path(out)
     atomic_write_text(out, "".join(json.dumps(p.to_dict()) + "\n" for p in prompts))
     return out

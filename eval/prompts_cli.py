@@ -29,8 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specpilot.eval.code_prompts import extract_code_prompts, write_suite
+    from specpilot.eval.code_prompts import check_suite_path, extract_code_prompts, write_suite
 
+    check_suite_path(args.out)  # before reading any source
+    if not args.split.strip():
+        raise ValueError("--split must name a split (for example train or validation), got an empty string")
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
     prompts = extract_code_prompts(args.sources, limit=args.limit, seed=args.seed, split=args.split,
                                    exclude=args.exclude, per_file=args.per_file, per_folder=args.per_folder,
