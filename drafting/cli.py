@@ -61,6 +61,12 @@ def _decoder(args: argparse.Namespace):
     if args.allow_pair_mismatch:
         raise ValueError("--allow-pair-mismatch applies only with --config (an exported decoder's recorded pair); "
                          "drop it")
+    if args.depth is not None and args.max_depth is not None and args.depth > args.max_depth:
+        raise ValueError(f"--depth {args.depth} is deeper than --max-depth {args.max_depth}: raise --max-depth, or "
+                         "drop it (the tree then grows to --depth)")
+    if args.depth == 0 and args.size is not None:
+        raise ValueError(f"--size {args.size} applies only when drafting, but --depth 0 runs plain target steps: drop "
+                         "--size, or give --depth >= 1")
     pair = load_pair(args)
     controller = FixedController(args.depth, args.size, device=str(pair.device))
     width = args.width if args.width is not None else TreeConfig().width
