@@ -254,7 +254,7 @@ def test_cli_export_with_trace_and_grid(run_dir, pair, tmp_path, capsys):
         import onnx  # noqa: F401
         assert (tmp_path / "x" / "depth.onnx").is_file()
     except ImportError:
-        assert "--onnx skipped" in out
+        assert out.count("--onnx skipped") == 1  # once, not once per policy
     sgl = json.loads((tmp_path / "x" / "engines" / "sglang" / "sglang_args.json").read_text())
     shape = (sgl["speculative_num_steps"], sgl["speculative_eagle_topk"], sgl["speculative_num_draft_tokens"])
     assert shape == (3, 2, 7)  # grid best D=3, W=2, V=6 (+ the root)

@@ -29,6 +29,7 @@ then read from RUN.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import time
@@ -273,13 +274,8 @@ def _export_policy(kind: str, entry: dict, run_dir: Path, root: Path, out_dir: P
         "probe": {"observation": probe.tolist(), "logits": logits.tolist(), "action": int(logits.argmax())},
         "source": {"zip": _relative_to(zip_path, run_dir), "zip_sha256": file_sha256(zip_path)},
     }
-    if onnx:
-        name = _export_onnx(actor, out_dir / f"{kind}.onnx")
-        if name is None:
-            log("specpilot export: --onnx skipped: the optional `onnx` package is not installed "
-                "(pip install 'specpilot[onnx]'); the safetensors export is complete without it")
-        else:
-            record["onnx"] = name
+    if onnx and (name := _export_onnx(actor, out_dir / f"{kind}.onnx")) is not None:
+        record["onnx"] = name
     return record, policy, actor, spec
 
 
@@ -405,6 +401,10 @@ def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, inde
 
     policies: dict = {"depth": None, "size": None}
     sb3, actors, specs = {}, {}, {}
+    if onnx and importlib.util.find_spec("onnx") is None:  # said once, not once per policy
+        log("specpilot export: --onnx skipped: the optional `onnx` package is not installed "
+            "(pip install 'specpilot[onnx]'); the safetensors export is complete without it")
+        onnx = False
     for kind in ("depth", "size"):
         if index.get(kind):
             policies[kind], sb3[kind], actors[kind], specs[kind] = _export_policy(kind, index[kind], run_dir, root,
