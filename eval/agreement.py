@@ -243,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.types import NEAR_TIE_ON
     from specpilot.eval.suites import load_suite
 
+    if args.near_tie is not None and args.guard != "on":
+        raise ValueError(f"--near-tie sets the guard's width, which applies only with --guard on (got --guard "
+                         f"{args.guard}): add --guard on, or drop --near-tie")
     _check_support(args)
     prompts = load_suite(args.suite)
     if args.task:
