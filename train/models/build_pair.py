@@ -589,9 +589,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, type=output_dir,
                         help=f"output folder, required unless --quick (default with --quick: a temp folder); give "
                              f"--out {DEFAULT_PAIR_DIR} to rebuild the pair shipped in the package")
-    parser.add_argument("--target-tokens", type=positive_int, default=d.target_tokens, help="target training tokens")
-    parser.add_argument("--draft-tokens", type=positive_int, default=d.draft_tokens,
-                        help="draft distillation tokens")
+    parser.add_argument("--target-tokens", type=positive_int, default=None,
+                        help=f"target training tokens (default: {d.target_tokens}; --quick has its own budget)")
+    parser.add_argument("--draft-tokens", type=positive_int, default=None,
+                        help=f"draft distillation tokens (default: {d.draft_tokens}; --quick has its own budget)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the corpus split and of training")
     parser.add_argument("--device", type=device, default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=thread_count, default=None,
@@ -615,12 +616,21 @@ def _refuse_default_out(shipped) -> None:
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.pair import DEFAULT_PAIR_DIR
 
+    given = [o for o, v in (("--target-tokens", args.target_tokens), ("--draft-tokens", args.draft_tokens)) if v]
+    if args.quick and given:
+        raise ValueError(f"{' and '.join(given)} would be ignored: --quick builds with its own tiny budget; drop "
+                         f"{'them' if len(given) > 1 else 'it'} or --quick")
+    if args.target_only and args.eagle:
+        raise ValueError("--eagle trains the head on the target and the draft's stages, which --target-only stops "
+                         "before: drop one of them (--eagle-only trains the head later)")
     if args.quick:
         out = args.out or tempfile.mkdtemp(prefix="specpilot_pair_")
         budget = BuildBudget.quick()
     else:
         out = args.out or _refuse_default_out(DEFAULT_PAIR_DIR)
-        budget = BuildBudget(target_tokens=args.target_tokens, draft_tokens=args.draft_tokens)
+        default = BuildBudget()
+        budget = BuildBudget(target_tokens=args.target_tokens or default.target_tokens,
+                             draft_tokens=args.draft_tokens or default.draft_tokens)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     metrics = build_pair(out, budget=budget, seed=args.seed, device=args.device, quick=args.quick,
                          threads=args.threads, target_only=args.target_only, reuse_target=args.draft_only,
