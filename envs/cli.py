@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.drafting.cliargs import add_pair_arguments, non_negative_int, output_dir, positive_int, seed
@@ -61,9 +63,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"recording {len(prompts)} prompts from {args.suite!r} on {len(executor)} worker(s) "
               f"({', '.join(sorted({w['device'] for w in executor.workers}))}), tree {tree}, "
               f"max_new_tokens={args.max_new_tokens}")
-        trace_dir, profile_path = record_task(None, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
-                                              profile_prompts=args.profile_prompts,
-                                              profile_cycles=args.profile_cycles, seed=args.seed, progress=True,
-                                              executor=executor, ar=True)  # the AR reference of replay speedups
+        try:
+            trace_dir, profile_path = record_task(None, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                                                  profile_prompts=args.profile_prompts,
+                                                  profile_cycles=args.profile_cycles, seed=args.seed, progress=True,
+                                                  executor=executor, ar=True)  # the AR reference of replay speedups
+        except KeyboardInterrupt:  # finished shards are kept (done.json): the same command resumes from them
+            done = len(list(Path(args.out).glob("shards/*/done.json")))
+            print(f"specpilot record: interrupted; {done} finished shard(s) kept under {Path(args.out) / 'shards'}: "
+                  "run the same command again to resume from them", file=sys.stderr)
+            return 130
     print(f"wrote {trace_dir / 'trace.npz'}, {trace_dir / 'trace.json'}, {profile_path}")
     return 0

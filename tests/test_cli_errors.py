@@ -371,3 +371,16 @@ def test_only_specpilots_own_frames_count_as_raised_in_the_package(where, ours):
         exec(compile("raise ValueError('x')", str(PACKAGE_DIR / where), "exec"))
     except ValueError as err:
         assert raised_in_package(err) is ours
+
+
+def test_an_interrupted_record_says_how_to_resume(paths, tmp_path, monkeypatch, capsys):
+    import specpilot.envs.record as record
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(record, "record_task", interrupted)
+    code, err = run_cli(["record", "--suite", "train", "--limit", "1", "--target", paths["target"], "--draft",
+                         paths["draft"], "--out", str(tmp_path / "t")], capsys)
+    assert code == 130
+    assert "interrupted; 0 finished shard(s) kept" in err and "run the same command again to resume" in err
