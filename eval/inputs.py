@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specpilot.artifacts.grid import GRID_FIX, GridResult  # noqa: F401 (GRID_FIX re-exported)
-from specpilot.artifacts.contract import RunContract, check_pair
+from specpilot.artifacts.contract import ContractError, RunContract, check_pair
 from specpilot.artifacts.policies import TRAIN_FIX, PoliciesIndex
 from specpilot.artifacts.run import run_root
 from specpilot.drafting.errors import InputFileError
@@ -129,9 +129,12 @@ def check_inputs_pair(identity: dict, *, run_dir: str | Path | None = None, grid
     loaded = "the pair loaded for evaluation"
     if run_dir is not None:
         contract = RunContract.of_run(run_root(run_dir))
-        if contract is not None:
-            check_pair(contract.pair, identity, expected_from=f"run {run_dir}", got_from=loaded,
-                       fix="evaluate with the pair the run was trained on (--target/--draft/--eagle), or drop --run")
+        if contract is None:  # export refuses such a run too: its policies would be measured on any pair unchecked
+            raise ContractError(f"run {run_dir} records no pair (no manifest.json with its contract): the pair its "
+                                "policies were trained on is unknown, so they cannot be checked against the pair "
+                                f"loaded for evaluation; restore {run_root(run_dir) / 'manifest.json'}, or drop --run")
+        check_pair(contract.pair, identity, expected_from=f"run {run_dir}", got_from=loaded,
+                   fix="evaluate with the pair the run was trained on (--target/--draft/--eagle), or drop --run")
     if grid is not None:
         for recorded in GridResult.load(grid).trace_pairs():
             check_pair(recorded, identity, expected_from=f"grid result {grid}", got_from=loaded,
