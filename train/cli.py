@@ -14,7 +14,10 @@ for validation); the static baseline to RUN/grid.json (`specpilot grid`). Every 
 paper's (scaled for small budgets, see `specpilot.train.rl.pipeline.budget_settings`) and can be overridden.
 
 Ctrl-C saves a checkpoint at the last update boundary; the command then prints where it is and the exact command
-that resumes it (the same command with --resume), and exits with 130.
+that resumes it (the same command with --resume), and exits with 130. A resumed stage says where it resumes from; it
+keeps the settings its checkpoint was trained with: a changed one (--lr, --seed, --reward, --static, --depth-range,
+--size-actions, the PPO options, ...) is refused before anything is loaded, naming its saved and given value. The
+budget (--steps, --size-steps, ...), --eval-every, --wandb and --threads may change.
 """
 from __future__ import annotations
 
@@ -69,7 +72,9 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     p.add_argument("--grid", default=None, help="grid.json whose best config fixes partners (default RUN/grid.json)")
     p.add_argument("--wandb", default=None, choices=["online", "offline", "disabled"],
                    help="wandb mode (default: $WANDB_MODE, else offline); TensorBoard is always written")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run; finished stages are skipped")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run with the settings it was started with (a changed one is "
+                        "refused; the budget may grow); finished stages are skipped")
     p.add_argument("--seed", type=seed, default=0, help="seed of PPO and of the environments")
     g = p.add_argument_group("PPO overrides (default: the paper's, scaled for small budgets)")
     g.add_argument("--n-steps", type=positive_int, default=None, help="rollout length (default: paper 2048, scaled)")
@@ -305,6 +310,10 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
 
     class ProgressLogger(RunLogger):
         last = 0.0
+
+        def note(self, text: str) -> None:  # e.g. a stage resuming from its checkpoint
+            super().note(text)
+            print(f"  {text}", file=sys.stderr, flush=True)
 
         def log(self, metrics: dict, step: int) -> None:
             super().log(metrics, step)

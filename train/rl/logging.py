@@ -89,6 +89,11 @@ class RunLogger:
             data["timesteps"] = step
             self.wandb_run.log(data)
 
+    def note(self, text: str) -> None:
+        """A one-line event of the run (e.g. "size_s1: resuming size seed 0 from ... at step 2048"), kept in
+        TensorBoard as text (the CLI's logger also prints it)."""
+        self.tb.add_text("events", text)
+
     def sb3_logger(self, stage: str) -> Logger:
         """An SB3 Logger whose records go to TensorBoard (run_dir/tb/<stage>) and to wandb under <stage>/."""
         tb_dir = str(self.run_dir / "tb" / stage)

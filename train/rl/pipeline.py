@@ -19,6 +19,7 @@ Stages: `train_size` / `train_depth` (stage 1, train/rl/stages.py), `coadapt` (s
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -58,14 +59,21 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
                                                      exact_single=options.bc_exact_single))
             size1, depth1 = bc["size"], bc["depth"]
         else:
-            size1 = train_size(run_dir, traces, steps=size_steps, size_actions=size_actions,
-                               depth_range=depth_range, options=options, logger=log)
-            depth1 = train_depth(run_dir, traces, steps=depth_steps, options=options, logger=log)
+            with _budget_option("--size-steps"):
+                size1 = train_size(run_dir, traces, steps=size_steps, size_actions=size_actions,
+                                   depth_range=depth_range, options=options, logger=log)
+            with _budget_option("--depth-steps"):
+                depth1 = train_depth(run_dir, traces, steps=depth_steps, options=options, logger=log)
+            if rounds > 0 and not options.allow_partial:
+                for res, option, budget in ((size1, "--size-steps", size_steps),
+                                            (depth1, "--depth-steps", depth_steps)):
+                    _check_finished(run_dir, res.stage, option, budget)
         stage1 = write_stage1_index(run_dir, depth1, size1, options.static)
         final = None
         if rounds > 0:
-            final = coadapt(run_dir, traces, rounds=rounds, steps=coadapt_steps, options=options, logger=log,
-                            size_stage=size1.stage, depth_stage=depth1.stage)
+            with _budget_option("--coadapt-steps"):
+                final = coadapt(run_dir, traces, rounds=rounds, steps=coadapt_steps, options=options, logger=log,
+                                size_stage=size1.stage, depth_stage=depth1.stage)
             policies = final["policies"]
         else:
             policies = write_index(run_dir, depth1, size1, static_config(run_dir, options.static), copy=False)
@@ -73,6 +81,38 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
     return {"batch_guard": guard, "size_s1": size1.to_dict(), "depth_s1": depth1.to_dict(), "stage1_policies": stage1,
             **({"imitation": bc["iterations"]} if options.bc_iters > 0 else {}),
             "coadapt": final, "policies": policies}
+
+
+@contextmanager
+def _budget_option(option: str):
+    """A stage resumed past its budget is refused naming the pipeline's option for that budget (not --steps)."""
+    from specpilot.train.rl.stages import BudgetPassedError
+
+    try:
+        yield
+    except BudgetPassedError as err:
+        raise err.naming(option) from None
+
+
+def _check_finished(run_dir: Path, stage: str, option: str, budget: int) -> None:
+    """Co-adaptation builds on finished stage-1 stages only. A stage-1 stage that a resumed pipeline skipped because
+    its checkpoint already reached a smaller budget than it was started with is still unfinished: refused here,
+    naming the pipeline's own budget option (this command has no --allow-partial; `allow_partial` lets library
+    callers build on it)."""
+    from specpilot.artifacts.contract import ContractError, check_stage_finished
+    from specpilot.artifacts.run import RunManifest
+
+    try:
+        check_stage_finished(run_dir, stage)
+    except ContractError:
+        status = RunManifest.load(run_dir).stage(stage)
+        total = status.total_timesteps
+        started = f"the {total} steps it was started with" if total else "the budget it was started with"
+        raise ContractError(
+            f"stage {stage!r} of {run_dir} is {status.status} ({status.timesteps_done}/{total or '?'} steps): "
+            f"{option} {budget} stops it short of {started}, and co-adaptation builds only on finished stages; "
+            f"finish it with --resume and {option} {total or 'as large as it was started with'}"
+            f"{' (or more)' if total else ''}") from None
 
 
 def _guard(run_dir: Path, traces, options: TrainOptions) -> dict | None:

@@ -51,6 +51,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from (corrupted, or trained with different settings/spaces)."""
 
 
+class ResumeSettingsError(CheckpointError):
+    """A stage is resumed with settings other than those its checkpoint was trained with (nothing is loaded or
+    written; the message names each changed setting with its saved and given value)."""
+
+
 @dataclass
 class WarmupLinearSchedule:
     """Learning rate as a function of SB3's progress_remaining (1 -> 0): linear warm-up from 0 to `peak` over the
@@ -121,8 +126,29 @@ _PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
     "depth": dict(kind="depth", total_timesteps=1_000_000, pi_arch=[1024], vf_arch=[1024, 256], gamma=0.999),
     "size": dict(kind="size", total_timesteps=100_000, pi_arch=[1024, 256], vf_arch=[1024, 256], gamma=0.9),
 }
-# Settings that must match for a checkpoint to be resumable (the budget may grow; the logging cadence may change).
-_RESUME_KEYS = ("kind", "pi_arch", "vf_arch", "gamma", "n_steps", "batch_size", "n_epochs", "normalize_reward")
+# Settings that must match for a checkpoint to be resumable: every one that defines the training. The budget
+# (total_timesteps) may change, as may the validation / checkpoint cadence, the device, verbosity and pruning.
+RESUME_KEYS = ("kind", "learning_rate", "warmup_fraction", "gamma", "n_steps", "batch_size", "n_epochs", "pi_arch",
+               "vf_arch", "ent_coef", "gae_lambda", "clip_range", "n_envs", "normalize_reward", "seed")
+
+
+def changed_settings(saved: dict, given: dict, keys) -> list[tuple[str, Any, Any]]:
+    """(key, saved, given) for each of `keys` that `saved` records (older records lack some) with another value
+    than `given` (tuples and lists compare alike: records are JSON)."""
+    def norm(v):
+        return [norm(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    return [(k, saved[k], given.get(k)) for k in keys
+            if k in saved and norm(saved[k]) != norm(given.get(k))]
+
+
+def show_value(value: Any) -> str:
+    """A setting as the command line writes it: lists comma-separated, None as "none"."""
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(show_value(v) for v in value)
+    return str(value)
 
 
 @dataclass
@@ -246,8 +272,9 @@ class _StageCallback(BaseCallback):
     `num_timesteps` exactly, so a resumed run neither repeats nor skips trained steps."""
 
     def __init__(self, stage_dir: Path, settings: PPOSettings, val_fn: Callable | None, run_logger: RunLogger | None,
-                 stage: str, progress: dict | None) -> None:
+                 stage: str, progress: dict | None, setup: dict | None = None) -> None:
         super().__init__(settings.verbose)
+        self.setup = setup
         self.stage_dir = stage_dir
         self.ckpt_dir = stage_dir / "checkpoints"
         self.settings = settings
@@ -314,7 +341,7 @@ class _StageCallback(BaseCallback):
         write_json(self.ckpt_dir / PROGRESS_FILE, {
             "timesteps_done": done, "total_timesteps": self.settings.total_timesteps,
             "checkpoint": zip_path.name, "vecnormalize": vec_name, "last_eval": self.last_eval,
-            "settings": asdict(self.settings), "time": time.time()})
+            "settings": asdict(self.settings), "setup": self.setup, "time": time.time()})
         self.last_ckpt = done
         self._prune(keep=zip_path.name)
         return zip_path
@@ -347,14 +374,19 @@ def build_model(venv, settings: PPOSettings) -> PPO:
     )
 
 
-def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings: PPOSettings):
-    """(model, env) restored from the checkpoint progress.json points at; CheckpointError when impossible."""
-    old = progress.get("settings", {})
-    diffs = {k: (old.get(k), getattr(settings, k)) for k in _RESUME_KEYS if k in old and old[k] != getattr(settings, k)}
+def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings: PPOSettings,
+                     setup: dict | None = None):
+    """(model, env) restored from the checkpoint progress.json points at; CheckpointError when impossible, a
+    ResumeSettingsError (before anything loads) when `settings` or `setup` differ from the checkpoint's."""
+    diffs = changed_settings(progress.get("settings") or {}, asdict(settings), RESUME_KEYS)
+    saved_setup = progress.get("setup")
+    if isinstance(saved_setup, dict) and setup is not None:
+        diffs += changed_settings(saved_setup, setup, sorted(set(saved_setup) | set(setup)))
     if diffs:
-        raise CheckpointError(
-            f"{ckpt_dir / PROGRESS_FILE} was written with different settings {diffs} (checkpoint vs now): resume "
-            "with the checkpoint's settings, or use a new stage name / delete the stage directory to start over")
+        changes = "; ".join(f"{k} saved {show_value(a)}, given {show_value(b)}" for k, a, b in diffs)
+        raise ResumeSettingsError(
+            f"{ckpt_dir / PROGRESS_FILE} was written with other settings ({changes}): resume with the saved "
+            "settings, or use a new stage name / run directory to train with the new ones (nothing was changed)")
     zip_path = ckpt_dir / str(progress.get("checkpoint"))
     if not zip_path.is_file():
         raise CheckpointError(f"checkpoint {zip_path} named in {PROGRESS_FILE} is missing: restore it, or delete "
@@ -364,6 +396,11 @@ def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings
         vec_path = ckpt_dir / progress["vecnormalize"]
         try:
             env = VecNormalize.load(str(vec_path), venv)
+        except AssertionError as err:  # SB3's check that the saved spaces are the environment's
+            raise CheckpointError(f"VecNormalize statistics {vec_path} were saved for other observation / action "
+                                  f"spaces than this stage's environment ({err}): it was trained with other settings "
+                                  "(size actions, tree, observation features); resume with those, or train a new "
+                                  "stage / run") from err
         except Exception as err:
             raise CheckpointError(f"VecNormalize statistics {vec_path} cannot be loaded ({type(err).__name__}: "
                                   f"{err}): restore the file or delete {ckpt_dir} to restart the stage") from err
@@ -388,10 +425,11 @@ def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings
     return model, env
 
 
-def _start_model(venv, settings: PPOSettings, ckpt_dir: Path, progress: dict | None, init_from):
+def _start_model(venv, settings: PPOSettings, ckpt_dir: Path, progress: dict | None, init_from,
+                 setup: dict | None = None):
     """(model, env, steps done): the checkpoint's when resuming, else a new model (with `init_from`'s weights)."""
     if progress is not None:
-        model, env = _load_checkpoint(ckpt_dir, progress, venv, settings)
+        model, env = _load_checkpoint(ckpt_dir, progress, venv, settings, setup)
         return model, env, int(progress["timesteps_done"])
     env = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=settings.gamma) \
         if settings.normalize_reward else venv
@@ -428,6 +466,7 @@ def train_policy(
     init_from: str | Path | None = None,
     callbacks: list[BaseCallback] | None = None,
     venv_factory: Callable[[], Any] | None = None,
+    setup: dict | None = None,
 ) -> Path:
     """Train one PPO stage and return run_dir/<stage_name>/best.zip.
 
@@ -440,6 +479,10 @@ def train_policy(
     propagates. Validation and checkpoints happen at update boundaries, so they fire at the first rollout end
     after every `eval_every` / `checkpoint_every` steps, and once more at the end. venv_factory: builds the
     VecEnv instead of DummyVecEnv over env_factory (e.g. `specpilot.train.scale.ray_vecenv.RayVecEnv`).
+    setup: the stage's other defining settings (JSON values: reward, partners, ...; `specpilot.train.rl.stages`),
+    recorded in every checkpoint's progress.json next to the PPO settings; resuming compares both (RESUME_KEYS)
+    and refuses any change (ResumeSettingsError) before loading anything. A resumed stage says so in one line
+    through `logger.note` when the logger has it (the CLI prints it).
     """
     run_dir = Path(run_dir)
     stage_dir = run_dir / stage_name
@@ -450,10 +493,13 @@ def train_policy(
     venv = venv_factory() if venv_factory is not None else _make_venv(env_factory, settings.n_envs)
     resumed = progress is not None
     try:
-        model, env, done = _start_model(venv, settings, ckpt_dir, progress, init_from)
+        model, env, done = _start_model(venv, settings, ckpt_dir, progress, init_from, setup)
     except BaseException:
         venv.close()
         raise
+    if resumed and callable(getattr(logger, "note", None)):
+        logger.note(f"{stage_name}: resuming {settings.kind} seed {settings.seed} from "
+                    f"{ckpt_dir / str(progress.get('checkpoint'))} at step {done}")
     stage_dir.mkdir(parents=True, exist_ok=True)  # only now: a stage that cannot start leaves no folder behind
     if logger is not None:
         model.set_logger(logger.sb3_logger(stage_name))
@@ -462,7 +508,7 @@ def train_policy(
 
     update_manifest(run_dir, stages={stage_name: {"settings": asdict(settings), "status": "running",
                                                   "timesteps_done": done, "init_from": str(init_from or "")}})
-    stage_cb = _StageCallback(stage_dir, settings, val_fn, logger, stage_name, progress)
+    stage_cb = _StageCallback(stage_dir, settings, val_fn, logger, stage_name, progress, setup)
     remaining = settings.total_timesteps - done
     if remaining > 0:
         cbs: list[BaseCallback] = [stage_cb, CycleMetricsCallback(logger, stage_name), *(callbacks or [])]

@@ -224,6 +224,9 @@ class StageSpec:
     init_from: str | Path | None = None
     keep_init_if_better: bool = False
     seed_offset: int = 0
+    setup: dict = field(default_factory=dict)
+    """Settings of this stage's partner that define its training besides TrainOptions (JSON values, e.g.
+    {"depth_range": [1, 4]}): recorded in its checkpoints and compared on resume (`check_resume_settings`)."""
 
 
 def size_actions_for(model: ReplayModel, size_actions: Sequence[int] | None) -> list[int]:
@@ -336,16 +339,113 @@ def _record_contract(run_dir: Path, traces: TaskTraces, size_actions, static) ->
         check_grid(GridResult.load(grid), recorded, grid_from=f"grid result {grid}", run=f"run {run_dir}", fix=fix)
 
 
+class BudgetPassedError(ValueError):
+    """Resuming a stage whose checkpoint is already at or past the budget. The message names `--steps`; `naming`
+    makes the same error naming the option that sets the stage's budget elsewhere (`train all`: --size-steps, ...)."""
+
+    stage, done, total = "", 0, 0
+
+    @classmethod
+    def of(cls, stage: str, done: int, total: int, option: str = "--steps") -> "BudgetPassedError":
+        err = cls(f"{stage}: its checkpoint is already at {done} steps, at or past the budget of {total}: give a "
+                  f"larger {option} to continue it (nothing was trained)")
+        err.stage, err.done, err.total = stage, done, total
+        return err
+
+    def naming(self, option: str) -> "BudgetPassedError":
+        return BudgetPassedError.of(self.stage, self.done, self.total, option)
+
+
 def check_resume_budget(stage_dir: Path, total: int, *, resume: bool) -> None:
     """Resuming a stage whose checkpoint already passed the budget would train nothing (and never validate): refuse
-    it, naming the checkpoint's step count."""
+    it, naming the checkpoint's step count (BudgetPassedError)."""
     from specpilot.train.rl.ppo import read_progress
 
     progress = read_progress(stage_dir) if resume else None
     if progress is not None and int(progress.get("timesteps_done", 0)) >= total:
-        raise ValueError(f"{stage_dir.name}: its checkpoint is already at {int(progress['timesteps_done'])} steps, "
-                         f"at or past the budget of {total}: give a larger --steps to continue it (nothing was "
-                         "trained)")
+        raise BudgetPassedError.of(stage_dir.name, int(progress["timesteps_done"]), total)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resuming: the settings that define a stage's training must be the ones its checkpoint was trained with
+
+# the option (or, for settings the command line does not set, the TrainOptions / PPOSettings field) of each
+RESUME_OPTIONS = {"learning_rate": "--lr", "gamma": "--gamma", "n_steps": "--n-steps", "batch_size": "--batch-size",
+                  "n_epochs": "--n-epochs", "pi_arch": "--pi-arch", "vf_arch": "--vf-arch", "ent_coef": "--ent-coef",
+                  "seed": "--seed", "reward": "--reward", "backend": "--backend", "static": "--static",
+                  "depth_range": "--depth-range", "size_actions": "--size-actions", "batch_sizes": "--batch-sizes",
+                  "init_from": "--init-from"}
+# scaled from the budget when not given (`budget_settings`): a resumed stage keeps its checkpoint's instead, so
+# a larger --steps continues it
+BUDGET_DERIVED = ("n_steps", "batch_size", "n_epochs")
+
+
+def stage_setup_record(spec: StageSpec, run_dir: Path, options: TrainOptions, actions) -> dict:
+    """The settings besides PPO's that define a stage's training (JSON values), as its checkpoints record them."""
+    with warnings.catch_warnings():  # the stage's caller already warned about a missing grid result
+        warnings.simplefilter("ignore")
+        static = static_config(run_dir, options.static)
+    init_from = None
+    if spec.init_from is not None:  # relative to the run when inside it: run directories can move
+        init_path = Path(spec.init_from).resolve()
+        try:
+            init_from = str(init_path.relative_to(Path(run_dir).resolve()))
+        except ValueError:
+            init_from = str(init_path)
+    return {"kind": spec.kind, "reward": options.reward, "backend": options.backend,
+            "temperature": float(options.temperature), "static": [int(v) for v in static],
+            "size_actions": [int(v) for v in actions] if spec.kind == "size" else None,
+            "batch_sizes": list(options.batch_sizes) if options.batch_sizes else None,
+            "max_context": int(options.max_context), "skip_decisions": bool(options.skip_decisions),
+            "init_from": init_from, **spec.setup}
+
+
+def _saved_setup(run_dir: Path, stage: str, progress: dict) -> dict:
+    """The stage settings its checkpoint was trained with: progress.json's record, or for checkpoints written before
+    it existed what the manifest's stage setup recorded (reward, backend, size actions, depth range, ...)."""
+    if isinstance(progress.get("setup"), dict):
+        return progress["setup"]
+    setup = RunManifest.load(run_dir).stage_setup(stage) or {}
+    saved = {k: setup[k] for k in ("kind", "reward", "backend", "temperature", "size_actions") if k in setup}
+    if setup:
+        saved["batch_sizes"] = setup.get("batch_sizes") or None
+    partner = setup.get("partner")
+    if isinstance(partner, dict) and partner.get("name") == "random_depth" and {"low", "high"} <= set(partner):
+        saved["depth_range"] = [partner["low"], partner["high"]]
+    return saved
+
+
+def check_resume_settings(run_dir: Path, spec: StageSpec, progress: dict, settings, setup: dict):
+    """A ResumeSettingsError, before anything is loaded or written, when a stage resumes with `settings` (PPO's) or
+    `setup` (`stage_setup_record`) other than its checkpoint's (`progress`): it names every changed setting by its
+    option with the saved and the given value. Settings that may change: the budget, the validation / checkpoint
+    cadence, the device (and what is no setting of the stage: wandb, threads, logging)."""
+    from specpilot.train.rl.ppo import RESUME_KEYS, ResumeSettingsError, changed_settings, show_value
+
+    stage_dir = run_dir / spec.stage
+    changes = changed_settings(progress.get("settings") or {}, asdict(settings), RESUME_KEYS)
+    saved_setup = _saved_setup(run_dir, spec.stage, progress)
+    changes += changed_settings(saved_setup, setup, sorted(k for k in saved_setup if k != "kind"))
+    if not changes:
+        return
+    offset = {"seed": spec.seed_offset}  # a stage's seed is the run's --seed plus its offset
+
+    def show(key, value):
+        return show_value(value - offset[key] if key in offset and isinstance(value, int) else value)
+
+    listed = "; ".join(f"{RESUME_OPTIONS.get(k, k)} saved {show(k, a)}, given {show(k, b)}" for k, a, b in changes)
+    checkpoint = stage_dir / "checkpoints" / str(progress.get("checkpoint"))
+    raise ResumeSettingsError(f"cannot resume stage {stage_dir} with changed settings ({listed}): its checkpoint "
+                              f"{checkpoint} was trained with the saved values; resume with those, or start a new "
+                              "--run to train with the new ones (nothing was changed)")
+
+
+def keep_budget_derived(settings, progress: dict, ppo: PPOOverrides | None):
+    """`settings` with the checkpoint's n_steps / batch_size / n_epochs where `ppo` does not give them: they scale
+    with the budget when not given, and a resumed stage may be given a larger one."""
+    saved = progress.get("settings") or {}
+    keep = {k: saved[k] for k in BUDGET_DERIVED if k in saved and getattr(ppo, k, None) is None}
+    return replace(settings, **keep) if keep else settings
 
 
 def policy_shape(path: str | Path) -> dict:
@@ -413,7 +513,7 @@ def _describe(partner: Any) -> Any:
 def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str | Path, options: TrainOptions,
                 logger=None) -> StageResult:
     """Train (or resume, or skip when finished) one stage; returns its best policy by validation."""
-    from specpilot.train.rl.ppo import train_policy, update_manifest
+    from specpilot.train.rl.ppo import read_progress, train_policy, update_manifest
 
     run_dir, traces = Path(run_dir), TaskTraces.resolve(traces)
     model = ReplayModel(traces.train)
@@ -423,12 +523,17 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     obs_spec = stage_observation(spec.kind, trace.width, trace.max_depth, actions, max_context=options.max_context,
                                  batch=bool(options.batch_sizes))
     settings = budget_settings(spec.kind, spec.steps, seed=options.seed + spec.seed_offset, ppo=options.ppo)
-    if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
-        return done
-    check_resume_budget(run_dir / spec.stage, settings.total_timesteps, resume=options.resume)
     if spec.init_from is not None:  # its weights load into the networks built here: the same shapes and layers
         pi, vf = check_init_policy(spec.init_from, spec.kind, obs_spec, actions, options.ppo)
         settings = replace(settings, pi_arch=pi, vf_arch=vf)
+    setup = stage_setup_record(spec, run_dir, options, actions)
+    progress = read_progress(run_dir / spec.stage) if options.resume else None
+    if progress is not None:  # resuming: the same settings as its checkpoint, before anything is loaded or written
+        settings = keep_budget_derived(settings, progress, options.ppo)
+        check_resume_settings(run_dir, spec, progress, settings, setup)
+    if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
+        return done
+    check_resume_budget(run_dir / spec.stage, settings.total_timesteps, resume=options.resume)
     # replay validation models greedy decoding only: a stage trained at T > 0 keeps its final policy
     val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
                         size_actions=actions, logger=logger, stage=spec.stage, batch_sizes=options.batch_sizes,
@@ -448,7 +553,7 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
                                                  if options.batch_sizes else {})}})
     make_env, make_venv = _env_factories(spec, traces, model, actions, options, profile)
     best = train_policy(make_env, val, settings, run_dir, spec.stage, resume=options.resume, logger=logger,
-                        init_from=spec.init_from, venv_factory=make_venv)
+                        init_from=spec.init_from, venv_factory=make_venv, setup=setup)
     info = read_best(run_dir / spec.stage) or {}
     result = StageResult(spec.stage, spec.kind, best, obs_spec, actions, info.get("score"))
     if spec.init_from is not None and spec.keep_init_if_better and val is not None:
@@ -505,9 +610,12 @@ def train_size(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: i
     check_tree_options(trace, static=options.static, size_actions=size_actions, depth_range=depth_range)
     if depth_partner is None:
         depth_partner = tuple(int(v) for v in (depth_range or (1, max_depth)))
-    spec = StageSpec("size", stage, steps, partner=as_depth_controller(depth_partner),
+    partner = as_depth_controller(depth_partner)
+    setup = ({"depth_range": [int(v) for v in depth_partner]} if isinstance(depth_partner, (tuple, list))
+             else {"depth_partner": _describe(partner)})
+    spec = StageSpec("size", stage, steps, partner=partner,
                      val_partner=FixedController(depth=min(depth, max_depth), size=1), size_actions=size_actions,
-                     init_from=init_from)
+                     init_from=init_from, setup=setup)
     with run_logger(run_dir, logger, wandb, {"stage": stage, "kind": "size", "steps": steps}) as log:
         return train_stage(spec, run_dir, traces, options, log)
 
@@ -523,6 +631,7 @@ def train_depth(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: 
     _, size = static_config(run_dir, options.static)
     check_tree_options(ReplayModel(TaskTraces.resolve(traces).train).trace, static=options.static)
     partner = as_size_controller(size_partner if size_partner is not None else size)
-    spec = StageSpec("depth", stage, steps, partner=partner, val_partner=partner, init_from=init_from)
+    spec = StageSpec("depth", stage, steps, partner=partner, val_partner=partner, init_from=init_from,
+                     setup={} if size_partner is None else {"size_partner": _describe(partner)})
     with run_logger(run_dir, logger, wandb, {"stage": stage, "kind": "depth", "steps": steps}) as log:
         return train_stage(spec, run_dir, traces, options, log)
