@@ -17,7 +17,9 @@ Model of one cycle's time (seconds) with depth d, verified size V, context lengt
         plain(L)  fitted on plain steps only, over context length (`plain`): the decoder takes them on the
                   autoregressive path (no tree block, mask or cache compaction), so they are not a point on the
                   m(V) line (on CPU a plain step costs well below the line's intercept); constant outside the
-                  measured contexts. Profiles saved without `plain` fall back to m(0) + o(bucket(L)).
+                  measured contexts. Without plain steps (a profile of --profile-cycles 0, or an older one) a
+                  plain step is priced at the AR reference timed with the profile (meta ar_seconds_per_token: the
+                  same one-token target forward), else at m(0) + o(bucket(L)).
 
 Each curve (first over n, level over l, m over V) is a weighted least-squares line through the per-key means plus
 each key's residual shrunk by count / (count + `shrink`) and by its noise (`_kept_share`: empirical Bayes, the
@@ -138,8 +140,12 @@ class LatencyProfile:
         return np.clip(np.searchsorted(edges, context_len, side="right") - 1, 0, len(edges) - 1)
 
     def plain_time(self, context_lens: np.ndarray | int) -> np.ndarray | None:
-        """plain(L): a plain step's time at each context length (None when the profile has no plain model)."""
+        """plain(L): a plain step's time at each context length; without a plain model the AR reference's seconds
+        per token when the profile has one (a plain step is one AR step), else None."""
         if not self.plain or not self.plain.get("keys"):
+            ar = (self.meta or {}).get("ar_seconds_per_token")
+            if ar is not None and float(ar) > 0:
+                return np.full(np.shape(context_lens), float(ar))
             return None
         keys = self.plain["keys"]
         # no extrapolation of the context slope: a few noisy plain steps must not make long contexts free or dear
@@ -148,7 +154,7 @@ class LatencyProfile:
 
     def verify_table(self, max_size: int, context_lens: np.ndarray) -> np.ndarray:
         """[len(context_lens), max_size + 1] verify time by (context, V); V = 0 is a plain target step (the root
-        alone: one token, no draft), priced by `plain_time` when the profile has a plain model."""
+        alone: one token, no draft), priced by `plain_time` when it has a price (a plain model or the AR reference)."""
         context_lens = np.asarray(context_lens)
         m = _curve(self.verify_size, np.arange(max_size + 1), self.shrink)
         offset = np.asarray(self.context_offset)[self.bucket(context_lens)]

@@ -52,6 +52,19 @@ def test_plain_steps_stay_out_of_block_verification():
     assert without.verify_time(0, 100) > 1.5 * float(plain_true(100)) and not without.plain
 
 
+@pytest.mark.parametrize("plain_model", [True, False])
+def test_without_plain_steps_a_plain_step_costs_the_ar_reference(plain_model):
+    """A profile without plain steps (--profile-cycles 0) but with its AR reference prices a plain step at it: a
+    plain step is one AR step (the block line's intercept could make depth 0 look faster than AR)."""
+    profile = LatencyProfile.from_samples(FIRST, LEVELS, (PLAIN if plain_model else []) + BLOCKS,
+                                          max_depth=TREE.max_depth, width=TREE.width,
+                                          meta={"ar_seconds_per_token": 7e-3})
+    contexts = np.array([20, 100, 190])
+    expected = plain_true(contexts) if plain_model else np.full(3, 7e-3)
+    assert np.allclose(profile.verify_table(6, contexts)[:, 0], expected)
+    assert profile.verify_time(0, 57) == pytest.approx(float(plain_true(57)) if plain_model else 7e-3)
+
+
 def test_replay_of_depth_0_is_the_sum_of_plain_steps():
     from tiny import tiny_pair
 
