@@ -27,11 +27,59 @@ class TreeAttentionError(ValueError):
     """A model cannot run tree attention exactly (4-D masks ignored, or an attention type specpilot cannot mask)."""
 
 
+# window sizes transformers reads from other config fields than sliding_window, which `model_mask` does not model:
+# GPT-Neo's local layers (window_size; by cache slot), Doge's kept keys (keep_window_size), and the like
+UNMODELED_WINDOWS = ("window_size", "keep_window_size", "sliding_window_size", "attention_window",
+                     "attention_window_size", "local_attention_window_len")
+
+
+def _positions(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def check_unmodeled_windows(config) -> None:
+    """TreeAttentionError for an attention window `model_mask` cannot reproduce (see UNMODELED_WINDOWS) that binds
+    within the model's positions: speculative output would silently differ once a sequence outgrows it. A window as
+    long as the positions never binds; GPT-Neo's window_size binds only where attention_layers has local layers."""
+    layers = getattr(config, "attention_layers", None)
+    for name in UNMODELED_WINDOWS:
+        window = getattr(config, name, None)
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            continue
+        if name == "window_size" and isinstance(layers, (list, tuple)) and "local" not in layers:
+            continue
+        positions = _positions(config)
+        if positions is None or window < int(positions):
+            raise TreeAttentionError(f"{type(config).__name__} limits attention with {name}={window} (under its "
+                                     f"{positions} positions), a window speculative tree attention does not model "
+                                     "(it narrows tree masks by sliding_window only): output past that many tokens "
+                                     "would differ from target-only decoding, so this configuration is not supported")
+
+
+def context_limit(config) -> int | None:
+    """Positions a cached decoder reproduces exactly: max_position_embeddings, and under LongRoPE only
+    original_max_position_embeddings. Past it transformers switches every position's rotary factors to the long ones
+    (from max(position_ids) + 1, which a tree forward reaches before plain decoding does), so keys cached with the
+    short ones no longer match; generate() recomputes its cache there, a cached speculative decoder cannot."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    positions = _positions(config)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [rope, *(v for v in rope.values() if isinstance(v, dict))] if isinstance(rope, dict) else []
+    if any((k.get("rope_type") or k.get("type")) == "longrope" for k in kinds):
+        original = next((k.get("original_max_position_embeddings") for k in kinds
+                         if k.get("original_max_position_embeddings")), None)
+        original = original or getattr(config, "original_max_position_embeddings", None)
+        if original:
+            positions = min(int(positions), int(original)) if positions else int(original)
+    return int(positions) if positions else None
+
+
 def layer_windows(config) -> dict[str, int | None]:
     """{layer type: sliding window or None} as transformers masks the model's layers. With `layer_types` in the
     config, "sliding_attention" layers use config.sliding_window; without it (Mistral, Mixtral, Phi-3, Starcoder2)
     every layer is windowed iff config.sliding_window is set (0 or None: no window)."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    check_unmodeled_windows(config)
     window = getattr(config, "sliding_window", None) or None
     types = getattr(config, "layer_types", None)
     if not types:

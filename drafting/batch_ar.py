@@ -154,10 +154,11 @@ class RaggedCache:
         for layer in self.cache.layers:
             if layer.keys is None or layer.keys.numel() == 0 or identity:
                 continue
-            _, heads, _, dim = layer.keys.shape
-            gather = index[:, None, :, None].expand(-1, heads, -1, dim)
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)
+                # each tensor's own heads and head dim: under MLA (DeepSeek-V2/V3) keys and values differ in both
+                _, heads, _, dim = tensor.shape
+                gather = index[:, None, :, None].expand(-1, heads, -1, dim)
                 moved = tensor[:, :, start:].gather(2, gather)              # a copy: safe to write back in place
                 tensor[:, :, start:start + width] = moved
         self.crop(start + width)
@@ -185,9 +186,10 @@ class RaggedCache:
         for layer in self.cache.layers:
             if layer.keys is None or layer.keys.dim() != 4:
                 continue
-            gather = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
+            for name in ("keys", "values"):  # each with its own heads and head dim (they differ under MLA)
+                tensor = getattr(layer, name)
+                setattr(layer, name, tensor.gather(2, order[:, None, :, None].expand(-1, tensor.shape[1], -1,
+                                                                                     tensor.shape[3])))
         self.valid = torch.arange(width, device=self.valid.device)[None] < counts[:, None]
         return True
 
@@ -201,10 +203,10 @@ class RaggedCache:
             known = [layer for layer, _, _ in sides if layer.keys is not None and layer.keys.dim() == 4]
             if not known:
                 continue
-            _, heads, _, dim = known[0].keys.shape
             like = known[0].keys
             for name in ("keys", "values"):
                 parts = []
+                _, heads, _, dim = getattr(known[0], name).shape  # keys' and values' own (they differ under MLA)
                 for layer, n, rows in sides:
                     tensor = getattr(layer, name)
                     if tensor is None or tensor.dim() != 4:

@@ -63,9 +63,23 @@ def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) ->
     if need > limit:
         raise ValueError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
-            f"{need} positions but the models' context is {limit}; shorten the prompt or lower max_new_tokens"
-            + (" or the draft depth (max_depth)" if lookahead > 1 and lookahead > need - limit else "")
+            f"{need} positions but the models' context is {limit}{_context_reason(pair, limit)}; shorten the prompt "
+            "or lower max_new_tokens" + (" or the draft depth (max_depth)" if lookahead > 1 and lookahead > need - limit
+                                         else "")
         )
+
+
+def _context_reason(pair, limit: int) -> str:
+    """Why the context is shorter than the models' positions, when it is (LongRoPE: `attention.context_limit`)."""
+    from specpilot.drafting.attention import context_limit
+
+    models = [m for m in (getattr(pair, "target", None), getattr(pair, "draft", None)) if m is not None]
+    shortened = [context_limit(m.config) for m in models
+                 if (context_limit(m.config) or 0) < (getattr(m.config, "max_position_embeddings", None) or 0)]
+    if limit in shortened:
+        return (f" (LongRoPE: exact only within original_max_position_embeddings={limit}, where a cached decoder "
+                "keeps its rotary factors)")
+    return ""
 
 
 def prompt_room(context: int, max_new_tokens: int, max_depth: int) -> int:

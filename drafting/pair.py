@@ -447,9 +447,11 @@ class ModelPair:
 
     @property
     def max_context(self) -> int:
-        """Positions both models can take (an EAGLE head's RoPE extends: only the target and a draft LM limit)."""
-        limits = [getattr(m.config, "max_position_embeddings", None) for m in (self.target, self.draft)
-                  if m is not None]
+        """Positions both models can take exactly (an EAGLE head's RoPE extends: only the target and a draft LM
+        limit; LongRoPE models only up to their original context: `attention.context_limit`)."""
+        from specpilot.drafting.attention import context_limit
+
+        limits = [context_limit(m.config) for m in (self.target, self.draft) if m is not None]
         return int(min([v for v in limits if v] or [1 << 30]))
 
     def to(self, device=None, dtype=None) -> "ModelPair":

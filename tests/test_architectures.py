@@ -1,6 +1,8 @@
 """Speculative decoding stays exact on other architectures: absolute positions (GPT-2), parallel blocks (GPT-NeoX,
-Phi), eager attention, and sliding windows the sequences outgrow (Mistral, Gemma 2's mixed layers); models that
-cannot take tree masks (BLOOM's ALiBi) are refused. References are transformers' own generate()."""
+Phi), eager attention, MLA caches (DeepSeek-V3: keys and values of other head dims), and sliding windows the
+sequences outgrow (Mistral, Gemma 2's mixed layers); models that cannot take tree masks (BLOOM's ALiBi), windows the
+masks cannot model (GPT-Neo's local layers, Doge's kept keys) are refused, and LongRoPE pairs decode only within
+their original context. References are transformers' own generate()."""
 from __future__ import annotations
 
 import copy
@@ -29,6 +31,11 @@ ARCHS = {
     "llama_eager": dict(SMALL, attn_implementation="eager"),
     "mistral_window": dict(SMALL, num_key_value_heads=1, sliding_window=WINDOW),
     "gemma2_mixed_window": dict(SMALL, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW),
+    # MLA: keys (nope + rope head dims) and values (v_head_dim) differ in head dim; a small MoE
+    "deepseek_v3": dict(SMALL, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1, n_group=1,
+                        topk_group=1),
 }
 PROMPTS = [list(range(3, 15)), [5, 9], list(range(20, 41))]  # 12, 2 and 21 tokens; 30 new tokens outgrow WINDOW
 
@@ -102,7 +109,7 @@ def test_greedy_identical_to_transformers_generate(arch_pair, width, depth, size
 
 
 # batched masks differ from the single-sequence ones in holes, format and windows: these architectures cover them
-@pytest.mark.parametrize("name", ["gpt2", "llama_eager", "mistral_window", "gemma2_mixed_window"])
+@pytest.mark.parametrize("name", ["gpt2", "llama_eager", "mistral_window", "gemma2_mixed_window", "deepseek_v3"])
 def test_batched_greedy_identical_to_transformers_generate(name):
     name, pair, refs = pair_and_refs(name)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4, max_size=16))
@@ -168,6 +175,46 @@ def test_unknown_layer_types_are_refused():
     config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(TreeAttentionError, match="chunked_attention"):
         layer_windows(config)
+
+
+@pytest.mark.parametrize("model_type, fields, refused", [
+    ("gpt_neo", dict(attention_types=[[["global", "local"], 1]], window_size=8), "window_size=8"),  # by cache slot
+    ("gpt_neo", dict(attention_types=[[["global"], 2]], window_size=8), None),         # no local layer: never binds
+    ("gpt_neo", dict(attention_types=[[["global", "local"], 1]], window_size=128), None),  # as long as positions
+    ("doge", dict(keep_window_size=8), "keep_window_size=8"),
+    ("doge", dict(keep_window_size=128), None),
+])
+def test_windows_the_masks_cannot_model_are_refused_where_they_bind(model_type, fields, refused):
+    sizes = (dict(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=128) if model_type == "gpt_neo"
+             else dict(SMALL, num_key_value_heads=1))
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, **sizes, **fields)
+    if refused:
+        with pytest.raises(TreeAttentionError, match=refused + r".*not supported"):
+            layer_windows(config)
+    else:
+        assert layer_windows(config)
+
+
+@pytest.mark.parametrize("model_type, rope, limit", [
+    ("phi3", {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8, "long_factor": [8.0] * 8,
+              "original_max_position_embeddings": 24}, 24),  # past 24 every rotary factor switches: not cache-exact
+    ("llama", {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, 128),  # dynamic NTK stays exact
+    ("phi3", None, 128),
+])
+def test_longrope_pairs_decode_only_within_the_original_context(model_type, rope, limit):
+    from specpilot.drafting.attention import context_limit
+
+    extra = dict(rope_parameters=rope, original_max_position_embeddings=24) if rope else {}
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None,
+                                  pad_token_id=None, **dict(SMALL, num_key_value_heads=1), **extra)
+    assert context_limit(config) == limit
+    target = AutoModelForCausalLM.from_config(config).eval()
+    pair = ModelPair(target, noisy(target))
+    assert pair.max_context == limit
+    if limit < 128:
+        with pytest.raises(ValueError, match="LongRoPE: exact only within original_max_position_embeddings=24"):
+            SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=3, max_size=6)).generate(
+                list(range(3, 15)), controller=FixedController(2, 4), max_new_tokens=30)
 
 
 def test_cli_refuses_an_alibi_pair_in_one_line(saved_pair, tmp_path, capsys):
