@@ -161,7 +161,11 @@ def check_tree_attention(model, what: str = "model") -> MaskLayout:
     """Probe that `model` honours a 4-D tree mask with explicit position ids: a token that may not see its sibling
     must get the logits it gets without the sibling. Returns the model's `MaskLayout`; raises TreeAttentionError
     naming the architecture and attention implementation otherwise."""
-    arch = f"{type(model).__name__}, attn_implementation={getattr(model.config, '_attn_implementation', None)!r}"
+    impl = getattr(model.config, "_attn_implementation", None)
+    arch = f"{type(model).__name__}, attn_implementation={impl!r}"
+    if impl not in (None, "sdpa", "eager"):  # flash / flex / paged kernels take no 4-D boolean or additive mask
+        raise TreeAttentionError(f"the {what} ({arch}) attends through a kernel that takes no 4-D tree mask; load "
+                                 "it with attn_implementation='sdpa' (or 'eager')")
     layout = MaskLayout.of(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     vocab = int(head.weight.shape[0]) if getattr(head, "weight", None) is not None else int(model.config.vocab_size)

@@ -134,6 +134,16 @@ def test_alibi_model_is_refused_with_the_reason():
         ModelPair(target, noisy(target))
 
 
+@pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
+def test_kernels_without_tree_masks_are_refused_naming_the_fix(impl):
+    target = build("qwen2")
+    target.config._attn_implementation = impl  # as loading with attn_implementation=impl sets it
+    with pytest.raises(TreeAttentionError, match=f"attn_implementation='{impl}'.*load it with "
+                                                 "attn_implementation='sdpa'"):
+        check_tree_attention(target, "target")
+    target.config._attn_implementation = "sdpa"
+
+
 def test_a_model_that_ignores_the_mask_is_refused():
     target = build("qwen2")
 
