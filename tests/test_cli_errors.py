@@ -83,6 +83,8 @@ CASES = {
     "grid live options without the live phase": (lambda p: ["grid", "--traces", str(p["root"]), "--out",
                                                             str(p["root"] / "g.json"), "--live-top", "0",
                                                             "--val-limit", "3"], ["--val-limit", "--live-top 0"]),
+    "train all with one budget": (lambda p: ["train", "all", "--run", str(p["root"] / "ta"), "--steps", "5"],
+                                  ["--steps"]),  # it budgets each stage: --size-steps, --depth-steps, ...
     "threads past the pool": (lambda p: ["--threads", "99999", "generate", "--prompt", "x"], ["--threads", "1024"]),
     "seed past 64 bits": (lambda p: ["generate", "--prompt", "x", "--seed", "9" * 23, "--temperature", "1"],
                           ["--seed", "2^63 - 1"]),

@@ -60,8 +60,8 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
     p.add_argument("--run", required=True, type=output_dir,
                    help="run directory (checkpoints, manifest, logs, policies.json; checked before training)")
     p.add_argument("--traces", default=None, help="directory with train/ and validation/ traces (default RUN/traces)")
-    p.add_argument("--steps", type=positive_int, default=steps,
-                   help="budget in env steps" + ("" if steps else " (default: per stage, see below)"))
+    if steps is not None:  # `train all` budgets each stage (--size-steps, --depth-steps, --coadapt-steps) instead
+        p.add_argument("--steps", type=positive_int, default=steps, help="budget in env steps")
     p.add_argument("--reward", default="dinkelbach", choices=REWARDS,
                    help="reward mode of the environments (default dinkelbach: tokens - lambda*time sums to the "
                         "episode's true objective; the paper's per-cycle throughput reward favours short cycles)")
@@ -214,8 +214,8 @@ def _check_tree_values(args: argparse.Namespace, traces) -> None:
     from specpilot.train.rl.stages import check_tree_options
 
     # the header (trace.json) is all the check needs: the arrays are read when a stage trains
-    check_tree_options(TraceHeader.load(traces.train), static=args.static, size_actions=getattr(args, "size_actions", None),
-                       depth_range=getattr(args, "depth_range", None))
+    check_tree_options(TraceHeader.load(traces.train), static=args.static,
+                       size_actions=getattr(args, "size_actions", None), depth_range=getattr(args, "depth_range", None))
 
 
 def _check_init_from(cmd: str, args: argparse.Namespace, traces) -> None:
@@ -333,7 +333,7 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
                     parts.append(f"{get['tokens_per_s']:.1f} tok/s in training cycles")
                 print(f"  {stage}: {', '.join(parts)}", file=sys.stderr, flush=True)
 
-    config = {"command": f"train {args.train_command}", "steps": args.steps, "reward": args.reward,
+    config = {"command": f"train {args.train_command}", "steps": getattr(args, "steps", None), "reward": args.reward,
               "backend": args.backend, "seed": args.seed}
     return ProgressLogger(run_dir, config, mode=args.wandb)
 
