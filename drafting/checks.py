@@ -74,9 +74,8 @@ def _context_reason(pair, limit: int) -> str:
     from specpilot.drafting.attention import context_limit
 
     models = [m for m in (getattr(pair, "target", None), getattr(pair, "draft", None)) if m is not None]
-    shortened = [context_limit(m.config) for m in models
-                 if (context_limit(m.config) or 0) < (getattr(m.config, "max_position_embeddings", None) or 0)]
-    if limit in shortened:
+    if any(context_limit(m.config) == limit < (getattr(m.config, "max_position_embeddings", None) or 0)
+           for m in models):
         return (f" (LongRoPE: exact only within original_max_position_embeddings={limit}, where a cached decoder "
                 "keeps its rotary factors)")
     return ""

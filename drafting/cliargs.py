@@ -69,6 +69,12 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The options the user typed (`--x` of `--x V` and `--x=V`), from the exact command `specpilot.cli.main`
+    keeps on args: what tells a value given from a default equal to it (empty when called as a library)."""
+    return {a.split("=", 1)[0] for a in getattr(args, "_argv", None) or [] if a.startswith("--")}
+
+
 MAX_THREADS = 1024  # torch's thread pool crashes the process (SIGSEGV) when asked for ~100k threads
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from specpilot.drafting.cliargs import (add_pair_arguments, float_list, int_list, name_list, non_negative_float,
-                               non_negative_int, output_dir, positive_float, positive_int, probability, say, seed)
+from specpilot.drafting.cliargs import (add_pair_arguments, float_list, given_options, int_list, name_list,
+                                        non_negative_float, non_negative_int, output_dir, positive_float, positive_int,
+                                        probability, say, seed)
 from specpilot.drafting.checks import check_prompt_lengths, prompt_room
 from specpilot.eval.suites import CHAT_TEMPLATE_MODES
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
@@ -157,8 +158,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
             raise ValueError(f"{' and '.join(given)} {verb} only when sampling, but --temperatures "
                              f"{','.join(f'{t:g}' for t in args.temperatures)} is greedy only: add a temperature > 0, "
                              "or drop them")
-    given = {a.split("=", 1)[0] for a in getattr(args, "_argv", None) or []}
-    if {"--repeats", "--rounds"} <= given:  # both set args.rounds: the later one would silently win
+    if {"--repeats", "--rounds"} <= given_options(args):  # both set args.rounds: the later one would silently win
         raise ValueError("--repeats is the old name of --rounds: give one of them")
     if args.check_profile and not args.replay_dir:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")

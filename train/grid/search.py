@@ -592,8 +592,9 @@ def run(args: argparse.Namespace) -> int:
 
     from specpilot.train.scale.cluster_cli import open_executor
 
-    given = {a.split("=", 1)[0] for a in getattr(args, "_argv", None) or []}
-    live_only = [o for o in ("--val-suite", "--val-limit", "--live-repeats") if o in given]
+    from specpilot.drafting.cliargs import given_options
+
+    live_only = [o for o in ("--val-suite", "--val-limit", "--live-repeats") if o in given_options(args)]
     if args.live_top == 0 and live_only:
         raise ValueError(f"{', '.join(live_only)} shape(s) the live phase, which --live-top 0 skips: drop "
                          f"{'them' if len(live_only) > 1 else 'it'}, or give --live-top K > 0")
