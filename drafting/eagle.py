@@ -39,18 +39,18 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding,
                                                       apply_rotary_pos_emb)
 
-from specpilot.drafting.files import load_weights, model_files_fix, read_json
+from specpilot.drafting.eagle_files import (WEIGHT_FILES, EagleHeadError, is_speculators, read_weights,
+                                            released_config)
+from specpilot.drafting.files import model_files_fix, read_json
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # The head trained for the embedded default pair's target (`specpilot models build --eagle`).
 DEFAULT_HEAD_DIR = Path(__file__).resolve().parent / "default_pair" / "eagle"
-WEIGHT_FILES = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
-# Keys some released heads carry that this loader does not need (checked, then ignored).
-HARMLESS_EXTRA_KEYS = ("embed_tokens.weight",)
-
-
-class EagleHeadError(ValueError):
-    """An EAGLE-3 head's files are incomplete, malformed, or do not fit the target model."""
+# A head's own token embedding: used when it differs from the target's (vLLM keeps a distinct one), else ignored.
+EMBED_KEY = "embed_tokens.weight"
+# Switches of EAGLE-3 variants this head does not implement: a head trained with one on would draft from other
+# features or norms than it learned, so it is refused rather than loaded wrong (vLLM / speculators field names).
+UNSUPPORTED_SWITCHES = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 def _first_set(config, names: tuple[str, ...], default):
@@ -101,11 +101,13 @@ class Eagle3Config:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: tuple[int, int, int]
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     rope_scaling: dict | None = None
     hidden_act: str = "silu"
+    # True: the layer's residual is hidden_norm(h), not h (vLLM's `norm_before_residual`, speculators' default)
+    norm_before_residual: bool = False
 
     @classmethod
     def for_target(cls, target_config, *, draft_vocab_size: int, intermediate_size: int | None = None,
@@ -130,9 +132,14 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, cfg: dict, *, num_target_layers: int) -> "Eagle3Config":
-        """Read a released config.json. Aux layer ids come from `eagle_aux_hidden_state_layer_ids` (top level, else
-        inside `eagle_config`, both read as vLLM reads them), else the defaults for a target of `num_target_layers`
-        layers (what `engine_layer_fields` leaves unnamed)."""
+        """Read a released config.json (a speculators one flattened first: `eagle_files.released_config`).
+
+        Feature layers, as the engines read them: the top-level `eagle_aux_hidden_state_layer_ids` name states
+        entering those layers (vLLM's reading, HF `hidden_states` indices); ids found only inside `eagle_config` name
+        the layers whose *output* is taken, so 1 is added (SGLang 0.5's reading for Llama, ModelOpt's export, and
+        what `engine_layer_fields` writes there); no ids: the defaults for a target of `num_target_layers` layers.
+        RoPE scaling comes from `rope_scaling` or transformers 5's `rope_parameters`; `rms_norm_eps` defaults to
+        LlamaConfig's 1e-6, as the engines read it."""
         archs = cfg.get("architectures") or []
         if not any("eagle3" in str(a).lower() for a in archs):
             raise EagleHeadError(f"config.json architectures {archs} is not an EAGLE-3 head "
@@ -143,13 +150,22 @@ class Eagle3Config:
         for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
             if key not in cfg:
                 raise EagleHeadError(f"config.json lacks {key!r}")
+        switched_on = [key for key in UNSUPPORTED_SWITCHES if cfg.get(key)]
+        if switched_on:
+            raise EagleHeadError(f"config.json sets {', '.join(f'{k}=true' for k in switched_on)}: a variant of "
+                                 "EAGLE-3 this loader does not implement (it would draft from other norms than the "
+                                 "head learned)")
         eagle = cfg.get("eagle_config") or {}
-        ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
-        ids = tuple(int(i) for i in ids) if ids else default_aux_layer_ids(num_target_layers)
+        if cfg.get("eagle_aux_hidden_state_layer_ids"):
+            ids = tuple(int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"])
+        elif eagle.get("eagle_aux_hidden_state_layer_ids"):
+            ids = tuple(int(i) + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"])
+        else:
+            ids = default_aux_layer_ids(num_target_layers)
         if len(ids) != 3:
             raise EagleHeadError(f"eagle_aux_hidden_state_layer_ids={list(ids)}: an EAGLE-3 head fuses exactly 3")
         rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling")
+        scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         return cls(hidden_size=hidden, num_attention_heads=heads,
                    num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -157,11 +173,12 @@ class Eagle3Config:
                    intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
                    draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
                    target_hidden_size=int(cfg.get("target_hidden_size") or hidden), aux_layer_ids=ids,
-                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                   rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                   rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+                   rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                    max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                    rope_scaling=scaling if scaling and scaling.get("rope_type", scaling.get("type")) != "default"
-                   else None, hidden_act=str(cfg.get("hidden_act", "silu")))
+                   else None, hidden_act=str(cfg.get("hidden_act", "silu")),
+                   norm_before_residual=bool(cfg.get("norm_before_residual", False)))
 
     def to_dict(self, *, num_target_layers: int | None = None) -> dict:
         """The released config.json layout; feature layers as `engine_layer_fields(..., num_target_layers)`."""
@@ -173,6 +190,7 @@ class Eagle3Config:
                 "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
                 "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
                 "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+                **({"norm_before_residual": True} if self.norm_before_residual else {}),
                 **engine_layer_fields(self.aux_layer_ids, num_target_layers)}
 
     def llama_config(self) -> LlamaConfig:
@@ -247,7 +265,8 @@ class Eagle3Head(nn.Module):
 
     @property
     def embed_tokens(self) -> nn.Module:
-        """The target's embedding module (shared, frozen, excluded from this head's state_dict and files)."""
+        """The target's embedding module (shared, frozen, excluded from this head's state_dict and files), or the
+        head's own (`use_own_embedding`)."""
         return self._embed
 
     @property
@@ -289,7 +308,8 @@ class Eagle3Head(nn.Module):
         emb = self.embed_tokens(input_ids).detach().to(dtype)  # [b, n, H]; frozen: no gradient into the target
         x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)     # [b, n, 2H]
         cos, sin = self.rotary_emb(x, position_ids)
-        h = hidden + layer.self_attn(x, cos, sin, mask, cache)
+        residual = x[..., self.config.hidden_size:] if self.config.norm_before_residual else hidden
+        h = residual + layer.self_attn(x, cos, sin, mask, cache)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         kept = h[:, -logits_to_keep:] if logits_to_keep else h
         return self.lm_head(self.norm(kept)).float(), h
@@ -317,8 +337,11 @@ class Eagle3Head(nn.Module):
 
     def released_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors of the released layout: the state_dict (the target's embedding is not a submodule, RoPE
-        frequencies are non-persistent buffers recomputed from the config)."""
-        return dict(self.state_dict())
+        frequencies are non-persistent buffers recomputed from the config); an own embedding as `embed_tokens`."""
+        state = dict(self.state_dict())
+        if "own_embedding.weight" in state:
+            state[EMBED_KEY] = state.pop("own_embedding.weight")
+        return state
 
     def save_pretrained(self, path: str | Path, *, format: str = "safetensors") -> None:
         """Write config.json and the weights (`model.safetensors` or `pytorch_model.bin`) to `path`."""
@@ -341,22 +364,58 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target: nn.Module) -> "Eagle3Head":
-        """Load a released head for `target` (an HF causal LM). Refuses heads that do not fit the target and
-        files with missing, misshapen or unknown tensors (EagleHeadError naming the key and the shapes)."""
+        """Load a head for `target` (an HF causal LM) from a folder in any dialect `eagle_files` reads. Refuses
+        heads that do not fit the target and files with missing, misshapen or unknown tensors (EagleHeadError naming
+        the key and the shapes). As vLLM does, a full-vocabulary head without `lm_head.weight` shares the target's
+        (its input embedding when the config ties them), and a head whose own `embed_tokens.weight` differs from the
+        target's drafts with its own."""
         root = Path(path)
         if not (root / "config.json").exists():
             raise EagleHeadError(f"no config.json under {root}: not an EAGLE-3 head folder")
         # a truncated or garbage config.json is an InputFileError naming it, like the head's damaged weights
-        config = read_json(root / "config.json", what="EAGLE-3 head config", fix=model_files_fix(root))
+        raw = read_json(root / "config.json", what="EAGLE-3 head config", fix=model_files_fix(root))
+        config = released_config(raw, where=root)
         cfg = Eagle3Config.from_dict(config, num_target_layers=int(target.config.num_hidden_layers))
         head = cls(cfg, target)
-        state = _read_weights(root)
-        _check_state(head, state, target)
-        dtype = next(target.parameters()).dtype
+        state = read_weights(root, speculators=is_speculators(raw))
+        if "d2t" in state and "draft_vocab_size" not in config and state["d2t"].numel() != cfg.vocab_size:
+            raise EagleHeadError(f"{root / 'config.json'} has no draft_vocab_size, so the head is read as drafting "
+                                 f"its full vocabulary of {cfg.vocab_size}, but d2t maps {state['d2t'].numel()} "
+                                 f"draft ids: add \"draft_vocab_size\": {state['d2t'].numel()}")
+        _check_state(head, state, target, root)
         head.load_state_dict({k: state[k] for k in head.released_state_dict() if k in state}, strict=False)
+        if "t2d" not in state:
+            head.t2d.zero_()
+            head.t2d[torch.arange(cfg.draft_vocab_size) + head.d2t] = True
         check_vocab_mapping(head)
+        if "lm_head.weight" not in state:
+            head.lm_head.weight = _shared_lm_head(target, tied=bool(config.get("tie_word_embeddings")), root=root)
+        own = state.get(EMBED_KEY)
+        if own is not None and not torch.equal(own, target.get_input_embeddings().weight.detach().to("cpu", own.dtype)):
+            head.use_own_embedding(own)
+        dtype = next(target.parameters()).dtype
         return head.to(device=next(target.parameters()).device, dtype=dtype).eval()
 
+    @torch.no_grad()
+    def use_own_embedding(self, weight: torch.Tensor) -> None:
+        """Draft with this token embedding (frozen, saved as `embed_tokens.weight`) instead of the target's: a head
+        trained with an embedding of its own drafts from that one (vLLM keeps it; SGLang takes the target's)."""
+        if tuple(weight.shape) != tuple(self._embed.weight.shape):
+            raise EagleHeadError(f"{EMBED_KEY} has shape {list(weight.shape)}, but the target's embedding is "
+                                 f"{list(self._embed.weight.shape)}")
+        self.own_embedding = nn.Embedding.from_pretrained(weight.detach().clone(), freeze=True)
+        object.__setattr__(self, "_embed", self.own_embedding)
+
+
+def _shared_lm_head(target: nn.Module, *, tied: bool, root: Path) -> nn.Parameter:
+    """The target's output projection (or input embedding when `tied`) for a full-vocabulary head stored without
+    its own `lm_head.weight` (vLLM: "Sharing target model lm_head weights"; SGLang ties it to the embedding)."""
+    source = target.get_input_embeddings() if tied else (target.get_output_embeddings()
+                                                         or target.get_input_embeddings())
+    if getattr(source, "bias", None) is not None:
+        raise EagleHeadError(f"the head under {root} has no lm_head.weight and the target's output layer has a bias "
+                             "this head's lm_head cannot share; save the head with its own lm_head.weight")
+    return source.weight
 
 def check_fits_target(cfg: Eagle3Config, target: nn.Module) -> None:
     """Raise EagleHeadError unless the head's widths, vocabulary and feature layers fit `target`."""
@@ -398,28 +457,25 @@ def check_vocab_mapping(head: Eagle3Head) -> None:
         raise EagleHeadError("t2d disagrees with d2t (t2d must be True exactly at the target ids d2t maps to)")
 
 
-def _read_weights(root: Path) -> dict[str, torch.Tensor]:
-    """The head's tensors (safetensors first); a truncated, empty or garbage file is an InputFileError naming it."""
-    for name in (WEIGHT_FILES["safetensors"], WEIGHT_FILES["bin"]):
-        if (root / name).exists():
-            return load_weights(root / name, what="EAGLE-3 head", fix=model_files_fix(root))
-    raise EagleHeadError(f"no weights under {root}: expected {WEIGHT_FILES['safetensors']} or {WEIGHT_FILES['bin']}")
-
-
-def _check_state(head: Eagle3Head, state: dict[str, torch.Tensor], target: nn.Module) -> None:
-    """Every released key present with its shape; d2t/t2d optional only for a full draft vocabulary."""
+def _check_state(head: Eagle3Head, state: dict[str, torch.Tensor], target: nn.Module, root: Path) -> None:
+    """Every released key present with its shape; d2t/t2d/lm_head optional only for a full draft vocabulary, t2d
+    also when d2t is there."""
     expected = {k: tuple(v.shape) for k, v in head.released_state_dict().items()}
     identity = head.config.draft_vocab_size == head.config.vocab_size
     for key, shape in expected.items():
         if key not in state:
-            if key in ("d2t", "t2d") and identity:
-                continue  # full vocabulary: identity mapping (already set)
-            raise EagleHeadError(f"missing tensor {key!r} (expected shape {list(shape)})")
+            if key in ("d2t", "t2d") and identity or key == "t2d" and "d2t" in state:
+                continue  # full vocabulary: identity mapping (already set); t2d is derived from d2t
+            if key == "lm_head.weight" and identity:
+                continue  # shares the target's (from_pretrained)
+            why = " (a head with a reduced draft vocabulary needs its own)" if key == "lm_head.weight" else ""
+            raise EagleHeadError(f"missing tensor {key!r} (expected shape {list(shape)}) in the weights under "
+                                 f"{root}{why}")
         if tuple(state[key].shape) != shape:
             raise EagleHeadError(f"tensor {key!r} has shape {list(state[key].shape)}, expected {list(shape)}")
     emb_shape = tuple(target.get_input_embeddings().weight.shape)
     for key in sorted(set(state) - set(expected)):
-        if key in HARMLESS_EXTRA_KEYS:
+        if key == EMBED_KEY:
             if tuple(state[key].shape) != emb_shape:
                 raise EagleHeadError(f"tensor {key!r} has shape {list(state[key].shape)}, but the target's "
                                      f"embedding is {list(emb_shape)}: the head belongs to another model")
