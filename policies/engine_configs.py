@@ -36,7 +36,9 @@ cap vLLM applies to every entry; vllm/config/speculative.py, vllm/v1/spec_decode
 adaptive config applies, one SGLang slot per measured batch size whose only candidate is that size's K (a batch uses
 the largest key not above its CUDA-graph-padded size: speculative/adaptive_step_router.py), the static
 --speculative-num-steps being the smallest size's K. Batch size b then gets the K measured at the largest measured
-size <= b in both engines (tests/test_engine_batch_tables.py re-implements both lookups from the sources). The tree
+size <= b in both engines (tests/test_engine_batch_tables.py re-implements both lookups from the sources). SGLang
+starts only when that num_steps is among the slots' candidates (`sglang_adaptive_refusal`): an adaptive file it would
+refuse (K = 0 at every size; a learned table without config.yaml's steps) is not written, and README.md says why. The tree
 shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`), else from the
 policies' measured choices, else from the run's fallback static config.
 """
@@ -183,6 +185,21 @@ def sglang_batch_num_steps(per_batch_size: list[dict], fallback: int) -> int:
     return ks[0] if ks[0] >= 1 else positive[0] if positive else int(max(1, fallback))
 
 
+def sglang_adaptive_refusal(adaptive: dict, num_steps: int) -> str | None:
+    """Why SGLang would refuse to start with this adaptive config and --speculative-num-steps `num_steps`, or None.
+    server_args.py `_init_adaptive_speculative_params`: num_steps must be among the union of the slots'
+    candidate_steps ("... is not in the adaptive config candidate_steps ... Pass one of those values.")."""
+    union = sorted({int(s) for key, slot in adaptive.items() if key.isdigit() for s in slot["candidate_steps"]})
+    if num_steps in union:
+        return None
+    if union == [0]:
+        return ("drafting lost to batched AR at every measured batch size (K = 0 in every slot), and SGLang needs "
+                f"--speculative-num-steps ({num_steps}) among the candidates: serve without the speculative flags "
+                "to follow the measured table")
+    return (f"SGLang needs --speculative-num-steps ({num_steps}) among the slots' candidate_steps {union}; "
+            f"pass one of them ({max(union)} drafts deepest) with this file")
+
+
 def yaml_text(entries: dict) -> str:
     """A flat mapping as YAML (scalars only; strings double-quoted, which YAML reads like JSON strings)."""
     lines = []
@@ -273,8 +290,12 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
             args.update(speculative_num_steps=steps, speculative_num_draft_tokens=steps + 1)
         adaptive = sglang_adaptive_config(depth_counts=depth_summary["counts"] if depth_summary else {},
                                           num_steps=args["speculative_num_steps"], per_batch_size=per_batch_size)
-        files["sglang_adaptive"] = json.dumps(adaptive, indent=2)
-        adaptive_path = (shown / ENGINE_FILES["sglang_adaptive"]).resolve()
+        refusal = sglang_adaptive_refusal(adaptive, args["speculative_num_steps"])
+        if refusal is None:
+            files["sglang_adaptive"] = json.dumps(adaptive, indent=2)
+            adaptive_path = (shown / ENGINE_FILES["sglang_adaptive"]).resolve()
+        else:
+            skipped["sglang_adaptive"] = refusal
     else:
         skipped["sglang_adaptive"] = ("SGLang's adaptive steps run only for EAGLE/EAGLE3 with --speculative-eagle-topk "
                                       "1" + (f"; this tree has topk {args['speculative_eagle_topk']}"
@@ -285,9 +306,13 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
         files["vllm_learned"] = json.dumps(vllm_speculative_config(draft, chain_k, drafter=drafter,
                                                                    schedule=learned_schedule), indent=2)
         if "sglang_adaptive" in files:
-            files["sglang_adaptive_learned"] = json.dumps(sglang_adaptive_config(
-                depth_counts={}, num_steps=args["speculative_num_steps"], per_batch_size=learned_per_batch_size),
-                indent=2)
+            learned = sglang_adaptive_config(depth_counts={}, num_steps=args["speculative_num_steps"],
+                                             per_batch_size=learned_per_batch_size)
+            refusal = sglang_adaptive_refusal(learned, args["speculative_num_steps"])
+            if refusal is None:  # it replaces the grid's file under the same config.yaml
+                files["sglang_adaptive_learned"] = json.dumps(learned, indent=2)
+            else:
+                skipped["sglang_adaptive_learned"] = f"with config.yaml's steps: {refusal}"
     files["sglang"] = json.dumps(args, indent=2)
     files["sglang_config"] = yaml_text(sglang_launch_config(args, target=target, tokenizer=tokenizer,
                                                             adaptive_path=adaptive_path))

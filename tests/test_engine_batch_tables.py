@@ -124,8 +124,7 @@ def test_sglang_reads_k_of_the_measured_batch_size(pairs, graphs, tmp_path):
     assert sorted(int(k) for k in cfg if k.isdigit()) == sorted(b for b, _ in pairs)
     assert args["speculative_num_draft_tokens"] == args["speculative_num_steps"] + 1 >= 2
     steps = {s for k, e in cfg.items() if k.isdigit() for s in e["candidate_steps"]}
-    if any(k >= 1 for _, k in pairs):  # SGLang refuses a static num_steps outside the slots' candidates
-        assert args["speculative_num_steps"] in steps
+    assert args["speculative_num_steps"] in steps  # SGLang refuses a static num_steps outside the candidates
     for b in range(1, 65):
         padded = b if graphs is None else next(g for g in graphs if g >= b)
         assert sglang_steps(cfg, args["speculative_num_steps"], b, graphs) == expected_k(pairs, padded), b
@@ -153,3 +152,34 @@ def test_without_a_table_the_configs_are_as_before():
     assert "num_speculative_tokens_per_batch_size" not in vllm_speculative_config("D", 3)
     assert list(sglang_adaptive_config({}, 3)) == ["1"]
     assert batch_size_steps(table([(4, 2), (1, 3)])) == [(1, 3), (4, 2)]
+
+
+def test_no_sglang_adaptive_file_when_drafting_lost_at_every_batch_size(tmp_path):
+    """K = 0 in every slot leaves no --speculative-num-steps (>= 1) SGLang would start with: the file is not
+    written and the README says why; vLLM's table turns drafting off everywhere."""
+    section = write_engine_configs(tmp_path, pair={"target": "T", "draft": "H", "drafter": "eagle3"}, width=1,
+                                   grid_best={"width": 1, "depth": 3, "size": 3}, choices={}, fallback=(3, 3),
+                                   per_batch_size=table([(1, 0), (2, 0), (8, 0)]))
+    engines = tmp_path / "engines"
+    assert not (engines / "sglang" / "sglang_adaptive.json").exists()
+    assert "lost to batched AR at every measured batch size" in section["skipped"]["sglang_adaptive"]
+    assert "speculative-adaptive" not in (engines / "sglang" / "config.yaml").read_text()
+    assert "Not written: sglang/sglang_adaptive.json" in (engines / "README.md").read_text()
+    vllm = json.loads((engines / "vllm" / "speculative_config.json").read_text())
+    assert vllm["num_speculative_tokens_per_batch_size"] == [[1, 8, 0]]
+
+
+@pytest.mark.parametrize("learned,written", [([(1, 3), (8, 1)], True), ([(1, 4), (8, 0)], False)])
+def test_learned_sglang_table_is_written_only_when_config_yaml_can_start_with_it(tmp_path, learned, written):
+    """The learned adaptive file replaces the grid's under the same config.yaml, whose num_steps (the grid's
+    smallest size's K, 3 here) must be among its candidates."""
+    section = write_engine_configs(tmp_path, pair={"target": "T", "draft": "H", "drafter": "eagle3"}, width=1,
+                                   grid_best={"width": 1, "depth": 3, "size": 3}, choices={}, fallback=(3, 3),
+                                   per_batch_size=table([(1, 3), (8, 2)]), learned_per_batch_size=table(learned))
+    path = tmp_path / "engines" / "sglang" / "sglang_adaptive.learned.json"
+    assert path.exists() == written
+    if written:
+        steps = {s for k, e in json.loads(path.read_text()).items() if k.isdigit() for s in e["candidate_steps"]}
+        assert 3 in steps
+    else:
+        assert "needs --speculative-num-steps (3) among" in section["skipped"]["sglang_adaptive_learned"]
