@@ -54,7 +54,7 @@ class BatchSession:
         self.width = tree.width
         self.device = pair.device
         self.clock = Clock(self.device)
-        self.eos = pair.eos_token_id
+        self.eos = pair.eos_token_ids
         self.sampling = sampling  # (temperature, top_k, top_p), None for greedy
         self.generator = row_generators(seed, len(prompts), self.device)
         self.capacity = num_candidates(tree.width, tree.max_depth)

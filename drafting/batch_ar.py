@@ -24,7 +24,7 @@ import torch
 from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.checks import check_float, check_int
-from specpilot.drafting.cycle_math import emitted_count
+from specpilot.drafting.cycle_math import emitted_count, first_end
 from specpilot.drafting.drafters import FeatureBuffer
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
@@ -305,12 +305,14 @@ class BatchRow:
         self.start = 0.0                # clock reading when its decoding started (after its prefill)
         self.prefill_s = 0.0
 
-    def truncate(self, emitted: list[int], eos: int | None) -> list[int]:
-        """Never emit past EOS or max_new_tokens (as the single-sequence session truncates)."""
+    def truncate(self, emitted: list[int], eos: tuple[int, ...]) -> list[int]:
+        """Never emit past an end id (`eos`: the pair's `eos_token_ids`) or max_new_tokens (as the single-sequence
+        session truncates)."""
         left = self.max_new_tokens - len(self.new_tokens)
-        if eos is not None and eos in emitted[:left]:
+        end = first_end(emitted[:left], eos)
+        if end is not None:
             self.finished_by = "eos"
-            left = emitted.index(eos) + 1
+            left = end + 1
         elif len(emitted) >= left:
             self.finished_by = "length"
         return emitted[: emitted_count(len(emitted) - 1, left)]
@@ -328,7 +330,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     (continuous batching, as `generate_batch(max_batch=)`). Same caches, masks and timing as BatchSession's plain
     steps; the draft is never touched."""
     ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
-    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
+    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_ids
     check_float("temperature", temperature, minimum=0.0)
     check_int("top_k (0 disables it)", top_k, minimum=0)
     check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)

@@ -36,6 +36,11 @@ def clip_size(size, drafted, max_size: int):
     return _like(np.minimum(np.minimum(size, drafted), max_size))
 
 
+def first_end(tokens: list[int], end_ids: tuple[int, ...]) -> int | None:
+    """Index of the first token that ends a generation (any of `end_ids`), None when none does."""
+    return next((i for i, token in enumerate(tokens) if token in end_ids), None)
+
+
 def emitted_count(accepted, left):
     """Tokens a cycle appends to the output: the accepted drafts + 1 bonus/correction token, never more than the
     tokens `left` in the generation (up to and including EOS, within max_new_tokens)."""

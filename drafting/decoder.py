@@ -22,7 +22,8 @@ from specpilot.drafting.cache import cache_length, generation_cache, keep_positi
 from specpilot.drafting.checks import check_context, check_float, check_int
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.cycle import run_generation
-from specpilot.drafting.cycle_math import clip_size, emitted_count, level_bounds, num_candidates, update_acceptance
+from specpilot.drafting.cycle_math import (clip_size, emitted_count, first_end, level_bounds, num_candidates,
+                                          update_acceptance)
 from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, make_drafter
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sample, sampling_probs
@@ -69,7 +70,7 @@ class DecodingSession:
         self.device = pair.device
         self.clock = Clock(self.device)
         self.generator = _generator(seed, self.device)
-        self.eos = pair.eos_token_id
+        self.eos = pair.eos_token_ids
         self.committed: list[int] = list(prompt)
         self.prompt_len = len(prompt)
         self.new_tokens: list[int] = []
@@ -309,9 +310,10 @@ class DecodingSession:
     def _truncate(self, emitted: list[int]) -> list[int]:
         """Never emit past EOS or max_new_tokens; mark the session finished when either is hit."""
         left = self.max_new_tokens - len(self.new_tokens)
-        if self.eos is not None and self.eos in emitted[:left]:
+        end = first_end(emitted[:left], self.eos)
+        if end is not None:
             self.finished_by = "eos"
-            left = emitted.index(self.eos) + 1
+            left = end + 1
         elif len(emitted) >= left:
             self.finished_by = "length"
         return emitted[: emitted_count(len(emitted) - 1, left)]  # accepted drafts + the bonus token, within `left`
@@ -429,7 +431,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     ids = pair.encode(prompt)
     check_context(pair, len(ids), max_new_tokens, 0)
-    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_id
+    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_ids
     generator = _generator(seed, device) if temperature > 0 else None
     cache = generation_cache(pair.target)
     tokens: list[int] = []
@@ -452,7 +454,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
             token = int(current)
             tokens.append(token)
             times.append(clock.now() - start)
-            if token == eos:
+            if token in eos:
                 finished_by = "eos"
                 break
     return GenerationOutput(tokens=tokens, prompt_len=len(ids), prefill_s=start - t0,

@@ -386,6 +386,15 @@ def _load_lm(source, what: str, dtype):
         raise problem from err
 
 
+def _one_row(ids, shape: tuple[int, ...]):
+    """A prompt tensor/array as one row of ids: [n] or [1, n] (as a tokenizer returns it). More rows are several
+    prompts, which one generation must not silently join."""
+    if len(shape) == 1 or len(shape) == 2 and shape[0] == 1:
+        return ids.reshape(-1)
+    raise ValueError(f"a prompt is one sequence of token ids ([n] or [1, n]), got shape {list(shape)}: for several "
+                     "prompts call generate_batch (one row each) or generate once per prompt")
+
+
 @dataclass
 class ModelPair:
     """A target and its drafter on one device. `target` is a Hugging Face causal LM; the drafter is either `draft`,
@@ -439,11 +448,20 @@ class ModelPair:
         return _vocab_size(self.target)
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation, as transformers' generate() stops at any of them: the target's
+        generation_config (else config) eos_token_id, an int or a list (Llama-3 Instruct lists three)."""
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos is None or eos == []:
+            eos = self.target.config.eos_token_id
+        ids = eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+        return tuple(dict.fromkeys(int(i) for i in ids))
+
+    @property
     def eos_token_id(self) -> int | None:
-        eos = getattr(self.target.generation_config, "eos_token_id", None) or self.target.config.eos_token_id
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        return eos
+        """The first end id (the pad id for baselines, a trace's header); decoding stops at any `eos_token_ids`."""
+        ids = self.eos_token_ids
+        return ids[0] if ids else None
 
     @property
     def max_context(self) -> int:
@@ -503,11 +521,11 @@ class ModelPair:
         if isinstance(prompt, torch.Tensor):
             if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
                 raise TypeError(f"prompt token ids must be integers, got a tensor of {prompt.dtype}")
-            prompt = prompt.reshape(-1).tolist()
+            prompt = _one_row(prompt, tuple(prompt.shape)).tolist()
         elif isinstance(prompt, np.ndarray):
             if not np.issubdtype(prompt.dtype, np.integer):
                 raise TypeError(f"prompt token ids must be integers, got an array of {prompt.dtype}")
-            prompt = prompt.reshape(-1).tolist()
+            prompt = _one_row(prompt, prompt.shape).tolist()
         elif not isinstance(prompt, (list, tuple, range)):
             raise TypeError(f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}")
         ids = [t if type(t) is int else check_int(f"prompt token id at position {i}", t)

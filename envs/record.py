@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates
+from specpilot.drafting.cycle_math import clip_size, first_end, level_bounds, num_candidates
 from specpilot.drafting.errors import InputFileError
 from specpilot.artifacts.contract import same_pair
 from specpilot.artifacts.profile import profile_path
@@ -198,7 +198,7 @@ def greedy_continuation(pair, prompt: list[int], max_new_tokens: int, lookahead:
     `specpilot.envs.shards.measure_ar` would measure with one more generation."""
     from specpilot.drafting.decoder import autoregressive_generate
 
-    eos = pair.eos_token_id
+    eos = pair.eos_token_ids
     tokens: list[int] = []
     want = max_new_tokens + lookahead
     eos_at = -1
@@ -210,8 +210,9 @@ def greedy_continuation(pair, prompt: list[int], max_new_tokens: int, lookahead:
             ar_timing.append((out.num_tokens, out.total_s))
             timed = False
         tokens.extend(out.tokens)
-        if eos_at < 0 and eos is not None and eos in tokens[:max_new_tokens]:
-            eos_at = tokens.index(eos)
+        end = first_end(tokens[:max_new_tokens], eos)
+        if eos_at < 0 and end is not None:
+            eos_at = end
             want = min(want, eos_at + 1 + lookahead)
         # go on past EOS, and past the timed call's budget into the lookahead; stop when a call came up short
         if not out.tokens or (out.finished_by != "eos" and (len(tokens) >= want or out.num_tokens < asked)):

@@ -81,8 +81,8 @@ class HFGenerate:
         cuda = device.type == "cuda"
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, attention_mask=torch.ones_like(input_ids),
-                      eos_token_id=pair.eos_token_id, pad_token_id=pair.eos_token_id if pair.eos_token_id is not None
-                      else 0)
+                      eos_token_id=list(pair.eos_token_ids) or None,
+                      pad_token_id=pair.eos_token_id if pair.eos_token_id is not None else 0)
         if temperature > 0:
             # top_k=0 disables top-k in transformers as in our sampler; the explicit value overrides the model's
             # generation_config default (often 50)

@@ -77,6 +77,8 @@ def test_sampling_arguments_are_checked(pair, kwargs, error, fragment, entry):
     (torch.tensor([3, 200]), ValueError, "prompt token id 200"),
     (b"\x01\x02", TypeError, "bytes"),
     (17, TypeError, "text \\(str\\) or a list of token ids"),
+    (torch.tensor([[1, 2], [3, 4]]), ValueError, r"one sequence of token ids \(\[n\] or \[1, n\]\), got shape \[2, 2\]"),
+    (np.array([[1, 2], [3, 4]]), ValueError, "call generate_batch"),
 ])
 def test_prompt_ids_are_checked_against_the_vocabulary(pair, prompt, error, fragment):
     with pytest.raises(error, match=fragment) as info:
