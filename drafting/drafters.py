@@ -12,6 +12,7 @@ The tree drafter (`drafting/tree.py`) only ever calls:
                                                   has no entry: offset 1)
     drafter.needs_features                        the session must hand over the target's aux hidden states
     drafter.vocab_size                            V_draft
+    drafter.target_probs(q)                       distributions [n, V_draft] placed on the target's ids [n, V]
 
 `target_features(pair, hidden_states, rows)` turns a target forward's `output_hidden_states` into what an EAGLE
 drafter consumes (None for an LM drafter, which needs nothing from the target); `aux_states` + `fuse_aux` are its two
@@ -32,16 +33,22 @@ from specpilot.drafting.cache import new_cache
 
 
 class LMDrafter:
-    """A separate causal LM sharing the target's vocabulary."""
+    """A separate causal LM sharing the target's vocabulary. Its output rows may be padded differently from the
+    target's (Qwen2.5-0.5B 151,936 vs 7B 152,064 for one tokenizer): it then drafts over the first `vocab_size`
+    ids both models have (`ModelPair` checks the tokenizer's ids lie below it), and its distributions are placed
+    on the target's ids with zeros above."""
 
     offset = 0
     needs_features = False
     kind = "draft_lm"
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, target_vocab_size: int | None = None) -> None:
         self.model = model
         self.mask_layout = MaskLayout.of(model)  # mask format and sliding windows (drafting/attention.py)
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        rows = int(model.get_output_embeddings().weight.shape[0])
+        self.target_vocab_size = rows if target_vocab_size is None else int(target_vocab_size)
+        self.vocab_size = min(rows, self.target_vocab_size)
+        self._rows = rows
 
     def new_cache(self):
         return new_cache(self.model)
@@ -50,17 +57,31 @@ class LMDrafter:
         kwargs = {"logits_to_keep": 1} if last_only else {}
         if attention_mask is not None:
             kwargs.update(attention_mask=attention_mask, position_ids=position_ids)
-        logits = self.model(input_ids=tokens, cache=cache, use_cache=True, **kwargs).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1), None
+        logits = self.model(input_ids=self._embeddable(tokens), cache=cache, use_cache=True, **kwargs).logits[0]
+        return torch.log_softmax(self._shared(logits).float(), dim=-1), None
 
     def forward_batch(self, tokens, hidden, position_ids, attention_mask, cache, *, logits_to_keep: int = 0):
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        out = self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        out = self.model(input_ids=self._embeddable(tokens), attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          use_cache=True, **kwargs)
-        return out.logits, None
+        return self._shared(out.logits), None
+
+    def _embeddable(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Committed ids the draft has rows for: a target with more (padding) rows can, in principle, emit an id
+        past the draft's; the draft reads its last row instead (only its guesses change, never the output)."""
+        return tokens.clamp(max=self._rows - 1) if self._rows < self.target_vocab_size else tokens
+
+    def _shared(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the ids the target has too (padding rows past them are never drafted)."""
+        return logits[..., : self.vocab_size] if self._rows > self.vocab_size else logits
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
+
+    def target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        if q.shape[-1] == self.target_vocab_size:
+            return q
+        return torch.nn.functional.pad(q, (0, self.target_vocab_size - q.shape[-1]))
 
 
 class EagleDrafter:
@@ -95,10 +116,17 @@ class EagleDrafter:
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(ids)
 
+    def target_probs(self, q: torch.Tensor) -> torch.Tensor:
+        ids = self.to_target(torch.arange(q.shape[-1], device=q.device))
+        out = torch.zeros(q.shape[0], self.head.config.vocab_size, device=q.device, dtype=q.dtype)
+        return out.index_copy_(1, ids, q)
+
 
 def make_drafter(pair):
     """The pair's drafter: its EAGLE-3 head when it has one, else its draft LM."""
-    return EagleDrafter(pair.eagle) if getattr(pair, "eagle", None) is not None else LMDrafter(pair.draft)
+    if getattr(pair, "eagle", None) is not None:
+        return EagleDrafter(pair.eagle)
+    return LMDrafter(pair.draft, target_vocab_size=pair.vocab_size)
 
 
 def aux_states(pair, hidden_states, rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:

@@ -227,19 +227,31 @@ def check_token_ids(ids: list[int], vocab_size: int, *, what: str = "prompt toke
 
 
 def check_same_vocabulary(target, draft, target_tokenizer=None, draft_tokenizer=None) -> None:
-    """Raise VocabularyMismatchError unless both models (and tokenizers, when given) share one vocabulary."""
-    t_size, d_size = _vocab_size(target), _vocab_size(draft)
-    if t_size != d_size:
-        raise VocabularyMismatchError(
-            f"target and draft output vocabularies differ ({t_size} vs {d_size} logits); speculative decoding "
-            "needs a draft that uses the target's tokenizer. Pick a draft from the same model family."
-        )
+    """Raise VocabularyMismatchError unless both models (and tokenizers, when given) share one vocabulary. Output
+    sizes may differ by padding rows (Qwen2.5-0.5B has 151,936 logits, Qwen2.5-7B 152,064, for one tokenizer) when
+    the target's tokenizer is known and all its ids lie below the smaller size: the draft then drafts those ids."""
     if target_tokenizer is not None and draft_tokenizer is not None:
         if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
             raise VocabularyMismatchError(
                 "target and draft tokenizers map tokens to different ids; a draft token id would mean another "
                 "string to the target. Use a draft trained with the target's tokenizer."
             )
+    t_size, d_size = _vocab_size(target), _vocab_size(draft)
+    if t_size == d_size:
+        return
+    shared = min(t_size, d_size)
+    if target_tokenizer is None:
+        raise VocabularyMismatchError(
+            f"target and draft output vocabularies differ ({t_size} vs {d_size} logits); speculative decoding needs "
+            "a draft that uses the target's tokenizer. When both do and the extra rows are padding (as Qwen2.5's "
+            "151936 vs 152064), give the pair its tokenizer (ModelPair(..., tokenizer=...), or tokenizer files in "
+            f"the target's folder) so that its ids can be checked to lie below {shared}")
+    tokens = len(target_tokenizer)
+    if tokens > shared:
+        raise VocabularyMismatchError(
+            f"target and draft output vocabularies differ ({t_size} vs {d_size} logits) and the tokenizer has "
+            f"{tokens} tokens, more than the smaller model's {shared} rows: the rows are not just padding. Use a "
+            "draft trained with the target's tokenizer.")
 
 
 def model_digest(model, sample: int = 65_536) -> str:
@@ -420,7 +432,7 @@ class ModelPair:
             if self.device != next(module.parameters()).device:
                 raise ValueError(f"target and {name} must live on the same device; move them with pair.to(device)")
         if self.draft is not None:
-            check_same_vocabulary(self.target, self.draft)
+            check_same_vocabulary(self.target, self.draft, self.tokenizer)
         # refuse, before any decoding, a model whose forward would not honour tree masks (see drafting/attention.py)
         check_tree_attention(self.target, "target")
         if self.draft is not None:
@@ -495,10 +507,11 @@ class ModelPair:
 
     @property
     def drafter_vocab_size(self) -> int:
-        """Tokens the drafter can propose: an EAGLE head's reduced draft vocabulary, else the draft LM's logits."""
+        """Tokens the drafter can propose: an EAGLE head's reduced draft vocabulary, else the ids the draft LM and
+        the target both have logits for (their rows may be padded differently)."""
         if self.eagle is not None:
             return int(self.eagle.config.draft_vocab_size)
-        return _vocab_size(self.draft)
+        return min(_vocab_size(self.draft), self.vocab_size)
 
     def encode(self, prompt: str | list[int] | torch.Tensor) -> list[int]:
         """Prompt text or ids -> list of token ids, every id checked against the target's vocabulary. Text is

@@ -223,11 +223,7 @@ class TreeDrafter:
 
     def _target_probs(self, q_draft: torch.Tensor) -> torch.Tensor:
         """Distributions [n, V_draft] over the drafter's vocabulary, placed on the target's ids (zero elsewhere)."""
-        if self.drafter.offset == 0:
-            return q_draft
-        ids = self.drafter.to_target(torch.arange(q_draft.shape[-1], device=q_draft.device))
-        out = torch.zeros(q_draft.shape[0], self.drafter.head.config.vocab_size, device=q_draft.device)
-        return out.index_copy_(1, ids, q_draft)
+        return self.drafter.target_probs(q_draft)
 
     def _record_features(self, logq_row: torch.Tensor, child_logprob: float) -> None:
         p = logq_row.exp()
