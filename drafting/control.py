@@ -40,6 +40,10 @@ class Controller(ABC):
     def observe(self, record: CycleRecord) -> None:
         """Feedback after verification."""
 
+    def check_tree(self, tree) -> None:
+        """Raise ValueError when this controller cannot steer `tree` as configured (its depths or sizes would be
+        capped, or its policies observe another tree's shape); the decoder asks before every generation."""
+
     def actor_questions(self) -> frozenset[str]:
         """The questions ("skip", "stop", "size") this controller answers with a policy network: replay charges
         each of them the decision time measured with the latency profile (`LatencyProfile.decision`), as the live

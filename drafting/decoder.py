@@ -374,11 +374,16 @@ class SpeculativeDecoder:
 
     def _controller(self, controller):
         """`controller`, else `default_controller` (an exported decoder's policies), else FixedController() for the
-        device; a FixedController deeper or larger than the tree is refused (it would be capped without a word)."""
+        device; a controller that does not fit the tree is refused (`Controller.check_tree`: a FixedController
+        deeper or larger than it would be capped without a word, trained policies observe their own tree)."""
         if controller is None:
             controller = self.default_controller or FixedController(device=str(self.pair.device))
-        if isinstance(controller, FixedController):
-            controller.check_tree(self.tree)
+        if not all(hasattr(controller, name) for name in ("should_stop", "choose_size")):
+            raise TypeError(f"controller must be a specpilot Controller (FixedController, a heuristic, a learned or "
+                            f"exported policy), got {type(controller).__name__}")
+        check = getattr(controller, "check_tree", None)
+        if check is not None:
+            check(self.tree)
         return controller
 
     def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,

@@ -88,6 +88,23 @@ class LearnedController(Controller):
     def observe(self, record: CycleRecord) -> None:
         self.fallback.observe(record)
 
+    def check_tree(self, tree) -> None:
+        """The actors read scores laid out for the tree they were trained on, and a size action past the tree's
+        max_size would be clipped: another tree is refused, naming the one the policies need."""
+        for spec in (self.depth_spec, self.size_spec):
+            if spec is not None and (spec.width, spec.max_depth) != (tree.width, tree.max_depth):
+                raise ValueError(f"{self.name}: its {spec.kind} policy observes trees of width {spec.width} and "
+                                 f"max_depth {spec.max_depth}, but the decoder's tree has width {tree.width} and "
+                                 f"max_depth {tree.max_depth}: decode with the tree it was trained for (a run's "
+                                 "manifest or an export's decoder.json names it), or train a policy for this tree")
+        if self.size_actions and max(self.size_actions) > tree.max_size:
+            raise ValueError(f"{self.name}: its size policy verifies up to {max(self.size_actions)} candidates, more "
+                             f"than the tree's max_size {tree.max_size}: use a TreeConfig with max_size >= "
+                             f"{max(self.size_actions)}")
+        check = getattr(self.fallback, "check_tree", None)
+        if check is not None:
+            check(tree)
+
     def actor_questions(self) -> frozenset[str]:
         return frozenset(({"skip", "stop"} if self.has_depth else set()) | ({"size"} if self.has_size else set()))
 

@@ -238,3 +238,28 @@ def test_cli_refuses_a_read_only_out_before_loading_anything(tmp_path, monkeypat
             main(argv)
         err = capsys.readouterr().err.strip()
         assert info.value.code == 2 and err.count("\n") == 0 and "cannot write" in err, (argv, err)
+
+
+@pytest.mark.parametrize("tree,fragment", [
+    (TreeConfig(width=2, max_depth=4, max_size=12), None),
+    (TreeConfig(width=2, max_depth=3, max_size=12), "observes trees of width 2 and max_depth 4, but the decoder's"),
+    (TreeConfig(width=3, max_depth=4, max_size=12), "observes trees of width 2 and max_depth 4"),
+    (TreeConfig(width=2, max_depth=4, max_size=6), "verifies up to 8 candidates, more than the tree's max_size 6"),
+])
+def test_learned_policies_refuse_a_tree_they_were_not_trained_for(pair, tree, fragment):
+    from specpilot.policies.learned import probe_controller
+
+    controller = probe_controller(2, 4, [2, 4, 8])
+    decoder = SpeculativeDecoder(pair, tree)
+    if fragment is None:
+        assert decoder.generate([1, 2, 3], controller=controller, max_new_tokens=4).tokens
+        return
+    with pytest.raises(ValueError, match=fragment):
+        decoder.generate([1, 2, 3], controller=controller, max_new_tokens=4)
+    with pytest.raises(ValueError, match=fragment):
+        decoder.generate_batch([[1, 2, 3]], controller=controller, max_new_tokens=4)
+
+
+def test_a_controller_that_is_not_one_is_a_type_error(pair):
+    with pytest.raises(TypeError, match="controller must be a specpilot Controller .* got str"):
+        SpeculativeDecoder(pair, TreeConfig(2, 3, 6)).generate([1, 2], controller="fixed", max_new_tokens=2)
