@@ -20,6 +20,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.cycle import SIZE, SKIP, STOP, check_size, cycle_steps
 from specpilot.drafting.types import CycleRecord, DraftState, TreeConfig
@@ -47,6 +48,14 @@ def as_depth_controller(partner: Any, device: str | None = None) -> Controller:
     if isinstance(partner, (int, np.integer)) and not isinstance(partner, bool):
         return FixedController(depth=int(partner), device=device)
     raise TypeError(f"depth_controller must be None, an int depth, a (low, high) pair or a Controller; got {partner!r}")
+
+
+def fits_tree(partner: Any, tree: TreeConfig) -> None:
+    """Refuse a partner whose depths or sizes the env's tree would cap without a word (`Controller.check_tree`, as
+    the decoder refuses them)."""
+    check = getattr(partner, "check_tree", None)
+    if check is not None:
+        check(tree)
 
 
 def as_size_controller(partner: Any, device: str | None = None) -> Controller:
@@ -84,8 +93,7 @@ class LiveSource:
 
         if isinstance(prompts, (str, bytes)) or not prompts or isinstance(prompts[0], (int, np.integer)):
             raise TypeError("prompts must be a non-empty list of prompts (strings or token-id lists)")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_int("max_new_tokens", max_new_tokens, minimum=1)
         self.pair, self.tree = pair, tree or TreeConfig()
         self.decoder = SpeculativeDecoder(pair, self.tree)
         self.prompts = [pair.encode(getattr(p, "prompt", p)) for p in prompts]
@@ -113,6 +121,9 @@ class ReplaySource:
 
     def __init__(self, trace, profile=None, *, max_new_tokens: int | None = None, time_noise: float = 0.0,
                  prompts: list[int] | None = None, batch_sizes: Sequence[int] | None = None) -> None:
+        if max_new_tokens is not None:
+            check_int("max_new_tokens", max_new_tokens, minimum=1)
+        check_float("time_noise", time_noise, minimum=0.0)  # a relative spread: nan or < 0 would poison rewards
         self.model = ReplayModel(trace, profile, max_new_tokens=max_new_tokens)
         self.batch_sizes = check_batch_sizes(batch_sizes, self.model.profile) if batch_sizes is not None else None
         if self.batch_sizes and time_noise:
@@ -339,6 +350,7 @@ class DepthEnv(_DecisionEnv):
         # without skip decisions the partner answers them (a size-only partner never skips)
         self.agent_questions = (SKIP, STOP) if skip_decisions else (STOP,)
         self.size_controller = as_size_controller(size_controller, self.device)
+        fits_tree(self.size_controller, self.tree)
         self.spec_obs = ObservationSpec.for_depth(self.tree.width, self.tree.max_depth, max_context=self.max_context,
                                                   features=env_features(source, features))
         self.observation_space = observation_space(self.spec_obs)
@@ -410,6 +422,7 @@ class SizeEnv(_DecisionEnv):
                              "record / build the tree with a larger max_size or drop the larger sizes")
         self.size_actions = sizes
         self.depth_controller = as_depth_controller(depth_controller, self.device)
+        fits_tree(self.depth_controller, self.tree)
         self.spec_obs = ObservationSpec.for_size(self.tree.width, self.tree.max_depth, size_actions=sizes,
                                                  max_context=self.max_context, features=env_features(source, features))
         self.observation_space = observation_space(self.spec_obs)

@@ -218,11 +218,21 @@ class RandomDepthController(Controller):
             raise ValueError(f"RandomDepthController needs 0 <= low <= high, got low={low}, high={high}")
         self.low, self.high = int(low), int(high)
         self.size = _default_size(size, device)
+        self._size_given = size is not None
         self.rng = np.random.default_rng(seed)
         self._target = self.low
 
     def seed(self, seed: int | None) -> None:
         self.rng = np.random.default_rng(seed)
+
+    def check_tree(self, tree) -> None:
+        """Depths past the tree's max_depth (or a given size past its max_size) would be capped without a word."""
+        if self.high > tree.max_depth:
+            raise ValueError(f"random depths up to {self.high} but the tree's max_depth is {tree.max_depth}: use a "
+                             f"range within 0..{tree.max_depth}")
+        if self._size_given and self.size > tree.max_size:
+            raise ValueError(f"RandomDepthController size {self.size} is larger than the tree's max_size "
+                             f"{tree.max_size}")
 
     def skip_drafting(self, state: DraftState) -> bool:
         self._target = int(self.rng.integers(self.low, self.high + 1))

@@ -339,3 +339,27 @@ def test_record_task_writes_trace_and_measured_profile(pair_prompts, tmp_path):
     env = gym.make("specpilot/ReplaySize-v0", trace=trace_dir, size_actions=SIZES)
     obs, _ = env.reset(seed=0)
     assert env.observation_space.contains(obs)
+
+
+@pytest.mark.parametrize("env_id,kwargs,error,fragment", [
+    ("specpilot/ReplaySize-v0", dict(time_noise=float("nan")), ValueError, "time_noise must be a finite number"),
+    ("specpilot/ReplaySize-v0", dict(time_noise=-1.0), ValueError, "time_noise must be a finite number >= 0"),
+    ("specpilot/ReplayDepth-v0", dict(max_new_tokens=0), ValueError, "max_new_tokens must be an integer >= 1"),
+    ("specpilot/ReplayDepth-v0", dict(max_new_tokens=5.5), TypeError, "max_new_tokens must be an integer"),
+    ("specpilot/ReplayDepth-v0", dict(size_controller=999), ValueError, "size 999 is larger than the tree's"),
+    ("specpilot/ReplaySize-v0", dict(depth_controller=(0, 99)), ValueError, "random depths up to 99"),
+    ("specpilot/ReplaySize-v0", dict(depth_controller=50), ValueError, "depth 50 is deeper than the tree's"),
+])
+def test_replay_env_arguments_the_tree_or_rewards_cannot_take_are_refused(recorded, env_id, kwargs, error, fragment):
+    trace_dir, _, _ = recorded
+    if env_id.endswith("Size-v0"):
+        kwargs = dict(size_actions=SIZES, **kwargs)
+    with pytest.raises(error, match=fragment):
+        gym.make(env_id, trace=str(trace_dir), **kwargs)
+
+
+def test_live_env_partner_past_the_tree_is_refused(pair_prompts):
+    pair, prompts = pair_prompts
+    with pytest.raises(ValueError, match="is larger than the tree's max_size"):
+        gym.make("specpilot/Depth-v0", pair=pair, prompts=prompts, max_new_tokens=MAX_NEW, tree=TREE,
+                 size_controller=TREE.max_size + 1)
