@@ -44,6 +44,21 @@ class ActorError(ValueError):
     """An actor cannot be built from what it was given; the message names the layer and what to do."""
 
 
+
+def _vec_normalize_stats(algorithm) -> tuple | None:
+    """(mean, std, clip) of the VecNormalize an SB3 algorithm trained under, when it normalised observations."""
+    get = getattr(algorithm, "get_vec_normalize_env", None)
+    venv = get() if callable(get) else None
+    if venv is None or not getattr(venv, "norm_obs", False):
+        return None
+    rms = venv.obs_rms
+    if isinstance(rms, dict):
+        raise ActorError("the policy was trained under VecNormalize with dict observations; specpilot's "
+                         "observations are one vector")
+    mean = torch.as_tensor(rms.mean, dtype=torch.float64)
+    std = torch.sqrt(torch.as_tensor(rms.var, dtype=torch.float64) + float(venv.epsilon))
+    return mean, std, float(venv.clip_obs)
+
 class Actor:
     """A Linear/activation stack. layers: ("linear", weight [out, in], bias [out] | None) and
     ("activation", name, params) tuples in order. obs_norm: None or (mean, std, clip) float64 tensors, applied as
@@ -90,7 +105,10 @@ class Actor:
     def from_sb3(cls, policy) -> "Actor":
         """The actor of an SB3 ActorCriticPolicy (or algorithm) with a Flatten features extractor and an MLP:
         mlp_extractor.policy_net then action_net. Decisions use copies of the weights taken now: after training
-        updates the policy, build a new Actor (every caller builds its controller after the update)."""
+        updates the policy, build a new Actor (every caller builds its controller after the update). An algorithm
+        trained under VecNormalize(norm_obs=True) brings its observation statistics (the policy saw normalised
+        observations: deciding on raw ones would be another policy)."""
+        norm = _vec_normalize_stats(policy)
         policy = getattr(policy, "policy", policy)
         extractor = getattr(policy, "pi_features_extractor", None) or getattr(policy, "features_extractor", None)
         if type(getattr(extractor, "flatten", None)) is not torch.nn.Flatten:
@@ -104,7 +122,7 @@ class Actor:
             else:
                 params = {a: getattr(module, a) for a in _PARAM_ATTRS if hasattr(module, a)}
                 layers.append(("activation", type(module).__name__.lower(), params))
-        return cls(layers, source=f"SB3 {type(policy).__name__}")
+        return cls(layers, obs_norm=norm, source=f"SB3 {type(policy).__name__}")
 
     @classmethod
     def from_layers(cls, entries: list[dict], tensors: dict[str, torch.Tensor], *, obs_norm: dict | None = None,

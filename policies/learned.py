@@ -57,6 +57,10 @@ class LearnedController(Controller):
             if not self.size_actions:
                 raise ValueError("a size actor needs size_actions")
             check_actor(size_actor, size_spec, "size", len(self.size_actions))
+            bad = [v for v in self.size_actions if not 1 <= v <= size_spec.num_scores]
+            if bad:  # a size the policy cannot have observed: 0 verifies nothing, past num_scores it saw no scores
+                raise ValueError(f"size_actions {self.size_actions}: {bad} outside 1..{size_spec.num_scores}, the "
+                                 "candidates the size policy observes")
             size_actor.prepare(size_spec)
 
     @property

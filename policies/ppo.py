@@ -42,10 +42,11 @@ class PPOController(LearnedController):
     def __init__(self, depth_policy=None, size_policy=None, depth_spec: ObservationSpec | None = None,
                  size_spec: ObservationSpec | None = None, size_actions: list[int] | None = None,
                  fallback: Controller | None = None, *, name: str | None = None) -> None:
+        # actors from what was given: an algorithm also brings its VecNormalize observation statistics
+        depth_actor = Actor.from_sb3(depth_policy) if depth_policy is not None else None
+        size_actor = Actor.from_sb3(size_policy) if size_policy is not None else None
         self.depth_policy = _eval_mode(depth_policy) if depth_policy is not None else None
         self.size_policy = _eval_mode(size_policy) if size_policy is not None else None
-        depth_actor = Actor.from_sb3(self.depth_policy) if depth_policy is not None else None
-        size_actor = Actor.from_sb3(self.size_policy) if size_policy is not None else None
         if size_actor is not None and size_actions is None:
             size_actions = default_size_actions()
         super().__init__(depth_actor, size_actor, depth_spec, size_spec, size_actions, fallback, name=name)

@@ -217,3 +217,30 @@ def test_a_copied_controller_decides_alike(copy_kind, recorded_states):
     states = recorded_states + edge_states()
     assert [twin.should_stop(s) for s in states] == [ctrl.should_stop(s) for s in states]
     assert [twin.choose_size(s) for s in states] == [ctrl.choose_size(s) for s in states]
+
+
+def test_an_algorithm_trained_under_vec_normalize_decides_on_normalised_observations():
+    """PPO under VecNormalize(norm_obs=True) saw normalised observations: its Actor applies the same statistics."""
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    from specpilot.policies.actor import Actor
+
+    venv = VecNormalize(DummyVecEnv([lambda: gym.make("CartPole-v1")]), norm_obs=True, clip_obs=3.0)
+    model = PPO("MlpPolicy", venv, n_steps=64, batch_size=32, n_epochs=1, seed=0, policy_kwargs={"net_arch": [8]})
+    model.learn(128)
+    venv.obs_rms.mean += 0.5  # statistics far from zero/one, so raw and normalised inputs decide differently
+    venv.obs_rms.var *= 9.0
+    actor = Actor.from_sb3(model)
+    assert actor.obs_norm is not None and Actor.from_sb3(model.policy).obs_norm is None
+    obs = np.random.default_rng(0).normal(0.5, 3.0, size=(64, 4)).astype(np.float32)
+    expected = model.predict(venv.normalize_obs(obs), deterministic=True)[0]
+    got = actor.logits(torch.as_tensor(obs)).argmax(-1).numpy()
+    assert (got == expected).all()
+
+
+@pytest.mark.parametrize("sizes", [[0, 2, 4], [-3, 2, 4]])
+def test_size_actions_the_policy_cannot_have_observed_are_refused(sizes):
+    from specpilot.policies.learned import probe_controller
+
+    with pytest.raises(ValueError, match=r"outside 1\.\.\d+, the candidates the size policy observes"):
+        probe_controller(2, 3, sizes)
