@@ -424,6 +424,15 @@ class ModelPair:
     def __post_init__(self) -> None:
         if self.draft is None and self.eagle is None:
             raise ValueError("a ModelPair needs a drafter: draft= (a causal LM) or eagle= (an EAGLE-3 head)")
+        for name, module in (("target", self.target), ("draft", self.draft)):
+            if module is not None and not (isinstance(module, torch.nn.Module)
+                                           and hasattr(module, "get_output_embeddings")):
+                raise TypeError(f"{name} must be a transformers causal LM (AutoModelForCausalLM), got "
+                                f"{type(module).__name__}; to load from a folder or hub id use "
+                                "ModelPair.from_pretrained(...)")
+        if self.tokenizer is not None and not callable(self.tokenizer):
+            raise TypeError(f"tokenizer must be a transformers tokenizer object, got {type(self.tokenizer).__name__}; "
+                            "load it with AutoTokenizer.from_pretrained(...), or use ModelPair.from_pretrained")
         self.target.eval()
         for name, module in (("draft", self.draft), ("eagle", self.eagle)):
             if module is None:

@@ -263,3 +263,13 @@ def test_learned_policies_refuse_a_tree_they_were_not_trained_for(pair, tree, fr
 def test_a_controller_that_is_not_one_is_a_type_error(pair):
     with pytest.raises(TypeError, match="controller must be a specpilot Controller .* got str"):
         SpeculativeDecoder(pair, TreeConfig(2, 3, 6)).generate([1, 2], controller="fixed", max_new_tokens=2)
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda m: ModelPair("abc", m), "target must be a transformers causal LM .* got str"),
+    (lambda m: ModelPair(m, torch.nn.Linear(3, 3)), "draft must be a transformers causal LM .* got Linear"),
+    (lambda m: ModelPair(m, m, tokenizer="gpt2"), "tokenizer must be a transformers tokenizer object, got str"),
+])
+def test_pair_arguments_of_the_wrong_kind_are_type_errors(make, fragment):
+    with pytest.raises(TypeError, match=fragment):
+        make(tiny_model())

@@ -19,6 +19,9 @@ class SharedTokenizer:
     def __len__(self) -> int:
         return self.size
 
+    def __call__(self, text: str, **kwargs) -> dict:
+        return {"input_ids": [ord(c) % self.size for c in text]}
+
     def decode(self, ids, **kwargs) -> str:
         return " ".join(map(str, ids))
 
