@@ -4,18 +4,23 @@ TypeError / ValueError with a message naming the argument and the accepted range
 from __future__ import annotations
 
 import math
+import operator
 import numbers
 
 
 def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """`value` as an int when it is an integer (int, numpy integer, 0-d integer tensor; never bool or float) within
     [minimum, maximum]; else TypeError / ValueError naming `name`."""
-    accepted = _int_range(minimum, maximum)
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer {accepted}, got {value!r} ({type(value).__name__})")
-    value = int(value.__index__())
+    accepted = " ".join(filter(None, ("integer", _int_range(minimum, maximum))))
+    try:  # an integer scalar of any kind; a float tensor has __index__ too, but it raises
+        index = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        index = None
+    if index is None:
+        raise TypeError(f"{name} must be an {accepted}, got {value!r} ({type(value).__name__})")
+    value = int(index)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be an integer {accepted}, got {value}")
+        raise ValueError(f"{name} must be an {accepted}, got {value}")
     return value
 
 

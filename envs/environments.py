@@ -13,6 +13,7 @@ the same spaces, observations, rewards and info.
 """
 from __future__ import annotations
 
+import operator
 from copy import deepcopy
 from typing import Any, Sequence
 
@@ -33,6 +34,7 @@ from specpilot.policies.learned import STOP as STOP_ACTION
 from specpilot.policies.observation import (BATCH_FEATURES, DEFAULT_FEATURES, ObservationSpec, default_size_actions,
                                             depth_observation, size_observation)
 
+RESET_OPTIONS = ("prompt_index", "batch_size")  # what reset(options=...) takes
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
 
 
@@ -132,7 +134,8 @@ class ReplaySource:
         self.times = BatchTimes(self.model) if self.batch_sizes else None
         trace = self.model.trace
         self.tree = TreeConfig(width=trace.width, max_depth=trace.max_depth, max_size=trace.max_size)
-        self.indices = list(range(trace.num_prompts)) if prompts is None else [int(i) for i in prompts]
+        self.indices = list(range(trace.num_prompts)) if prompts is None else \
+            [check_int("prompts (trace prompt indices)", i) for i in prompts]
         if not self.indices or not all(0 <= i < trace.num_prompts for i in self.indices):
             raise ValueError(f"prompts must select prompts of the trace (0..{trace.num_prompts - 1}), got {prompts}")
         self.max_new_tokens, self.time_noise = self.model.max_new_tokens, float(time_noise)
@@ -167,6 +170,9 @@ def check_batch_sizes(batch_sizes: Sequence[int], profile) -> tuple[int, ...]:
 def env_features(source, features: Sequence[str] | None) -> tuple[str, ...]:
     """The optional observation features of an env: `features` when given, else the defaults, plus the batch
     features (`BATCH_FEATURES`) when the source replays batches."""
+    if isinstance(features, (str, bytes)):
+        raise TypeError(f"features must be a list of feature names, got the string {features!r} (write "
+                        f"[{features!r}])")
     if features is not None:
         return tuple(features)
     return DEFAULT_FEATURES + (BATCH_FEATURES if getattr(source, "batch_sizes", None) else ())
@@ -182,7 +188,11 @@ class _DecisionEnv(gym.Env):
     metadata = {"render_modes": []}
     agent_questions: tuple[str, ...] = ()
 
-    def __init__(self, source, *, reward: str | Reward, max_context: int) -> None:
+    def __init__(self, source, *, reward: str | Reward, max_context: int, render_mode: str | None = None) -> None:
+        if render_mode is not None:
+            raise ValueError(f"render_mode={render_mode!r}: specpilot's envs render nothing (metadata render_modes is "
+                             "empty); each step's info dict reports the cycle instead")
+        self.render_mode = None
         self.source = source
         self.tree = source.tree
         self.device = source.device
@@ -213,9 +223,14 @@ class _DecisionEnv(gym.Env):
         super().reset(seed=seed)
         if seed is not None:
             torch.manual_seed(seed)
-        options = options or {}
+        options = {} if options is None else options
+        if not isinstance(options, dict):
+            raise TypeError(f"reset options must be a dict (or None), got {type(options).__name__}")
+        unknown = sorted(set(options) - set(RESET_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown reset option(s) {unknown}: this env takes {list(RESET_OPTIONS)}")
         if "prompt_index" in options:
-            index = int(options["prompt_index"])
+            index = check_int("reset option prompt_index", options["prompt_index"])
             if index not in self.source.indices:
                 raise ValueError(f"prompt_index {index} is not one of this env's prompts {self.source.indices}")
         else:
@@ -232,7 +247,8 @@ class _DecisionEnv(gym.Env):
         else:
             if not getattr(self.source, "batch_sizes", None):
                 raise ValueError("reset(options={'batch_size': ...}) needs a source with batch_sizes")
-            self.session = self.source.start(index, self.np_random, batch_size=int(batch_size))
+            self.session = self.source.start(index, self.np_random,
+                                             batch_size=check_int("reset option batch_size", batch_size, minimum=1))
         rows = len(getattr(self.session, "rows", ())) or 1
         # a batch reward scores the batch's tokens/s, which scales with its size: a running reward (dinkelbach's
         # throughput estimate) keeps one set of statistics per batch size
@@ -275,10 +291,18 @@ class _DecisionEnv(gym.Env):
     def _action_index(self, action) -> int:
         """The action as an int in the action space, or a clear error (no negative indexing, no floats)."""
         n = int(self.action_space.n)
-        if isinstance(action, (bool, np.bool_)) or not hasattr(action, "__index__") or not 0 <= int(action) < n:
+        try:  # an integer scalar of any kind (int, numpy, 0-d tensor); never a bool, float or array of several
+            index = None if isinstance(action, (bool, np.bool_)) else operator.index(action)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < n:
             raise ValueError(f"action {action!r} is outside {type(self).__name__}'s action space: give an integer "
                              f"in 0..{n - 1}")
-        return int(action)
+        return index
+
+    def render(self) -> None:
+        """Nothing to draw (render_mode is always None): each step's info dict reports the cycle."""
+        return None
 
     def _check_running(self) -> None:
         if self.session is None:
@@ -345,8 +369,9 @@ class DepthEnv(_DecisionEnv):
 
     def __init__(self, source, *, reward: str | Reward = "throughput",
                  size_controller: Controller | int | None = None, max_context: int = 4096,
-                 skip_decisions: bool = True, features: Sequence[str] | None = None) -> None:
-        super().__init__(source, reward=reward, max_context=max_context)
+                 skip_decisions: bool = True, features: Sequence[str] | None = None,
+                 render_mode: str | None = None) -> None:
+        super().__init__(source, reward=reward, max_context=max_context, render_mode=render_mode)
         # without skip decisions the partner answers them (a size-only partner never skips)
         self.agent_questions = (SKIP, STOP) if skip_decisions else (STOP,)
         self.size_controller = as_size_controller(size_controller, self.device)
@@ -412,9 +437,10 @@ class SizeEnv(_DecisionEnv):
 
     def __init__(self, source, *, reward: str | Reward = "throughput", size_actions: list[int] | None = None,
                  depth_controller: Controller | int | tuple | None = None, max_context: int = 4096,
-                 features: Sequence[str] | None = None) -> None:
-        super().__init__(source, reward=reward, max_context=max_context)
-        sizes = [int(v) for v in (default_size_actions(self.device) if size_actions is None else size_actions)]
+                 features: Sequence[str] | None = None, render_mode: str | None = None) -> None:
+        super().__init__(source, reward=reward, max_context=max_context, render_mode=render_mode)
+        sizes = [check_int("size_actions", v) for v in
+                 (default_size_actions(self.device) if size_actions is None else size_actions)]
         if not sizes or min(sizes) < 1:
             raise ValueError(f"size_actions must be a non-empty list of sizes >= 1, got {sizes}")
         if max(sizes) > self.tree.max_size:

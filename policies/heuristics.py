@@ -25,22 +25,28 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.types import CycleRecord, DraftState
 from specpilot.drafting.control import Controller, default_static_config
 
 
 def _default_size(size: int | None, device: str | None) -> int:
-    value = int(default_static_config(device)[1] if size is None else size)
-    if value < 1:
-        raise ValueError(f"verification size must be >= 1, got {value}")
-    return value
+    if size is None:
+        return int(default_static_config(device)[1])
+    return check_int("verification size", size, minimum=1)
 
 
 class _SizedController(Controller):
-    """Shared size handling: a constant verification size."""
+    """Shared size handling: a constant verification size (a given one the tree cannot hold is refused)."""
 
     def __init__(self, size: int | None = None, *, device: str | None = None) -> None:
         self.size = _default_size(size, device)
+        self._size_given = size is not None
+
+    def check_tree(self, tree) -> None:
+        if self._size_given and self.size > tree.max_size:
+            raise ValueError(f"{type(self).__name__} size {self.size} is larger than the tree's max_size "
+                             f"{tree.max_size}: use a size in 1..{tree.max_size}, or a larger TreeConfig")
 
     def choose_size(self, state: DraftState) -> int:
         return self.size
@@ -64,10 +70,10 @@ class DDDController(_SizedController):
         device: str | None = None,
     ) -> None:
         super().__init__(size, device=device)
-        if any(int(d) < 1 for d in check_depths):
-            raise ValueError(f"DDD check depths must be >= 1, got {tuple(check_depths)}")
-        self.check_depths = frozenset(int(d) for d in check_depths)
-        self.threshold = float(threshold)
+        if isinstance(check_depths, (int, np.integer)) or not hasattr(check_depths, "__iter__"):
+            raise TypeError(f"DDD check_depths must be a sequence of depths such as (5, 7, 9), got {check_depths!r}")
+        self.check_depths = frozenset(check_int("DDD check depth", d, minimum=1) for d in check_depths)
+        self.threshold = check_float("DDD threshold (a log-probability)", threshold)
 
     @staticmethod
     def confidence(state: DraftState) -> float:
@@ -95,8 +101,8 @@ class SVIPController(_SizedController):
     def __init__(self, coef: float = 0.15, threshold: float = 0.3, size: int | None = None, *,
                  device: str | None = None) -> None:
         super().__init__(size, device=device)
-        self.coef = float(coef)
-        self.threshold = float(threshold)
+        self.coef = check_float("SVIP coef", coef, minimum=0.0)
+        self.threshold = check_float("SVIP threshold", threshold, minimum=0.0)
 
     def should_stop(self, state: DraftState) -> bool:
         # max(0, .) guards against a tiny negative entropy from float round-off.
@@ -113,7 +119,7 @@ class ConfidenceController(_SizedController):
 
     def __init__(self, threshold: float = 0.4, size: int | None = None, *, device: str | None = None) -> None:
         super().__init__(size, device=device)
-        self.threshold = float(threshold)
+        self.threshold = check_float("confidence threshold (a probability)", threshold, minimum=0.0, maximum=1.0)
 
     def should_stop(self, state: DraftState) -> bool:
         return float(state.last_top_prob) < self.threshold
@@ -133,12 +139,8 @@ class HFHeuristicController(_SizedController):
     def __init__(self, initial_depth: int = 5, max_depth: int | None = None, size: int | None = None, *,
                  device: str | None = None) -> None:
         super().__init__(size, device=device)
-        if initial_depth < 1:
-            raise ValueError(f"initial_depth must be >= 1, got {initial_depth}")
-        if max_depth is not None and max_depth < 1:
-            raise ValueError(f"max_depth must be >= 1 or None, got {max_depth}")
-        self.initial_depth = int(initial_depth)
-        self.max_depth = None if max_depth is None else int(max_depth)
+        self.initial_depth = check_int("initial_depth", initial_depth, minimum=1)
+        self.max_depth = None if max_depth is None else check_int("max_depth (or None)", max_depth, minimum=1)
         self.target = self._clip(self.initial_depth)
 
     def _clip(self, depth: int) -> int:
@@ -174,8 +176,9 @@ class GammaTuneController(_SizedController):
                  switch_at: float = 0.5, size: int | None = None, *, device: str | None = None) -> None:
         super().__init__(size, device=device)
         base = default_static_config(device)[0]
-        self.gamma_min = max(1, int(gamma_min if gamma_min is not None else base // 2))
-        self.gamma_max = max(self.gamma_min, int(gamma_max if gamma_max is not None else math.ceil(1.5 * base)))
+        self.gamma_min = max(1, check_int("gamma_min", gamma_min, minimum=1) if gamma_min is not None else base // 2)
+        self.gamma_max = max(self.gamma_min, check_int("gamma_max", gamma_max, minimum=1) if gamma_max is not None
+                             else math.ceil(1.5 * base))
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
         self.rate = float(rate)
@@ -214,9 +217,10 @@ class RandomDepthController(Controller):
 
     def __init__(self, low: int = 1, high: int = 12, size: int | None = None, *, seed: int | None = None,
                  device: str | None = None) -> None:
-        if not 0 <= int(low) <= int(high):
+        low, high = check_int("low", low, minimum=0), check_int("high", high, minimum=0)
+        if low > high:
             raise ValueError(f"RandomDepthController needs 0 <= low <= high, got low={low}, high={high}")
-        self.low, self.high = int(low), int(high)
+        self.low, self.high = low, high
         self.size = _default_size(size, device)
         self._size_given = size is not None
         self.rng = np.random.default_rng(seed)

@@ -363,3 +363,42 @@ def test_live_env_partner_past_the_tree_is_refused(pair_prompts):
     with pytest.raises(ValueError, match="is larger than the tree's max_size"):
         gym.make("specpilot/Depth-v0", pair=pair, prompts=prompts, max_new_tokens=MAX_NEW, tree=TREE,
                  size_controller=TREE.max_size + 1)
+
+
+@pytest.mark.parametrize("options,error,fragment", [
+    ({"prompt_index": 1.5}, TypeError, "reset option prompt_index must be an integer, got 1.5"),
+    ({"prompt_index": "1"}, TypeError, "must be an integer"),
+    ({"prompt_idx": 1}, ValueError, r"unknown reset option\(s\) \['prompt_idx'\]"),
+    ([("prompt_index", 1)], TypeError, "reset options must be a dict"),
+])
+def test_reset_options_are_checked(recorded, options, error, fragment):
+    env = gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0]))
+    with pytest.raises(error, match=fragment):
+        env.reset(seed=0, options=options)
+
+
+@pytest.mark.parametrize("action", [torch.tensor(1.7), np.array([1, 0]), np.array([1]), 1.0, True])
+def test_actions_that_are_not_one_integer_are_refused(recorded, action):
+    env = gym.make("specpilot/ReplaySize-v0", trace=str(recorded[0]), size_actions=SIZES).unwrapped
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="outside SizeEnv's action space: give an integer"):
+        env.step(action)
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(prompts=[1.5]), "prompts \\(trace prompt indices\\) must be an integer"),
+    (dict(size_actions=[2.5, 8]), "size_actions must be an integer"),
+    (dict(features="entropy"), "features must be a list of feature names"),
+])
+def test_replay_env_lists_take_integers_and_names_only(recorded, kwargs, fragment):
+    kwargs.setdefault("size_actions", SIZES)
+    with pytest.raises(TypeError, match=fragment):
+        gym.make("specpilot/ReplaySize-v0", trace=str(recorded[0]), **kwargs)
+
+
+def test_render_draws_nothing_and_a_render_mode_is_refused(recorded):
+    env = gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0]))
+    env.reset(seed=0)
+    assert env.render() is None and env.unwrapped.render_mode is None
+    with pytest.raises(ValueError, match="render nothing"):
+        gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0]), render_mode="rgb_array")

@@ -14,6 +14,7 @@ from specpilot.policies.heuristics import (
     DDDController,
     GammaTuneController,
     HFHeuristicController,
+    RandomDepthController,
     SVIPController,
     make_heuristic,
 )
@@ -111,3 +112,29 @@ def test_registry_builds_controllers_with_default_size(name):
 def test_registry_unknown_name_lists_choices():
     with pytest.raises(ValueError, match="ddd"):
         make_heuristic("nope")
+
+
+@pytest.mark.parametrize("make,error,fragment", [
+    (lambda: DDDController(size=2.5), TypeError, "verification size must be an integer >= 1"),
+    (lambda: DDDController(threshold=float("nan")), ValueError, "DDD threshold .* must be a finite number"),
+    (lambda: DDDController(check_depths=5), TypeError, "check_depths must be a sequence of depths"),
+    (lambda: ConfidenceController(threshold=5), ValueError, "confidence threshold .* <= 1"),
+    (lambda: SVIPController(coef=-1), ValueError, "SVIP coef must be a finite number >= 0"),
+    (lambda: HFHeuristicController(initial_depth=2.5), TypeError, "initial_depth must be an integer >= 1"),
+    (lambda: HFHeuristicController(size="12"), TypeError, "verification size must be an integer"),
+    (lambda: RandomDepthController(1.5, 3), TypeError, "low must be an integer >= 0"),
+])
+def test_heuristic_arguments_are_checked_not_truncated(make, error, fragment):
+    with pytest.raises(error, match=fragment):
+        make()
+
+
+def test_a_given_size_past_the_tree_is_refused_by_the_decoder():
+    from tiny import tiny_pair
+
+    from specpilot.drafting import SpeculativeDecoder, TreeConfig
+
+    decoder = SpeculativeDecoder(tiny_pair(), TreeConfig(width=2, max_depth=4, max_size=8))
+    with pytest.raises(ValueError, match="DDDController size 9 is larger than the tree's max_size 8"):
+        decoder.generate([1, 2, 3], controller=DDDController(size=9), max_new_tokens=4)
+    assert decoder.generate([1, 2, 3], controller=DDDController(size=8), max_new_tokens=4).tokens
