@@ -58,18 +58,21 @@ from specpilot.policies import FixedController
 
 
 def hf_generate(pair: ModelPair, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' batched greedy generate, left-padded; each row's tokens up to and including its EOS."""
-    eos = pair.eos_token_id
+    """transformers' batched greedy generate, left-padded; each row's tokens up to and including its first end id."""
+    from specpilot.drafting.cycle_math import first_end
+
+    ends = pair.eos_token_ids
     width = max(len(p) for p in prompts)
-    pad = eos if eos is not None else 0
+    pad = ends[0] if ends else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=pair.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=pair.device)
     with torch.inference_mode():
         out = pair.target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                   do_sample=False, pad_token_id=pad, eos_token_id=eos)
+                                   do_sample=False, pad_token_id=pad, eos_token_id=list(ends) or None)
     rows = []
     for row in out[:, width:].tolist():
-        rows.append(row[: row.index(eos) + 1] if eos is not None and eos in row else row)
+        end = first_end(row, ends)
+        rows.append(row[: end + 1] if end is not None else row)
     return rows
 
 

@@ -82,13 +82,14 @@ class FixedController(Controller):
                               minimum=0 if self.depth == 0 else 1)
         self._given = (depth is not None, size is not None)
 
-    def check_tree(self, tree) -> None:
+    def check_tree(self, tree, *, parts: tuple[str, ...] = ("depth", "size")) -> None:
         """Refuse a tree this config does not fit: a depth beyond tree.max_depth would be capped at it, a size beyond
-        tree.max_size clipped to it, both without a word."""
-        if self._given[0] and self.depth > tree.max_depth:
+        tree.max_size clipped to it, both without a word. `parts`: the ones this config decides (a learned
+        controller's fallback decides only what its actors do not)."""
+        if "depth" in parts and self._given[0] and self.depth > tree.max_depth:
             raise ValueError(f"FixedController depth {self.depth} is deeper than the tree's max_depth "
                              f"{tree.max_depth}: use a depth in 0..{tree.max_depth}, or a deeper TreeConfig")
-        if self._given[1] and self.size > tree.max_size:
+        if "size" in parts and self._given[1] and self.size > tree.max_size:
             raise ValueError(f"FixedController size {self.size} is larger than the tree's max_size {tree.max_size}: "
                              f"use a size in 1..{tree.max_size}, or a larger TreeConfig")
 
@@ -131,6 +132,11 @@ class DecisionLog(Controller):
 
     def actor_questions(self) -> frozenset[str]:
         return self.inner.actor_questions()
+
+    def check_tree(self, tree) -> None:
+        check = getattr(self.inner, "check_tree", None)
+        if check is not None:
+            check(tree)
 
     def describe(self) -> dict:
         return self.inner.describe()

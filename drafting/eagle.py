@@ -201,7 +201,9 @@ class Eagle3Config:
                            num_attention_heads=self.num_attention_heads,
                            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
                            hidden_act=self.hidden_act, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                           max_position_embeddings=self.max_position_embeddings, **kwargs)
+                           max_position_embeddings=self.max_position_embeddings,
+                           # no special ids: LlamaConfig's defaults (eos 2) fall outside a tiny draft vocabulary
+                           bos_token_id=None, eos_token_id=None, pad_token_id=None, **kwargs)
 
 
 class _Attention(nn.Module):
@@ -391,7 +393,7 @@ class Eagle3Head(nn.Module):
         if "lm_head.weight" not in state:
             head.lm_head.weight = _shared_lm_head(target, tied=bool(config.get("tie_word_embeddings")), root=root)
         own = state.get(EMBED_KEY)
-        if own is not None and not torch.equal(own, target.get_input_embeddings().weight.detach().to("cpu", own.dtype)):
+        if own is not None and not _same_embedding(own, target.get_input_embeddings().weight.detach()):
             head.use_own_embedding(own)
         dtype = next(target.parameters()).dtype
         return head.to(device=next(target.parameters()).device, dtype=dtype).eval()
@@ -405,6 +407,13 @@ class Eagle3Head(nn.Module):
                                  f"{list(self._embed.weight.shape)}")
         self.own_embedding = nn.Embedding.from_pretrained(weight.detach().clone(), freeze=True)
         object.__setattr__(self, "_embed", self.own_embedding)
+
+
+def _same_embedding(own: torch.Tensor, target: torch.Tensor) -> bool:
+    """The head's stored embedding is the target's, compared in the coarser of the two dtypes (a head storing the
+    fp32 original of a bf16 target's embedding, or the bf16 copy of an fp32 one, holds the target's own)."""
+    coarse = own.dtype if own.element_size() < target.element_size() else target.dtype
+    return torch.equal(own.to(coarse), target.to("cpu", coarse))
 
 
 def _shared_lm_head(target: nn.Module, *, tied: bool, root: Path) -> nn.Parameter:

@@ -472,10 +472,13 @@ class ModelPair:
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a generation, as transformers' generate() stops at any of them: the target's
         generation_config (else config) eos_token_id, an int or a list (Llama-3 Instruct lists three)."""
-        eos = getattr(self.target.generation_config, "eos_token_id", None)
-        if eos is None or eos == []:
-            eos = self.target.config.eos_token_id
-        ids = eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+        def as_list(eos) -> list:  # an int, numpy or tensor scalar, or a list of them
+            if eos is None:
+                return []
+            return list(eos) if isinstance(eos, (list, tuple)) else np.asarray(eos).reshape(-1).tolist()
+
+        ids = as_list(getattr(self.target.generation_config, "eos_token_id", None)) or \
+            as_list(self.target.config.eos_token_id)
         return tuple(dict.fromkeys(int(i) for i in ids))
 
     @property
@@ -606,8 +609,9 @@ class ModelPair:
         draft_model = head = None
         if draft is not None:
             draft_model = _load_lm(DEFAULT_PAIR_DIR / "draft" if draft == "embedded" else draft, "draft", dtype)
-            draft_tok = _load_tokenizer(None, DEFAULT_PAIR_DIR / "draft" if draft == "embedded" else draft) \
-                if tokenizer is None else None
+            # the draft's own tokenizer files, when it has them, are compared with the pair's even when that one is
+            # given explicitly: a draft trained with another id map would draft other strings
+            draft_tok = _load_tokenizer(None, DEFAULT_PAIR_DIR / "draft" if draft == "embedded" else draft)
             check_same_vocabulary(target_model, draft_model, tok, draft_tok)
         if eagle is not None:
             from specpilot.drafting.eagle import Eagle3Head

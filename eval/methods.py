@@ -222,10 +222,27 @@ def _hf(assisted: bool):
     return build
 
 
+def assisted_refusal(pair) -> str | None:
+    """Why transformers' assisted generation cannot draft with this pair's draft LM, or None: with output sizes
+    that differ (a draft padded differently, which specpilot drafts with) it takes the two models for different
+    tokenizers and asks for both (universal assisted generation)."""
+    if pair.draft is None:
+        return None
+    rows = int(pair.draft.get_output_embeddings().weight.shape[0])
+    if rows != pair.vocab_size:
+        return (f"transformers' assisted generation needs equal output sizes; this draft has {rows} logits and the "
+                f"target {pair.vocab_size} (padded differently for one tokenizer), which it reads as different "
+                "tokenizers: leave hf_assisted out")
+    return None
+
+
 def _assistant(ctx: EvalContext):
     """transformers' assisted generation needs a separate draft LM: the pair's, or for the embedded target drafted
     by its EAGLE-3 head, the embedded draft LM (loaded once, on the pair's device and dtype)."""
     if ctx.pair.draft is not None:
+        refusal = assisted_refusal(ctx.pair)
+        if refusal is not None:
+            raise MethodUnavailable(refusal)
         return ctx.pair.draft
     if not ctx.pair.name.startswith("specpilot-default"):
         raise MethodUnavailable("transformers' assisted generation needs a separate draft LM; this pair drafts with "

@@ -313,6 +313,8 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
                 files["sglang_adaptive_learned"] = json.dumps(learned, indent=2)
             else:
                 skipped["sglang_adaptive_learned"] = f"with config.yaml's steps: {refusal}"
+        elif "sglang_adaptive" in skipped:
+            skipped["sglang_adaptive_learned"] = f"as for the grid's table: {skipped['sglang_adaptive']}"
     files["sglang"] = json.dumps(args, indent=2)
     files["sglang_config"] = yaml_text(sglang_launch_config(args, target=target, tokenizer=tokenizer,
                                                             adaptive_path=adaptive_path))

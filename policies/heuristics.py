@@ -52,6 +52,9 @@ class _SizedController(Controller):
         return self.size
 
 
+DDD_CHECK_DEPTHS = (5, 7, 9)  # the paper's checkpoints (a shallower tree drafts to its max_depth)
+
+
 class DDDController(_SizedController):
     """Dynamic Depth Decoding: after each check depth, confidence = logsumexp of the beam's cumulative scores.
 
@@ -63,17 +66,25 @@ class DDDController(_SizedController):
 
     def __init__(
         self,
-        check_depths: tuple[int, ...] = (5, 7, 9),
+        check_depths: tuple[int, ...] | None = None,
         threshold: float = -0.3,
         size: int | None = None,
         *,
         device: str | None = None,
     ) -> None:
         super().__init__(size, device=device)
+        self._depths_given = check_depths is not None
+        check_depths = DDD_CHECK_DEPTHS if check_depths is None else check_depths
         if isinstance(check_depths, (int, np.integer)) or not hasattr(check_depths, "__iter__"):
             raise TypeError(f"DDD check_depths must be a sequence of depths such as (5, 7, 9), got {check_depths!r}")
         self.check_depths = frozenset(check_int("DDD check depth", d, minimum=1) for d in check_depths)
         self.threshold = check_float("DDD threshold (a log-probability)", threshold)
+
+    def check_tree(self, tree) -> None:
+        super().check_tree(tree)
+        if self._depths_given and min(self.check_depths) > tree.max_depth:  # never checked: always max_depth
+            raise ValueError(f"DDD check depths {sorted(self.check_depths)} all lie past the tree's max_depth "
+                             f"{tree.max_depth}: give check depths within 1..{tree.max_depth}")
 
     @staticmethod
     def confidence(state: DraftState) -> float:
@@ -182,7 +193,7 @@ class GammaTuneController(_SizedController):
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
         self.rate = float(rate)
-        self.switch_at = float(switch_at)
+        self.switch_at = check_float("switch_at (an acceptance rate)", switch_at, minimum=0.0, maximum=1.0)
         self.ema = self.switch_at
 
     @property

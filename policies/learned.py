@@ -105,8 +105,11 @@ class LearnedController(Controller):
             raise ValueError(f"{self.name}: its size policy verifies up to {max(self.size_actions)} candidates, more "
                              f"than the tree's max_size {tree.max_size}: use a TreeConfig with max_size >= "
                              f"{max(self.size_actions)}")
+        parts = tuple(part for part, learned in (("depth", self.has_depth), ("size", self.has_size)) if not learned)
         check = getattr(self.fallback, "check_tree", None)
-        if check is not None:
+        if isinstance(self.fallback, FixedController):
+            self.fallback.check_tree(tree, parts=parts)
+        elif check is not None and parts:
             check(tree)
 
     def actor_questions(self) -> frozenset[str]:

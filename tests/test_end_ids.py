@@ -1,6 +1,7 @@
 """Several end ids (Llama-3 Instruct lists three): every decoding path stops at any of them, as generate() does."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from tiny import tiny_pair
@@ -47,3 +48,19 @@ def test_every_path_stops_at_any_end_id(pair, method):
     for prompt, out in zip(PROMPTS, outs):
         assert out.tokens == reference(pair, prompt)
     assert outs[0].finished_by == "eos" and outs[0].tokens[-1] == pair.eos_token_ids[1]
+
+
+@pytest.mark.parametrize("generation,config,expected", [
+    (np.int64(42), None, (42,)),
+    (torch.tensor(42), None, (42,)),
+    (None, [42, 7], (42, 7)),
+    ([], [42], (42,)),
+    ([42, 42, 7], 3, (42, 7)),
+    (None, None, ()),
+])
+def test_end_ids_of_every_stored_form(generation, config, expected):
+    pair = tiny_pair(noise=0.3, eos=None)
+    pair.target.generation_config.eos_token_id = generation
+    pair.target.config.eos_token_id = config
+    assert pair.eos_token_ids == expected
+    assert pair.eos_token_id == (expected[0] if expected else None)

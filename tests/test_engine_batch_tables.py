@@ -167,6 +167,11 @@ def test_no_sglang_adaptive_file_when_drafting_lost_at_every_batch_size(tmp_path
     assert "Not written: sglang/sglang_adaptive.json" in (engines / "README.md").read_text()
     vllm = json.loads((engines / "vllm" / "speculative_config.json").read_text())
     assert vllm["num_speculative_tokens_per_batch_size"] == [[1, 8, 0]]
+    section = write_engine_configs(tmp_path, pair={"target": "T", "draft": "H", "drafter": "eagle3"}, width=1,
+                                   grid_best={"width": 1, "depth": 3, "size": 3}, choices={}, fallback=(3, 3),
+                                   per_batch_size=table([(1, 0), (8, 0)]), learned_per_batch_size=table([(1, 2)]))
+    assert "as for the grid's table" in section["skipped"]["sglang_adaptive_learned"]
+    assert "Not written: sglang/sglang_adaptive.learned.json" in (engines / "README.md").read_text()
 
 
 @pytest.mark.parametrize("learned,written", [([(1, 3), (8, 1)], True), ([(1, 4), (8, 0)], False)])

@@ -123,6 +123,7 @@ def test_registry_unknown_name_lists_choices():
     (lambda: HFHeuristicController(initial_depth=2.5), TypeError, "initial_depth must be an integer >= 1"),
     (lambda: HFHeuristicController(size="12"), TypeError, "verification size must be an integer"),
     (lambda: RandomDepthController(1.5, 3), TypeError, "low must be an integer >= 0"),
+    (lambda: GammaTuneController(switch_at=float("nan")), ValueError, "switch_at .* must be a finite number"),
 ])
 def test_heuristic_arguments_are_checked_not_truncated(make, error, fragment):
     with pytest.raises(error, match=fragment):
@@ -138,3 +139,5 @@ def test_a_given_size_past_the_tree_is_refused_by_the_decoder():
     with pytest.raises(ValueError, match="DDDController size 9 is larger than the tree's max_size 8"):
         decoder.generate([1, 2, 3], controller=DDDController(size=9), max_new_tokens=4)
     assert decoder.generate([1, 2, 3], controller=DDDController(size=8), max_new_tokens=4).tokens
+    with pytest.raises(ValueError, match=r"DDD check depths \[5, 7\] all lie past the tree's max_depth 4"):
+        decoder.generate([1, 2, 3], controller=DDDController(check_depths=(5, 7)), max_new_tokens=4)

@@ -273,3 +273,34 @@ def test_a_controller_that_is_not_one_is_a_type_error(pair):
 def test_pair_arguments_of_the_wrong_kind_are_type_errors(make, fragment):
     with pytest.raises(TypeError, match=fragment):
         make(tiny_model())
+
+
+def test_a_decision_log_is_checked_like_the_controller_it_wraps(pair):
+    from specpilot.drafting.control import DecisionLog, FixedController
+
+    with pytest.raises(ValueError, match="depth 10 is deeper than the tree's max_depth 4"):
+        SpeculativeDecoder(pair, TreeConfig(2, 4, 8)).generate([1, 2], controller=DecisionLog(FixedController(10, 4)),
+                                                                max_new_tokens=2)
+
+
+@pytest.mark.parametrize("depth_actor,size_actor,fallback,refused", [
+    (True, False, (10, 4), False),   # the fallback's depth is never used
+    (False, True, (3, 40), False),   # nor its size
+    (True, False, (3, 40), True),    # its size is
+    (False, True, (10, 4), True),    # its depth is
+])
+def test_a_learned_controllers_fallback_is_checked_for_what_it_decides(pair, depth_actor, size_actor, fallback,
+                                                                       refused):
+    from specpilot.drafting.control import FixedController
+    from specpilot.policies.learned import LearnedController, probe_controller
+
+    probe = probe_controller(2, 4, [2, 4, 8])
+    controller = LearnedController(probe.depth_actor if depth_actor else None,
+                                   probe.size_actor if size_actor else None, probe.depth_spec, probe.size_spec,
+                                   [2, 4, 8], FixedController(*fallback))
+    decoder = SpeculativeDecoder(pair, TreeConfig(2, 4, 12))
+    if refused:
+        with pytest.raises(ValueError, match="FixedController"):
+            decoder.generate([1, 2], controller=controller, max_new_tokens=2)
+    else:
+        assert decoder.generate([1, 2], controller=controller, max_new_tokens=2).tokens

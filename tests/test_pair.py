@@ -97,6 +97,8 @@ def test_mismatched_tokenizers_raise(tmp_path: Path, tiny_tokenizer):
         tok.save_pretrained(tmp_path / name)
     with pytest.raises(VocabularyMismatchError):
         ModelPair.from_pretrained(target=tmp_path / "a", draft=tmp_path / "b", device="cpu")
+    with pytest.raises(VocabularyMismatchError):  # the draft's own tokenizer is compared with an explicit one too
+        ModelPair.from_pretrained(target=tmp_path / "a", draft=tmp_path / "b", tokenizer=tmp_path / "a", device="cpu")
     pair = ModelPair.from_pretrained(target=tmp_path / "a", draft=tmp_path / "a", device="cpu")
     assert pair.vocab_size == 512
 
