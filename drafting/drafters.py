@@ -62,8 +62,8 @@ class LMDrafter:
 
     def forward_batch(self, tokens, hidden, position_ids, attention_mask, cache, *, logits_to_keep: int = 0):
         kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
-        out = self.model(input_ids=self._embeddable(tokens), attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                         use_cache=True, **kwargs)
+        out = self.model(input_ids=self._embeddable(tokens), attention_mask=attention_mask,
+                         position_ids=position_ids, cache=cache, use_cache=True, **kwargs)
         return self._shared(out.logits), None
 
     def _embeddable(self, tokens: torch.Tensor) -> torch.Tensor:
