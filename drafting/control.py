@@ -106,6 +106,15 @@ class FixedController(Controller):
         return {"name": self.name, "depth": self.depth, "size": self.size}
 
 
+def fits_tree(controller, tree) -> None:
+    """Ask `controller` whether it can steer `tree` (`Controller.check_tree` raises when it cannot); a duck-typed
+    controller without the method passes. The decoder, the environments (of their partners) and every wrapping
+    controller ask through this."""
+    check = getattr(controller, "check_tree", None)
+    if check is not None:
+        check(tree)
+
+
 class DecisionLog(Controller):
     """Delegates every decision to `inner` and logs the (depth, size) of each cycle it observes (for reports,
     validation statistics and the evaluation's decision comparisons)."""
@@ -134,9 +143,7 @@ class DecisionLog(Controller):
         return self.inner.actor_questions()
 
     def check_tree(self, tree) -> None:
-        check = getattr(self.inner, "check_tree", None)
-        if check is not None:
-            check(tree)
+        fits_tree(self.inner, tree)
 
     def describe(self) -> dict:
         return self.inner.describe()

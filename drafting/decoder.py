@@ -20,7 +20,7 @@ import torch
 from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import cache_length, generation_cache, keep_positions, new_cache
 from specpilot.drafting.checks import check_context, check_float, check_int
-from specpilot.drafting.control import FixedController
+from specpilot.drafting.control import FixedController, fits_tree
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.cycle_math import (clip_size, emitted_count, first_end, level_bounds, num_candidates,
                                           update_acceptance)
@@ -381,9 +381,7 @@ class SpeculativeDecoder:
         if not all(hasattr(controller, name) for name in ("should_stop", "choose_size")):
             raise TypeError(f"controller must be a specpilot Controller (FixedController, a heuristic, a learned or "
                             f"exported policy), got {type(controller).__name__}")
-        check = getattr(controller, "check_tree", None)
-        if check is not None:
-            check(self.tree)
+        fits_tree(controller, self.tree)
         return controller
 
     def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting.checks import check_float, check_int
-from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.control import Controller, FixedController, fits_tree
 from specpilot.drafting.cycle import SIZE, SKIP, STOP, check_size, cycle_steps
 from specpilot.drafting.types import CycleRecord, DraftState, TreeConfig
 from specpilot.envs.batch_replay import BatchReplaySession, BatchTimes
@@ -50,14 +50,6 @@ def as_depth_controller(partner: Any, device: str | None = None) -> Controller:
     if isinstance(partner, (int, np.integer)) and not isinstance(partner, bool):
         return FixedController(depth=int(partner), device=device)
     raise TypeError(f"depth_controller must be None, an int depth, a (low, high) pair or a Controller; got {partner!r}")
-
-
-def fits_tree(partner: Any, tree: TreeConfig) -> None:
-    """Refuse a partner whose depths or sizes the env's tree would cap without a word (`Controller.check_tree`, as
-    the decoder refuses them)."""
-    check = getattr(partner, "check_tree", None)
-    if check is not None:
-        check(tree)
 
 
 def as_size_controller(partner: Any, device: str | None = None) -> Controller:

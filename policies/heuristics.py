@@ -27,7 +27,7 @@ import numpy as np
 
 from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.types import CycleRecord, DraftState
-from specpilot.drafting.control import Controller, default_static_config
+from specpilot.drafting.control import Controller, default_static_config, fits_tree
 
 
 def _default_size(size: int | None, device: str | None) -> int:
@@ -341,8 +341,7 @@ class SpeculateBelowBatch(Controller):
         self.inner.reset()
 
     def check_tree(self, tree) -> None:
-        if hasattr(self.inner, "check_tree"):
-            self.inner.check_tree(tree)
+        fits_tree(self.inner, tree)
 
     def skip_drafting(self, state: DraftState) -> bool:
         self._forced = int(state.batch_size) >= self.max_batch
@@ -398,8 +397,7 @@ class BatchGuardController(Controller):
 
     def check_tree(self, tree) -> None:
         self.table.check_tree(tree)
-        if hasattr(self.learned, "check_tree"):
-            self.learned.check_tree(tree)
+        fits_tree(self.learned, tree)
 
     def skip_drafting(self, state: DraftState) -> bool:
         self._use_table = self.uses_table(int(state.batch_size))

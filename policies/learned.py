@@ -8,7 +8,7 @@ an SB3 policy (`specpilot.policies.ppo.PPOController`) or from exported safetens
 """
 from __future__ import annotations
 
-from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.control import Controller, FixedController, fits_tree
 from specpilot.drafting.types import CycleRecord, DraftState
 from specpilot.policies.actor import Actor
 from specpilot.policies.observation import ObservationSpec
@@ -106,11 +106,10 @@ class LearnedController(Controller):
                              f"than the tree's max_size {tree.max_size}: use a TreeConfig with max_size >= "
                              f"{max(self.size_actions)}")
         parts = tuple(part for part, learned in (("depth", self.has_depth), ("size", self.has_size)) if not learned)
-        check = getattr(self.fallback, "check_tree", None)
         if isinstance(self.fallback, FixedController):
             self.fallback.check_tree(tree, parts=parts)
-        elif check is not None and parts:
-            check(tree)
+        elif parts:
+            fits_tree(self.fallback, tree)
 
     def actor_questions(self) -> frozenset[str]:
         return frozenset(({"skip", "stop"} if self.has_depth else set()) | ({"size"} if self.has_size else set()))
