@@ -29,6 +29,7 @@ and truncated, empty or garbage files (InputFileError naming the file).
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,13 @@ class Eagle3Config:
         eagle = cfg.get("eagle_config") or {}
         if cfg.get("eagle_aux_hidden_state_layer_ids"):
             ids = tuple(int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"])
+            inner = tuple(int(i) + 1 for i in eagle.get("eagle_aux_hidden_state_layer_ids") or ())
+            if inner and inner != ids:  # the engines would capture different layers: a head meant for one of them
+                warnings.warn(f"config.json names feature layers twice and they disagree: top-level "
+                              f"eagle_aux_hidden_state_layer_ids {list(ids)} (vLLM's reading, used here) vs "
+                              f"eagle_config's {list(eagle['eagle_aux_hidden_state_layer_ids'])}, layer outputs, i.e. "
+                              f"{list(inner)} (SGLang 0.5's reading); a head drafts well only from the layers it was "
+                              "trained on", stacklevel=2)
         elif eagle.get("eagle_aux_hidden_state_layer_ids"):
             ids = tuple(int(i) + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"])
         else:

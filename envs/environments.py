@@ -195,6 +195,16 @@ class _DecisionEnv(gym.Env):
         self.session = None
         self.state: DraftState | None = None
         self.prompt_index = -1
+        self._steps = None       # the running cycle (a generator) between reset() and the episode's end
+        self._pending = None
+
+    def __getstate__(self) -> dict:
+        # a running cycle is a generator, which neither copy nor pickle can take: say so instead of "cannot pickle
+        # 'generator' object", and name when a copy works
+        if self._steps is not None:
+            raise TypeError(f"{type(self).__name__} cannot be copied or pickled during an episode (its decoder cycle "
+                            "is running): copy it before reset() or after the episode has ended")
+        return self.__dict__.copy()
 
     # the partner answers the questions the agent does not (and observes every cycle)
     def _partner(self) -> Controller:
@@ -271,6 +281,7 @@ class _DecisionEnv(gym.Env):
                 if self.session.done:
                     finished = self.session.finished_by
                     info["finished_by"] = finished
+                    self._steps = self._pending = None
                     return reward, finished == "eos", finished != "eos", info
                 self._steps, self._pending = cycle_steps(self.session), None
                 continue
@@ -284,7 +295,9 @@ class _DecisionEnv(gym.Env):
         """The action as an int in the action space, or a clear error (no negative indexing, no floats)."""
         n = int(self.action_space.n)
         try:  # an integer scalar of any kind (int, numpy, 0-d tensor); never a bool, float or array of several
-            index = None if isinstance(action, (bool, np.bool_)) else operator.index(action)
+            # (a torch tensor of shape (1,) has __index__; Gymnasium's Discrete.contains takes shape () only)
+            scalar = not isinstance(action, (bool, np.bool_)) and getattr(action, "ndim", 0) == 0
+            index = operator.index(action) if scalar else None
         except TypeError:
             index = None
         if index is None or not 0 <= index < n:

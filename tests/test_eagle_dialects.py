@@ -64,6 +64,18 @@ def test_own_non_default_layers_survive_a_config_that_keeps_only_eagle_config(tm
     assert Eagle3Head.from_pretrained(tmp_path / "sglang_only", target).aux_layer_ids == (2, 4, 5)
 
 
+def test_disagreeing_feature_layer_fields_warn_and_the_top_level_ones_are_used(tmp_path, target, recwarn):
+    head, cfg, tensors = saved(tmp_path, target, aux=(2, 4, 5))
+    write(tmp_path / "agree", cfg, tensors)          # specpilot's own writing: eagle_config's ids are outputs (-1)
+    Eagle3Head.from_pretrained(tmp_path / "agree", target)
+    assert not [w for w in recwarn if "disagree" in str(w.message)]
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 5]   # the same numbers: SGLang reads 3, 5, 6
+    write(tmp_path / "disagree", cfg, tensors)
+    with pytest.warns(UserWarning, match=r"disagree: top-level .*\[2, 4, 5\].*\[3, 5, 6\]"):
+        loaded = Eagle3Head.from_pretrained(tmp_path / "disagree", target)
+    assert loaded.aux_layer_ids == (2, 4, 5)
+
+
 @pytest.mark.parametrize("norm_before_residual", [None, False, True])
 def test_speculators_format_loads_as_the_released_head(tmp_path, target, norm_before_residual):
     """speculators: layer shapes nested in transformer_layer_config, keys under layers.0., norm_before_residual

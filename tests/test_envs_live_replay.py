@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 
 import gymnasium as gym
 import numpy as np
@@ -377,7 +378,8 @@ def test_reset_options_are_checked(recorded, options, error, fragment):
         env.reset(seed=0, options=options)
 
 
-@pytest.mark.parametrize("action", [torch.tensor(1.7), np.array([1, 0]), np.array([1]), 1.0, True])
+@pytest.mark.parametrize("action", [torch.tensor(1.7), np.array([1, 0]), np.array([1]), torch.tensor([1]), 1.0,
+                                    True])
 def test_actions_that_are_not_one_integer_are_refused(recorded, action):
     env = gym.make("specpilot/ReplaySize-v0", trace=str(recorded[0]), size_actions=SIZES).unwrapped
     env.reset(seed=0)
@@ -402,3 +404,18 @@ def test_render_draws_nothing_and_a_render_mode_is_refused(recorded):
     assert env.render() is None and env.unwrapped.render_mode is None
     with pytest.raises(ValueError, match="render nothing"):
         gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0]), render_mode="rgb_array")
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda env: pickle.loads(pickle.dumps(env))])
+def test_envs_copy_between_episodes_and_refuse_mid_episode(recorded, copier):
+    env = gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0])).unwrapped
+    copier(env)                                   # before reset
+    env.reset(seed=0)
+    with pytest.raises(TypeError, match="cannot be copied or pickled during an episode"):
+        copier(env)
+    done = False
+    while not done:
+        _, _, terminated, truncated, _ = env.step(1)
+        done = terminated or truncated
+    twin = copier(env)                            # after the episode: the copy starts its own
+    assert twin.reset(seed=3)[1] == env.reset(seed=3)[1]
