@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.executor import LocalExecutor, prompt_lengths
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.inputs import EvalInputError, check_inputs_pair, check_methods
-    from specpilot.eval.methods import assisted_refusal
+    from specpilot.eval.methods import assisted_refusal_on
     from specpilot.train.scale.cluster_cli import open_executor
 
     plan = prepare(args)
@@ -241,9 +241,10 @@ def run(args: argparse.Namespace) -> int:
                 and (local is None or local.draft is None)):
             asked = dict.fromkeys([*(methods or []), *(plan.sampled or [])])
             check_methods([m for m in asked if m == "hf_assisted"], drafter_kind="eagle3")
-        refusal = assisted_refusal(local) if local is not None else None  # a draft padded unlike the target
-        if refusal is not None and "hf_assisted" in [*(methods or []), *(plan.sampled or [])]:
-            raise EvalInputError(refusal)
+        if "hf_assisted" in [*(methods or []), *(plan.sampled or [])]:  # a draft padded unlike the target
+            refusal = assisted_refusal_on(executor)
+            if refusal is not None:
+                raise EvalInputError(refusal)
         # counted by a worker (on Ray the driver has no pair): refused now, before any measuring
         lengths, context = prompt_lengths(executor, [p.prompt for p in plan.prompts])
         notes = check_prompt_lengths(plan.prompts, lengths, context=context, max_new_tokens=args.max_new_tokens,

@@ -236,6 +236,20 @@ def assisted_refusal(pair) -> str | None:
     return None
 
 
+def _assisted_refusal_unit(worker) -> dict:
+    """Work unit of `assisted_refusal_on`: the refusal for the worker's pair."""
+    return {"refusal": assisted_refusal(worker.pair)}
+
+
+def assisted_refusal_on(executor) -> str | None:
+    """`assisted_refusal` asked of a worker of `executor` (on Ray the driver has no pair), so hf_assisted with a draft
+    transformers cannot assist with is refused before any work, locally and on Ray alike."""
+    from specpilot.drafting.executor import ShardTask
+
+    [outcome] = executor.map(_assisted_refusal_unit, [ShardTask(0, {})])
+    return outcome.result["refusal"]
+
+
 def _assistant(ctx: EvalContext):
     """transformers' assisted generation needs a separate draft LM: the pair's, or for the embedded target drafted
     by its EAGLE-3 head, the embedded draft LM (loaded once, on the pair's device and dtype)."""

@@ -228,3 +228,9 @@ def test_an_unreachable_address_is_one_clear_error_before_ray_starts():
         _check_reachable(f"127.0.0.1:{port}")
     with pytest.raises(ClusterError, match="is not an address"):
         _check_reachable("no-port-here")
+
+
+def test_a_worker_answers_whether_transformers_can_assist_with_its_pair(ray_pool):
+    from specpilot.eval.methods import assisted_refusal_on
+
+    assert assisted_refusal_on(ray_pool) is None   # same output sizes: hf_assisted may run

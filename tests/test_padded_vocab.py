@@ -66,3 +66,13 @@ def test_sampled_output_follows_the_target_law(target_rows, draft_rows):
 def test_other_sizes_without_proof_of_padding_are_refused(tokenizer, fragment):
     with pytest.raises(VocabularyMismatchError, match=fragment):
         ModelPair(tiny_model(vocab=40, eos=None), tiny_model(vocab=48, eos=None, seed=1), tokenizer=tokenizer)
+
+
+def test_assisted_generation_is_refused_for_a_padded_draft_by_a_worker():
+    """transformers' assisted generation takes differently sized outputs for two tokenizers: hf_assisted is refused
+    before any work. The driver asks a worker (on Ray it has no pair); here the worker is this process."""
+    from specpilot.drafting.executor import LocalExecutor
+    from specpilot.eval.methods import assisted_refusal_on
+
+    assert "equal output sizes" in assisted_refusal_on(LocalExecutor(padded_pair(40, 48, tokens=40)))
+    assert assisted_refusal_on(LocalExecutor(padded_pair(40, 40, tokens=40))) is None
