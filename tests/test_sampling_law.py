@@ -7,7 +7,7 @@ from specpilot.drafting import SpeculativeDecoder, TreeConfig
 from specpilot.drafting.sampling import (accept_or_correct, naive_resample_law, residual_distribution,
                                          sampling_probs, speculative_law)
 from specpilot.policies import FixedController
-from tiny import noisy_copy, sampled_tv, target_law, tiny_model
+from tiny import noisy_copy, outputs_tv, sampled_tv, target_law, target_law_until_end, tiny_model
 from specpilot.drafting import ModelPair
 
 P, Q = [0.5, 0.3, 0.2], [0.2, 0.5, 0.3]
@@ -159,3 +159,28 @@ def test_recursive_rejection_implementation_matches_its_law(k):
         path, bonus = accept_tree_recursive(block, logits, OneNode(), (1.0, 0, 1.0), gen)
         counts[block.tokens[path[0]] if path else bonus] += 1
     assert [c / n for c in counts] == pytest.approx(p.tolist(), abs=0.012)  # 5 sigma at n = 40000
+
+
+@pytest.mark.parametrize("width,depth,size,sampling,sampled,n", [
+    (3, 3, 9, (1.0, 0, 1.0), True, 2000),  # sampled children: the end token among siblings
+    pytest.param(1, 3, 3, (1.0, 0, 1.0), True, 4000, marks=pytest.mark.slow),   # chain
+    pytest.param(2, 3, 6, (0.7, 3, 0.9), False, 4000, marks=pytest.mark.slow),  # top-W children, top-k, top-p
+])
+def test_end_token_inside_the_tree_and_a_budget_cut_keep_the_target_law(width, depth, size, sampling, sampled, n):
+    """Generation stops at the end token wherever it is accepted (first position, mid-tree, bonus) and at
+    max_new_tokens=3, which a depth-3 cycle overshoots (up to 4 tokens): the sequences stopped either way follow
+    the law of the target sampled until its end token. A token after the end would be a sequence outside the law."""
+    vocab, end = 4, 1
+    target = tiny_model(vocab=vocab, hidden=16, layers=1, eos=end, sharpness=4.0, seed=5)
+    pair = ModelPair(target, noisy_copy(target, 2.0, seed=6))
+    prompt = [2, 3]
+    law = target_law_until_end(target, prompt, 3, sampling, end)
+    assert 0.1 < sum(p for s, p in law.items() if s[-1] == end) < 0.9   # ends are common, not certain
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=size,
+                                                  sampled_children=sampled))
+    temperature, top_k, top_p = sampling
+    outs = [decoder.generate(prompt, controller=FixedController(depth, size), max_new_tokens=3,
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed) for seed in range(n)]
+    assert all(tuple(o.tokens) in law for o in outs)
+    tv, bound = outputs_tv(outs, law)
+    assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"

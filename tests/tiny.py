@@ -56,6 +56,28 @@ def target_law(target, prompt: list[int], steps: int, sampling: tuple[float, int
     return law
 
 
+def target_law_until_end(target, prompt: list[int], steps: int, sampling: tuple[float, int, float],
+                         end: int) -> dict:
+    """Exact probability of every continuation under the target's sampler when generation stops at the end token
+    `end` or after `steps` tokens (sequences ending in `end` are shorter), by enumeration over a prefix tree."""
+    from specpilot.drafting.sampling import sampling_probs
+
+    law = {}
+
+    def walk(seq: tuple, prob: float) -> None:
+        if len(seq) == steps or (seq and seq[-1] == end):
+            law[seq] = law.get(seq, 0.0) + prob
+            return
+        logits = target(input_ids=torch.tensor([prompt + list(seq)])).logits[0, -1]
+        for tok, p in enumerate(sampling_probs(logits, *sampling).tolist()):
+            if p > 0:
+                walk(seq + (tok,), prob * p)
+
+    with torch.inference_mode():
+        walk((), 1.0)
+    return law
+
+
 def sampled_tv(decoder, prompt: list[int], law: dict, controller, sampling: tuple[float, int, float],
                n: int) -> tuple[float, float]:
     """(total-variation distance of n seeded generations from `law`, its concentration bound).
