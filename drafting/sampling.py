@@ -20,7 +20,11 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     """Probabilities the sampler draws from, for logits [..., vocab] (float32 result). temperature must be > 0."""
     if temperature <= 0:
         raise ValueError("sampling_probs needs temperature > 0; temperature 0 means greedy (argmax)")
-    scores = logits.float() / temperature
+    # shifted by the max first (softmax and top-k/top-p do not change): a tiny temperature then gives 0 and -inf
+    # (the greedy limit), where logits / 1e-40 overflow to inf - inf = nan; a temperature under float32's smallest
+    # normal (5e-324 would round to 0 there: 0 / 0) divides as that one, the same limit
+    logits = logits.float()
+    scores = (logits - logits.amax(dim=-1, keepdim=True)) / max(float(temperature), torch.finfo(torch.float32).tiny)
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]

@@ -49,6 +49,28 @@ def test_sampling_probs_top_k_top_p():
     assert sampling_probs(logits, 1.0, top_p=0.5).tolist() == pytest.approx([1, 0, 0, 0])
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 5e-324])
+def test_a_tiny_temperature_is_the_greedy_limit_not_nan(temperature):
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5], [0.0, -1.0, 4.0, -float("inf")]])
+    for top_k, top_p in [(0, 1.0), (2, 0.9)]:
+        probs = sampling_probs(logits, temperature, top_k=top_k, top_p=top_p)
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 4).float())
+    from specpilot.drafting import autoregressive_generate
+    from specpilot.drafting.batch_ar import autoregressive_generate_batch
+
+    target = tiny_model(vocab=16, hidden=16, layers=1, eos=None, seed=3)
+    pair = ModelPair(target, noisy_copy(target, 0.5, seed=4))
+    prompts = [[1, 2], [3]]
+    greedy = [autoregressive_generate(pair, p, max_new_tokens=6).tokens for p in prompts]
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=3, max_size=6))
+    assert [o.tokens for o in decoder.generate_batch(prompts, controller=FixedController(3, 6), max_new_tokens=6,
+                                                     temperature=temperature, seed=1)] == greedy
+    assert decoder.generate(prompts[0], controller=FixedController(3, 6), max_new_tokens=6,
+                            temperature=temperature, seed=1).tokens == greedy[0]
+    assert [o.tokens for o in autoregressive_generate_batch(pair, prompts, max_new_tokens=6, temperature=temperature,
+                                                            seed=1)] == greedy
+
+
 class _AlternateSkip(FixedController):
     """Skips drafting every other cycle: plain target steps interleaved with speculative ones."""
 
