@@ -23,7 +23,7 @@ import torch
 
 from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import new_cache
-from specpilot.drafting.checks import check_float, check_int
+from specpilot.drafting.checks import check_float, check_int, check_seed
 from specpilot.drafting.cycle_math import emitted_count, first_end
 from specpilot.drafting.drafters import FeatureBuffer
 from specpilot.drafting.timing import Clock
@@ -269,7 +269,7 @@ def row_generators(seed, n: int, device) -> torch.Generator | list[torch.Generat
     gens = []
     for s in seeds:
         if s is not None:
-            check_int("seed", s)
+            check_seed("seed", s)
         gen = torch.Generator(device=device)
         gen.manual_seed(int(s) if s is not None else int(torch.randint(0, 2**62, ()).item()))
         gens.append(gen)
@@ -335,7 +335,8 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     check_int("top_k (0 disables it)", top_k, minimum=0)
     check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
     sampling = (temperature, top_k, top_p) if temperature > 0 else None
-    generator = row_generators(seed, len(ids), device) if sampling is not None else None
+    generator = row_generators(seed, len(ids), device)  # checked greedy too, as generate_batch checks it
+    generator = generator if sampling is not None else None
     rows = [BatchRow(i, p, m) for i, (p, m) in enumerate(zip(ids, budgets))]
     limit = len(rows) if max_batch is None else check_int("max_batch", max_batch, minimum=1)
     active, queue = rows[:limit], rows[limit:]

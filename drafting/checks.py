@@ -24,6 +24,15 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
     return value
 
 
+# torch.Generator.manual_seed takes -2^63 .. 2^64 - 1 (negative seeds wrap around); outside, it fails naming nothing
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1
+
+
+def check_seed(name: str, value) -> int:
+    """A torch random seed: an integer in SEED_MIN..SEED_MAX, else TypeError / ValueError naming `name`."""
+    return check_int(name, value, minimum=SEED_MIN, maximum=SEED_MAX)
+
+
 def check_float(name: str, value, *, minimum: float | None = None, maximum: float | None = None,
                 open_low: bool = False) -> float:
     """`value` as a finite float within [minimum, maximum] ((minimum, maximum] with open_low); else TypeError /

@@ -19,7 +19,7 @@ import torch
 
 from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import cache_length, generation_cache, keep_positions, new_cache
-from specpilot.drafting.checks import check_context, check_float, check_int
+from specpilot.drafting.checks import check_context, check_float, check_int, check_seed
 from specpilot.drafting.control import FixedController, fits_tree
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.cycle_math import (clip_size, emitted_count, first_end, level_bounds, num_candidates,
@@ -45,7 +45,7 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: 
     check_int("top_k (0 disables it)", top_k, minimum=0)
     check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
     if seed is not None:
-        check_int("seed", seed)
+        check_seed("seed", seed)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -223,8 +223,8 @@ class _DecisionEnv(gym.Env):
 
     def _start(self, seed: int | None, options: dict | None) -> dict:
         super().reset(seed=seed)
-        if seed is not None:
-            torch.manual_seed(seed)
+        if seed is not None:  # Gymnasium takes any int >= 0, torch only 64 bits: a larger seed is folded
+            torch.manual_seed(seed % 2 ** 64)
         options = {} if options is None else options
         if not isinstance(options, dict):
             raise TypeError(f"reset options must be a dict (or None), got {type(options).__name__}")

@@ -236,13 +236,25 @@ def test_per_sequence_seeds_do_not_depend_on_batchmates(method):
     assert [o.tokens for o in run(PROMPTS, 5)] == [o.tokens for o in run(PROMPTS, 5)]
 
 
-@pytest.mark.parametrize("seed,match", [([1, 2], "2 per-sequence seeds for 4 prompts"), ([1, 2, 3, 1.5], "seed")])
-def test_bad_per_sequence_seeds_raise(seed, match):
+@pytest.mark.parametrize("temperature", [1.0, 0.0])   # checked greedy too, where no seed is drawn from
+@pytest.mark.parametrize("seed,match", [([1, 2], "2 per-sequence seeds for 4 prompts"), ([1, 2, 3, 1.5], "seed"),
+                                        ("x", "seed must be an integer"), (2 ** 70, "seed must be an integer in"),
+                                        ([1, 2, 3, 2 ** 64], "seed must be an integer in")])
+def test_bad_per_sequence_seeds_raise(seed, match, temperature):
     decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
     with pytest.raises((TypeError, ValueError), match=match):
-        decoder.generate_batch(PROMPTS, temperature=1.0, seed=seed)
+        decoder.generate_batch(PROMPTS, temperature=temperature, seed=seed)
     with pytest.raises((TypeError, ValueError), match=match):
-        autoregressive_generate_batch(decoder.pair, PROMPTS, temperature=1.0, seed=seed)
+        autoregressive_generate_batch(decoder.pair, PROMPTS, temperature=temperature, seed=seed)
+    if not isinstance(seed, list):
+        with pytest.raises((TypeError, ValueError), match=match):
+            decoder.generate(PROMPTS[0], temperature=temperature, seed=seed)
+
+
+def test_seeds_at_torch_range_ends_are_taken():
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.3), TreeConfig(width=2, max_depth=4))
+    outs = decoder.generate_batch(PROMPTS[:2], temperature=1.0, seed=[-2 ** 63, 2 ** 64 - 1], max_new_tokens=3)
+    assert [len(o.tokens) for o in outs] == [3, 3]
 
 
 def assert_depth0_is_batched_ar(pair, drafter, prompts=PROMPTS, budgets=BUDGETS) -> None:

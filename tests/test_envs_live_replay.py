@@ -419,3 +419,8 @@ def test_envs_copy_between_episodes_and_refuse_mid_episode(recorded, copier):
         done = terminated or truncated
     twin = copier(env)                            # after the episode: the copy starts its own
     assert twin.reset(seed=3)[1] == env.reset(seed=3)[1]
+
+
+def test_a_seed_past_64_bits_is_taken_as_gymnasium_takes_it(recorded):
+    env = gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0])).unwrapped
+    assert env.reset(seed=2 ** 70)[1] == env.reset(seed=2 ** 70)[1]
