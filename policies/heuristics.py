@@ -275,17 +275,13 @@ class BatchTableController(Controller):
     def __init__(self, table: Mapping[int, tuple[int, int]]) -> None:
         if not isinstance(table, Mapping) or not table:
             raise ValueError("BatchTableController needs a non-empty {batch_size: (depth, size)} table")
-        entries = []
+        entries, keys = {}, {}
         for key, value in table.items():
-            try:
-                batch, (depth, size) = int(key), (int(value[0]), int(value[1]))
-            except (TypeError, ValueError, IndexError):
-                raise ValueError(f"batch table entry {key!r}: {value!r} is not batch_size: (depth, size)") from None
-            if batch < 1 or depth < 0 or size < (0 if depth == 0 else 1):
-                raise ValueError(f"batch table entry {batch}: ({depth}, {size}) needs batch size >= 1, depth >= 0 "
-                                 "and size >= 1 when drafting (0 with depth 0)")
-            entries.append((batch, depth, size))
-        self.entries = sorted(entries)
+            batch, depth, size = _table_entry(key, value)
+            if batch in entries:  # {1: ..., "1": ...}: which one decides would depend on the dict's order
+                raise ValueError(f"batch table names batch size {batch} twice: keys {keys[batch]!r} and {key!r}")
+            entries[batch], keys[batch] = (batch, depth, size), key
+        self.entries = sorted(entries.values())
 
     def entry(self, batch_size: int) -> tuple[int, int, int]:
         """(key, depth, size) deciding at `batch_size`: the entry of the largest key <= it (the smallest key below
@@ -302,7 +298,8 @@ class BatchTableController(Controller):
         return depth, size
 
     def check_tree(self, tree) -> None:
-        deepest, largest = max(e[1] for e in self.entries), max(e[2] for e in self.entries)
+        # a depth-0 entry never drafts, so it never verifies: its size does not have to fit
+        deepest, largest = max(e[1] for e in self.entries), max(e[2] if e[1] else 0 for e in self.entries)
         if deepest > tree.max_depth or largest > tree.max_size:
             raise ValueError(f"batch table needs depth {deepest} and size {largest}; the tree holds max_depth "
                              f"{tree.max_depth}, max_size {tree.max_size}: use a larger TreeConfig")
@@ -321,6 +318,33 @@ class BatchTableController(Controller):
         return {"name": self.name, "table": {str(b): [d, s] for b, d, s in self.entries}}
 
 
+def _table_entry(key, value) -> tuple[int, int, int]:
+    """(batch size, depth, size) of one table entry: integer keys (or their decimal strings, as JSON stores them)
+    and a (depth, size) pair of integers; else ValueError naming the entry (no truncation of 2.5 or "24")."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"batch table entry {key!r}: {value!r} is not batch_size: (depth, size) ({why})")
+
+    if isinstance(key, str):
+        if not key.strip().isdigit():
+            raise bad("a batch size is a whole number")
+        batch = int(key)
+    else:
+        try:
+            batch = check_int("batch size", key)
+        except (TypeError, ValueError):
+            raise bad("a batch size is a whole number") from None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 2:
+        raise bad("give two integers")
+    try:
+        depth, size = check_int("depth", value[0]), check_int("size", value[1])
+    except (TypeError, ValueError):
+        raise bad("depth and size are whole numbers") from None
+    if batch < 1 or depth < 0 or size < (0 if depth == 0 else 1):
+        raise ValueError(f"batch table entry {batch}: ({depth}, {size}) needs batch size >= 1, depth >= 0 "
+                         "and size >= 1 when drafting (0 with depth 0)")
+    return batch, depth, size
+
+
 class SpeculateBelowBatch(Controller):
     """Speculation only under light load: `inner` decides while the batch holds fewer than `max_batch` sequences;
     at `max_batch` and above every cycle is a plain target step (batched autoregressive decoding). The plain steps
@@ -331,9 +355,7 @@ class SpeculateBelowBatch(Controller):
     def __init__(self, inner: Controller, max_batch: int) -> None:
         if not isinstance(inner, Controller):
             raise TypeError(f"inner must be a Controller, got {type(inner).__name__}")
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-        self.inner, self.max_batch = inner, max_batch
+        self.inner, self.max_batch = inner, check_int("max_batch", max_batch, minimum=1)
         self._forced = False
 
     def reset(self) -> None:
@@ -354,7 +376,9 @@ class SpeculateBelowBatch(Controller):
         return self.inner.choose_size(state)
 
     def observe(self, record: CycleRecord) -> None:
-        if not self._forced:
+        # forgotten after each cycle: a cycle that asks no skip question (nothing to draft from yet) was not forced
+        forced, self._forced = self._forced, False
+        if not forced:
             self.inner.observe(record)
 
     def actor_questions(self) -> frozenset[str]:

@@ -3,6 +3,7 @@ batch-aware baselines (BatchTableController, SpeculateBelowBatch), the `batch_ta
 per_batch_size table, and `specpilot eval --batch-sizes` end to end with per-sequence greedy identity."""
 import json
 
+import numpy as np
 import pytest
 
 from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
@@ -66,11 +67,15 @@ def test_batch_table_takes_the_largest_key_not_above_the_batch_size(batch, expec
 
 def test_batch_table_below_its_smallest_key_and_bad_tables():
     assert BatchTableController({2: (3, 5), 8: (1, 1)}).lookup(1) == (3, 5)
-    for bad in [{}, {0: (2, 2)}, {1: (2, 0)}, {1: (-1, 0)}, {1: "x"}, [(1, 2)]]:
-        with pytest.raises(ValueError):
+    for bad in [{}, {0: (2, 2)}, {1: (2, 0)}, {1: (-1, 0)}, {1: "x"}, [(1, 2)], {2.5: (4, 8)}, {1: (2.9, 4)},
+                {1: "24"}, {1: (2, 4, 99)}, {float("inf"): (2, 4)}, {"two": (2, 4)}, {1: (3, 6), "1": (0, 0)}]:
+        with pytest.raises(ValueError, match="(?i)batch ?table"):
             BatchTableController(bad)
+    assert BatchTableController({"1": [2, 4], np.int64(4): np.array([0, 0])}).entries == [(1, 2, 4), (4, 0, 0)]
     with pytest.raises(ValueError, match="max_depth"):
         BatchTableController({1: (9, 4)}).check_tree(TreeConfig(width=2, max_depth=6))
+    # a depth-0 entry never verifies: its size need not fit the tree
+    BatchTableController({1: (2, 4), 4: (0, 20)}).check_tree(TreeConfig(width=2, max_depth=4, max_size=8))
 
 
 class _Recorder(Controller):
@@ -99,9 +104,12 @@ def test_speculate_below_batch_is_plain_steps_at_and_above_b():
     assert gate.skip_drafting(_state(4)) and gate.skip_drafting(_state(9))
     gate.observe(None)                                           # a forced plain step is not the inner's cycle
     assert inner.observed == 1
+    gate.observe(None)            # a cycle that asked no skip question (nothing to draft from yet) was not forced
+    assert inner.observed == 2
     for bad in [0, True, 2.5]:
-        with pytest.raises(ValueError):
+        with pytest.raises((TypeError, ValueError), match="max_batch"):
             SpeculateBelowBatch(inner, bad)
+    assert SpeculateBelowBatch(inner, np.int64(2)).max_batch == 2
 
 
 @pytest.mark.parametrize("controller", [
