@@ -19,6 +19,9 @@ are dropped from both caches (index_select on the batch dimension).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+
 import torch
 
 from specpilot.drafting.attention import MaskLayout, model_mask
@@ -41,13 +44,22 @@ def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list
 
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
-    ids = [pair.encode(p) for p in prompts]
-    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(ids)
-    if len(budgets) != len(ids):
-        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(ids)} prompts")
-    for prompt, budget in zip(ids, budgets):
-        check_int("max_new_tokens", budget, minimum=1)
-        check_context(pair, len(prompt), budget, lookahead)
+    if isinstance(prompts, (AbstractSet, Mapping)):  # outputs come back in the prompts' order: it must have one
+        raise TypeError(f"prompts must be a list or tuple (outputs come back in its order), got a "
+                        f"{type(prompts).__name__}")
+    budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+    ids = []
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        try:
+            ids.append(pair.encode(prompt))
+            check_int("max_new_tokens", budget, minimum=1)
+            check_context(pair, len(ids[-1]), budget, lookahead)
+        except (TypeError, ValueError) as err:
+            if type(err) not in (TypeError, ValueError) or len(prompts) == 1:
+                raise
+            raise type(err)(f"prompt {i} of {len(prompts)}: {err}") from None  # which one, in a batch
     return ids, budgets
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specpilot.drafting.checks import check_int
 from specpilot.drafting.control import Controller
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import compare, unit_records
@@ -135,9 +136,13 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
     (`exactness`), per method tokens/s, per-token latency, speedup over batched `ar` with its 95% paired interval
     and verdict, identical_to_ar (None when sampling), and the comparisons between the per-batch-size methods
     (BATCH_PAIRS)."""
-    sizes = [int(b) for b in batch_sizes]
-    if not ids or not sizes or min(sizes) < 1:
+    if isinstance(batch_sizes, (str, bytes)):
+        raise TypeError(f"batch_sizes must be a list of integers, got the string {batch_sizes!r}")
+    sizes = [check_int("batch size", b, minimum=1) for b in batch_sizes]  # 1.5 is refused, not run as 1
+    if not ids or not sizes:
         raise ValueError("evaluate_batches needs prompts and batch sizes >= 1")
+    if len(set(sizes)) != len(sizes):  # each size is one section of the report
+        raise ValueError(f"batch_sizes {sizes} names a size twice")
     plan = plan or RoundPlan.make(1)
     say = progress or (lambda msg: None)
     ctx = EvalContext(pair=pair, tree=tree, grid=grid, run_dir=run_dir)

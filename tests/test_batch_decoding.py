@@ -236,6 +236,22 @@ def test_per_sequence_seeds_do_not_depend_on_batchmates(method):
     assert [o.tokens for o in run(PROMPTS, 5)] == [o.tokens for o in run(PROMPTS, 5)]
 
 
+@pytest.mark.parametrize("prompts,max_new_tokens,error,match", [
+    ({(1, 2), (3,)}, 4, TypeError, "list or tuple \\(outputs come back in its order\\), got a set"),
+    ([[1, 2], []], 4, ValueError, "prompt 1 of 2: the prompt is empty"),
+    ([[1, 2], [3, 1.5]], 4, TypeError, "prompt 1 of 2: prompt token id at position 1"),
+    ([[1, 2], [3]], [4, 0], ValueError, "prompt 1 of 2: max_new_tokens must be an integer >= 1"),
+    ([[1, 2], [3] * 600], 4, ValueError, "prompt 1 of 2: prompt of 600 tokens"),
+])
+def test_a_bad_prompt_in_a_batch_is_named(prompts, max_new_tokens, error, match):
+    pair = tiny_pair(noise=0.3)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=4))
+    with pytest.raises(error, match=match):
+        decoder.generate_batch(prompts, max_new_tokens=max_new_tokens)
+    with pytest.raises(error, match=match):
+        autoregressive_generate_batch(pair, prompts, max_new_tokens=max_new_tokens)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.0])   # checked greedy too, where no seed is drawn from
 @pytest.mark.parametrize("seed,match", [([1, 2], "2 per-sequence seeds for 4 prompts"), ([1, 2, 3, 1.5], "seed"),
                                         ("x", "seed must be an integer"), (2 ** 70, "seed must be an integer in"),

@@ -172,6 +172,16 @@ def test_evaluate_batches_sections_and_identity():
     assert {r["method"]: r["depth_mean"] for r in result["batch_sizes"][2]["methods"]}["table"] < 3
 
 
+@pytest.mark.parametrize("sizes,error,match", [([1.5], TypeError, "batch size must be an integer"),
+                                                ([2, 2], ValueError, "names a size twice"),
+                                                ("12", TypeError, "list of integers"),
+                                                ([0], ValueError, "batch size must be an integer >= 1")])
+def test_evaluate_batches_refuses_sizes_it_would_truncate_or_merge(sizes, error, match):
+    with pytest.raises(error, match=match):
+        evaluate_batches(PROMPTS, pair=tiny_pair(noise=0.3), batch_sizes=sizes, tree=TreeConfig(width=2, max_depth=4),
+                         methods=["fixed"], max_new_tokens=4, warmup=0)
+
+
 def test_evaluate_batches_sampled_sections():
     """At temperature > 0: every method (batched ar too) samples with per-sequence seeds; each section names its
     temperature and that exactness there is the law (no token identity), with tokens/s, ms/token and paired
