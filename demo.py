@@ -378,12 +378,14 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
     checks (before the grid search and at evaluation), the grid's best config and the training trace's oracle."""
     from specpilot.eval.summary import summarise_report
 
+    from specpilot.eval.report import measurement_label
+
     report = read_report(run_dir / "eval")
     grid_json = GridResult.load(run_dir / GRID_FILE).data if (run_dir / GRID_FILE).exists() else {}
     summary = summarise_report(report)
     return {
         "run_dir": str(run_dir), "wall_s": round(wall_s, 1), "stage_s": {k: round(v, 1) for k, v in timings.items()},
-        "pair": identity, "budget": asdict(budget), "label": report.get("meta", {}).get("label"), **summary,
+        "pair": identity, "budget": asdict(budget), "label": measurement_label(report.get("meta", {})), **summary,
         "grid_best": grid_json.get("best"), "replay_oracle": grid_json.get("oracle"),
         "seeds": (results.get("eval") or {}).get("seeds"),
         "switches": _switches(run_dir, budget),

@@ -321,8 +321,8 @@ def checked_source(source, what: str):
     """A local path that exists, or something shaped like a hub id ("org/name"); else a clear FileNotFoundError."""
     text = str(source)
     path = Path(text).expanduser()
-    if path.exists():
-        return path
+    if path.exists():  # absolute: manifests and exports name it, and are read from other working directories
+        return path.absolute()
     parts = text.split("/")
     looks_like_hub_id = len(parts) == 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text
     if not looks_like_hub_id:

@@ -52,7 +52,8 @@ def _fmt(value, spec: str = ".2f") -> str:
     return format(value, spec)
 
 
-def _label(meta: dict) -> str:
+def measurement_label(meta: dict) -> str:
+    """What a number was measured on: models, precision, device and hardware, sampling, suite and prompt mix."""
     models = meta.get("models", {})
     hw = meta.get("gpu") or meta.get("cpu") or "?"
     s = meta.get("sampling", {})
@@ -388,7 +389,7 @@ def batch_lines(sections: list[dict]) -> list[str]:
 
 def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str]) -> str:
     protocol = meta.get("protocol", {})
-    lines = ["# specpilot evaluation", "", f"**Measured on:** {_label(meta)}", "",
+    lines = ["# specpilot evaluation", "", f"**Measured on:** {measurement_label(meta)}", "",
              f"Date {meta.get('date')}; versions {meta.get('versions')}; tree {meta.get('tree')}; "
              f"protocol {protocol.get('interleaving')}; warm-up {protocol.get('warmup')}.", ""]
     lines += _rounds_lines(meta)
@@ -438,7 +439,7 @@ def write_report(results: list[dict], meta: dict, out_dir: str | Path, *, plots:
         missing = [k for k in REQUIRED_ROW_KEYS if k not in r]
         assert not missing, f"result row {r.get('method')}/{r.get('task')} lacks keys {missing}"
     analysis = dict(analysis or {})
-    png = write_plots(results, analysis, _label(meta), out) if plots and results else []
+    png = write_plots(results, analysis, measurement_label(meta), out) if plots and results else []
     summary = analysis.get("summary") or ([] if analysis.get("degeneracy") else heldout_summary(results))
     payload = {"meta": meta, "summary": summary,
                **{k: analysis.get(k) for k in ("comparisons", "groups", "decisions", "replay", "cost_check",

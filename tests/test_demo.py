@@ -51,6 +51,8 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     assert [r["chosen"] for r in summary["seeds"]["seeds"]] == [s["seed"] == seeds["chosen"] for s in seeds["seeds"]]
     out = capsys.readouterr().out
     assert "ltd vs grid per seed" in out and "over 2 seeds" in out
+    # what the numbers were measured on (model, precision, hardware, sampling, suite, prompt mix), printed and kept
+    assert " on cpu (" in summary["label"] and "prompts:" in summary["label"] and summary["label"] in out
     assert "speedup over ar [95% CI]" in out and "ltd vs grid (T=0)" in out and "cost model" in out
     # a re-run reuses every finished stage
     again = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,

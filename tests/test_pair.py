@@ -171,3 +171,16 @@ def test_model_digest_ignores_thread_count_and_sees_weight_changes():
     with torch.no_grad():
         next(model.parameters()).view(-1)[0] += 1.0
     assert model_digest(model) not in digests
+
+
+def test_local_folders_given_relative_are_recorded_absolute(saved_pair, monkeypatch):
+    """Manifests and exports name the models by these paths and are read from other working directories."""
+    from specpilot.drafting import ModelPair
+    from specpilot.train.scale.cluster import PairSpec
+
+    monkeypatch.chdir(saved_pair)
+    identity = ModelPair.from_pretrained("target", "./draft", device="cpu").identity()
+    assert identity["target"] == str(saved_pair / "target") and identity["draft"] == str(saved_pair / "draft")
+    spec = PairSpec("target", "draft")   # what Ray workers load, whatever directory they start in
+    assert (spec.target, spec.draft) == (str(saved_pair / "target"), str(saved_pair / "draft"))
+    assert PairSpec("org/model", "org/draft").target == "org/model"   # hub ids stay as they are

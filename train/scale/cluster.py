@@ -23,6 +23,7 @@ import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from specpilot.drafting.executor import ShardOutcome, ShardTask, describe_worker
@@ -110,6 +111,10 @@ class PairSpec:
             raise ValueError("PairSpec takes draft or eagle, not both")
         if int(self.threads) < 1:
             raise ValueError(f"PairSpec.threads must be >= 1, got {self.threads}")
+        for name in ("target", "draft", "eagle"):  # a worker may start in another directory: local paths absolute
+            value = getattr(self, name)
+            if value is not None and value != "embedded" and Path(str(value)).expanduser().exists():
+                object.__setattr__(self, name, str(Path(str(value)).expanduser().absolute()))
 
     def load(self):
         """The ModelPair on this process's device (called on the worker)."""
