@@ -357,7 +357,11 @@ def _heldout_seeds(run_dir: Path) -> dict | None:
         return None
     best = GridResult.load(run_dir / GRID_FILE).best if (run_dir / GRID_FILE).is_file() else None
     static = (int(best["depth"]), int(best["size"])) if best else None
-    out = evaluate_seeds(run_dir, run_dir / "traces" / "heldout", static=static)
+    report = run_dir / "eval" / "report.json"   # the prompts the verdicts keep (degenerate output left out)
+    replay = (read_report(run_dir / "eval").get("replay") or {}) if report.is_file() else {}
+    if report.is_file() and not replay:
+        return None   # no replay (e.g. every prompt's output degenerate): no per-seed verdict either
+    out = evaluate_seeds(run_dir, run_dir / "traces" / "heldout", static=static, prompts=replay.get("prompts_kept"))
     return json.loads(json.dumps(out, default=float))
 
 

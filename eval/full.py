@@ -123,12 +123,15 @@ def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt],
     if not any(r.temperature == 0.0 for r in result.records):
         result.meta["skipped"]["replay"] = "no greedy (T=0) runs: replay is exact for greedy decoding only"
         return
-    from specpilot.eval.replay_eval import replay_evaluation
+    from specpilot.eval.replay_eval import kept_prompts, replay_evaluation
 
     t0 = time.perf_counter()
     info = _profile_info(profile, profile_path, "re-measured for this evaluation")
-    result.replay = replay_evaluation(result, trace, profile, prompts=prompts, seed=seed, profile_info=info,
-                                      replay_only=replay_only)
+    if kept_prompts(result, prompts):
+        result.replay = replay_evaluation(result, trace, profile, prompts=prompts, seed=seed, profile_info=info,
+                                          replay_only=replay_only)
+    else:  # as the live verdicts: speed on degenerate text is no verdict
+        result.meta["skipped"]["replay"] = "the target's greedy output is degenerate on every prompt"
     result.cost_check = _cost_checks(result, trace, profile, prompts, check_profiles or {}, tolerance, say)
     say(f"replay and cost-model check done ({time.perf_counter() - t0:.0f}s)")
 

@@ -113,16 +113,16 @@ def _replay_units(trace, profile, controller: Controller, n: int) -> dict:
     from specpilot.envs.oracle import replay_controller
 
     logged = DecisionLog(copy.deepcopy(controller))
-    tokens, times, logs, deciding = [], [], [], 0.0
+    tokens, times, logs, deciding = [], [], [], []
     for i in range(n):
         start = len(logged.log)
         out = replay_controller(trace, profile, logged, prompts=[i])
         tokens.append(out["tokens"])
         times.append(out["time_s"])
-        deciding += out["decision_s"]
+        deciding.append(out["decision_s"])
         logs.append(logged.log[start:])
     return {"tokens": np.asarray(tokens, float), "time_s": np.asarray(times, float), "logs": logs,
-            "decision_s": deciding}
+            "decision_s": np.asarray(deciding, float)}
 
 
 def _ratio(a: dict, b: dict, idx: Sequence[int], *, seed: int) -> dict:
@@ -140,7 +140,8 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
     """Replay every controller of `result` (an `EvalResult`) and of `replay_only` ({name: (controller, tree)}:
     methods not run live) over `trace` (recorded on `prompts`, in order) with `profile`; the dict the report
     prints as "Replay beside live" (module docstring). Methods whose tree width differs from the trace's are
-    skipped with the reason."""
+    skipped with the reason. Prompts whose target output is flagged degenerate (`result.degeneracy`) are left out,
+    as the live verdicts leave them out (`kept_prompts`)."""
     from specpilot.envs.oracle import replay_oracle
 
     if trace.num_prompts != len(prompts):
@@ -151,6 +152,9 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
     if not s_per_token:
         s_per_token, ar_source = ar_seconds_per_token(result.records), "this run's live ar (wall minus prefill)"
     n = trace.num_prompts
+    kept = kept_prompts(result, prompts)
+    if not kept:
+        raise ValueError("every prompt is flagged degenerate: nothing to replay")
     units, skipped = {}, {}
     for name, (controller, tree) in {**result.controllers, **(replay_only or {})}.items():
         if tree.width != trace.width:
@@ -162,22 +166,23 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
     live = {s["method"]: s for s in result.summary if s["temperature"] == 0.0}
     methods = []
     for name, u in units.items():
-        c = _ratio(u, ar, range(n), seed=seed)
+        c = _ratio(u, ar, kept, seed=seed)
         live_speedup = live.get(name, {}).get("speedup")
+        tokens, time_s = u["tokens"][kept].sum(), u["time_s"][kept].sum()
         methods.append({"method": name, "speedup": c["ratio"], "speedup_ci": c["ci"],
-                        "tau": float(u["tokens"].sum() / max(1, sum(len(x) for x in u["logs"]))),
-                        "tokens_per_s": float(u["tokens"].sum() / u["time_s"].sum()),
+                        "tau": float(tokens / max(1, sum(len(u["logs"][i]) for i in kept))),
+                        "tokens_per_s": float(tokens / time_s),
                         "live_speedup": live_speedup, "live_speedup_ci": live.get(name, {}).get("speedup_ci"),
-                        "gap": (c["ratio"] / live_speedup - 1.0) if live_speedup else None, "n_prompts": n,
-                        "decision_share": float(u["decision_s"] / u["time_s"].sum())})
-    oracle = replay_oracle(trace, profile)
+                        "gap": (c["ratio"] / live_speedup - 1.0) if live_speedup else None, "n_prompts": len(kept),
+                        "decision_share": float(u["decision_s"][kept].sum() / time_s)})
+    oracle = replay_oracle(trace, profile, prompts=kept)
     ar_tps = 1.0 / s_per_token
     decision_us = {q: 1e6 * t for q, t in profile.decision_charges(("skip", "stop", "size")).items()}
-    return {"ar_seconds_per_token": s_per_token, "ar_source": ar_source, "n_prompts": n, "profile": profile_info or {},
-            "decision_us": decision_us,
+    return {"ar_seconds_per_token": s_per_token, "ar_source": ar_source, "n_prompts": len(kept),
+            "n_degenerate_left_out": n - len(kept), "prompts_kept": kept, "profile": profile_info or {}, "decision_us": decision_us,
             "methods": methods, "skipped": skipped, "replay_only": sorted(replay_only or {}),
-            "comparisons": _replay_comparisons(units, seed=seed, decide=decide),
-            "groups": _replay_groups(units, prompts, decide=decide, seed=seed),
+            "comparisons": _replay_comparisons(units, kept, seed=seed, decide=decide),
+            "groups": _replay_groups(units, prompts, kept, decide=decide, seed=seed),
             "oracle": {"speedup": oracle["oracle"]["tokens_per_s"] / ar_tps,
                        "greedy_oracle_speedup": oracle["greedy_oracle"]["tokens_per_s"] / ar_tps,
                        "best_static": {"depth": oracle["best_static"]["depth"], "size": oracle["best_static"]["size"],
@@ -198,24 +203,31 @@ def gain_share(tokens_per_s: float, oracle_tokens_per_s: float, ar_tokens_per_s:
     return (tokens_per_s / ar_tokens_per_s - 1.0) / oracle_gain
 
 
-def _replay_comparisons(units: dict, *, seed: int, decide: tuple[str, str]) -> list[dict]:
-    n = len(next(iter(units.values()))["tokens"]) if units else 0
-    speed = {m: float(u["tokens"].sum() / u["time_s"].sum()) for m, u in units.items()}
+def kept_prompts(result, prompts: Sequence) -> list[int]:
+    """Indices of `prompts` the verdicts keep: all but those whose target output `result.degeneracy` flags."""
+    flagged = set((getattr(result, "degeneracy", None) or {}).get("flagged", []))
+    return [i for i, p in enumerate(prompts) if getattr(p, "id", None) not in flagged]
+
+
+def _replay_comparisons(units: dict, kept: Sequence[int], *, seed: int, decide: tuple[str, str]) -> list[dict]:
+    speed = {m: float(u["tokens"][kept].sum() / u["time_s"][kept].sum()) for m, u in units.items()}
     heuristics = [h for h in HEURISTICS if h in units]
     best = max(heuristics, key=speed.get) if heuristics else None
     pairs: list[tuple[str, str]] = []
     for m, b in [decide] + [(m, b) for m in LEARNED for b in ("grid", best)]:
         if b is not None and m != b and m in units and b in units and (m, b) not in pairs:
             pairs.append((m, b))
-    return [{"method": m, "baseline": b, "temperature": 0.0, **_ratio(units[m], units[b], range(n), seed=seed)}
+    return [{"method": m, "baseline": b, "temperature": 0.0, **_ratio(units[m], units[b], kept, seed=seed)}
             for m, b in pairs]
 
 
-def _replay_groups(units: dict, prompts: Sequence, *, decide: tuple[str, str], seed: int) -> list[dict]:
+def _replay_groups(units: dict, prompts: Sequence, kept: Sequence[int], *, decide: tuple[str, str],
+                   seed: int) -> list[dict]:
     m, b = decide
     if m not in units or b not in units:
         return []
-    groups = task_groups(prompts)
+    groups = {key: [i for i in idx if i in set(kept)] for key, idx in task_groups(prompts).items()}
+    groups = {key: idx for key, idx in groups.items() if idx}
     return [{"task": task, "language": lang, "method": m, "baseline": b, "temperature": 0.0,
              **_ratio(units[m], units[b], idx, seed=seed), "n_prompts": len(idx),
              "too_small": len(idx) < MIN_PROMPTS_TO_CONCLUDE}

@@ -224,7 +224,9 @@ def _replay_lines(replay: dict | None) -> list[str]:
         return []
     prof = replay.get("profile") or {}
     lines = ["## Replay beside live (T=0)", "",
-             f"Replay: every controller over greedy traces of the same {replay['n_prompts']} prompts, exact accepted "
+             f"Replay: every controller over greedy traces of the same {replay['n_prompts']} prompts"
+             + (f" (the {replay['n_degenerate_left_out']} with degenerate output left out, as in the verdicts)"
+                if replay.get("n_degenerate_left_out") else "") + ", exact accepted "
              f"lengths, time from the latency profile ({prof.get('source', '?')}; created {prof.get('created')}). "
              f"AR reference: decode time {replay.get('ar_source', 'of the live ar runs')}, "
              f"{1000 * replay['ar_seconds_per_token']:.2f} ms/token. {_decision_charge(replay)} "

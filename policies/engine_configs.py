@@ -234,6 +234,28 @@ def static_shape(grid_best: dict | None, depth_summary: dict | None, size_summar
     return {"depth": int(fallback[0]), "width": int(width), "size": int(fallback[1])}, "fallback"
 
 
+def plain_decoding_reason(grid_best: dict | None, chain_k: int, chain_source: str,
+                          per_batch_size: list[dict] | None) -> str | None:
+    """Why no engine file is written, when the run found plain target decoding faster than any static draft
+    config: the grid's best cell has depth 0 (or, without a grid, the policies' median depth is 0) and no measured
+    batch size drafts. The engines cannot take "depth 0" (vLLM and SGLang need at least one speculative token,
+    transformers' assisted generation at least one assistant token), so a file would speculate anyway, slower.
+    None when drafting pays somewhere."""
+    if per_batch_size and any(k for _, k in batch_size_steps(per_batch_size)):
+        return None
+    if grid_best:
+        if int(grid_best["depth"]) > 0:
+            return None
+        what = "the grid search measured plain target decoding (depth 0) faster than every static draft config"
+    elif chain_k > 0:
+        return None
+    else:
+        what = f"the {chain_source} chose plain target steps (depth 0)"
+    return (f"{what}: an engine config speculates at least one token, which this run measured slower; serve the "
+            "target without speculative decoding (decoder.json's learned policies may still pay: "
+            "`specpilot generate --config`)")
+
+
 ENGINE_FILES = {"hf": "hf/generation_config.json", "vllm": "vllm/speculative_config.json",
                 "sglang": "sglang/sglang_args.json", "sglang_config": "sglang/config.yaml",
                 "sglang_adaptive": "sglang/sglang_adaptive.json",
@@ -318,6 +340,15 @@ def write_engine_configs(out_dir: str | Path, *, pair: dict, width: int, grid_be
     files["sglang"] = json.dumps(args, indent=2)
     files["sglang_config"] = yaml_text(sglang_launch_config(args, target=target, tokenizer=tokenizer,
                                                             adaptive_path=adaptive_path))
+    plain = plain_decoding_reason(grid_best, chain_k, chain_source, per_batch_size)
+    if plain is not None:  # every engine file would speculate at least one token, which the run measured slower
+        for key in ("hf", "vllm", "sglang", "sglang_config", "sglang_adaptive"):
+            if files.pop(key, None) is not None or key not in skipped:
+                skipped[key] = plain
+    if learned_per_batch_size and not any(k for _, k in batch_size_steps(learned_per_batch_size)):
+        for key in ("vllm_learned", "sglang_adaptive_learned"):
+            files.pop(key, None)
+            skipped[key] = "the learned policy takes plain target steps at every batch size: nothing to speculate"
     for key, rel in ENGINE_FILES.items():
         if key in files:
             atomic_write_text(out / rel, files[key].rstrip("\n") + "\n")

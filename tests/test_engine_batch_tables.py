@@ -188,3 +188,25 @@ def test_learned_sglang_table_is_written_only_when_config_yaml_can_start_with_it
         assert 3 in steps
     else:
         assert "needs --speculative-num-steps (3) among" in section["skipped"]["sglang_adaptive_learned"]
+
+
+@pytest.mark.parametrize("drafter", ["draft_lm", "eagle3"])
+def test_no_engine_file_when_the_run_found_plain_decoding_fastest(tmp_path, drafter):
+    """Grid best depth 0: every engine needs at least one speculative token, which the run measured slower, so no
+    file speculates; decoder.json's section and the README say why. A batch size where drafting pays keeps them."""
+    pair = {"target": "T", "draft": "D", "drafter": drafter}
+    section = write_engine_configs(tmp_path, pair=pair, width=4, grid_best={"width": 4, "depth": 0, "size": 0},
+                                   choices={}, fallback=(4, 12))
+    engines = tmp_path / "engines"
+    assert not section["files"] and not [p for p in engines.rglob("*.json")] + [p for p in engines.rglob("*.yaml")]
+    assert all(key in section["skipped"] for key in ("hf", "vllm", "sglang", "sglang_config"))
+    assert "plain target decoding (depth 0) faster" in section["skipped"]["vllm"]
+    assert "Not written: vllm/speculative_config.json" in (engines / "README.md").read_text()
+    # without a grid: the policies' median depth 0 says the same
+    section = write_engine_configs(tmp_path, pair=pair, width=4, grid_best=None, choices={"depths": [0, 0, 0, 2]},
+                                   fallback=(4, 12))
+    assert "vllm" in section["skipped"] and "chose plain target steps" in section["skipped"]["vllm"]
+    # drafting pays at batch size 1: the tables are written
+    section = write_engine_configs(tmp_path, pair=pair, width=4, grid_best={"width": 4, "depth": 0, "size": 0},
+                                   choices={}, fallback=(4, 12), per_batch_size=table([(1, 2), (8, 0)]))
+    assert "vllm" in section["files"]

@@ -250,6 +250,17 @@ def test_replay_beside_live_and_the_cost_check(pair, grid_file, tmp_path):
                              replay_only={"shallow": (FixedController(1, 2), TREE)})
     assert plus["replay_only"] == ["shallow"] and replay["replay_only"] == []
     assert next(m for m in plus["methods"] if m["method"] == "shallow")["live_speedup"] is None
+    # prompts whose target output is degenerate are left out of replay, as of the live verdicts
+    assert replay["n_prompts"] == len(PROMPTS) and replay["n_degenerate_left_out"] == 0
+    res.degeneracy = {"flagged": [PROMPTS[0].id]}
+    kept = replay_evaluation(res, trace, profile, prompts=PROMPTS)
+    assert kept["n_prompts"] == len(PROMPTS) - 1 and kept["prompts_kept"] == list(range(1, len(PROMPTS)))
+    assert kept["n_degenerate_left_out"] == 1 and kept["comparisons"][0]["n_units"] == len(PROMPTS) - 1
+    assert all(m["n_prompts"] == len(PROMPTS) - 1 for m in kept["methods"])
+    res.degeneracy = {"flagged": [p.id for p in PROMPTS]}
+    with pytest.raises(ValueError, match="every prompt is flagged degenerate"):
+        replay_evaluation(res, trace, profile, prompts=PROMPTS)
+    res.degeneracy = None
     ar_s = profile.meta.pop("ar_seconds_per_token")  # without it: the run's live ar is the reference
     again = replay_evaluation(res, trace, profile, prompts=PROMPTS)
     assert again["ar_source"].startswith("this run's live ar")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -154,9 +155,11 @@ def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: in
     return out
 
 
-def evaluate_seeds(run_dir: str | Path, trace: str | Path, *, static: tuple[int, int] | None = None) -> dict:
-    """Replay ltd-vs-static ratio of every seed of a `run_seeds` run on any trace (e.g. held-out prompts) and
-    their aggregate: {"seeds": [{"seed", "ltd_tokens_per_s", "ltd_vs_static"}], "ltd_vs_static": aggregate}."""
+def evaluate_seeds(run_dir: str | Path, trace: str | Path, *, static: tuple[int, int] | None = None,
+                   prompts: Sequence[int] | None = None) -> dict:
+    """Replay ltd-vs-static ratio of every seed of a `run_seeds` run on any trace (e.g. held-out prompts; only
+    `prompts` of it when given, e.g. those whose output is not degenerate) and their aggregate:
+    {"seeds": [{"seed", "ltd_tokens_per_s", "ltd_vs_static"}], "ltd_vs_static": aggregate}."""
     from specpilot.policies.ppo import load_run_controllers
     from specpilot.train.rl.validation import evaluate_replay
 
@@ -164,10 +167,10 @@ def evaluate_seeds(run_dir: str | Path, trace: str | Path, *, static: tuple[int,
     info = json.loads((run_dir / SEEDS_FILE).read_text())
     static = tuple(static or info["static"])
     model = ReplayModel(trace)
-    base = evaluate_replay(FixedController(*static), model)["tokens_per_s"]
+    base = evaluate_replay(FixedController(*static), model, prompts=prompts)["tokens_per_s"]
     rows = []
     for s in info["seeds"]:
-        ltd = evaluate_replay(load_run_controllers(s["dir"])["ltd"], model)["tokens_per_s"]
+        ltd = evaluate_replay(load_run_controllers(s["dir"])["ltd"], model, prompts=prompts)["tokens_per_s"]
         rows.append({"seed": s["seed"], "ltd_tokens_per_s": ltd, "ltd_vs_static": ltd / base,
                      "chosen": s["seed"] == info["chosen"]})
     return {"seeds": rows, "static": list(static), "static_tokens_per_s": base,

@@ -42,10 +42,12 @@ def replay_ar(model: ReplayModel, prompts: Sequence[int] | None = None) -> dict:
             "source": source}
 
 
-def evaluate_replay(controller: Controller, model: ReplayModel, ar_tokens_per_s: float | None = None) -> dict:
-    """Replay throughput of `controller` on `model`'s trace with depth/size tallies (and speedup vs AR)."""
+def evaluate_replay(controller: Controller, model: ReplayModel, ar_tokens_per_s: float | None = None, *,
+                    prompts: Sequence[int] | None = None) -> dict:
+    """Replay throughput of `controller` on `model`'s trace (its `prompts`, default all) with depth/size tallies
+    (and speedup vs AR)."""
     logged = DecisionLog(controller)
-    res = replay_controller(model, controller=logged)
+    res = replay_controller(model, controller=logged, prompts=None if prompts is None else list(prompts))
     depths, sizes = [d for d, _ in logged.log], [v for _, v in logged.log]
     res["depth_mean"] = float(np.mean(depths)) if depths else float("nan")
     res["size_mean"] = float(np.mean(sizes)) if sizes else float("nan")
