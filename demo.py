@@ -183,6 +183,26 @@ class DemoState:
         for later in STAGES[STAGES.index(stage) + 1:]:
             self.data.pop(later, None)
 
+    def keep_dtype(self, dtype: str, reason: str | None) -> None:
+        """Record the dtype the run decodes in (`_kept_dtype` reuses it when the run resumes)."""
+        if self.data.get(DTYPE_ENTRY) != {"dtype": dtype, "reason": reason}:
+            self.data[DTYPE_ENTRY] = {"dtype": dtype, "reason": reason}
+            atomic_write_json(self.path, self.data, default=str)
+
+
+DTYPE_ENTRY = "dtype"  # demo_state.json: {"dtype", "reason"} the run's stages were made in
+
+
+def _kept_dtype(state: DemoState, device: str | None) -> dict | None:
+    """The dtype a resumed run keeps: the recorded one when some stage finished in it and this device runs it
+    natively (another machine without bf16 measures "auto" afresh, and re-runs the stages)."""
+    from specpilot.drafting.pair import DTYPES, check_device, half_support
+
+    kept = state.data.get(DTYPE_ENTRY)
+    if not isinstance(kept, dict) or kept.get("dtype") not in DTYPES or not any(s in state.data for s in STAGES):
+        return None
+    return kept if half_support(DTYPES[kept["dtype"]], check_device(device))[0] == "native" else None
+
 
 def _key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -228,8 +248,14 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     # checked before any model loads: --chat-template on needs a template
     heldout, heldout_suite["chat_template"] = with_chat_template(heldout, load_tokenizer(target), chat_template)
     # dtype "auto": bf16 on CUDA, and on a CPU with AMX / AVX512-BF16 where it measures faster, fp32 otherwise
-    # (`specpilot.drafting.pair.resolve_dtype`); the summary says which and why
-    pair = ModelPair.from_pretrained(target, draft, device=device, dtype="auto", **({"eagle": eagle} if eagle else {}))
+    # (`specpilot.drafting.pair.resolve_dtype`); the summary says which and why. A resumed run keeps the dtype its
+    # first start chose: the CPU measurement is close on some machines and would otherwise flip with the load,
+    # refusing the finished stages (every stage's key holds the dtype) on a command without --dtype
+    kept = _kept_dtype(state, device)
+    pair = ModelPair.from_pretrained(target, draft, device=device, dtype=kept["dtype"] if kept else "auto",
+                                     **({"eagle": eagle} if eagle else {}))
+    if kept:
+        pair.dtype_reason = f"{kept['reason']} (kept from this run's first start: its finished stages are reused)"
     executor = executor or LocalExecutor(pair)
     identity = {**pair.identity(), "dtype": str(pair.dtype).replace("torch.", ""),
                 "dtype_reason": getattr(pair, "dtype_reason", None)}
@@ -240,6 +266,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         check_prompt_lengths(prompts, {p.prompt: len(pair.encode(p.prompt)) for p in prompts}, context=pair.max_context,
                              max_new_tokens=budget.max_new_tokens, max_depth=tree.max_depth, truncate=False,
                              options=())
+    state.keep_dtype(identity["dtype"], kept["reason"] if kept else identity["dtype_reason"])
     budget_fields = asdict(budget)
     key = _key({k: v for k, v in identity.items() if k != "dtype_reason"}, seed)  # the reason may quote timings
     timings: dict[str, float] = {}

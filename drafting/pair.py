@@ -341,6 +341,15 @@ def _check_model_folder(folder: Path, what: str) -> None:
         raise InputFileError(f"the {what} model {folder} is not a model folder: no config.json in it; give the "
                              "folder a model was saved to (`save_pretrained` writes config.json and the weights) or "
                              "a hub id")
+    try:  # an EAGLE-3 head is no causal LM: transformers would fail on its weights with a long traceback
+        archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # transformers' own reading names what is wrong with the file
+    if any("eagle3" in str(a).lower() for a in archs):
+        fix = ("pass it as the drafter with --eagle (eagle=) beside its target" if what == "draft" else
+               "give the target LM it drafts for as --target (target=) and the head as --eagle (eagle=)")
+        raise InputFileError(f"the {what} model {folder} is an EAGLE-3 head (architectures {archs}), not a causal "
+                             f"LM: {fix}")
 
 
 def _config_problem(folder: Path, what: str) -> InputFileError | None:

@@ -13,7 +13,7 @@ TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tok
                   eval_budget_s=5.0, check_rounds=2, sampled_depth_steps=64, sampled_size_steps=64, seeds=2)
 
 
-def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
+def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     summary = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
                        wandb="disabled")
@@ -54,13 +54,27 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys):
     # what the numbers were measured on (model, precision, hardware, sampling, suite, prompt mix), printed and kept
     assert " on cpu (" in summary["label"] and "prompts:" in summary["label"] and summary["label"] in out
     assert "speedup over ar [95% CI]" in out and "ltd vs grid (T=0)" in out and "cost model" in out
-    # a re-run reuses every finished stage
+    # a re-run reuses every finished stage, even when "auto" would now measure the other dtype faster
+    import specpilot.drafting.pair as pair_module
+
+    first = json.loads((run / "demo_state.json").read_text())["dtype"]["dtype"]
+    real = pair_module.measure_half
+
+    def the_other_dtype_wins(model, dtype):
+        ms = real(model, dtype)
+        slow, fast = ("bfloat16", "float32") if first == "bfloat16" else ("float32", "bfloat16")
+        ms[fast] = {n: v / 4 for n, v in ms[slow].items()}
+        return ms
+
+    monkeypatch.setattr(pair_module, "measure_half", the_other_dtype_wins)
+    monkeypatch.setattr(pair_module, "_AUTO_MEASURED", {})
     again = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
                      wandb="disabled")
     state = json.loads((run / "demo_state.json").read_text())
-    assert set(state) == {"record", "grid", "train", "eval", "export"}
+    assert set(state) == {"record", "grid", "train", "eval", "export", "dtype"}
     assert again["methods"].keys() == summary["methods"].keys()
     assert capsys.readouterr().out.count("reused") == 5
+    assert again["pair"]["dtype"] == first and "kept from this run's first start" in again["pair"]["dtype_reason"]
     # a training budget change re-runs training and what follows, and reuses the recording and the grid
     changed = dataclasses.replace(TINY, size_steps=TINY.size_steps + 128)
     run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=changed,

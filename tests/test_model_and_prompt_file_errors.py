@@ -177,6 +177,14 @@ def test_cli_empty_folder_in_one_line(good, tmp_path, capsys, role):
     assert_one_line(code, err, f"the {role} model {empty} is not a model folder", "no config.json")
 
 
+@pytest.mark.parametrize("role,fix", [("draft", "pass it as the drafter with --eagle"),
+                                      ("target", "give the target LM it drafts for as --target")])
+def test_cli_an_eagle_head_given_as_a_causal_lm_in_one_line(good, capsys, role, fix):
+    code, err = run_cli(["generate", "--prompt", "x", "--max-new-tokens", "4", *_pair_args(good, role, good["eagle"])],
+                        capsys)
+    assert_one_line(code, err, f"the {role} model {good['eagle']} is an EAGLE-3 head", fix)
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_truncated_config_keeps_a_clean_error(good, tmp_path, capsys, role):
     """A truncated config.json: transformers' own clean message for a target/draft (kept), one naming the file for
