@@ -236,7 +236,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     from specpilot.drafting.executor import LocalExecutor
     from specpilot.drafting.pair import load_tokenizer
     from specpilot.drafting.checks import check_prompt_lengths
-    from specpilot.eval.suites import choose_suite, load_suite, with_chat_template
+    from specpilot.eval.suites import BUNDLED_SUITES, choose_suite, load_suite, with_chat_template
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
     run_dir = Path(out)
@@ -262,10 +262,12 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
-    for prompts in (heldout, train, val):  # now, not after the training: the evaluation would refuse them then
+    own = None if heldout_suite["name"] in BUNDLED_SUITES else heldout_suite["name"]  # a --suite file: shorten it
+    for prompts, bundled in ((heldout, None if own else heldout_suite["name"]), (train, "train"),
+                             (val, "validation")):  # checked now, not after the training
         check_prompt_lengths(prompts, {p.prompt: len(pair.encode(p.prompt)) for p in prompts}, context=pair.max_context,
                              max_new_tokens=budget.max_new_tokens, max_depth=tree.max_depth, truncate=False,
-                             options=())
+                             options=(), bundled=bundled)
     state.keep_dtype(identity["dtype"], kept["reason"] if kept else identity["dtype_reason"])
     budget_fields = asdict(budget)
     key = _key({k: v for k, v in identity.items() if k != "dtype_reason"}, seed)  # the reason may quote timings

@@ -103,13 +103,14 @@ def prompt_room(context: int, max_new_tokens: int, max_depth: int) -> int:
 
 
 def check_prompt_lengths(prompts, lengths: dict[str, int], *, context: int, max_new_tokens: int, max_depth: int,
-                         truncate: bool, options: tuple[str, ...] = ("--max-new-tokens", "--truncate-prompts")
-                         ) -> list[str]:
+                         truncate: bool, options: tuple[str, ...] = ("--max-new-tokens", "--truncate-prompts"),
+                         bundled: str | None = None) -> list[str]:
     """Prompts too long for the context (room for max_new_tokens and the deepest draft lookahead, as the runner
     keeps) are refused, naming the first and the real numbers (`lengths`: token count per prompt text, e.g. from
     `executor.prompt_lengths`); with truncate=True they are kept (the runner keeps their last tokens) and the
     returned note says how many and to what length. options: the command's options the refusal may offer
-    (--max-new-tokens, --truncate-prompts)."""
+    (--max-new-tokens, --truncate-prompts). bundled: the name of the bundled suite the prompts come from, which
+    the user cannot shorten: the refusal names the context the models need instead."""
     limit = prompt_room(context, max_new_tokens, max_depth)
     long = [(p, lengths[p.prompt]) for p in prompts if lengths[p.prompt] > limit]
     if not long:
@@ -120,9 +121,12 @@ def check_prompt_lengths(prompts, lengths: dict[str, int], *, context: int, max_
                          f"prompt in the models' {context}-token context: lower --max-new-tokens")
     if not truncate:
         more = f" ({len(long) - 1} more prompts too)" if len(long) > 1 else ""
+        fix = _fixes(options) if bundled is None else (
+            f"the {bundled} prompts are bundled with specpilot: use models whose context holds at least "
+            f"{max(k for _, k in long) + context - limit} tokens")
         raise ValueError(f"prompt {first.id!r} is {n} tokens{more}: with --max-new-tokens "
                          f"{max_new_tokens} and draft depth {max_depth} a prompt fits in {limit} tokens of the "
-                         f"models' {context}-token context; " + _fixes(options))
+                         f"models' {context}-token context; " + fix)
     return [f"note: {len(long)} prompt(s) truncated to their last {limit} tokens (--truncate-prompts; the longest "
             f"had {max(k for _, k in long)}): they are recorded in report.json meta.prompts_truncated"]
 

@@ -131,3 +131,15 @@ def test_a_prompt_refusal_offers_only_the_options_its_command_has(options, advic
         check_prompt_lengths([prompt], {"x": 100}, context=64, max_new_tokens=8, max_depth=4,
                              truncate=False, options=options)
     assert advice in str(info.value) and (options or str(info.value).endswith("shorten them"))
+
+
+def test_a_bundled_suite_too_long_names_the_context_the_models_need():
+    """The demo trains on bundled prompts the user cannot shorten: the refusal says what context would hold them."""
+    from specpilot.drafting.checks import check_prompt_lengths
+    from specpilot.eval.suites import Prompt
+
+    prompt = Prompt(id="p", prompt="x", task="t", language="python", split="train")
+    with pytest.raises(ValueError, match="the train prompts are bundled with specpilot: use models whose context "
+                                         "holds at least 114 tokens"):
+        check_prompt_lengths([prompt], {"x": 100}, context=64, max_new_tokens=8, max_depth=4, truncate=False,
+                             options=(), bundled="train")
