@@ -77,8 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("run_dir", nargs="?")
     ap.add_argument("--eagle", default="embedded")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--width", type=int, default=4)
-    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--width", type=int, default=None, help="default: the run's tree, else 4")
+    ap.add_argument("--depth", type=int, default=None, help="default: the run's tree, else 6")
     ap.add_argument("--size", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
@@ -90,14 +90,20 @@ def main(argv=None) -> int:
         raise SystemExit("numba is not available: nothing to compare")
     torch.set_num_threads(args.threads)
     pair = ModelPair.from_pretrained(eagle=args.eagle, dtype=args.dtype)
-    tree = TreeConfig(width=args.width, max_depth=args.depth, max_size=args.size)
-    decoder = SpeculativeDecoder(pair, tree)
-    if args.run_dir:
+    compiled = None
+    if args.run_dir:  # the tree the run's policies were trained on (they observe scores laid out for it)
         from specpilot.policies.ppo import load_run_controllers
 
         compiled = load_run_controllers(args.run_dir)["ltd"]
-    else:
+        spec = compiled.depth_spec or compiled.size_spec
+        args.width = args.width if args.width is not None else spec.width
+        args.depth = args.depth if args.depth is not None else spec.max_depth
+    args.width, args.depth = args.width or 4, args.depth or 6
+    tree = TreeConfig(width=args.width, max_depth=args.depth, max_size=args.size)
+    decoder = SpeculativeDecoder(pair, tree)
+    if compiled is None:
         compiled = probe_controller(tree.width, tree.max_depth, default_size_actions("cpu"))
+    compiled.check_tree(tree)  # the timed decisions run through run_cycle directly, which does not ask it
     paths = {"kernel": compiled, "numpy": numpy_twin(compiled)}
     assert compiled.depth_actor.compiled and not paths["numpy"].depth_actor.compiled
     times = {name: {q: [] for q in ("skip", "stop", "size")} for name in paths}

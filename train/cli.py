@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from contextlib import nullcontext
@@ -320,9 +321,12 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
             stage = next(iter(metrics), "").split("/", 1)[0]
             val = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if "/val/" in k and v is not None}
             if "tokens_per_s" in val:  # (the stage's own "val/score" record repeats the number: not printed)
-                print(f"  {stage}: step {step}, validation {val['tokens_per_s']:.1f} tok/s "
-                      f"({val.get('speedup', float('nan')):.2f}x AR, replay), "
-                      f"tau {val.get('mean_accepted_length', 0):.2f}", file=sys.stderr, flush=True)
+                shown = [f"{val['tokens_per_s']:.1f} tok/s"]  # (a validation without an AR reference has no ratio)
+                if val.get("speedup") is not None and math.isfinite(val["speedup"]):
+                    shown.append(f"{val['speedup']:.2f}x AR")
+                if val.get("mean_accepted_length"):
+                    shown.append(f"tau {val['mean_accepted_length']:.2f}")
+                print(f"  {stage}: step {step}, validation {', '.join(shown)} (replay)", file=sys.stderr, flush=True)
             elif not val and time.monotonic() - self.last >= every_s:
                 self.last = time.monotonic()
                 get = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if not isinstance(v, (list, tuple))}
@@ -338,8 +342,10 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
     return ProgressLogger(run_dir, config, mode=args.wandb)
 
 
-def summary_lines(out: dict, run_dir: Path) -> list[str]:
-    """The result of a train command as lines: one per stage (its best validation and policy), then the indexes."""
+def summary_lines(out: dict, run_dir: Path, *, batched: bool = False) -> list[str]:
+    """The result of a train command as lines: one per stage (its best validation and policy), then the indexes.
+    batched: the stages trained over batch sizes, whose validation score is the geometric-mean speedup over batched
+    AR (`train.rl.validation.evaluate_batches`), not tokens/s."""
     stages = []
 
     def walk(node) -> None:
@@ -357,7 +363,9 @@ def summary_lines(out: dict, run_dir: Path) -> list[str]:
     lines = []
     for st in stages:
         score = st.get("score")
-        how = (f"best validation {score:.1f} tok/s (replay)" if isinstance(score, (int, float))
+        shown = (f"{score:.3f}x batched AR (geometric mean over batch sizes, batch replay)" if batched
+                 else f"{score:.1f} tok/s (replay)")
+        how = (f"best validation {shown}" if isinstance(score, (int, float))
                else "no validation ran (budget below --eval-every): final policy kept")
         note = "; already trained to this budget, nothing trained (--resume)" if st.get("skipped") else ""
         kept = "; its starting policy validated better and is kept" if (st.get("validation") or {}).get("kept_init") \
@@ -375,7 +383,7 @@ def summary_lines(out: dict, run_dir: Path) -> list[str]:
 def _run_stage(cmd: str, args, run_dir: Path, traces, options) -> int:
     with progress_logger(run_dir, args) as log:  # RunLogger is a context manager: closed however the stage ends
         out = _run_command(cmd, args, run_dir, traces, options, log)
-    print("\n".join(summary_lines(out, run_dir)))
+    print("\n".join(summary_lines(out, run_dir, batched=bool(getattr(args, "batch_sizes", None)))))
     return 0
 
 
