@@ -409,9 +409,8 @@ STAGE_FUNCTIONS = {"record": _record, "grid": _grid, "train": _train, "eval": _e
 def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identity: dict, budget: DemoBudget) -> dict:
     """Held-out speedups with intervals, the verdicts (LTD vs grid first), replay beside live, the cost-model
     checks (before the grid search and at evaluation), the grid's best config and the training trace's oracle."""
-    from specpilot.eval.summary import summarise_report
-
     from specpilot.eval.report import measurement_label
+    from specpilot.eval.summary import summarise_report
 
     report = read_report(run_dir / "eval")
     grid_json = GridResult.load(run_dir / GRID_FILE).data if (run_dir / GRID_FILE).exists() else {}
