@@ -169,6 +169,9 @@ def _parse_text(path: Path) -> list[Prompt]:
     ]
 
 
+TABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".xlsx", ".xls")
+
+
 def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Prompt]:
     """Load a bundled suite by name ("train", "validation", "heldout", "heldout_code") or a user suite by path.
 
@@ -192,6 +195,10 @@ def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Promp
                              "such file. Pass a bundled name or a path to a .jsonl / .txt file")
         if path.is_dir():
             raise SuiteError(f"{path}: is a directory; pass a .jsonl or .txt file")
+    if path.suffix.lower() in TABLE_SUFFIXES:  # read as text, its header and every cell would become prompts
+        raise SuiteError(f"{path}: a {path.suffix} table is not a suite; write JSON lines (.jsonl, one "
+                         '{"prompt": ...} object per line, optional "id", "task", "language", "split") or plain text '
+                         "(.txt, one prompt per line, \\n for a newline)")
     if path.suffix.lower() in (".jsonl", ".json"):
         prompts = _parse_jsonl(path, strict=bundled)
     else:

@@ -109,3 +109,11 @@ def test_train_and_validation_code_prompts_end_at_the_cursor(name, at_least):
     prompts = load_suite(name)
     assert len(prompts) >= at_least and len({p.prompt for p in prompts}) == len(prompts)
     assert not [p.id for p in prompts if p.prompt.endswith("\n")]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".TSV", ".parquet"])
+def test_a_table_is_refused_not_read_as_text(tmp_path, suffix):
+    path = tmp_path / f"prompts{suffix}"
+    path.write_text("id,prompt\na,def f(x):\n")
+    with pytest.raises(SuiteError, match="table is not a suite; write JSON lines"):
+        load_suite(path)
