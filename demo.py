@@ -262,9 +262,9 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     tree = TreeConfig(width=budget.width, max_depth=budget.max_depth, max_size=budget.max_size)
     train = _limit(load_suite("train"), budget.train_prompts)
     val = _limit(load_suite("validation"), budget.val_prompts)
-    own = None if heldout_suite["name"] in BUNDLED_SUITES else heldout_suite["name"]  # a --suite file: shorten it
-    for prompts, bundled in ((heldout, None if own else heldout_suite["name"]), (train, "train"),
-                             (val, "validation")):  # checked now, not after the training
+    # checked now, not after the training; a bundled suite cannot be shortened (a --suite file can)
+    bundled_heldout = heldout_suite["name"] if heldout_suite["name"] in BUNDLED_SUITES else None
+    for prompts, bundled in ((heldout, bundled_heldout), (train, "train"), (val, "validation")):
         check_prompt_lengths(prompts, {p.prompt: len(pair.encode(p.prompt)) for p in prompts}, context=pair.max_context,
                              max_new_tokens=budget.max_new_tokens, max_depth=tree.max_depth, truncate=False,
                              options=(), bundled=bundled)

@@ -179,7 +179,8 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
     ar_tps = 1.0 / s_per_token
     decision_us = {q: 1e6 * t for q, t in profile.decision_charges(("skip", "stop", "size")).items()}
     return {"ar_seconds_per_token": s_per_token, "ar_source": ar_source, "n_prompts": len(kept),
-            "n_degenerate_left_out": n - len(kept), "prompts_kept": kept, "profile": profile_info or {}, "decision_us": decision_us,
+            "n_degenerate_left_out": n - len(kept), "prompts_kept": kept, "profile": profile_info or {},
+            "decision_us": decision_us,
             "methods": methods, "skipped": skipped, "replay_only": sorted(replay_only or {}),
             "comparisons": _replay_comparisons(units, kept, seed=seed, decide=decide),
             "groups": _replay_groups(units, prompts, kept, decide=decide, seed=seed),
@@ -226,7 +227,8 @@ def _replay_groups(units: dict, prompts: Sequence, kept: Sequence[int], *, decid
     m, b = decide
     if m not in units or b not in units:
         return []
-    groups = {key: [i for i in idx if i in set(kept)] for key, idx in task_groups(prompts).items()}
+    keep = set(kept)
+    groups = {key: [i for i in idx if i in keep] for key, idx in task_groups(prompts).items()}
     groups = {key: idx for key, idx in groups.items() if idx}
     return [{"task": task, "language": lang, "method": m, "baseline": b, "temperature": 0.0,
              **_ratio(units[m], units[b], idx, seed=seed), "n_prompts": len(idx),

@@ -38,8 +38,8 @@ the largest key not above its CUDA-graph-padded size: speculative/adaptive_step_
 --speculative-num-steps being the smallest size's K. Batch size b then gets the K measured at the largest measured
 size <= b in both engines (tests/test_engine_batch_tables.py re-implements both lookups from the sources). SGLang
 starts only when that num_steps is among the slots' candidates (`sglang_adaptive_refusal`): an adaptive file it would
-refuse (K = 0 at every size; a learned table without config.yaml's steps) is not written, and README.md says why.
-The tree shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`), else from the
+refuse (K = 0 at every size; a learned table without config.yaml's steps) is not written, and README.md says why. The
+tree shape (D, W, V) comes from the grid search's best static config when the run has one (`grid.json`), else from the
 policies' measured choices, else from the run's fallback static config.
 """
 from __future__ import annotations
