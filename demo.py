@@ -273,6 +273,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     key = _key({k: v for k, v in identity.items() if k != "dtype_reason"}, seed)  # the reason may quote timings
     timings: dict[str, float] = {}
     results: dict[str, dict] = {}
+    reused: list[str] = []
 
     stages = tqdm(STAGES, desc="specpilot demo", unit="stage")
     for stage in stages:
@@ -282,6 +283,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         previous = state.done(stage, key)
         if previous is not None:
             results[stage], timings[stage] = previous["result"], previous["seconds"]
+            reused.append(stage)
             tqdm.write(f"[{stage}] reused from {state.path}")
             continue
         state.invalidate_after(stage)
@@ -292,7 +294,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         timings[stage] = time.perf_counter() - t0
         state.finish(stage, key, results[stage], timings[stage])
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
-    summary = summarise(run_dir, results, timings, time.perf_counter() - started, identity, budget)
+    summary = summarise(run_dir, results, timings, time.perf_counter() - started, identity, budget, reused=reused)
     atomic_write_json(run_dir / "summary.json", summary, default=str)
     print(format_summary(summary))
     return summary
@@ -406,9 +408,12 @@ STAGE_FUNCTIONS = {"record": _record, "grid": _grid, "train": _train, "eval": _e
 
 # -- summary -------------------------------------------------------------------------------------------------------
 
-def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identity: dict, budget: DemoBudget) -> dict:
+def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identity: dict, budget: DemoBudget, *,
+              reused: list[str] | tuple[str, ...] = ()) -> dict:
     """Held-out speedups with intervals, the verdicts (LTD vs grid first), replay beside live, the cost-model
-    checks (before the grid search and at evaluation), the grid's best config and the training trace's oracle."""
+    checks (before the grid search and at evaluation), the grid's best config and the training trace's oracle.
+    `wall_s` is this start's time; `timings` hold each stage's own run time, also for the stages named in `reused`
+    (finished by an earlier start and reused by this one)."""
     from specpilot.eval.report import measurement_label
     from specpilot.eval.summary import summarise_report
 
@@ -417,6 +422,7 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
     summary = summarise_report(report)
     return {
         "run_dir": str(run_dir), "wall_s": round(wall_s, 1), "stage_s": {k: round(v, 1) for k, v in timings.items()},
+        "reused_stages": list(reused),
         "pair": identity, "budget": asdict(budget), "label": measurement_label(report.get("meta", {})), **summary,
         "grid_best": grid_json.get("best"), "replay_oracle": grid_json.get("oracle"),
         "seeds": (results.get("eval") or {}).get("seeds"),
@@ -455,8 +461,11 @@ def _switch_lines(switches: dict | None) -> list[str]:
 def format_summary(summary: dict) -> str:
     from specpilot.eval.summary import format_summary_lines
 
-    lines = ["", f"specpilot demo — {summary['run_dir']} ({summary['wall_s']:.0f}s: "
-             + ", ".join(f"{k} {v:.0f}s" for k, v in summary["stage_s"].items()) + ")"]
+    reused = set(summary.get("reused_stages") or ())
+    stage_times = ", ".join(f"{k} {v:.0f}s" + (" (earlier start, reused)" if k in reused else "")
+                            for k, v in summary["stage_s"].items())
+    lines = ["", f"specpilot demo — {summary['run_dir']} ({summary['wall_s']:.0f}s"
+             + (" this start" if reused else "") + f": {stage_times})"]
     if summary.get("label"):
         lines.append(str(summary["label"]))
     lines += format_summary_lines(summary)

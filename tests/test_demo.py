@@ -73,7 +73,10 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
     state = json.loads((run / "demo_state.json").read_text())
     assert set(state) == {"record", "grid", "train", "eval", "export", "dtype"}
     assert again["methods"].keys() == summary["methods"].keys()
-    assert capsys.readouterr().out.count("reused") == 5
+    out = capsys.readouterr().out
+    assert out.count("] reused from") == 5 and again["reused_stages"] == ["record", "grid", "train", "eval", "export"]
+    # the header gives this start's seconds and marks the stage times that an earlier start measured
+    assert "s this start: record" in out and out.count("(earlier start, reused)") == 5
     assert again["pair"]["dtype"] == first and "kept from this run's first start" in again["pair"]["dtype_reason"]
     # a training budget change re-runs training and what follows, and reuses the recording and the grid
     changed = dataclasses.replace(TINY, size_steps=TINY.size_steps + 128)
@@ -81,6 +84,7 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
              wandb="disabled")
     out = capsys.readouterr().out
     assert "[record] reused" in out and "[grid] reused" in out
+    assert out.count("(earlier start, reused)") == 2 and "(earlier start, reused), train" in out
     assert all(f"[{stage}] reused" not in out for stage in ("train", "eval", "export"))
     assert json.loads((run / "demo_state.json").read_text())["record"] == state["record"]
 
