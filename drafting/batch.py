@@ -171,7 +171,10 @@ class BatchSession:
 
     @property
     def finished_by(self) -> str | None:
-        return None if self.active else (self.rows[0].finished_by or "length")
+        """Once done, "eos" when every row ended with its end token, else "length"."""
+        if self.active:
+            return None
+        return "eos" if all(r.finished_by == "eos" for r in self.rows) else "length"
 
     @property
     def prompt_len(self) -> int:

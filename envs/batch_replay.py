@@ -78,6 +78,7 @@ class BatchReplaySession:
         self.batch_sizes: list[int] = []   # unfinished rows in each cycle
         self.emitted_total = 0
         self.last_emitted = self.last_accepted = 0   # the last cycle's tokens over all rows (`batch_record`)
+        self.last_lead = self.rows[0]                 # the lead row of the last cycle (`verify`)
 
     @property
     def active(self) -> list[ReplaySession]:
@@ -97,7 +98,11 @@ class BatchReplaySession:
 
     @property
     def finished_by(self) -> str | None:
-        return self.rows[0].finished_by if self.done else None
+        """Once done, "eos" when every row ended with its end token, else "length" (some row's budget cut it: the
+        episode is truncated, not terminated)."""
+        if not self.done:
+            return None
+        return "eos" if all(r.finished_by == "eos" for r in self.rows) else "length"
 
     @property
     def tokens_emitted(self) -> int:
@@ -138,6 +143,7 @@ class BatchReplaySession:
         fed = max(r.n_new for r in rows)
         context = max(r.prompt_len + r.tokens_emitted for r in rows)
         records = [r.verify(size) for r in rows]       # each row: its own recorded acceptance (same arithmetic)
+        self.last_lead = rows[0]                       # whose counts the cycle's record and states carry
         self.last_accepted = sum(r.accepted for r in records)
         draft_s, verify_s = self.times.cycle(len(rows), depth, records[0].size, fed, context)
         record = replace(records[0], draft_s=draft_s, verify_s=verify_s)

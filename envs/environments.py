@@ -14,12 +14,12 @@ the same spaces, observations, rewards and info.
 from __future__ import annotations
 
 import operator
+import warnings
 from copy import deepcopy
 from typing import Any, Sequence
 
 import gymnasium as gym
 import numpy as np
-import torch
 
 from specpilot.drafting.checks import check_float, check_int
 from specpilot.drafting.control import Controller, FixedController, fits_tree
@@ -36,6 +36,25 @@ from specpilot.policies.observation import (BATCH_FEATURES, DEFAULT_FEATURES, Ob
 
 RESET_OPTIONS = ("prompt_index", "batch_size")  # what reset(options=...) takes
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
+
+
+class RenderModeError(TypeError, ValueError):
+    """A render mode the envs do not have. A TypeError too, because that is what SB3's `make_vec_env` (which asks
+    for render_mode="rgb_array" first) and other callers catch before building an env without one."""
+
+
+def own_copy(partner: Any, what: str) -> Any:
+    """An env's own copy of a Controller partner (`copy.deepcopy`), so that envs built from the same keyword
+    arguments (a vector env, SB3's make_vec_env) never share a controller's per-generation state; any other value
+    passes through. A controller that cannot be copied is shared, with a warning."""
+    if not isinstance(partner, Controller):
+        return partner
+    try:
+        return deepcopy(partner)
+    except Exception as err:  # noqa: BLE001 - any failure to copy leaves the documented fallback: share it
+        warnings.warn(f"{what} {type(partner).__name__} cannot be copied ({type(err).__name__}: {err}); this env "
+                      "uses the object itself, so envs given the same one share its state", stacklevel=3)
+        return partner
 
 
 def as_depth_controller(partner: Any, device: str | None = None) -> Controller:
@@ -182,14 +201,14 @@ class _DecisionEnv(gym.Env):
 
     def __init__(self, source, *, reward: str | Reward, max_context: int, render_mode: str | None = None) -> None:
         if render_mode is not None:
-            raise ValueError(f"render_mode={render_mode!r}: specpilot's envs render nothing (metadata render_modes is "
-                             "empty); each step's info dict reports the cycle instead")
+            raise RenderModeError(f"render_mode={render_mode!r}: specpilot's envs render nothing (metadata "
+                                  "render_modes is empty); each step's info dict reports the cycle instead")
         self.render_mode = None
         self.source = source
         self.tree = source.tree
         self.device = source.device
         self.max_new_tokens = source.max_new_tokens
-        self.max_context = int(max_context)
+        self.max_context = check_int("max_context", max_context, minimum=1)
         self.reward_fn = self._reward_proto = make_reward(reward)
         self._rewards: dict[int, Reward] = {}   # batch size -> its reward (batch episodes; see _start)
         self.session = None
@@ -221,20 +240,42 @@ class _DecisionEnv(gym.Env):
             return partner.should_stop(state)
         return partner.choose_size(state)
 
-    def _start(self, seed: int | None, options: dict | None) -> dict:
-        super().reset(seed=seed)
-        if seed is not None:  # Gymnasium takes any int >= 0, torch only 64 bits: a larger seed is folded
-            torch.manual_seed(seed % 2 ** 64)
+    def _check_options(self, options: dict | None) -> dict:
+        """The reset options, checked before the reset touches anything (a refused reset leaves the env as it was)."""
         options = {} if options is None else options
         if not isinstance(options, dict):
             raise TypeError(f"reset options must be a dict (or None), got {type(options).__name__}")
         unknown = sorted(set(options) - set(RESET_OPTIONS))
         if unknown:
             raise ValueError(f"unknown reset option(s) {unknown}: this env takes {list(RESET_OPTIONS)}")
+        checked = dict(options)
         if "prompt_index" in options:
             index = check_int("reset option prompt_index", options["prompt_index"])
             if index not in self.source.indices:
                 raise ValueError(f"prompt_index {index} is not one of this env's prompts {self.source.indices}")
+            checked["prompt_index"] = index
+        if options.get("batch_size") is not None:
+            if not getattr(self.source, "batch_sizes", None):
+                raise ValueError("reset(options={'batch_size': ...}) needs a source with batch_sizes")
+            batch_size = check_int("reset option batch_size", options["batch_size"], minimum=1)
+            check_batch_sizes((batch_size,), self.source.model.profile)  # a size its profile cannot time: refused
+            checked["batch_size"] = batch_size
+        return checked
+
+    def _start(self, seed: int | None, options: dict | None) -> dict:
+        options = self._check_options(options)
+        # seeds only the env's own generators (np_random; the live decoder's draws are seeded from it), never
+        # torch's global one, which belongs to the caller (SB3 samples its actions from it)
+        super().reset(seed=seed)
+        if seed is not None:  # a seeded reset starts the env afresh (Gymnasium: same seed and actions, same
+            # rewards): running reward statistics (dinkelbach's throughput estimate, time's scale) are forgotten.
+            # Training seeds only its first reset, so across its episodes they still persist
+            self._rewards.clear()
+            forget = getattr(self._reward_proto, "reset_statistics", None)
+            if callable(forget):
+                forget()
+        if "prompt_index" in options:
+            index = options["prompt_index"]
         else:
             index = self.source.indices[int(self.np_random.integers(len(self.source.indices)))]
         self.prompt_index = index
@@ -247,10 +288,7 @@ class _DecisionEnv(gym.Env):
         if batch_size is None:
             self.session = self.source.start(index, self.np_random)
         else:
-            if not getattr(self.source, "batch_sizes", None):
-                raise ValueError("reset(options={'batch_size': ...}) needs a source with batch_sizes")
-            self.session = self.source.start(index, self.np_random,
-                                             batch_size=check_int("reset option batch_size", batch_size, minimum=1))
+            self.session = self.source.start(index, self.np_random, batch_size=batch_size)
         rows = len(getattr(self.session, "rows", ())) or 1
         # a batch reward scores the batch's tokens/s, which scales with its size: a running reward (dinkelbach's
         # throughput estimate) keeps one set of statistics per batch size
@@ -282,6 +320,7 @@ class _DecisionEnv(gym.Env):
                     finished = self.session.finished_by
                     info["finished_by"] = finished
                     self._steps = self._pending = None
+                    self.state = self._end_state(record)
                     return reward, finished == "eos", finished != "eos", info
                 self._steps, self._pending = cycle_steps(self.session), None
                 continue
@@ -290,6 +329,27 @@ class _DecisionEnv(gym.Env):
             if question in self.agent_questions:
                 return reward, False, False, info
             answer = self._partner_answer(question, state)
+
+    def _end_state(self, record: CycleRecord) -> DraftState:
+        """The state the generation ended in, for the observation a step returns at the episode's end (SB3
+        bootstraps a truncated episode's value from it): nothing drafted (depth 0, no scores), the final context
+        length and token count, the last cycle as the previous one, the final acceptance rate; a batch keeps its
+        last load (every row has finished)."""
+        last, session = self.state, self.session
+        rows = getattr(session, "rows", None)
+        if rows:  # a batch: its lead row's counts, as its states give them, and the rows' final lengths
+            lengths = [r.prompt_len + r.tokens_emitted for r in rows]
+            lead = getattr(session, "last_lead", rows[0])
+            context_len, new_tokens = lead.prompt_len + lead.tokens_emitted, lead.tokens_emitted
+            acceptance = getattr(lead, "acceptance", last.acceptance)
+            load = dict(batch_size=last.batch_size, context_max=max(lengths), context_mean=sum(lengths) / len(lengths))
+        else:
+            new_tokens = session.tokens_emitted
+            context_len, acceptance, load = session.prompt_len + new_tokens, getattr(session, "acceptance",
+                                                                                    last.acceptance), {}
+        return DraftState(depth=0, max_depth=last.max_depth, width=last.width, context_len=context_len,
+                          new_tokens=new_tokens, max_new_tokens=last.max_new_tokens, prev_accepted=record.accepted,
+                          prev_depth=record.depth, acceptance=float(acceptance), **load)
 
     def _action_index(self, action) -> int:
         """The action as an int in the action space, or a clear error (no negative indexing, no floats)."""
@@ -348,7 +408,9 @@ class DepthEnv(_DecisionEnv):
     The prompt is prefilled (not timed); the first question is the first cycle's skip decision (depth 0).
 
     ## Episode End
-    terminated: the target emitted EOS. truncated: `max_new_tokens` tokens were emitted.
+    terminated: the target emitted EOS (a batch: every row did). truncated: `max_new_tokens` tokens were emitted
+    (a batch: some row's budget ended it). The last step's observation is of the state the generation ended in:
+    nothing drafted, the final context length and progress, the last cycle as the previous one.
 
     ## Info
     A step that ends a cycle: `accepted, emitted, depth, size, draft_s, verify_s, context_len, new_tokens,
@@ -356,10 +418,13 @@ class DepthEnv(_DecisionEnv):
 
     ## Arguments
     source: LiveSource or ReplaySource (or use `gym.make` with the registered ids). reward: a name or reward
-    object. size_controller: Controller, int size, or None (FixedController with the device's default size).
+    object; a seeded reset forgets its running statistics (same seed and actions, same rewards), unseeded resets
+    keep them. size_controller: Controller (the env keeps its own copy: envs of a vector env never share one), int
+    size, or None (FixedController with the device's default size).
     max_context: context length mapped to 1.0 in the observation. skip_decisions: False leaves the skip decision to
     the partner (the agent then only decides after draft forwards). reset(options={"prompt_index": i}) picks a
-    prompt explicitly. features: optional observation features (default: none; the batch features `batch,
+    prompt explicitly (options are checked before the reset changes anything). features: optional observation
+    features (default: none; the batch features `batch,
     context_max` when the source replays batches). Batches (`ReplaySource(batch_sizes=...)`): one decision per
     cycle for the whole batch, the reward scores the batch's cycle (every row's emitted tokens: batch tokens/s),
     reset(options={"batch_size": b}) fixes the size, info adds `batch_size` (reset; cycles: the rows in the
@@ -377,9 +442,11 @@ class DepthEnv(_DecisionEnv):
                  skip_decisions: bool = True, features: Sequence[str] | None = None,
                  render_mode: str | None = None) -> None:
         super().__init__(source, reward=reward, max_context=max_context, render_mode=render_mode)
+        if not isinstance(skip_decisions, (bool, np.bool_)):
+            raise TypeError(f"skip_decisions must be True or False, got {skip_decisions!r}")
         # without skip decisions the partner answers them (a size-only partner never skips)
         self.agent_questions = (SKIP, STOP) if skip_decisions else (STOP,)
-        self.size_controller = as_size_controller(size_controller, self.device)
+        self.size_controller = as_size_controller(own_copy(size_controller, "size_controller"), self.device)
         fits_tree(self.size_controller, self.tree)
         self.spec_obs = ObservationSpec.for_depth(self.tree.width, self.tree.max_depth, max_context=self.max_context,
                                                   features=env_features(source, features))
@@ -423,7 +490,7 @@ class SizeEnv(_DecisionEnv):
     The prompt is prefilled (not timed) and the first tree is drafted.
 
     ## Episode End
-    terminated: the target emitted EOS. truncated: `max_new_tokens` tokens were emitted.
+    As DepthEnv (the last observation has no candidate scores).
 
     ## Info
     Every step: `accepted, emitted, depth, size, draft_s, verify_s, context_len, new_tokens, prompt_index`
@@ -431,7 +498,8 @@ class SizeEnv(_DecisionEnv):
 
     ## Arguments
     source, reward, max_context: as DepthEnv. size_actions: verification sizes (<= the tree's max_size).
-    depth_controller: Controller, int depth, (low, high) for random depths, or None (the device's default depth).
+    depth_controller: Controller (copied, as DepthEnv's size_controller), int depth, (low, high) for random depths,
+    or None (the device's default depth).
     features, batches: as DepthEnv.
 
     ## Example
@@ -452,7 +520,7 @@ class SizeEnv(_DecisionEnv):
             raise ValueError(f"size_actions go up to {max(sizes)} but the tree's max_size is {self.tree.max_size}: "
                              "record / build the tree with a larger max_size or drop the larger sizes")
         self.size_actions = sizes
-        self.depth_controller = as_depth_controller(depth_controller, self.device)
+        self.depth_controller = as_depth_controller(own_copy(depth_controller, "depth_controller"), self.device)
         fits_tree(self.depth_controller, self.tree)
         self.spec_obs = ObservationSpec.for_size(self.tree.width, self.tree.max_depth, size_actions=sizes,
                                                  max_context=self.max_context, features=env_features(source, features))

@@ -77,7 +77,8 @@ class _RunningMean:
 class TimeReward:
     """-(draft_s + verify_s) / running mean cycle time: O(1) and time-only (the paper's time ablation).
 
-    The running mean (EMA with `rate`) persists across episodes; `reset_statistics()` forgets it.
+    The running mean (EMA with `rate`) persists across episodes; `reset_statistics()` forgets it (the envs call it
+    on a seeded reset).
     """
 
     name = "time"
@@ -105,7 +106,8 @@ class DinkelbachReward:
     maximising E[tokens - lambda* time] at lambda* = the optimal throughput (Dinkelbach). lambda is estimated as
     EMA(emitted) / EMA(time), both EMAs with `rate`, updated *after* scoring each cycle (the first cycle scores 0).
     Dividing by token_scale = EMA(emitted) keeps rewards O(1) whatever the hardware's tokens/second.
-    The statistics persist across episodes (lambda is a long-run quantity); `reset_statistics()` forgets them.
+    The statistics persist across episodes (lambda is a long-run quantity); `reset_statistics()` forgets them (the
+    envs call it on a seeded reset).
     """
 
     name = "dinkelbach"

@@ -424,3 +424,153 @@ def test_envs_copy_between_episodes_and_refuse_mid_episode(recorded, copier):
 def test_a_seed_past_64_bits_is_taken_as_gymnasium_takes_it(recorded):
     env = gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0])).unwrapped
     assert env.reset(seed=2 ** 70)[1] == env.reset(seed=2 ** 70)[1]
+
+
+def test_sb3_make_vec_env_builds_the_envs(recorded):
+    """SB3's make_vec_env asks for render_mode="rgb_array" first and falls back on a TypeError: the refusal is one."""
+    from stable_baselines3.common.env_util import make_vec_env
+
+    venv = make_vec_env("specpilot/ReplaySize-v0", n_envs=2, env_kwargs=dict(trace=str(recorded[0]),
+                                                                             size_actions=SIZES))
+    assert venv.reset().shape == (2, *venv.observation_space.shape)
+    venv.close()
+
+
+@pytest.mark.parametrize("kind", ["depth", "size"])
+@pytest.mark.parametrize("source", ["live", "replay"])
+def test_the_last_observation_is_the_state_the_generation_ended_in(kind, source, pair_prompts, recorded):
+    """Not the last question's state: SB3 bootstraps a truncated episode's value from this observation."""
+    pair, prompts = pair_prompts
+    _, trace, profile = recorded
+    max_new = EOS_AFTER - 1
+    env = (_live(kind, pair, prompts, max_new_tokens=max_new) if source == "live"
+           else _replay(kind, trace, profile, max_new_tokens=max_new))
+    steps = _rollout(env, seed=0, action_seed=3, options={"prompt_index": 0})
+    (before, *_), (last, _, _, truncated, info) = steps[-2], steps[-1]
+    spec, n = env.unwrapped.spec_obs, env.unwrapped.spec_obs.num_scores
+    assert truncated and env.observation_space.contains(last) and not np.array_equal(last, before)
+    assert last[2 * n] == 0.0 and not last[n:2 * n].any()                      # nothing drafted
+    assert last[2 * n + 2] == 1.0                                               # the budget is spent
+    assert last[2 * n + 1] == pytest.approx((len(prompts[0]) + max_new) / spec.max_context)
+    assert last[2 * n + 3] == pytest.approx(min(info["accepted"] / spec.max_depth, 1))
+    assert last[2 * n + 4] == pytest.approx(min(info["depth"] / spec.max_depth, 1))
+
+
+def test_the_last_observation_of_a_replay_is_the_next_cycles_state(recorded):
+    """What the replay session itself would show before a next cycle's drafting (depth 0), field for field."""
+    from specpilot.policies.observation import depth_observation
+
+    _, trace, profile = recorded
+    env = _replay("depth", trace, profile, max_new_tokens=EOS_AFTER - 1).unwrapped
+    steps = _rollout(env, seed=0, action_seed=3, options={"prompt_index": 0})
+    session = env.session
+    expected = session.tables.state(session.t, 0, *session.prev, acceptance=session.acceptance)
+    np.testing.assert_array_equal(steps[-1][0], depth_observation(expected, env.spec_obs))
+
+
+@pytest.mark.parametrize("reward", ["dinkelbach", "time"])
+def test_a_seeded_reset_forgets_running_reward_statistics(recorded, reward):
+    """Gymnasium's determinism (its checker): the same seed and actions give the same rewards; unseeded resets
+    keep the statistics across episodes, as training needs them."""
+    from gymnasium.utils.env_checker import check_env as gym_check
+
+    _, trace, profile = recorded
+    env = _replay("depth", trace, profile, reward=reward)
+    first = [r for _, r, *_ in _rollout(env, seed=4, action_seed=1)]
+    assert [r for _, r, *_ in _rollout(env, seed=4, action_seed=1)] == first
+    env.reset()
+    assert env.unwrapped.reward_fn is env.unwrapped._reward_proto
+    kept = env.unwrapped.reward_fn._time.value if reward == "dinkelbach" else env.unwrapped.reward_fn._scale.value
+    assert kept is not None                                                     # an unseeded reset keeps them
+    gym_check(_replay("depth", trace, profile, reward=reward).unwrapped, skip_render_check=True)
+
+
+def test_reset_does_not_touch_torchs_global_random_stream(recorded):
+    _, trace, profile = recorded
+    env = _replay("size", trace, profile)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    env.reset(seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_controller_partner_is_copied_per_env(recorded):
+    """Envs built from the same keyword arguments (a vector env) do not share a stateful partner."""
+    from specpilot.policies.heuristics import RandomDepthController
+
+    trace_dir, _, _ = recorded
+    partner = RandomDepthController(1, TREE.max_depth)
+    alone = gym.make("specpilot/ReplaySize-v0", trace=str(trace_dir), size_actions=SIZES, depth_controller=partner)
+    depths = [s[4].get("depth") for s in _rollout(alone, seed=2, action_seed=0)]
+    venv = gym.make_vec("specpilot/ReplaySize-v0", num_envs=2, vectorization_mode="sync",
+                        trace=str(trace_dir), size_actions=SIZES, depth_controller=partner)
+    first = venv.envs[0].unwrapped
+    second = venv.envs[1].unwrapped
+    assert first.depth_controller is not partner and first.depth_controller is not second.depth_controller
+    venv.reset(seed=[2, 9])
+    rng, seen = np.random.default_rng(0), []
+    for _ in range(len(depths) - 1):
+        _, _, terminated, truncated, info = venv.step(rng.integers(len(SIZES), size=2))
+        seen.append(int(info["depth"][0]))
+        if terminated[0] or truncated[0]:
+            break
+    assert seen == depths[1:len(seen) + 1]
+
+
+@pytest.mark.parametrize("kwargs,error,fragment", [
+    (dict(max_context=4.5), TypeError, "max_context must be an integer"),
+    (dict(max_context="4096"), TypeError, "max_context must be an integer"),
+    (dict(max_context=0), ValueError, "max_context must be an integer >= 1"),
+    (dict(skip_decisions="no"), TypeError, "skip_decisions must be True or False"),
+])
+def test_env_arguments_are_checked_not_coerced(recorded, kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0]), **kwargs)
+
+
+def test_a_refused_reset_leaves_the_running_episode_as_it_was(recorded):
+    env = gym.make("specpilot/ReplayDepth-v0", trace=str(recorded[0])).unwrapped
+    env.reset(seed=0, options={"prompt_index": 1})
+    state = env.state
+    with pytest.raises(ValueError, match="is not one of this env's prompts"):
+        env.reset(seed=5, options={"prompt_index": 99})
+    assert env.state is state and env.prompt_index == 1
+    env.step(0)
+
+
+def _batch_env(recorded, batch_sizes=(1, 2)):
+    from test_batch_replay import known_profile
+
+    trace_dir, trace, _ = recorded
+    profile = known_profile(TREE).with_batch({b: known_profile(TREE, b) for b in (1, 2, 4)})
+    env = gym.make("specpilot/ReplaySize-v0", trace=str(trace_dir), profile=profile, size_actions=SIZES,
+                   depth_controller=(1, TREE.max_depth), batch_sizes=list(batch_sizes)).unwrapped
+    return env, trace
+
+
+def test_a_batch_episode_is_terminated_only_when_every_row_ended_with_its_end_token(recorded):
+    from specpilot.envs.replay import ReplaySession
+
+    env, trace = _batch_env(recorded)
+    ends = {i: trace.budget(i, MAX_NEW)[1] for i in range(trace.num_prompts)}
+    eos, cut = [i for i, e in ends.items() if e], [i for i, e in ends.items() if not e]
+    assert eos and cut
+    for lead, other, want in ((eos[0], cut[0], "length"), (cut[0], eos[0], "length"), (eos[0], eos[0], "eos")):
+        env.reset(seed=0, options={"prompt_index": lead, "batch_size": 2})
+        env.session.rows[1] = ReplaySession(env.source.model, other)   # the second row, chosen (before any cycle)
+        done = False
+        while not done:
+            obs, _, terminated, truncated, info = env.step(0)
+            done = terminated or truncated
+        assert info["finished_by"] == want and (terminated, truncated) == (want == "eos", want != "eos")
+        assert env.observation_space.contains(obs)
+
+
+@pytest.mark.parametrize("batch_size,fragment", [(5, "the latency profile measured batch sizes"),
+                                                 (0, "batch_size must be an integer >= 1")])
+def test_a_reset_batch_size_the_profile_cannot_time_is_refused_up_front(recorded, batch_size, fragment):
+    env, _ = _batch_env(recorded, batch_sizes=(1, 2, 4))
+    with pytest.raises(ValueError, match=fragment):
+        env.reset(seed=0, options={"batch_size": batch_size})
+    assert env.reset(seed=0, options={"batch_size": 3})[1]["batch_size"] == 3   # within the curves: interpolated
