@@ -42,6 +42,7 @@ ARGUMENTS: dict[str, str] = {
     "export": "specpilot.train.cli_args:export_arguments",
 }
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+BROKEN_PIPE = 141  # the shell's code for a process ended by SIGPIPE (its reader closed the pipe)
 
 
 def _command_in(argv: list[str]) -> str | None:
@@ -120,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{label}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except BrokenPipeError:  # the reader of stdout left (`specpilot generate ... | head`): stop quietly, as a shell
+        # tool killed by SIGPIPE does; stdout goes to devnull so the interpreter's last flush cannot fail again
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
     except Exception as err:  # noqa: BLE001 - sorted into bad input (one line) and bugs (re-raised) right here
         from specpilot.drafting.errors import is_user_error, one_line
 

@@ -26,9 +26,10 @@ import torch
 
 from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import new_cache
-from specpilot.drafting.checks import check_float, check_int, check_seed
+from specpilot.drafting.checks import check_float, check_int, check_seed, warn_unused_sampling
 from specpilot.drafting.cycle_math import emitted_count, first_end
 from specpilot.drafting.drafters import FeatureBuffer
+from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, GenerationOutput
@@ -346,6 +347,8 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     check_float("temperature", temperature, minimum=0.0)
     check_int("top_k (0 disables it)", top_k, minimum=0)
     check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
+    warn_unused_sampling(temperature, top_k, top_p)
+    warn_generation_config(pair)
     sampling = (temperature, top_k, top_p) if temperature > 0 else None
     generator = row_generators(seed, len(ids), device)  # checked greedy too, as generate_batch checks it
     generator = generator if sampling is not None else None

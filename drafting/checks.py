@@ -28,6 +28,17 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
 SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1
 
 
+def warn_unused_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """top_k / top_p shape sampling only: at temperature 0 (greedy) they are ignored, which a library call is told
+    (a UserWarning, as transformers' generate() logs it; the CLI refuses them)."""
+    if temperature == 0 and (top_k != 0 or top_p != 1.0):
+        import warnings
+
+        given = ", ".join(f"{k}={v}" for k, v, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0)) if v != off)
+        warnings.warn(f"{given}: top_k and top_p shape sampling only, and at temperature 0 (greedy) decoding ignores "
+                      "them; pass a temperature > 0 to sample", UserWarning, stacklevel=4)
+
+
 def check_seed(name: str, value) -> int:
     """A torch random seed: an integer in SEED_MIN..SEED_MAX, else TypeError / ValueError naming `name`."""
     return check_int(name, value, minimum=SEED_MIN, maximum=SEED_MAX)
@@ -78,8 +89,9 @@ def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) ->
         raise ValueError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
             f"{need} positions but the models' context is {limit}{_context_reason(pair, limit)}; shorten the prompt "
-            "or lower max_new_tokens" + (" or the draft depth (max_depth)" if lookahead > 1 and lookahead > need - limit
-                                         else "")
+            "or lower max_new_tokens" + (" or the tree's max_depth (`--max-depth`: the lookahead reserves the deepest "
+                                         "draft, whatever depth a controller picks)"
+                                         if lookahead > 1 and lookahead > need - limit else "")
         )
 
 

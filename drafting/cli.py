@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specpilot.drafting.cliargs import (add_pair_arguments, load_pair, non_negative_float, non_negative_int, pair_given,
-                               positive_int, probability, seed, utf8_text)
+from specpilot.drafting.cliargs import (add_pair_arguments, given_options, load_pair, non_negative_float,
+                                       non_negative_int, pair_given, positive_int, probability, seed, utf8_text)
 
 # the tree/controller options an exported decoder fixes itself: given with --config they are refused
 STATIC_OPTIONS = ("depth", "size", "width", "max_depth")
@@ -106,10 +106,16 @@ def run(args: argparse.Namespace) -> int:
 
     from specpilot.drafting import autoregressive_generate
     from specpilot.drafting.checks import check_context
+    from specpilot.drafting.generation_defaults import generation_config_note, mark_noted
 
     check_sampling_options(args)
     decoder, controller = _decoder(args)
     pair = decoder.pair
+    given = {flag.removeprefix("--").replace("-", "_") for flag in given_options(args)}
+    note = generation_config_note(pair.target, cli=True, given=given)
+    mark_noted(pair)  # said here, once: the library's warning would repeat it
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     # the real request must fit before the warm-up runs (else its error would name the warm-up's 4 tokens)

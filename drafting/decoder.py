@@ -19,12 +19,13 @@ import torch
 
 from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import cache_length, generation_cache, keep_positions, new_cache
-from specpilot.drafting.checks import check_context, check_float, check_int, check_seed
+from specpilot.drafting.checks import check_context, check_float, check_int, check_seed, warn_unused_sampling
 from specpilot.drafting.control import FixedController, fits_tree
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.cycle_math import (clip_size, emitted_count, first_end, level_bounds, num_candidates,
                                           update_acceptance)
 from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, make_drafter
+from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import sample, sampling_probs
 from specpilot.drafting.timing import Clock
@@ -46,6 +47,7 @@ def _check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: 
     check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
     if seed is not None:
         check_seed("seed", seed)
+    warn_unused_sampling(temperature, top_k, top_p)
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -367,6 +369,7 @@ class SpeculativeDecoder:
         policies), else FixedController() for the device. A FixedController deeper or larger than the tree is
         refused (it would be capped without a word)."""
         controller = self._controller(controller)
+        warn_generation_config(self.pair)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed)
         run_generation(session, controller)
@@ -401,6 +404,7 @@ class SpeculativeDecoder:
 
         controller = self._controller(controller)
         _check_sampling(1, temperature, top_k, top_p, None if isinstance(seed, (list, tuple)) else seed)
+        warn_generation_config(self.pair)
         ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth + 1)
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
         session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch)
@@ -432,6 +436,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     the last prompt token, one target forward per new token.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    warn_generation_config(pair)
     ids = pair.encode(prompt)
     check_context(pair, len(ids), max_new_tokens, 0)
     device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_ids

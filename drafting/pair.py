@@ -480,14 +480,16 @@ class ModelPair:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a generation, as transformers' generate() stops at any of them: the target's
-        generation_config (else config) eos_token_id, an int or a list (Llama-3 Instruct lists three)."""
+        generation_config eos_token_id, an int or a list (Llama-3 Instruct lists three). Like generate(), a
+        generation_config that names none stops nowhere, whatever config.json names (the CLI and a warning say so:
+        `generation_defaults`); config.json is read only for a model without a generation_config."""
         def as_list(eos) -> list:  # an int, numpy or tensor scalar, or a list of them
             if eos is None:
                 return []
             return list(eos) if isinstance(eos, (list, tuple)) else np.asarray(eos).reshape(-1).tolist()
 
-        ids = as_list(getattr(self.target.generation_config, "eos_token_id", None)) or \
-            as_list(self.target.config.eos_token_id)
+        generation = getattr(self.target, "generation_config", None)
+        ids = as_list(generation.eos_token_id if generation is not None else self.target.config.eos_token_id)
         return tuple(dict.fromkeys(int(i) for i in ids))
 
     @property
@@ -566,10 +568,13 @@ class ModelPair:
                for i, t in enumerate(prompt)]
         return check_token_ids(ids, self.vocab_size)
 
-    def decode(self, tokens: list[int]) -> str | None:
+    def decode(self, tokens: list[int], *, skip_special_tokens: bool = True) -> str | None:
+        """The text of `tokens` (None without a tokenizer). Special tokens (the end token a generation stops at) are
+        left out by default, as transformers' text-generation pipeline and vLLM leave them out of output text; the
+        token ids keep them."""
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     @classmethod
     def from_pretrained(

@@ -248,7 +248,9 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
         measurer = Measurer(built, all_ids, [p.id for p in prompts], pair.device, memory, seed, failed, records)
         rounds_meta = {}
         for j, temperature in enumerate(temperatures):
-            sampling = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k, top_p=top_p)
+            # top-k / top-p shape the sampled temperatures only (greedy would ignore them, with a warning)
+            sampling = dict(max_new_tokens=max_new_tokens, temperature=float(temperature),
+                            top_k=top_k if temperature > 0 else 0, top_p=top_p if temperature > 0 else 1.0)
             running = names if temperature == 0 else sampled_names
             # what is left of the budget, shared evenly by the temperatures still to run
             deadline = (None if time_budget_s is None else time.perf_counter()
@@ -273,7 +275,9 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
         meta["sampled_methods"] = sampled_names
     # the ar runs at T=0 are the target's greedy output (`specpilot.eval.degeneracy`): decoded here, on the
     # worker that holds the tokenizer, measured in `_merge`; it costs no generation
-    greedy = {pid: pair.decode(list(tokens)) for pid, tokens in greedy_outputs(records).items()}
+    # the degeneracy measure reads the text with its special tokens, as it always has (an end token is output too)
+    greedy = {pid: pair.decode(list(tokens), skip_special_tokens=False)
+              for pid, tokens in greedy_outputs(records).items()}
     return {"records": [r for r in records if r.method not in failed], "meta": meta, "kept": kept,
             "greedy_texts": greedy,
             "controllers": {n: (copy.deepcopy(m.controller), m.decoder.tree) for n, m in built.items()

@@ -92,7 +92,7 @@ CASES = {
                                 ["--depth-range", "LOW,HIGH", "'3-9'"]),
     "draft lookahead past the context": (lambda p: ["generate", "--prompt", "x", *_pair(p), "--width", "1",
                                                     "--max-depth", "600", "--max-new-tokens", "4"],
-                                         ["context", "or the draft depth (max_depth)"]),
+                                         ["context", "or the tree's max_depth (`--max-depth`"]),
     "missing target path": (lambda p: ["generate", "--prompt", "x", "--target", "/no/such/target", "--draft",
                                        p["draft"]], ["/no/such/target", "does not exist"]),
     "missing relative path": (lambda p: ["generate", "--prompt", "x", "--target", "runs/nosuchmodel", "--draft",
