@@ -88,7 +88,8 @@ def warn_generation_config(pair) -> None:
     if getattr(pair, _WARNED, False):
         return
     mark_noted(pair)
-    note = generation_config_note(pair.target)
+    target = getattr(pair, "target", None)
+    note = generation_config_note(target) if target is not None else None
     if note:
         warnings.warn(note, UserWarning, stacklevel=3)
 
