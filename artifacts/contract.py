@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specpilot.artifacts.run import FINISHED, RunManifest, read_progress
+from specpilot.drafting.errors import InputFileError
 
 TREE_KEYS = ("width", "max_depth")
 
@@ -102,6 +103,7 @@ class RunContract:
         manifest = run_dir if isinstance(run_dir, RunManifest) else RunManifest.load(run_dir)
         data = manifest.section("contract")
         if data:
+            _check_recorded(data, manifest.path)
             return cls(**{k: data.get(k) for k in ("pair", "dtype", "tree", "size_actions")},
                        suites=data.get("suites") or {})
         legacy = next((p for p in (manifest.traces.get("train_pair"), manifest.data.get("pair"),
@@ -115,6 +117,27 @@ class RunContract:
         """ContractError when `other` (what a command is about to add to the run) differs in pair or tree."""
         check_pair(self.pair, other.pair, expected_from=f"{run}", got_from=given, fix=fix)
         check_tree(self.tree, other.tree, expected_from=run, got_from=given, fix=fix)
+
+
+def _check_recorded(data: dict, path) -> None:
+    """InputFileError naming the manifest when a recorded contract field has another type than a run writes (an
+    edited or damaged file: a number as the dtype would travel into the export, a string tree would skip checks)."""
+    def integers(value) -> bool:
+        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+    expected = {"pair": (dict, "a mapping"), "dtype": (str, "a dtype name"), "tree": (dict, "a mapping"),
+                "suites": (dict, "a mapping")}
+    bad = [f"{k} is {data[k]!r:.40} ({type(data[k]).__name__}), not {what}" for k, (kind, what) in expected.items()
+           if data.get(k) is not None and not isinstance(data[k], kind)]
+    tree = data.get("tree")
+    if isinstance(tree, dict):
+        bad += [f"tree.{k} is {tree[k]!r:.20}, not an integer" for k in ("width", "max_depth", "max_size")
+                if tree.get(k) is not None and not integers([tree[k]])]
+    if data.get("size_actions") is not None and not integers(data["size_actions"]):
+        bad.append(f"size_actions is {data['size_actions']!r:.40}, not a list of integers")
+    if bad:
+        raise InputFileError(f"{path}: the run's contract is damaged ({'; '.join(bad)}): restore the file, or train "
+                             "into a new --run folder")
 
 
 def record_contract(run_dir: str | Path, contract: RunContract, *, given: str, fix: str) -> RunContract:

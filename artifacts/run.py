@@ -93,8 +93,16 @@ class RunManifest:
         return self.path
 
     def section(self, key: str) -> dict:
+        """A section of the manifest ({} when the run has none yet); InputFileError naming the file when it is not
+        a mapping (every command writes mappings: the file was edited or damaged, and reading it as empty would skip
+        the run's checks)."""
         value = self.data.get(key)
-        return value if isinstance(value, dict) else {}
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise InputFileError(f"{self.path}: its {key!r} section is a {type(value).__name__}, not a mapping: the "
+                                 f"run manifest was edited or damaged; {MANIFEST_FIX}")
+        return value
 
     def __bool__(self) -> bool:
         return bool(self.data)

@@ -260,6 +260,12 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
         t = meta["tree"]
         tree = TreeConfig(width=t["width"], max_depth=t["max_depth"], max_size=t["max_size"])
         policies = meta["policies"]
+        if not isinstance(policies, dict):
+            raise TypeError(f"'policies' is a {type(policies).__name__}, not a mapping")
+        wrong = [k for k in ("depth", "size", "fallback", "batch_guard")
+                 if policies.get(k) is not None and not isinstance(policies[k], dict)]
+        if wrong:
+            raise TypeError(f"policies.{wrong[0]} is a {type(policies[wrong[0]]).__name__}, not a mapping")
     except (KeyError, TypeError, ValueError) as err:
         raise ExportedConfigError(f"{config}: missing or invalid 'tree'/'policies' section ({err}); re-export") from err
 

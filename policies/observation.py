@@ -97,6 +97,8 @@ class ObservationSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ObservationSpec":
+        if not isinstance(data, dict):
+            raise TypeError(f"an observation spec is a mapping of its fields, got {type(data).__name__} {data!r:.60}")
         version = int(data.get("version", -1))
         if version not in READABLE_VERSIONS:
             raise ValueError(

@@ -158,6 +158,29 @@ def test_contract_is_recorded_once_and_refuses_another_pair(tmp_path):
     assert "draft drafter" in msg and "eagle3 drafter" in msg  # both sides named
 
 
+@pytest.mark.parametrize("damage,fragment", [
+    (lambda m: m.update(contract="x"), "its 'contract' section is a str, not a mapping"),
+    (lambda m: m.update(stages=[]), "its 'stages' section is a list, not a mapping"),
+    (lambda m: m["contract"].update(dtype=5), "dtype is 5 (int), not a dtype name"),
+    (lambda m: m["contract"]["tree"].update(width="4"), "tree.width is '4', not an integer"),
+    (lambda m: m["contract"].update(size_actions="2,4"), "size_actions is '2,4', not a list of integers"),
+    (lambda m: m["contract"].update(pair=[1]), "pair is [1] (list), not a mapping"),
+])
+def test_a_damaged_manifest_section_or_contract_is_named_not_skipped(tmp_path, damage, fragment):
+    """Read as empty, a damaged contract would skip every check of the run (and a number as its dtype travelled
+    into the export): refused naming the file."""
+    run = _run_with_contract(tmp_path / "run")
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    damage(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(InputFileError) as info:
+        manifest = RunManifest.load(run)
+        RunContract.of_run(manifest)
+        manifest.stages
+    assert str(path) in one_line(info.value) and fragment in one_line(info.value) and is_user_error(info.value)
+
+
 def test_contract_refuses_another_tree(tmp_path):
     run = _run_with_contract(tmp_path / "run")
     w2 = TraceHeader.load(_trace(tmp_path / "w2", width=2))

@@ -258,6 +258,11 @@ DECODER_EDITS = {
     "size sha256 empty": (lambda m: m["policies"]["size"].update(sha256=""),
                           ["(size policy)", "lacks 'sha256'", "incomplete"]),
     "layers missing": (lambda m: m["policies"]["size"].pop("layers"), ["(size policy)", "lacks 'layers'"]),
+    "policies a string": (lambda m: m.update(policies="x"), ["'policies' is a str, not a mapping"]),
+    "depth entry a string": (lambda m: m["policies"].update(depth="x"), ["policies.depth is a str, not a mapping"]),
+    "fallback a list": (lambda m: m["policies"].update(fallback=[1]), ["policies.fallback is a list, not a mapping"]),
+    "spec a string": (lambda m: m["policies"]["depth"].update(spec="x"),
+                      ["(depth policy)", "an observation spec is a mapping of its fields, got str"]),
 }
 
 

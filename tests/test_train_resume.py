@@ -1,7 +1,9 @@
 """Checkpoint / resume / run-directory contracts of the PPO training machinery, and loading a run's controllers."""
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -272,3 +274,58 @@ def test_checkpoints_resume_after_their_schedule_class_moved(tmp_path, monkeypat
     CountingEnv.steps, CountingEnv.interrupt_at = 0, None
     train_policy(CountingEnv, val_fn, tiny(), tmp_path, "stage", resume=True)
     assert read_progress(tmp_path / "stage")["timesteps_done"] == 1024
+
+
+def test_the_logger_writes_nothing_before_its_first_record(tmp_path):
+    """A command refused before it logs leaves no tb/ and no wandb run; a bad mode is refused before any file."""
+    run = tmp_path / "run"
+    RunLogger(run, {"command": "train size"}, mode="offline").close()
+    assert not run.exists()
+    with pytest.raises(ValueError, match="wandb mode must be one of"):
+        RunLogger(tmp_path / "other", mode="bogus")
+    assert not (tmp_path / "other").exists()
+
+
+def test_wandb_resumes_the_same_run_and_honours_project_and_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_PROJECT", "mine")
+    monkeypatch.setenv("WANDB_NAME", "named")
+    ids = []
+    for budget in (64, 128):  # a resume with a larger budget: the same command on the same run folder
+        with RunLogger(tmp_path, {"command": "train size", "steps": budget}, mode="offline") as run_logger:
+            run_logger.log({"s/val/score": 1.0}, step=budget)
+            run = run_logger.wandb_run
+            ids.append(run.id)
+            assert (run.project, run.name) == ("mine", "named")
+    with RunLogger(tmp_path, {"command": "train depth"}, mode="offline") as run_logger:
+        run_logger.log({"d/val/score": 1.0}, step=1)
+        ids.append(run_logger.wandb_run.id)
+    assert ids[0] == ids[1] != ids[2]
+    assert json.loads((tmp_path / "wandb" / "run_ids.json").read_text()) == {"train size": ids[0],
+                                                                          "train depth": ids[2]}
+
+
+def test_wandb_online_without_a_server_logs_offline(tmp_path, monkeypatch):
+    import wandb
+
+    real = wandb.init
+
+    def unreachable(**kwargs):
+        if kwargs["mode"] == "online":
+            raise TimeoutError("Timed out while retrying: Post \"https://api.wandb.ai/graphql\"\nmore detail")
+        return real(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", unreachable)
+    with pytest.warns(UserWarning, match="could not start online \\(Timed out while retrying: .*\\); logging "
+                                         "offline to .*`wandb sync` uploads it later"):
+        with RunLogger(tmp_path, {"command": "train size"}, mode="online") as run_logger:
+            run_logger.log({"s/val/score": 1.0}, step=1)
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_the_wandb_config_records_every_option():
+    from specpilot.train.cli import run_config
+
+    args = argparse.Namespace(train_command="size", command="train", steps=64, lr=5e-4, gamma=0.95, static=(2, 4),
+                              traces=Path("/r/traces"), pi_arch=[8], _argv=["x"], _handler=print, wandb="offline")
+    assert run_config(args) == {"command": "train size", "steps": 64, "lr": 5e-4, "gamma": 0.95, "static": [2, 4],
+                                "traces": "/r/traces", "pi_arch": [8], "wandb": "offline"}

@@ -5,6 +5,7 @@ wandb and threads may change, and a resumed stage says where it resumes from. `t
 options when a resumed stage 1 is unfinished or already past its budget."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -103,6 +104,26 @@ def test_resume_with_a_changed_setting_is_refused(interrupted_size, traces, tmp_
     code, err = run_cli(_size(run, traces, "--resume", *extra), capsys)
     assert_one_line(code, err, "cannot resume stage", "size_s1", *fragments, "resume with those", "new --run")
     assert "VecNormalize" not in err and "delete" not in err
+    assert _snapshot(run) == before
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    (lambda p: p.pop("settings"), "settings missing"),
+    (lambda p: p.update(settings="x"), "settings is a str"),
+    (lambda p: p.update(timesteps_done="128"), "timesteps_done is a str"),
+    (lambda p: p.update(setup=[1]), "setup is a list"),
+])
+def test_a_damaged_progress_record_is_refused_not_resumed_unchecked(interrupted_size, traces, tmp_path, capsys,
+                                                                     damage, fragment):
+    """A record whose settings are gone would skip the resume check: refused in one line, nothing changed."""
+    run = _copy(interrupted_size, tmp_path)
+    path = run / "size_s1" / "checkpoints" / "progress.json"
+    progress = json.loads(path.read_text())
+    damage(progress)
+    path.write_text(json.dumps(progress))
+    before = _snapshot(run)
+    code, err = run_cli(_size(run, traces, "--resume", "--lr", "0.5"), capsys)
+    assert_one_line(code, err, str(path), "is damaged", fragment, "restore it")
     assert _snapshot(run) == before
 
 

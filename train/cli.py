@@ -337,9 +337,23 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
                     parts.append(f"{get['tokens_per_s']:.1f} tok/s in training cycles")
                 print(f"  {stage}: {', '.join(parts)}", file=sys.stderr, flush=True)
 
-    config = {"command": f"train {args.train_command}", "steps": getattr(args, "steps", None), "reward": args.reward,
-              "backend": args.backend, "seed": args.seed}
-    return ProgressLogger(run_dir, config, mode=args.wandb)
+    return ProgressLogger(run_dir, run_config(args), mode=args.wandb)
+
+
+def run_config(args: argparse.Namespace) -> dict:
+    """The wandb config of a train command: the command and every option's value (PPO settings, budgets, the
+    static config, the traces and the pair as given), as SB3's wandb integration records the hyper-parameters."""
+    config = {"command": f"train {args.train_command}"}
+    for key, value in sorted(vars(args).items()):
+        if key.startswith("_") or key in ("command", "train_command") or callable(value):
+            continue
+        if isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, (str, int, float, bool, list)):
+            config[key] = value
+    return config
 
 
 def summary_lines(out: dict, run_dir: Path, *, batched: bool = False) -> list[str]:

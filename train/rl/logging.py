@@ -14,6 +14,7 @@ Metric namespaces (fixed, per training stage):
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections import defaultdict
@@ -28,6 +29,12 @@ WANDB_MODES = ("online", "offline", "disabled")
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
 
 
+def one_line_error(err: BaseException) -> str:
+    """An exception's first line (wandb's network errors run to several)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
 def resolve_wandb_mode(mode: str | None = None) -> str:
     """The argument if given, else $WANDB_MODE, else "offline"."""
     mode = mode or os.environ.get("WANDB_MODE") or "offline"
@@ -38,31 +45,98 @@ def resolve_wandb_mode(mode: str | None = None) -> str:
     return mode
 
 
+ONLINE_INIT_TIMEOUT_S = 30.0  # wandb's default waits 90 s for an unreachable server before giving up
+RUN_IDS_FILE = "run_ids.json"  # RUN/wandb/run_ids.json: {command or stage: wandb run id}, so a resume continues it
+
+
 class RunLogger:
-    """Writes scalars/histograms to run_dir/tb (TensorBoard) and, unless disabled, a wandb run in run_dir/wandb."""
+    """Writes scalars/histograms to run_dir/tb (TensorBoard) and, unless disabled, a wandb run in run_dir/wandb.
+
+    Both start with the first record, so a command refused before it logs anything leaves neither (nor a wandb run).
+    The wandb run's id is kept per command (or stage) in RUN/wandb/run_ids.json: the same command on the same run
+    folder (a `--resume`) continues that run (`resume="allow"`) instead of starting another. $WANDB_PROJECT,
+    $WANDB_NAME and $WANDB_RUN_ID are honoured. Online, a server that cannot be reached within
+    ONLINE_INIT_TIMEOUT_S falls back to offline logging in the run folder (`wandb sync` uploads it later): nothing
+    logged is lost."""
 
     def __init__(self, run_dir: str | Path, config: dict | None = None, mode: str | None = None, *,
-                 project: str = "specpilot", name: str | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+                 project: str | None = None, name: str | None = None) -> None:
+        self.mode = resolve_wandb_mode(mode)  # a bad mode is refused before anything is written
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.mode = resolve_wandb_mode(mode)
-        self.tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        self.config = dict(config or {})
+        self.project = project or os.environ.get("WANDB_PROJECT") or "specpilot"
+        self.name = os.environ.get("WANDB_NAME") or name or self.run_dir.name
+        self._tb = None
         self.wandb_run = None
-        if self.mode != "disabled":
-            self.wandb_run = self._init_wandb(config or {}, project, name or self.run_dir.name)
+        self._wandb_tried = False
 
-    def _init_wandb(self, config: dict, project: str, name: str):
+    @property
+    def tb(self):
+        """The TensorBoard writer (run_dir/tb), made at the first record."""
+        if self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        return self._tb
+
+    def _wandb(self):
+        """The wandb run, started at the first record (None when disabled or when it could not start)."""
+        if not self._wandb_tried and self.mode != "disabled":
+            self._wandb_tried = True
+            self.wandb_run = self._init_wandb()
+        return self.wandb_run
+
+    def _ids_path(self) -> Path:
+        return self.run_dir / "wandb" / RUN_IDS_FILE
+
+    def _saved_ids(self) -> dict:
+        try:
+            ids = json.loads(self._ids_path().read_text())
+        except (OSError, ValueError):  # none yet, or damaged: a new run (the ids are a convenience, not a contract)
+            return {}
+        return ids if isinstance(ids, dict) else {}
+
+    def _init_wandb(self):
         try:
             import wandb
-
-            return wandb.init(project=project, name=name, dir=str(self.run_dir), mode=self.mode, config=config,
-                              reinit="create_new", settings=wandb.Settings(silent=True, console="off"))
         except Exception as err:  # logging must never kill a training run
-            warnings.warn(f"wandb could not start in {self.mode} mode ({err}); logging to TensorBoard only",
-                          stacklevel=3)
+            warnings.warn(f"wandb could not be imported ({err}); logging to TensorBoard only", stacklevel=4)
             return None
+        key = str(self.config.get("command") or self.config.get("stage") or "run")
+        saved = None if os.environ.get("WANDB_RUN_ID") else self._saved_ids().get(key)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+        def start(mode: str):
+            settings = wandb.Settings(silent=True, console="off", init_timeout=ONLINE_INIT_TIMEOUT_S)
+            return wandb.init(project=self.project, name=self.name, dir=str(self.run_dir), mode=mode,
+                              config=self.config, id=saved, resume="allow" if saved else None,
+                              allow_val_change=True, reinit="create_new", settings=settings)
+
+        try:
+            run = start(self.mode)
+        except Exception as err:  # logging must never kill a training run
+            if self.mode != "online":
+                warnings.warn(f"wandb could not start in {self.mode} mode ({err}); logging to TensorBoard only",
+                              stacklevel=4)
+                return None
+            try:
+                run = start("offline")
+            except Exception as again:
+                warnings.warn(f"wandb could not start online ({err}) nor offline ({again}); logging to TensorBoard "
+                              "only", stacklevel=4)
+                return None
+            warnings.warn(f"wandb could not start online ({one_line_error(err)}); logging offline to "
+                          f"{self.run_dir / 'wandb'} instead: `wandb sync` uploads it later", stacklevel=4)
+        ids = self._saved_ids()
+        if ids.get(key) != run.id:
+            ids[key] = run.id
+            try:
+                self._ids_path().parent.mkdir(parents=True, exist_ok=True)
+                self._ids_path().write_text(json.dumps(ids, indent=1))
+            except OSError as err:
+                warnings.warn(f"could not keep the wandb run id ({err}): a resume will start a new run", stacklevel=4)
+        return run
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Scalars become scalars, sequences become histograms (TensorBoard) / wandb.Histogram."""
@@ -80,7 +154,7 @@ class RunLogger:
                 if np.isfinite(value):
                     self.tb.add_scalar(key, float(value), global_step=step)
                     payload[key] = float(value)
-        if self.wandb_run is not None and payload:
+        if payload and self._wandb() is not None:
             import wandb
 
             data = {k: wandb.Histogram(v) if isinstance(v, np.ndarray) else v for k, v in payload.items()}
@@ -101,7 +175,8 @@ class RunLogger:
         return Logger(folder=str(self.run_dir / "tb" / stage), output_formats=formats)
 
     def close(self) -> None:
-        self.tb.close()
+        if self._tb is not None:
+            self._tb.close()
         if self.wandb_run is not None:
             try:
                 self.wandb_run.finish()

@@ -29,7 +29,7 @@ from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from specpilot.artifacts.policies import PoliciesIndex, PolicyEntry
-from specpilot.artifacts.run import (BEST_JSON, BEST_ZIP, PROGRESS_FILE, RunManifest, read_best,  # noqa: F401
+from specpilot.artifacts.run import (BEST_JSON, BEST_ZIP, CHECKPOINTS_DIR, PROGRESS_FILE, RunManifest, read_best,  # noqa: F401
                                      write_record)
 from specpilot.artifacts.run import read_progress as artifact_progress
 from specpilot.drafting.errors import InputFileError
@@ -259,12 +259,30 @@ def _fit_fallback(depth: int | None, size: int | None, spec: ObservationSpec | N
 # checkpoints
 
 
+# a progress record's fields, as every checkpoint writes them (`_StageCallback`): a record without one, or with one
+# of another type, was edited or damaged, and resuming from it would skip a check (the settings) or fail later
+PROGRESS_FIELDS = {"timesteps_done": int, "checkpoint": str, "settings": dict}
+
+
 def read_progress(stage_dir: str | Path) -> dict | None:
-    """The latest checkpoint's progress record of a stage, or None when it has none."""
+    """The latest checkpoint's progress record of a stage, or None when it has none; CheckpointError when it is
+    damaged (unreadable, or a field missing or of another type)."""
     try:
-        return artifact_progress(stage_dir)
+        progress = artifact_progress(stage_dir)
     except InputFileError as err:  # truncated, garbage, or not a JSON object
         raise CheckpointError(str(err)) from None
+    if progress is None:
+        return None
+    bad = [f"{k} {'missing' if k not in progress else 'is a ' + type(progress[k]).__name__}"
+           for k, kind in PROGRESS_FIELDS.items()
+           if not isinstance(progress.get(k), kind) or (kind is int and isinstance(progress[k], bool))]
+    if progress.get("setup") is not None and not isinstance(progress["setup"], dict):  # (None: a stage without one)
+        bad.append(f"setup is a {type(progress['setup']).__name__}")
+    if bad:
+        path = Path(stage_dir) / CHECKPOINTS_DIR / PROGRESS_FILE
+        raise CheckpointError(f"{path} is damaged ({', '.join(bad)}): restore it, or delete {path.parent} to "
+                              "restart the stage")
+    return progress
 
 
 class _StageCallback(BaseCallback):
