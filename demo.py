@@ -296,6 +296,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
     summary = summarise(run_dir, results, timings, time.perf_counter() - started, identity, budget, reused=reused)
     atomic_write_json(run_dir / "summary.json", summary, default=str)
+    _log_summary(run_dir, summary, wandb)
     print(format_summary(summary))
     return summary
 
@@ -428,6 +429,17 @@ def summarise(run_dir: Path, results: dict, timings: dict, wall_s: float, identi
         "seeds": (results.get("eval") or {}).get("seeds"),
         "switches": _switches(run_dir, budget),
     }
+
+
+def _log_summary(run_dir: Path, summary: dict, wandb: str | None) -> None:
+    """The demo's results (speedups, verdicts, replay, seeds) as the summary of a wandb run "demo" in RUN/wandb
+    (and TensorBoard text), beside the training stages' runs."""
+    from specpilot.train.rl.logging import RunLogger
+
+    keep = {k: v for k, v in summary.items() if k not in ("pair", "budget", "run_dir")}
+    config = {"command": "demo", "pair": summary.get("pair"), "budget": summary.get("budget")}
+    with RunLogger(run_dir, config, mode=wandb, name=f"{run_dir.name}-demo") as log:
+        log.summarize(keep)
 
 
 def _switches(run_dir: Path, budget: DemoBudget) -> dict:

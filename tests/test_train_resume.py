@@ -329,3 +329,14 @@ def test_the_wandb_config_records_every_option():
                               traces=Path("/r/traces"), pi_arch=[8], _argv=["x"], _handler=print, wandb="offline")
     assert run_config(args) == {"command": "train size", "steps": 64, "lr": 5e-4, "gamma": 0.95, "static": [2, 4],
                                 "traces": "/r/traces", "pi_arch": [8], "wandb": "offline"}
+
+
+def test_a_summary_reaches_wandb_flattened(tmp_path):
+    summary = {"methods": {"ltd": {"speedup": 1.8, "speedup_ci": [1.7, 1.9], "tau": float("nan")}},
+               "ltd_vs_grid": {"ratio": 1.04, "verdict": "faster"}, "label": None}
+    with RunLogger(tmp_path, {"command": "demo"}, mode="offline") as run_logger:
+        run_logger.summarize(summary)
+        got = dict(run_logger.wandb_run.summary)
+    assert {k: got[k] for k in ("methods/ltd/speedup", "ltd_vs_grid/ratio", "ltd_vs_grid/verdict")} == \
+        {"methods/ltd/speedup": 1.8, "ltd_vs_grid/ratio": 1.04, "ltd_vs_grid/verdict": "faster"}
+    assert "methods/ltd/tau" not in got and "label" not in got and list((tmp_path / "tb").glob("events.*"))

@@ -128,6 +128,12 @@ class RunLogger:
                 return None
             warnings.warn(f"wandb could not start online ({one_line_error(err)}); logging offline to "
                           f"{self.run_dir / 'wandb'} instead: `wandb sync` uploads it later", stacklevel=4)
+        # charts against each stage's own environment steps (the `timesteps` every record carries), not wandb's
+        # count of log calls
+        try:
+            run.define_metric("*", step_metric="timesteps")
+        except Exception:  # noqa: BLE001 - a convenience of the charts, never worth failing a run
+            pass
         ids = self._saved_ids()
         if ids.get(key) != run.id:
             ids[key] = run.id
@@ -162,6 +168,27 @@ class RunLogger:
             # only grow
             data["timesteps"] = step
             self.wandb_run.log(data)
+
+    def summarize(self, values: dict[str, Any]) -> None:
+        """A run's results (e.g. the demo's held-out speedups and verdicts) as the wandb run's summary: nested keys
+        joined with "/", numbers and short strings kept (None, lists and non-finite numbers left out)."""
+        flat: dict[str, Any] = {}
+
+        def walk(prefix: str, value) -> None:
+            if isinstance(value, dict):
+                for key, inner in value.items():
+                    walk(f"{prefix}/{key}" if prefix else str(key), inner)
+            elif isinstance(value, bool) or (isinstance(value, str) and len(value) <= 200):
+                flat[prefix] = value
+            elif isinstance(value, (int, float, np.integer, np.floating)) and np.isfinite(value):
+                flat[prefix] = float(value) if isinstance(value, (float, np.floating)) else int(value)
+
+        walk("", values)
+        if not flat:
+            return
+        self.tb.add_text("summary", json.dumps(flat, indent=1, default=str))
+        if self._wandb() is not None:
+            self.wandb_run.summary.update(flat)
 
     def note(self, text: str) -> None:
         """A one-line event of the run (e.g. "size_s1: resuming size seed 0 from ... at step 2048"), kept in
