@@ -172,8 +172,13 @@ class DemoState:
             if self.path.exists() else {}
 
     def done(self, stage: str, key: str) -> dict | None:
+        """The stage's finished entry when its settings are `key` (a damaged entry is not finished: the stage runs
+        again, which loses nothing)."""
         entry = self.data.get(stage)
-        return entry if entry and entry.get("key") == key else None
+        if not (isinstance(entry, dict) and entry.get("key") == key and isinstance(entry.get("result"), dict)
+                and isinstance(entry.get("seconds"), (int, float))):
+            return None
+        return entry
 
     def finish(self, stage: str, key: str, result: dict, seconds: float) -> None:
         self.data[stage] = {"key": key, "result": result, "seconds": round(seconds, 1)}

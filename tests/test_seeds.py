@@ -83,3 +83,32 @@ def test_seeds_trained_in_worker_processes_equal_seeds_trained_in_turn(traces, t
 def test_run_seeds_refuses_zero_workers(traces, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match="workers"):
         run_seeds(tmp_path / "run", traces, seeds=2, workers=0, options=_options(seed=5))
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("{", "is not a readable seeds record"),
+    ('{"seeds": "x", "static": [2, 4], "chosen": 0}', "is damaged"),
+    ('{"seeds": [{"seed": 0}], "static": [2, 4], "chosen": 0}', "is damaged"),
+    ('{"seeds": [{"seed": 0, "dir": "s0"}], "chosen": 0}', "is damaged"),
+])
+def test_a_damaged_seeds_record_is_named(tmp_path, content, fragment):
+    from specpilot.drafting.errors import InputFileError, is_user_error
+
+    (tmp_path / "seeds.json").write_text(content)
+    with pytest.raises(InputFileError) as info:
+        evaluate_seeds(tmp_path, tmp_path / "no-trace")
+    assert str(tmp_path / "seeds.json") in str(info.value) and is_user_error(info.value)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("entry", ["x", {"key": "k"}, {"key": "k", "result": "r", "seconds": 1.0},
+                                   {"key": "k", "result": {}, "seconds": "1"}])
+def test_a_damaged_demo_state_entry_reruns_its_stage(tmp_path, entry):
+    import json
+
+    from specpilot.demo import DemoState
+
+    (tmp_path / "demo_state.json").write_text(json.dumps({"record": entry}))
+    assert DemoState(tmp_path).done("record", "k") is None
+    (tmp_path / "demo_state.json").write_text(json.dumps({"record": {"key": "k", "result": {}, "seconds": 1.0}}))
+    assert DemoState(tmp_path).done("record", "k") == {"key": "k", "result": {}, "seconds": 1.0}

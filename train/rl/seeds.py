@@ -155,6 +155,25 @@ def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: in
     return out
 
 
+def read_seeds(run_dir: str | Path) -> dict:
+    """RUN/seeds.json as `run_seeds` writes it; InputFileError naming the file when it is unreadable or damaged
+    (a field missing or of another type)."""
+    from specpilot.drafting.errors import InputFileError
+    from specpilot.drafting.files import read_json
+
+    path = Path(run_dir) / SEEDS_FILE
+    fix = "restore it, or train the seeds again (`specpilot train all --seeds N`, the demo's train stage)"
+    info = read_json(path, what="seeds record", fix=fix)
+    seeds = info.get("seeds")
+    ok = (isinstance(seeds, list) and seeds and all(isinstance(s, dict) and isinstance(s.get("dir"), str)
+                                                     and "seed" in s for s in seeds)
+          and isinstance(info.get("static"), list) and len(info["static"]) == 2 and "chosen" in info)
+    if not ok:
+        raise InputFileError(f"{path} is damaged (it needs 'seeds': a list of {{'seed', 'dir'}}, 'static': "
+                             f"[depth, size] and 'chosen'); {fix}")
+    return info
+
+
 def evaluate_seeds(run_dir: str | Path, trace: str | Path, *, static: tuple[int, int] | None = None,
                    prompts: Sequence[int] | None = None) -> dict:
     """Replay ltd-vs-static ratio of every seed of a `run_seeds` run on any trace (e.g. held-out prompts; only
@@ -164,7 +183,7 @@ def evaluate_seeds(run_dir: str | Path, trace: str | Path, *, static: tuple[int,
     from specpilot.train.rl.validation import evaluate_replay
 
     run_dir = Path(run_dir)
-    info = json.loads((run_dir / SEEDS_FILE).read_text())
+    info = read_seeds(run_dir)
     static = tuple(static or info["static"])
     model = ReplayModel(trace)
     base = evaluate_replay(FixedController(*static), model, prompts=prompts)["tokens_per_s"]
