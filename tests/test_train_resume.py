@@ -340,3 +340,14 @@ def test_a_summary_reaches_wandb_flattened(tmp_path):
     assert {k: got[k] for k in ("methods/ltd/speedup", "ltd_vs_grid/ratio", "ltd_vs_grid/verdict")} == \
         {"methods/ltd/speedup": 1.8, "ltd_vs_grid/ratio": 1.04, "ltd_vs_grid/verdict": "faster"}
     assert "methods/ltd/tau" not in got and "label" not in got and list((tmp_path / "tb").glob("events.*"))
+
+
+def test_a_batch_validation_prints_as_a_speedup_not_tokens_per_second(tmp_path, capsys):
+    from specpilot.train.cli import progress_logger
+
+    with progress_logger(tmp_path, argparse.Namespace(train_command="all", wandb="disabled")) as log:
+        log.log({"bc/val/batch_score": 1.234}, step=3)
+        log.log({"depth_s1/val/tokens_per_s": 150.0, "depth_s1/val/speedup": 1.5}, step=64)
+    err = capsys.readouterr().err
+    assert "bc: step 3, validation 1.234x batched AR (geometric mean over batch sizes, batch replay)" in err
+    assert "depth_s1: step 64, validation 150.0 tok/s, 1.50x AR (replay)" in err

@@ -327,6 +327,9 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
                 if val.get("mean_accepted_length"):
                     shown.append(f"tau {val['mean_accepted_length']:.2f}")
                 print(f"  {stage}: step {step}, validation {', '.join(shown)} (replay)", file=sys.stderr, flush=True)
+            elif "batch_score" in val:  # a batch-aware stage: geometric-mean speedup over batched AR
+                print(f"  {stage}: step {step}, validation {val['batch_score']:.3f}x batched AR (geometric mean over "
+                      "batch sizes, batch replay)", file=sys.stderr, flush=True)
             elif not val and time.monotonic() - self.last >= every_s:
                 self.last = time.monotonic()
                 get = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if not isinstance(v, (list, tuple))}

@@ -520,7 +520,11 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
                  **({"val_per_batch_size": val["per_batch_size"]} if batch_sizes else {})}
         history.append(entry)
         if logger is not None:
-            logger.log({"bc/val/tokens_per_s": val["tokens_per_s"],
+            # a batch validation scores a geometric-mean speedup over batched AR, not tokens/s: logged under the name
+            # the PPO stages' batch validation uses
+            score = ({"bc/val/batch_score": val["speedup"]} if batch_sizes
+                     else {"bc/val/tokens_per_s": val["tokens_per_s"]})
+            logger.log({**score,
                         **{f"bc/fit/{k}_accuracy": f["accuracy"] for k, f in fits.items() if f["accuracy"] is not None}},
                        step=it)
         if best is None or val["tokens_per_s"] > best:
