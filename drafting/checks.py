@@ -79,11 +79,14 @@ def _int_range(minimum: int | None, maximum: int | None) -> str:
 
 
 def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
-    """ValueError unless a prompt of `prompt_len` tokens, `max_new_tokens` and the deepest draft `lookahead` fit in
-    the pair's context (`pair.max_context`); the one rule `generate`, `generate_batch` and the CLI apply."""
+    """ValueError unless the positions a generation feeds fit in the pair's context (`pair.max_context`): the
+    prompt, every new token but the last (the last is output, never fed) and `lookahead` drafted tokens past them
+    (a tree's max_depth: a cycle that starts with one token left verifies its deepest draft there; 0 for
+    target-only decoding). The one rule `generate`, `generate_batch`, the AR baselines and the CLI apply; exact at
+    the boundary (a GPT-2 pair, whose absolute positions fail one past it, decodes as `generate()` there)."""
     if prompt_len < 1:
         raise ValueError("the prompt is empty: give at least one token")
-    need = prompt_len + max_new_tokens + lookahead
+    need = prompt_len + max_new_tokens - 1 + lookahead
     limit = pair.max_context
     if need > limit:
         raise ValueError(
@@ -91,7 +94,7 @@ def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) ->
             f"{need} positions but the models' context is {limit}{_context_reason(pair, limit)}; shorten the prompt "
             "or lower max_new_tokens" + (" or the tree's max_depth (`--max-depth`: the lookahead reserves the deepest "
                                          "draft, whatever depth a controller picks)"
-                                         if lookahead > 1 and lookahead > need - limit else "")
+                                         if lookahead > 0 and lookahead >= need - limit else "")
         )
 
 
@@ -108,10 +111,10 @@ def _context_reason(pair, limit: int) -> str:
 
 
 def prompt_room(context: int, max_new_tokens: int, max_depth: int) -> int:
-    """The longest prompt (tokens) that leaves room in a `context`-token window for max_new_tokens, the deepest draft
-    lookahead (max_depth + 1, as `check_context` counts it) and one spare position: what the runner keeps of a
-    prompt, and the length `check_prompt_lengths` refuses beyond."""
-    return context - max_new_tokens - max_depth - 2
+    """The longest prompt (tokens) `check_context` takes in a `context`-token window with max_new_tokens and the
+    deepest draft lookahead (max_depth): what the runner keeps of a prompt, and the length `check_prompt_lengths`
+    refuses beyond."""
+    return context - max_new_tokens - max_depth + 1
 
 
 def check_prompt_lengths(prompts, lengths: dict[str, int], *, context: int, max_new_tokens: int, max_depth: int,

@@ -64,7 +64,7 @@ class DecodingSession:
                  temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
-        check_context(pair, len(prompt), max_new_tokens, tree.max_depth + 1)
+        check_context(pair, len(prompt), max_new_tokens, tree.max_depth)
         self.pair, self.tree_config = pair, tree
         self.max_depth = tree.max_depth
         self.max_new_tokens = max_new_tokens
@@ -405,7 +405,7 @@ class SpeculativeDecoder:
         controller = self._controller(controller)
         _check_sampling(1, temperature, top_k, top_p, None if isinstance(seed, (list, tuple)) else seed)
         warn_generation_config(self.pair)
-        ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth + 1)
+        ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth)
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
         session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch)
         run_generation(session, controller)

@@ -1,9 +1,11 @@
 """Greedy speculative output equals target-only greedy output, token for token, across tree shapes and edges."""
+import copy
+
 import numpy as np
 import pytest
 import torch
 
-from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
+from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.types import DraftState
 from specpilot.policies import Controller, FixedController
@@ -206,3 +208,40 @@ def test_plain_steps_interleaved_with_speculation_stay_exact():
         assert all(c.emitted == 1 and c.size == 0 and c.draft_s == 0 for c in out.cycles if c.depth == 0)
         fed = [c.fed for c in out.cycles if c.depth]
         assert max(fed) > 1  # after a plain step the drafter catches up on more than the bonus token
+
+
+def _gpt2_pair(context: int):
+    """A pair with absolute position embeddings: feeding a position past `context` fails (IndexError)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    target = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=context, n_embd=32, n_layer=2, n_head=2,
+                                        eos_token_id=None, bos_token_id=None)).eval()
+    target.generation_config.eos_token_id = None
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.2 * torch.randn_like(p) * p.std())
+    return ModelPair(target, draft)
+
+
+@pytest.mark.parametrize("width,depth,new", [(1, 3, 1), (2, 4, 5), (4, 6, 9)])
+def test_a_request_that_fills_the_context_exactly_decodes_as_generate(width, depth, new):
+    """The context rule is exact: the prompt, every new token but the last, and the deepest draft fill the window
+    (`check_context`); target-only decoding needs no draft room. One position more is refused."""
+    from specpilot.drafting.batch_ar import autoregressive_generate_batch
+
+    context = 32
+    pair = _gpt2_pair(context)
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=16))
+    for lookahead, run in ((depth, lambda p: decoder.generate(p, controller=FixedController(depth, 16),
+                                                              max_new_tokens=new).tokens),
+                           (depth, lambda p: decoder.generate_batch([p, p[1:]], max_new_tokens=new)[0].tokens),
+                           (0, lambda p: autoregressive_generate(pair, p, max_new_tokens=new).tokens),
+                           (0, lambda p: autoregressive_generate_batch(pair, [p, p[2:]], max_new_tokens=new)[0].tokens)):
+        prompt = torch.randint(0, 64, (context + 1 - new - lookahead,)).tolist()
+        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                                        do_sample=False)[0, len(prompt):].tolist()
+        assert run(prompt) == expected
+        with pytest.raises(ValueError, match="context"):
+            run([0, *prompt])

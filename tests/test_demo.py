@@ -144,6 +144,6 @@ def test_a_bundled_suite_too_long_names_the_context_the_models_need():
 
     prompt = Prompt(id="p", prompt="x", task="t", language="python", split="train")
     with pytest.raises(ValueError, match="the train prompts are bundled with specpilot: use models whose context "
-                                         "holds at least 114 tokens"):
+                                         "holds at least 111 tokens"):
         check_prompt_lengths([prompt], {"x": 100}, context=64, max_new_tokens=8, max_depth=4, truncate=False,
                              options=(), bundled="train")
