@@ -234,11 +234,11 @@ def test_a_request_that_fills_the_context_exactly_decodes_as_generate(width, dep
     context = 32
     pair = _gpt2_pair(context)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=16))
-    for lookahead, run in ((depth, lambda p: decoder.generate(p, controller=FixedController(depth, 16),
-                                                              max_new_tokens=new).tokens),
-                           (depth, lambda p: decoder.generate_batch([p, p[1:]], max_new_tokens=new)[0].tokens),
-                           (0, lambda p: autoregressive_generate(pair, p, max_new_tokens=new).tokens),
-                           (0, lambda p: autoregressive_generate_batch(pair, [p, p[2:]], max_new_tokens=new)[0].tokens)):
+    runs = ((depth, lambda p: decoder.generate(p, controller=FixedController(depth, 16), max_new_tokens=new).tokens),
+            (depth, lambda p: decoder.generate_batch([p, p[1:]], max_new_tokens=new)[0].tokens),
+            (0, lambda p: autoregressive_generate(pair, p, max_new_tokens=new).tokens),
+            (0, lambda p: autoregressive_generate_batch(pair, [p, p[2:]], max_new_tokens=new)[0].tokens))
+    for lookahead, run in runs:
         prompt = torch.randint(0, 64, (context + 1 - new - lookahead,)).tolist()
         expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
                                         do_sample=False)[0, len(prompt):].tolist()

@@ -29,8 +29,8 @@ from stable_baselines3.common.monitor import Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
 from specpilot.artifacts.policies import PoliciesIndex, PolicyEntry
-from specpilot.artifacts.run import (BEST_JSON, BEST_ZIP, CHECKPOINTS_DIR, PROGRESS_FILE, RunManifest, read_best,  # noqa: F401
-                                     write_record)
+from specpilot.artifacts.run import (BEST_JSON, BEST_ZIP, CHECKPOINTS_DIR, PROGRESS_FILE,  # noqa: F401
+                                     RunManifest, read_best, write_record)
 from specpilot.artifacts.run import read_progress as artifact_progress
 from specpilot.drafting.errors import InputFileError
 from specpilot.policies.observation import ObservationSpec
