@@ -34,8 +34,9 @@ def _set(value, neutral) -> bool:
 
 
 def generation_config_differences(model) -> dict[str, dict]:
-    """{"sampling": ..., "length": ..., "not_applied": ...}: the model's generation_config settings specpilot's
-    decoding does not take (sampling only when it sets do_sample=True, as generate() samples only then)."""
+    """{"sampling", "length", "not_applied", "unread_end"}: the model's generation_config settings specpilot's
+    decoding does not take (sampling only when it sets do_sample=True, as generate() samples only then), and an end
+    id only config.json names (generate() does not read it either)."""
     config = getattr(model, "generation_config", None)
     if config is None:
         return {"sampling": {}, "length": {}, "not_applied": {}, "unread_end": {}}

@@ -345,8 +345,8 @@ class _DecisionEnv(gym.Env):
             load = dict(batch_size=last.batch_size, context_max=max(lengths), context_mean=sum(lengths) / len(lengths))
         else:
             new_tokens = session.tokens_emitted
-            context_len, acceptance, load = session.prompt_len + new_tokens, getattr(session, "acceptance",
-                                                                                    last.acceptance), {}
+            context_len, load = session.prompt_len + new_tokens, {}
+            acceptance = getattr(session, "acceptance", last.acceptance)
         return DraftState(depth=0, max_depth=last.max_depth, width=last.width, context_len=context_len,
                           new_tokens=new_tokens, max_new_tokens=last.max_new_tokens, prev_accepted=record.accepted,
                           prev_depth=record.depth, acceptance=float(acceptance), **load)
@@ -424,8 +424,7 @@ class DepthEnv(_DecisionEnv):
     max_context: context length mapped to 1.0 in the observation. skip_decisions: False leaves the skip decision to
     the partner (the agent then only decides after draft forwards). reset(options={"prompt_index": i}) picks a
     prompt explicitly (options are checked before the reset changes anything). features: optional observation
-    features (default: none; the batch features `batch,
-    context_max` when the source replays batches). Batches (`ReplaySource(batch_sizes=...)`): one decision per
+    features (default: none; the batch features `batch, context_max` when the source replays batches). Batches (`ReplaySource(batch_sizes=...)`): one decision per
     cycle for the whole batch, the reward scores the batch's cycle (every row's emitted tokens: batch tokens/s),
     reset(options={"batch_size": b}) fixes the size, info adds `batch_size` (reset; cycles: the rows in the
     cycle) and `batch_emitted`.
