@@ -351,3 +351,23 @@ def test_a_batch_validation_prints_as_a_speedup_not_tokens_per_second(tmp_path, 
     err = capsys.readouterr().err
     assert "bc: step 3, validation 1.234x batched AR (geometric mean over batch sizes, batch replay)" in err
     assert "depth_s1: step 64, validation 150.0 tok/s, 1.50x AR (replay)" in err
+
+
+@pytest.mark.parametrize("where", ["stage", "stage/checkpoints"])
+def test_a_file_where_the_stage_folder_goes_is_refused_before_any_work(tmp_path, where):
+    from specpilot.drafting.errors import is_user_error, one_line
+
+    (tmp_path / where).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / where).write_text("x")
+    with pytest.raises(NotADirectoryError) as info:
+        train_policy(CountingEnv, None, tiny(total_timesteps=64), tmp_path, "stage")
+    assert f"{tmp_path / where} is a file, where stage 'stage' keeps its checkpoints" in one_line(info.value)
+    assert is_user_error(info.value) and (tmp_path / where).read_text() == "x"
+
+
+def test_a_file_where_the_tensorboard_logs_go_is_refused_before_any_work(tmp_path):
+    (tmp_path / "tb").write_text("x")
+    with RunLogger(tmp_path, {"x": 1}, mode="disabled") as run_logger:
+        with pytest.raises(NotADirectoryError, match="tb is a file, where the run's TensorBoard logs go"):
+            train_policy(CountingEnv, None, tiny(total_timesteps=64), tmp_path, "stage", logger=run_logger)
+    assert not (tmp_path / "stage").exists() and (tmp_path / "tb").read_text() == "x"

@@ -76,9 +76,17 @@ class RunLogger:
         if self._tb is None:
             from torch.utils.tensorboard import SummaryWriter
 
+            self.check_folders()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
         return self._tb
+
+    def check_folders(self) -> None:
+        """NotADirectoryError when a file sits where the TensorBoard logs go (said before a stage does any work)."""
+        folder = self.run_dir / "tb"
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file, where the run's TensorBoard logs go: move it away, or "
+                                     "train into another --run folder")
 
     def _wandb(self):
         """The wandb run, started at the first record (None when disabled or when it could not start)."""
@@ -197,6 +205,7 @@ class RunLogger:
 
     def sb3_logger(self, stage: str) -> Logger:
         """An SB3 Logger whose records go to TensorBoard (run_dir/tb/<stage>) and to wandb under <stage>/."""
+        self.check_folders()
         tb_dir = str(self.run_dir / "tb" / stage)
         formats: list[KVWriter] = [TensorBoardOutputFormat(tb_dir), _ForwardWriter(self, stage)]
         return Logger(folder=str(self.run_dir / "tb" / stage), output_formats=formats)

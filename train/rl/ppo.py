@@ -505,6 +505,12 @@ def train_policy(
     run_dir = Path(run_dir)
     stage_dir = run_dir / stage_name
     ckpt_dir = stage_dir / "checkpoints"
+    for folder in (stage_dir, ckpt_dir):  # said before any work, not as "[Errno 17] File exists" after it
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file, where stage {stage_name!r} keeps its checkpoints: move it "
+                                     "away, or train into another --run folder")
+    if callable(getattr(logger, "check_folders", None)):
+        logger.check_folders()
     progress = read_progress(stage_dir)
     if progress is not None and not resume:
         raise StageExistsError(stage_dir)
