@@ -414,7 +414,8 @@ class DepthEnv(_DecisionEnv):
 
     ## Info
     A step that ends a cycle: `accepted, emitted, depth, size, draft_s, verify_s, context_len, new_tokens,
-    prompt_index` (+ `finished_by` at the end); other steps: `depth`. Reset: `prompt_index, prompt_len`.
+    prompt_index` (+ `finished_by` at the end); other steps: `depth`. Reset: `prompt_index, prompt_len, batch_size`
+    (1 unless the source replays batches).
 
     ## Arguments
     source: LiveSource or ReplaySource (or use `gym.make` with the registered ids). reward: a name or reward
@@ -424,10 +425,10 @@ class DepthEnv(_DecisionEnv):
     max_context: context length mapped to 1.0 in the observation. skip_decisions: False leaves the skip decision to
     the partner (the agent then only decides after draft forwards). reset(options={"prompt_index": i}) picks a
     prompt explicitly (options are checked before the reset changes anything). features: optional observation
-    features (default: none; the batch features `batch, context_max` when the source replays batches). Batches (`ReplaySource(batch_sizes=...)`): one decision per
-    cycle for the whole batch, the reward scores the batch's cycle (every row's emitted tokens: batch tokens/s),
-    reset(options={"batch_size": b}) fixes the size, info adds `batch_size` (reset; cycles: the rows in the
-    cycle) and `batch_emitted`.
+    features (default: none; the batch features `batch, context_max` when the source replays batches). Batches
+    (`ReplaySource(batch_sizes=...)`): one decision per cycle for the whole batch, the reward scores the batch's
+    cycle (every row's emitted tokens: batch tokens/s), reset(options={"batch_size": b}) fixes the size, info adds
+    `batch_size` (reset; cycles: the rows in the cycle) and `batch_emitted`.
 
     ## Example
         >>> import gymnasium as gym, specpilot.envs
@@ -493,7 +494,7 @@ class SizeEnv(_DecisionEnv):
 
     ## Info
     Every step: `accepted, emitted, depth, size, draft_s, verify_s, context_len, new_tokens, prompt_index`
-    (+ `finished_by` at the end). Reset: `prompt_index, prompt_len`.
+    (+ `finished_by` at the end). Reset: `prompt_index, prompt_len, batch_size`.
 
     ## Arguments
     source, reward, max_context: as DepthEnv. size_actions: verification sizes (<= the tree's max_size).
