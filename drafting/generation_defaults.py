@@ -40,10 +40,8 @@ def generation_config_differences(model) -> dict[str, dict]:
     config = getattr(model, "generation_config", None)
     if config is None:
         return {"sampling": {}, "length": {}, "not_applied": {}, "unread_end": {}}
-    sampling = ({k: getattr(config, k, None) for k in SAMPLING if getattr(config, k, None) is not None}
+    sampling = ({"do_sample": True, **{k: getattr(config, k) for k in SAMPLING if getattr(config, k, None) is not None}}
                 if getattr(config, "do_sample", None) else {})
-    if getattr(config, "do_sample", None):
-        sampling = {"do_sample": True, **sampling}
     length = {k: getattr(config, k) for k in LENGTH if getattr(config, k, None) is not None}
     not_applied = {k: getattr(config, k) for k, neutral in NOT_APPLIED.items()
                    if _set(getattr(config, k, None), neutral)}

@@ -25,14 +25,10 @@ import numpy as np
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter, Logger, TensorBoardOutputFormat
 
+from specpilot.drafting.errors import one_line
+
 WANDB_MODES = ("online", "offline", "disabled")
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
-
-
-def one_line_error(err: BaseException) -> str:
-    """An exception's first line (wandb's network errors run to several)."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def resolve_wandb_mode(mode: str | None = None) -> str:
@@ -112,7 +108,8 @@ class RunLogger:
             warnings.warn(f"wandb could not be imported ({err}); logging to TensorBoard only", stacklevel=4)
             return None
         key = str(self.config.get("command") or self.config.get("stage") or "run")
-        saved = None if os.environ.get("WANDB_RUN_ID") else self._saved_ids().get(key)
+        ids = self._saved_ids()
+        saved = None if os.environ.get("WANDB_RUN_ID") else ids.get(key)
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
         def start(mode: str):
@@ -134,7 +131,7 @@ class RunLogger:
                 warnings.warn(f"wandb could not start online ({err}) nor offline ({again}); logging to TensorBoard "
                               "only", stacklevel=4)
                 return None
-            warnings.warn(f"wandb could not start online ({one_line_error(err)}); logging offline to "
+            warnings.warn(f"wandb could not start online ({one_line(err)}); logging offline to "
                           f"{self.run_dir / 'wandb'} instead: `wandb sync` uploads it later", stacklevel=4)
         # charts against each stage's own environment steps (the `timesteps` every record carries), not wandb's
         # count of log calls
@@ -142,7 +139,6 @@ class RunLogger:
             run.define_metric("*", step_metric="timesteps")
         except Exception:  # noqa: BLE001 - a convenience of the charts, never worth failing a run
             pass
-        ids = self._saved_ids()
         if ids.get(key) != run.id:
             ids[key] = run.id
             try:
