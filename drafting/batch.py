@@ -50,7 +50,7 @@ class BatchSession:
                  seed: int | None = None, max_batch: int | None = None) -> None:
         pair, tree = decoder.pair, decoder.tree
         self.pair, self.tree_config = pair, tree
-        self.max_depth = tree.max_depth
+        self.max_context = pair.max_context
         self.width = tree.width
         self.device = pair.device
         self.clock = Clock(self.device)
@@ -185,10 +185,17 @@ class BatchSession:
         return len((self.lead if self.active else self.rows[0]).new_tokens)
 
     @property
+    def max_depth(self) -> int:
+        """Most draft levels this cycle: the tree's max_depth, fewer where the longest row's context ends sooner
+        (`DecodingSession.max_depth`: every row drafts the batch's depth)."""
+        room = self.max_context - max(len(r.committed) for r in self.active) if self.active else 0
+        return max(0, min(self.tree_config.max_depth, room))
+
+    @property
     def can_draft(self) -> bool:
-        """A draft LM always can; an EAGLE head needs a target feature before every row's root (False while some
-        row's whole context is one token: the cycle is a plain step)."""
-        return self.offset == 0 or all(len(r.committed) > self.offset for r in self.active)
+        """A draft LM can while the context has room (max_depth > 0); an EAGLE head also needs a target feature
+        before every row's root (False while some row's whole context is one token: the cycle is a plain step)."""
+        return self.max_depth > 0 and (self.offset == 0 or all(len(r.committed) > self.offset for r in self.active))
 
     def add_policy_time(self, seconds: float) -> None:
         self._policy_s += seconds
@@ -204,7 +211,7 @@ class BatchSession:
             view = tree.scores_view if tree.scores_view is not None else tree.scores
             scores = view[: tree.size]
         return DraftState(
-            depth=self._depth, max_depth=self.max_depth, width=self.width, context_len=len(row.committed),
+            depth=self._depth, max_depth=self.tree_config.max_depth, width=self.width, context_len=len(row.committed),
             scores=scores, level_start=level_start,
             sorted_scores=tree.sorted_scores if tree is not None else None,
             last_top_prob=self._last_top_prob if tree is not None else 1.0,

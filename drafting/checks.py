@@ -80,17 +80,19 @@ def _int_range(minimum: int | None, maximum: int | None) -> str:
 
 def check_context(pair, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
     """ValueError unless the positions a generation feeds fit in the pair's context (`pair.max_context`): the
-    prompt, every new token but the last (the last is output, never fed) and `lookahead` drafted tokens past them
-    (a tree's max_depth: a cycle that starts with one token left verifies its deepest draft there; 0 for
-    target-only decoding). The one rule `generate`, `generate_batch`, the AR baselines and the CLI apply; exact at
-    the boundary (a GPT-2 pair, whose absolute positions fail one past it, decodes as `generate()` there)."""
+    prompt, every new token but the last (the last is output, never fed) and `lookahead` drafted tokens past them.
+    `generate`, `generate_batch`, the AR baselines and `specpilot generate` take lookahead 0, as target-only
+    decoding: their sessions draft shallower where the context ends (`DecodingSession.max_depth`). Recordings and
+    latency profiles reserve their tree's depth (their replay verifies full-depth drafts up to the last token).
+    Exact at the boundary (a GPT-2 pair, whose absolute positions fail one past it, decodes as `generate()`)."""
     if prompt_len < 1:
         raise ValueError("the prompt is empty: give at least one token")
     need = prompt_len + max_new_tokens - 1 + lookahead
     limit = pair.max_context
     if need > limit:
         raise ValueError(
-            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} (+{lookahead} draft lookahead) needs "
+            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens}"
+            + (f" (+{lookahead} draft lookahead)" if lookahead else "") + " needs "
             f"{need} positions but the models' context is {limit}{_context_reason(pair, limit)}; shorten the prompt "
             "or lower max_new_tokens" + (" or the tree's max_depth (`--max-depth`: the lookahead reserves the deepest "
                                          "draft, whatever depth a controller picks)"

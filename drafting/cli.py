@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed)
     # the real request must fit before the warm-up runs (else its error would name the warm-up's 4 tokens)
-    check_context(pair, len(pair.encode(args.prompt)), args.max_new_tokens, decoder.tree.max_depth)
+    check_context(pair, len(pair.encode(args.prompt)), args.max_new_tokens, 0)
     warmup = {**sampling, "max_new_tokens": min(4, args.max_new_tokens)}
     decoder.generate(args.prompt, controller=controller, **warmup)
     out = decoder.generate(args.prompt, controller=controller, **sampling)

@@ -9,7 +9,7 @@ A session is one prompt's generation advanced step by step. `DecodingSession` (l
     session.tokens_emitted        new tokens emitted so far
     session.can_draft             False when nothing can be drafted this cycle (an EAGLE head before the target has
                                   produced any feature): a plain step, no questions
-    session.max_depth             most draft levels in one cycle
+    session.max_depth             most draft levels in this cycle (a live session's shrinks where the context ends)
     session.clock.now()           the clock decisions are timed with
     session.cycle_state()         the DraftState before drafting (depth 0)
     session.draft_level()         one draft forward -> DraftState (depth + 1)

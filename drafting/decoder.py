@@ -64,9 +64,9 @@ class DecodingSession:
                  temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
-        check_context(pair, len(prompt), max_new_tokens, tree.max_depth)
+        check_context(pair, len(prompt), max_new_tokens, 0)  # drafts shrink where the context ends (max_depth)
         self.pair, self.tree_config = pair, tree
-        self.max_depth = tree.max_depth
+        self.max_context = pair.max_context
         self.max_new_tokens = max_new_tokens
         self.sampling = (temperature, top_k, top_p) if temperature > 0 else None
         self.device = pair.device
@@ -143,6 +143,14 @@ class DecodingSession:
     def context_len(self) -> int:
         return len(self.committed)
 
+    @property
+    def max_depth(self) -> int:
+        """Most draft levels this cycle: the tree's max_depth, fewer where the context ends sooner. A cycle verifies
+        the last committed token and a draft of depth d at the d positions after it, so a prompt that fits for
+        target-only decoding is decoded, its last cycles drafting shallower (as vLLM trims its speculative tokens
+        at max_model_len) and, with no position left, taking plain steps."""
+        return max(0, min(self.tree_config.max_depth, self.max_context - len(self.committed)))
+
     def add_policy_time(self, seconds: float) -> None:
         """Charge controller decision time to the current cycle (run_cycle does this for its controllers)."""
         self._policy_s += seconds
@@ -156,7 +164,8 @@ class DecodingSession:
             view = tree.scores_view if tree.scores_view is not None else tree.scores
             scores = view[: tree.size]
         return DraftState(
-            depth=depth, max_depth=self.max_depth, width=self.tree_config.width, context_len=len(self.committed),
+            depth=depth, max_depth=self.tree_config.max_depth, width=self.tree_config.width,
+            context_len=len(self.committed),
             scores=scores, level_start=level_start,
             sorted_scores=tree.sorted_scores if tree is not None else None,
             last_top_prob=self.drafter.last_top_prob if tree is not None else 1.0,
@@ -167,8 +176,9 @@ class DecodingSession:
 
     @property
     def can_draft(self) -> bool:
-        """False only for an EAGLE drafter whose whole context is one token (no target feature yet)."""
-        return self.drafter.can_start(len(self.committed) - self.drafter.committed)
+        """False for an EAGLE drafter whose whole context is one token (no target feature yet) and where the
+        context has no position left for a draft (max_depth 0)."""
+        return self.max_depth > 0 and self.drafter.can_start(len(self.committed) - self.drafter.committed)
 
     def cycle_state(self) -> DraftState:
         """The state before this cycle's first draft forward (depth 0)."""
@@ -405,7 +415,7 @@ class SpeculativeDecoder:
         controller = self._controller(controller)
         _check_sampling(1, temperature, top_k, top_p, None if isinstance(seed, (list, tuple)) else seed)
         warn_generation_config(self.pair)
-        ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=self.tree.max_depth)
+        ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=0)  # BatchSession.max_depth
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
         session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch)
         run_generation(session, controller)

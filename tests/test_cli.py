@@ -29,6 +29,23 @@ def test_generate_compare_from_saved_pair(saved_pair, capsys):
     assert "tok/s" in out and "identical to target-only" in out
 
 
+def test_generate_takes_what_target_only_decoding_takes(saved_pair, capsys):
+    """A prompt that leaves room for the new tokens but not for a full-depth draft is decoded (its last cycles draft
+    shallower), not refused; one token more is refused, naming the context."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(saved_pair / "target")
+    prompt = "return x + 1\n" * 80
+    n, new = len(tokenizer(prompt)["input_ids"]), 6
+    assert n < 512
+    pair = ["--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"), "--width", "1",
+            "--max-depth", "12", "--depth", "12"]
+    assert main(["generate", "--prompt", prompt, *pair, "--max-new-tokens", str(512 + 1 - n), "--compare"]) == 0
+    assert "identical to target-only" in capsys.readouterr().out
+    assert main(["generate", "--prompt", prompt, *pair, "--max-new-tokens", str(512 + 2 - n)]) == 2
+    assert "context is 512" in capsys.readouterr().err
+
+
 def test_console_script_runs():
     result = subprocess.run([sys.executable, "-m", "specpilot.cli", "--help"], capture_output=True, text=True,
                             timeout=120)

@@ -225,23 +225,35 @@ def _gpt2_pair(context: int):
     return ModelPair(target, draft)
 
 
-@pytest.mark.parametrize("width,depth,new", [(1, 3, 1), (2, 4, 5), (4, 6, 9)])
+@pytest.mark.parametrize("width,depth,new", [(1, 3, 1), (2, 4, 5), (4, 6, 9), (2, 40, 6)])
 def test_a_request_that_fills_the_context_exactly_decodes_as_generate(width, depth, new):
-    """The context rule is exact: the prompt, every new token but the last, and the deepest draft fill the window
-    (`check_context`); target-only decoding needs no draft room. One position more is refused."""
+    """The context rule is exact and the same as target-only decoding's: the prompt and every new token but the last
+    fill the window (`check_context`); speculative sessions draft shallower where the context ends (vLLM trims its
+    speculative tokens at max_model_len), never past it. One position more is refused."""
     from specpilot.drafting.batch_ar import autoregressive_generate_batch
 
     context = 32
     pair = _gpt2_pair(context)
     decoder = SpeculativeDecoder(pair, TreeConfig(width=width, max_depth=depth, max_size=16))
-    runs = ((depth, lambda p: decoder.generate(p, controller=FixedController(depth, 16), max_new_tokens=new).tokens),
-            (depth, lambda p: decoder.generate_batch([p, p[1:]], max_new_tokens=new)[0].tokens),
-            (0, lambda p: autoregressive_generate(pair, p, max_new_tokens=new).tokens),
-            (0, lambda p: autoregressive_generate_batch(pair, [p, p[2:]], max_new_tokens=new)[0].tokens))
-    for lookahead, run in runs:
-        prompt = torch.randint(0, 64, (context + 1 - new - lookahead,)).tolist()
-        expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
-                                        do_sample=False)[0, len(prompt):].tolist()
+    outputs = []
+
+    def single(p):
+        outputs.append(decoder.generate(p, controller=FixedController(depth, 16), max_new_tokens=new))
+        return outputs[-1].tokens
+
+    def batch(p):
+        outputs.extend(decoder.generate_batch([p, p[1:]], controller=FixedController(depth, 16), max_new_tokens=new))
+        return outputs[-2].tokens
+
+    runs = (single, batch, lambda p: autoregressive_generate(pair, p, max_new_tokens=new).tokens,
+            lambda p: autoregressive_generate_batch(pair, [p, p[2:]], max_new_tokens=new)[0].tokens)
+    prompt = torch.randint(0, 64, (context + 1 - new,)).tolist()
+    expected = pair.target.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
+                                    do_sample=False)[0, len(prompt):].tolist()
+    for run in runs:
         assert run(prompt) == expected
         with pytest.raises(ValueError, match="context"):
             run([0, *prompt])
+    for out in outputs:  # every cycle's draft ends inside the window; the last ones drafted shallower
+        assert all(c.context_len + c.depth <= context for c in out.cycles)
+        assert out.cycles[0].depth == min(depth, context - len(prompt))  # a batch drafts for its longest row
