@@ -214,3 +214,20 @@ def test_batch_replay_and_batch_profile_with_a_head():
     assert_batch_replay_is_live(pair, prompts, trace)
     samples = collect_batch_samples(pair, TREE, prompts[1:], [1, 2], max_new_tokens=8, rng=0, warmup_cycles=1)
     assert set(samples) == {1, 2} and all(s.verify for s in samples.values())
+
+
+def test_a_head_drafts_shallower_where_the_context_ends():
+    """An EAGLE-3 head, single and batched, on requests that fill a 32-position context: exact, and no cycle drafts
+    past the window (`DecodingSession.max_depth` / `BatchSession.max_depth`)."""
+    context, new = 32, 6
+    target = tiny_model(vocab=16, hidden=32, layers=4, eos=None, seed=5, sharpness=2.0, context=context)
+    pair = ModelPair(target, eagle=random_head(target, draft_vocab=8, sharpness=2.0, seed=5))
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=2, max_depth=8, max_size=16))
+    prompts = [(list(range(1, 16)) * 2)[: context + 1 - new], [3, 4, 5, 6] * 4]
+    refs = [autoregressive_generate(pair, p, max_new_tokens=new).tokens for p in prompts]
+    outs = [decoder.generate(p, controller=FixedController(8, 16), max_new_tokens=new) for p in prompts]
+    outs += decoder.generate_batch(prompts, controller=FixedController(8, 16), max_new_tokens=new)
+    assert [o.tokens for o in outs] == refs + refs
+    for out in outs:
+        assert all(c.context_len + c.depth <= context for c in out.cycles)
+    assert outs[0].cycles[-1].depth < 8  # the full prompt's last cycles were cut by the window
