@@ -75,6 +75,22 @@ def given_options(args: argparse.Namespace) -> set[str]:
     return {a.split("=", 1)[0] for a in getattr(args, "_argv", None) or [] if a.startswith("--")}
 
 
+def options_config(args: argparse.Namespace, command: str, *, skip: tuple[str, ...] = ()) -> dict:
+    """A command's wandb config: {"command": command} and every option's value (paths as strings, tuples as lists;
+    private and callable entries and `skip` left out), as SB3's wandb integration records the hyper-parameters."""
+    config: dict = {"command": command}
+    for key, value in sorted(vars(args).items()):
+        if key.startswith("_") or key in ("command", *skip) or callable(value):
+            continue
+        if hasattr(value, "__fspath__"):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, (str, int, float, bool, list)):
+            config[key] = value
+    return config
+
+
 MAX_THREADS = 1024  # torch's thread pool crashes the process (SIGSEGV) when asked for ~100k threads
 
 

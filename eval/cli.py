@@ -122,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-size", type=positive_int, default=None,
                         help="most candidates verified per cycle (default: the --run's largest size action, else 64)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--wandb", default=None, choices=["online", "offline", "disabled"],
+                        help="wandb mode of the evaluation's run in OUT/wandb: the report's numbers as its summary "
+                             "and every option as its config (default: $WANDB_MODE, else offline)")
     parser.add_argument("--truncate-prompts", action="store_true",
                         help="keep the last tokens of prompts too long for the context, and say so (default: refuse "
                              "them)")
@@ -176,6 +179,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
             say(f"note: {note}")
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
                   grid=args.grid, run_dir=args.run_dir)
+    _report_logger(args, None).check_folders()  # a file where OUT/tb goes: said now, not after measuring
     prompts, suite["chat_template"] = with_chat_template(prompts, load_tokenizer(getattr(args, "target", None)),
                                                          args.chat_template)
     return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
@@ -270,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
     if result.meta["executor"]["retried_prompts"]:
         say(f"retried prompts (their worker failed once): {result.meta['executor']['retried_prompts']}")
     _print_summary(paths["json"])
+    log_report(args, paths["json"])
     print(f"wrote {paths['md']} and {paths['json']}")
     return 0
 
@@ -333,6 +338,7 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     inexact = sorted({r["method"] for s in sections for r in s["methods"] if r["identical_to_ar"] is False})
     if inexact:  # a report, not a crash: near-ties under low precision can flip a token; the report counts them
         say(f"WARNING: greedy output differs from batched ar for {', '.join(inexact)} (report: mismatched_sequences)")
+    log_report(args, paths["json"])
     print(f"wrote {paths['md']} and {paths['json']}")
     return 0
 
@@ -349,6 +355,29 @@ def clear_outputs(out: str) -> None:
     for pattern in PLOT_PATTERNS:
         for path in Path(out).glob(pattern):
             path.unlink(missing_ok=True)
+
+
+def _report_logger(args: argparse.Namespace, config: dict | None):
+    from pathlib import Path
+
+    from specpilot.train.rl.logging import RunLogger
+
+    out = Path(args.out)
+    return RunLogger(out, config, mode=args.wandb, name=f"{out.resolve().name}-eval", resume=False,
+                     folder_option="--out")
+
+
+def log_report(args: argparse.Namespace, report_json: str) -> None:
+    """The evaluation as a wandb run in OUT/wandb (and TensorBoard text in OUT/tb): every option as its config, the
+    report's numbers (`summary.report_metrics`) as its summary. A new run per evaluation; --wandb disabled writes
+    TensorBoard only."""
+    from specpilot.artifacts.report import read_report
+    from specpilot.drafting.cliargs import options_config
+    from specpilot.eval.summary import report_metrics
+
+    config = options_config(args, "eval")
+    with _report_logger(args, config) as logger:
+        logger.summarize(report_metrics(read_report(report_json)))
 
 
 def _print_summary(report_json: str) -> None:

@@ -5,7 +5,8 @@ greedy speedups over ar with their intervals, the verdicts of the compared pairs
 "same decisions" is a flag beside them that names where the difference comes from), how many rounds and units
 were used, which task groups can be concluded on, replay beside live, the cost-model checks, the suite evaluated,
 and how many prompts were left out of the verdicts because the target's greedy output on them is degenerate
-(`specpilot.eval.degeneracy`). `format_summary_lines(summary)` prints it.
+(`specpilot.eval.degeneracy`). `format_summary_lines(summary)` prints it. `report_metrics(report)` gives the
+report's numbers as the nested scalars a wandb run summary holds (`specpilot eval --wandb`).
 """
 from __future__ import annotations
 
@@ -52,6 +53,59 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
                            "worst_spread": v.get("worst_spread"), "title": v.get("title", k)}
                        for k, v in (report.get("cost_check") or {}).items()},
     }
+
+
+def _interval(prefix: str, ci) -> dict:
+    low, high = ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None)
+    return {f"{prefix}_low": low, f"{prefix}_high": high}
+
+
+def _comparison_metrics(comparisons: list[dict]) -> dict:
+    return {f"{c['method']}_vs_{c['baseline']}": {"ratio": c.get("ratio"), **_interval("ratio", c.get("ci")),
+                                                  "verdict": c.get("verdict"), "n_prompts": c.get("n_prompts"),
+                                                  "same_decisions": c.get("same_decisions")}
+            for c in comparisons}
+
+
+def _method_metrics(rows: list[dict], keys: tuple[str, ...]) -> dict:
+    return {row["method"]: {**{k: row.get(k) for k in keys}, **_interval("speedup", row.get("speedup_ci"))}
+            for row in rows}
+
+
+def report_metrics(report: dict) -> dict:
+    """A report.json payload's numbers, nested by temperature ("T=0", "T=1"; with batch sizes "T=0/B=4"): each
+    method's speedup over ar with its interval, tau, decision overhead and token identity; each comparison's ratio,
+    interval over prompts and verdict; replay's speedups and the oracle's; the suite and how many prompts the
+    degeneracy flag left out. Lists are flattened into named keys so that a wandb run summary
+    (`RunLogger.summarize`) keeps every number."""
+    meta = report.get("meta") or {}
+    suite = meta.get("suite") or {}
+    out: dict = {"suite": suite.get("name") if isinstance(suite, dict) else suite,
+                 "models": (meta.get("models") or {}).get("name"), "dtype": meta.get("dtype"),
+                 "device": meta.get("device"), "hardware": meta.get("gpu") or meta.get("cpu"),
+                 "max_new_tokens": (meta.get("sampling") or {}).get("max_new_tokens")}
+    keys = ("speedup", "tau", "policy_overhead", "identical_to_ar", "n_units")
+    for t in sorted({row["temperature"] for row in report.get("summary") or []}):
+        rows = [{**row, "speedup": row.get("speedup", row.get("mean_speedup")),
+                 "tau": row.get("tau", row.get("mean_tau"))} for row in report["summary"] if row["temperature"] == t]
+        comps = [c for c in report.get("comparisons") or [] if c.get("temperature") == t]
+        out[f"T={t:g}"] = {"methods": _method_metrics(rows, keys), "comparisons": _comparison_metrics(comps)}
+    for section in report.get("batch_sizes") or []:
+        out.setdefault(f"T={section['temperature']:g}", {})[f"B={section['batch_size']}"] = {
+            "methods": _method_metrics(section.get("methods") or [], ("speedup", "tokens_per_s", "identical_to_ar",
+                                                                      "depth_mean", "size_mean", "n_units")),
+            "comparisons": _comparison_metrics(section.get("comparisons") or [])}
+    replay = report.get("replay")
+    if replay:
+        out["replay"] = {"methods": {m["method"]: {"speedup": m.get("speedup"), "live_speedup": m.get("live_speedup"),
+                                                   "gap": m.get("gap")} for m in replay.get("methods", [])},
+                         "comparisons": _comparison_metrics(replay.get("comparisons") or []),
+                         "oracle": replay.get("oracle") if isinstance(replay.get("oracle"), dict) else None}
+    degeneracy = report.get("degeneracy")
+    if degeneracy:
+        out["degeneracy"] = {"n_measured": degeneracy.get("n_measured"),
+                             "n_flagged": len(degeneracy.get("flagged") or [])}
+    return out
 
 
 def _speedup_cell(m: dict) -> str:

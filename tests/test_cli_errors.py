@@ -48,6 +48,14 @@ def _pair(p):
     return ["--target", p["target"], "--draft", p["draft"]]
 
 
+def _file_at(p, rel: str) -> str:
+    """p["root"]/rel made a file (where a command's folder goes); returns the folder above it."""
+    path = p["root"] / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("in the way")
+    return str(path.parent)
+
+
 # (argv builder, fragments of the one line) -- parse-time refusals and library validation alike
 CASES = {
     "width 0": (lambda p: ["generate", "--prompt", "x", "--width", "0"], ["--width", ">= 1"]),
@@ -113,6 +121,8 @@ CASES = {
                                          "--max-new-tokens", "4"], ["width=5000", "vocabulary"]),
     "over-long prompt": (lambda p: ["generate", "--prompt", "return x + 1\n" * 400, *_pair(p), "--width", "2",
                                     "--max-new-tokens", "4"], ["context", "shorten the prompt"]),
+    "eval tb folder is a file": (lambda p: ["eval", "--out", _file_at(p, "evt/tb"), "--limit", "1"],
+                                 ["evt/tb is a file", "TensorBoard", "another --out folder"]),
     "record out is a file": (lambda p: ["record", "--out", p["file"]], ["--out", "not a folder"]),
     "record width 0": (lambda p: ["record", "--out", str(p["root"] / "r"), "--width", "0"], ["--width"]),
     "grid out is a folder": (lambda p: ["grid", "--traces", "x", "--out", str(p["root"])], ["--out", "is a folder"]),

@@ -70,6 +70,15 @@ def test_run_writes_a_report(tmp_path, monkeypatch):
     args = _parse(["--suite", str(suite), "--methods", "fixed", "--temperatures", "0", "--max-new-tokens", "4",
                    "--warmup", "0", "--width", "2", "--max-depth", "3", "--max-size", "6", "--no-plots",
                    "--out", str(out)])
+    from specpilot.train.rl.logging import RunLogger
+
+    logged, summarize = {}, RunLogger.summarize
+
+    def keep(self, values):
+        summarize(self, values)
+        logged["run"] = {"summary": dict(self.wandb_run.summary), "config": dict(self.wandb_run.config)}
+
+    monkeypatch.setattr(RunLogger, "summarize", keep)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # shared test machine: avoid oversubscription stalls
     try:
@@ -82,3 +91,12 @@ def test_run_writes_a_report(tmp_path, monkeypatch):
     assert report["meta"]["suite"] == {"name": str(suite), "chosen_by": "--suite",  # the report names the suite
                                        "chat_template": {"mode": "auto", "applied": 0, "of": 2}}
     assert f"suite {suite}" in (out / "report.md").read_text()
+    # the evaluation's wandb run (offline): every option as its config, the report's numbers as its summary
+    assert list((out / "wandb").glob("offline-run-*"))
+    run = logged["run"]
+    fixed = next(r for r in report["summary"] if r["method"] == "fixed")
+    assert run["summary"]["T=0/methods/fixed/speedup"] == pytest.approx(fixed["speedup"])
+    assert run["summary"]["T=0/methods/fixed/speedup_low"] == pytest.approx(fixed["speedup_ci"][0])
+    assert run["summary"]["suite"] == str(suite) and run["summary"]["models"] == "tiny"
+    assert run["config"]["command"] == "eval" and run["config"]["max_depth"] == 3 and run["config"]["methods"] == \
+        ["fixed"]

@@ -75,3 +75,33 @@ def test_the_replay_line_gives_the_share_of_the_oracles_gain():
     assert "hindsight oracle 2.50x (share of its gain over AR: ltd 60%, grid 53%)" in text
     older = {**replay, "oracle": {"speedup": 2.5, "share": {"ltd": 0.76}}}  # a report from before gain_share
     assert "hindsight oracle 2.50x\n" in "\n".join(format_summary_lines(summarise_report({**REPORT, "replay": older})))
+
+
+def test_report_metrics_names_every_number_a_run_summary_keeps():
+    from specpilot.eval.summary import report_metrics
+
+    report = {
+        "meta": {"suite": {"name": "heldout_code", "chosen_by": "pair"}, "models": {"name": "tiny"}, "dtype": "bfloat16",
+                 "device": "cpu", "cpu": "Xeon", "gpu": None, "sampling": {"max_new_tokens": 48}},
+        "summary": [{"method": "ltd", "temperature": 0.0, "speedup": 1.5, "speedup_ci": [1.4, 1.6], "tau": 3.0},
+                    {"method": "ltd", "temperature": 1.0, "speedup": 1.2, "speedup_ci": [1.1, 1.3], "tau": 2.0}],
+        "comparisons": [{"method": "ltd", "baseline": "grid", "temperature": 0.0, "ratio": 1.03, "ci": [0.99, 1.07],
+                         "verdict": "indistinguishable", "n_prompts": 30, "same_decisions": False}],
+        "batch_sizes": [{"batch_size": 4, "temperature": 0.0,
+                         "methods": [{"method": "ltd", "speedup": 1.1, "speedup_ci": [1.0, 1.2]}],
+                         "comparisons": []}],
+        "replay": {"methods": [{"method": "ltd", "speedup": 1.6}], "comparisons": [],
+                   "oracle": {"speedup": 2.0, "gain_share": {"ltd": 0.6}}},
+        "degeneracy": {"n_measured": 30, "flagged": ["p1"]},
+    }
+    metrics = report_metrics(report)
+    assert metrics["T=0"]["methods"]["ltd"] == {"speedup": 1.5, "tau": 3.0, "policy_overhead": None,
+                                                 "identical_to_ar": None, "n_units": None, "speedup_low": 1.4,
+                                                 "speedup_high": 1.6}
+    assert metrics["T=1"]["methods"]["ltd"]["speedup"] == 1.2
+    assert metrics["T=0"]["comparisons"]["ltd_vs_grid"]["ratio_high"] == 1.07
+    assert metrics["T=0"]["B=4"]["methods"]["ltd"]["speedup_low"] == 1.0
+    assert metrics["replay"]["oracle"]["gain_share"]["ltd"] == 0.6
+    assert metrics["degeneracy"] == {"n_measured": 30, "n_flagged": 1}
+    assert (metrics["suite"], metrics["hardware"], metrics["dtype"], metrics["max_new_tokens"]) == \
+        ("heldout_code", "Xeon", "bfloat16", 48)

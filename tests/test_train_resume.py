@@ -371,3 +371,13 @@ def test_a_file_where_the_tensorboard_logs_go_is_refused_before_any_work(tmp_pat
         with pytest.raises(NotADirectoryError, match="tb is a file, where the run's TensorBoard logs go"):
             train_policy(CountingEnv, None, tiny(total_timesteps=64), tmp_path, "stage", logger=run_logger)
     assert not (tmp_path / "stage").exists() and (tmp_path / "tb").read_text() == "x"
+
+
+def test_resume_false_starts_a_new_wandb_run_each_time(tmp_path):
+    ids = []
+    for _ in range(2):
+        with RunLogger(tmp_path, {"command": "eval"}, mode="offline", resume=False) as run_logger:
+            run_logger.summarize({"x": 1.0})
+            ids.append(run_logger.wandb_run.id)
+    assert ids[0] != ids[1]
+    assert json.loads((tmp_path / "wandb" / "run_ids.json").read_text()) == {"eval": ids[1]}

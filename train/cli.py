@@ -32,8 +32,8 @@ from pathlib import Path
 from specpilot.artifacts.grid import GRID_FILE
 from specpilot.artifacts.run import RunManifest
 from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, name_list,
-                                        non_negative_float, output_dir, positive_float, positive_int, seed,
-                                        stage_name)
+                                        non_negative_float, options_config, output_dir, positive_float, positive_int,
+                                        seed, stage_name)
 from specpilot.train.scale.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
@@ -346,17 +346,7 @@ def progress_logger(run_dir: Path, args: argparse.Namespace, *, every_s: float =
 def run_config(args: argparse.Namespace) -> dict:
     """The wandb config of a train command: the command and every option's value (PPO settings, budgets, the
     static config, the traces and the pair as given), as SB3's wandb integration records the hyper-parameters."""
-    config = {"command": f"train {args.train_command}"}
-    for key, value in sorted(vars(args).items()):
-        if key.startswith("_") or key in ("command", "train_command") or callable(value):
-            continue
-        if isinstance(value, Path):
-            value = str(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        if value is None or isinstance(value, (str, int, float, bool, list)):
-            config[key] = value
-    return config
+    return options_config(args, f"train {args.train_command}", skip=("train_command",))
 
 
 def summary_lines(out: dict, run_dir: Path, *, batched: bool = False) -> list[str]:

@@ -53,10 +53,11 @@ class RunLogger:
     folder (a `--resume`) continues that run (`resume="allow"`) instead of starting another. $WANDB_PROJECT,
     $WANDB_NAME and $WANDB_RUN_ID are honoured. Online, a server that cannot be reached within
     ONLINE_INIT_TIMEOUT_S falls back to offline logging in the run folder (`wandb sync` uploads it later): nothing
-    logged is lost."""
+    logged is lost. resume=False starts a new wandb run each time (`specpilot eval` into a folder it wrote before)."""
 
     def __init__(self, run_dir: str | Path, config: dict | None = None, mode: str | None = None, *,
-                 project: str | None = None, name: str | None = None) -> None:
+                 project: str | None = None, name: str | None = None, resume: bool = True,
+                 folder_option: str = "--run") -> None:
         self.mode = resolve_wandb_mode(mode)  # a bad mode is refused before anything is written
         self.run_dir = Path(run_dir)
         self.config = dict(config or {})
@@ -65,6 +66,8 @@ class RunLogger:
         self._tb = None
         self.wandb_run = None
         self._wandb_tried = False
+        self.resume = resume  # False: a new wandb run even where the command's id is saved (an evaluation redone)
+        self.folder_option = folder_option  # the command's option that names run_dir (said when it is unusable)
 
     @property
     def tb(self):
@@ -82,7 +85,7 @@ class RunLogger:
         folder = self.run_dir / "tb"
         if folder.exists() and not folder.is_dir():
             raise NotADirectoryError(f"{folder} is a file, where the run's TensorBoard logs go: move it away, or "
-                                     "train into another --run folder")
+                                     f"write into another {self.folder_option} folder")
 
     def _wandb(self):
         """The wandb run, started at the first record (None when disabled or when it could not start)."""
@@ -109,7 +112,7 @@ class RunLogger:
             return None
         key = str(self.config.get("command") or self.config.get("stage") or "run")
         ids = self._saved_ids()
-        saved = None if os.environ.get("WANDB_RUN_ID") else ids.get(key)
+        saved = None if os.environ.get("WANDB_RUN_ID") or not self.resume else ids.get(key)
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
         def start(mode: str):
