@@ -8,7 +8,8 @@ on a stale cost model. The check:
    (`replay_static`: draft + verify time, exact accepted lengths);
 2. measured: the same configs live on the same prompts, `rounds` interleaved rounds with the evaluation's loop
    (`evaluate(controllers=...)`), time = wall time minus prefill (what replay models); per round one pooled
-   tokens/s, so the live measurement's own spread is known: spread = (max - min) / 2 / mean over rounds;
+   tokens/s, so the live measurement's own spread is known: spread = (max - min) / 2 of the rounds' tokens/s,
+   over the pooled tokens/s the error is relative to (a round timed under load can make it exceed 100%);
 3. error = predicted / measured - 1 per config; a config is off when |error| > spread + tolerance (default 25%:
    beyond the noise by more than the tolerance), and the profile is `stale` when any config is off.
 

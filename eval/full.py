@@ -23,6 +23,7 @@ from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.artifacts.profile import profile_path as profile_file
 from specpilot.drafting.executor import Executor, ShardTask, as_executor
 from specpilot.drafting.types import TreeConfig
+from specpilot.eval.compare import DECIDE
 from specpilot.eval.costcheck import check_records, profile_age_s
 from specpilot.eval.methods import EvalContext, replay_controllers
 from specpilot.eval.report import write_report
@@ -79,7 +80,7 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
             result.meta["skipped"].update({n: f"replay only: {why}" for n, why in skipped.items()})
         attach_replay(result, trace, profile, prompts, profile_path=profile_file(trace_dir)
                       if trace_dir else None, check_profiles=check_profiles, tolerance=tolerance, seed=seed,
-                      progress=say, replay_only=extra)
+                      progress=say, replay_only=extra, decide=tuple(evaluate_kwargs.get("decide") or DECIDE))
     if prior_checks:
         result.cost_check = {**prior_entries(prior_checks), **(result.cost_check or {})}
     paths = write_report(result.results, result.meta, out_dir, plots=plots, analysis=result.analysis())
@@ -112,10 +113,11 @@ def prior_entries(checks: dict[str, dict]) -> dict[str, dict]:
 def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt], *,
                   profile_path: Path | None = None, check_profiles: dict[str, str | Path] | None = None,
                   tolerance: float = 0.25, seed: int = 0, progress: Callable[[str], None] | None = None,
-                  replay_only: dict | None = None) -> None:
+                  replay_only: dict | None = None, decide: tuple[str, str] = DECIDE) -> None:
     """Steps 4 and 5: set `result.replay` and `result.cost_check` (or say in meta["skipped"] why not: replay
     needs greedy runs and the trace's prompts to be the evaluated token ids). `replay_only`: {name: (controller,
-    tree)} replayed beside the live methods (the cost-model check uses live runs only)."""
+    tree)} replayed beside the live methods (the cost-model check uses live runs only); `decide`: the deciding
+    pair, compared in replay as live."""
     say = progress or (lambda msg: None)
     if result.meta.get("prompts_truncated"):
         result.meta["skipped"]["replay"] = "prompts were truncated to fit the context: the trace does not match"
@@ -129,7 +131,7 @@ def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt],
     info = _profile_info(profile, profile_path, "re-measured for this evaluation")
     if kept_prompts(result, prompts):
         result.replay = replay_evaluation(result, trace, profile, prompts=prompts, seed=seed, profile_info=info,
-                                          replay_only=replay_only)
+                                          replay_only=replay_only, decide=decide)
     else:  # as the live verdicts: speed on degenerate text is no verdict
         result.meta["skipped"]["replay"] = "the target's greedy output is degenerate on every prompt"
     result.cost_check = _cost_checks(result, trace, profile, prompts, check_profiles or {}, tolerance, say)

@@ -58,13 +58,19 @@ def measurement_label(meta: dict) -> str:
     hw = meta.get("gpu") or meta.get("cpu") or "?"
     s = meta.get("sampling", {})
     mix = meta.get("prompt_mix", {})
+    threads = f", {meta['torch_threads']} threads" if meta.get("torch_threads") else ""
+    temperatures = ",".join(f"{t:g}" for t in s.get("temperatures") or []) or "?"
+    splits = mix.get("by_split") or {}
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"
-            f" | {meta.get('dtype', '?')} on {meta.get('device', '?')} ({hw})"
-            f" | top_k={s.get('top_k')}, top_p={s.get('top_p')}, max_new_tokens={s.get('max_new_tokens')}"
+            f" | {meta.get('dtype', '?')} on {meta.get('device', '?')} ({hw}{threads})"
+            f" | T={temperatures}, top_k={s.get('top_k')}, top_p={s.get('top_p')}, "
+            f"max_new_tokens={s.get('max_new_tokens')}, seed {s.get('seed')}"
             + (f" | suite {meta['suite']['name']}{chat_template_note(meta['suite'])}"
                if isinstance(meta.get("suite"), dict) else "")
             + f" | {mix.get('n_prompts', '?')} prompts: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(mix.get("by_task", {}).items())))
+            + ", ".join(f"{k} {v}" for k, v in sorted(mix.get("by_task", {}).items()))
+            + (" (splits " + ", ".join(f"{k} {v}" for k, v in sorted(splits.items())) + ")" if len(splits) > 1
+               else ""))
 
 
 def heldout_summary(results: list[dict]) -> list[dict]:
@@ -170,12 +176,31 @@ def _degeneracy_lines(degeneracy: dict | None) -> list[str]:
     return lines + [""]
 
 
+def _summary_scope(results: list[dict], meta: dict) -> str:
+    """"Held-out" only when every prompt is; a suite that mixes splits is named with its split counts."""
+    splits = (meta.get("prompt_mix") or {}).get("by_split") or {}
+    if splits:
+        if all("heldout" in str(k) for k in splits):
+            return "Held-out"
+        if len(splits) > 1:
+            return "All-prompt (splits " + ", ".join(f"{k} {n}" for k, n in sorted(splits.items())) + ")"
+        return "All-prompt"
+    return "Held-out" if results and all("heldout" in str(r.get("split", "")) for r in results) else "All-prompt"
+
+
 def _summary_lines(summary: list[dict], scope: str) -> list[str]:
     if not summary:
         return []
-    lines = [f"## {scope} speedup over ar (pooled over units, 95% paired interval)", "",
-             "| method | T | speedup [95% CI] | tau | policy overhead | identical to ar | units | prompts |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"## {scope} speedup over ar (pooled over units, 95% paired interval)", ""]
+    for t in sorted({s["temperature"] for s in summary}):
+        units = {s.get("n_units") for s in summary if s["temperature"] == t}
+        if len(units) > 1:  # --full-rounds: later rounds ran ar and the deciding pair only
+            lines += [f"At T={t:g} the methods ran different numbers of units (later rounds ran `ar` and the "
+                      "deciding pair only): each speedup is paired with `ar` on the method's own units, so rows "
+                      "measured in different rounds are not ranked against each other; the comparisons pair them.",
+                      ""]
+    lines += ["| method | T | speedup [95% CI] | tau | policy overhead | identical to ar | units | prompts |",
+              "|---|---|---|---|---|---|---|---|"]
     for s in sorted(summary, key=lambda s: (s["temperature"], -(s.get("speedup") or 0))):
         ci = s.get("speedup_ci")
         cell = _with_ci(s.get("speedup"), ci) if ci is not None else _fmt(s.get("mean_speedup"))
@@ -185,10 +210,11 @@ def _summary_lines(summary: list[dict], scope: str) -> list[str]:
     return lines + [""]
 
 
-def _group_lines(groups: list[dict], degenerate: set | None = None) -> list[str]:
+def _group_lines(groups: list[dict], flagged: dict | None = None) -> list[str]:
+    """flagged: {(task, language): prompts flagged degenerate}: left out of the group's interval, said beside it."""
     if not groups:
         return []
-    degenerate = degenerate or set()
+    flagged = flagged or {}
     m, b = groups[0]["method"], groups[0]["baseline"]
     lines = [f"## {m} vs {b} by task group (live)", "",
              f"Groups with fewer than {MIN_PROMPTS_TO_CONCLUDE} prompts are too small to conclude: their intervals "
@@ -200,8 +226,8 @@ def _group_lines(groups: list[dict], degenerate: set | None = None) -> list[str]
         if g.get("same_decisions"):  # a flag beside the verdict, never instead of it
             v += f"; flag: same decisions ({g['cause']})" if g.get("cause") else "; flag: same decisions"
         ratio = _with_ci(g["ratio"], g["ci"], ".3f")
-        if (g["task"], g["language"]) in degenerate:
-            v += " (degenerate output: not a verdict)"
+        if flagged.get((g["task"], g["language"])):
+            v += f" ({flagged[(g['task'], g['language'])]} degenerate prompt(s) left out)"
         lines.append(f"| {g['temperature']:g} | {g['task']} | {g['language']} | {ratio} | {v} | {g['n_prompts']} |"
                      f" {g['n_units']} |")
     return lines + [""]
@@ -288,15 +314,17 @@ def _cost_lines(cost: dict | None) -> list[str]:
     return lines
 
 
-def _decision_lines(decisions: dict) -> list[str]:
+def _decision_lines(decisions: dict, reference: str = "grid") -> list[str]:
+    """reference: the deciding pair's baseline, whose most frequent (depth, size) the other methods are compared to."""
     if not decisions:
         return []
+    ref = reference
     lines = ["## Decisions", "",
              "Per method: cycles, mean depth and size, their histograms (value:cycles), the share of cycles whose "
-             "(depth, size) differs from grid's config, units decided exactly like grid, and the mean over units of "
-             "|tau - tau(grid)|.", "",
-             "| T | method | cycles | mean depth | mean size | depths | sizes | differs from grid | units same as grid "
-             "| mean abs tau diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"(depth, size) differs from {ref}'s config, units decided exactly like {ref}, and the mean over units "
+             f"of |tau - tau({ref})|.", "",
+             f"| T | method | cycles | mean depth | mean size | depths | sizes | differs from {ref} | units same as "
+             f"{ref} | mean abs tau diff |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t, per in decisions.items():
         for name, s in sorted(per.items()):
             hist = lambda h: " ".join(f"{k}:{v}" for k, v in h.items())  # noqa: E731
@@ -335,7 +363,10 @@ def _row_tables(results: list[dict]) -> list[str]:
     for temperature in sorted({r["temperature"] for r in results}):
         for c in sorted({r.get("concurrency", 1) for r in results}):
             rows = [r for r in results if r["temperature"] == temperature and r.get("concurrency", 1) == c]
-            lines += [f"## Per group, temperature {temperature:g}" + (f", concurrency {c}" if c > 1 else ""), ""]
+            lines += [f"## Per group, temperature {temperature:g}" + (f", concurrency {c}" if c > 1 else ""), "",
+                      "Tokens/s, TTFT and ITL: each method over the units it ran (`ar` over every round); the "
+                      "speedup is paired with `ar` on the units both ran, so it need not equal the ratio of the "
+                      "tokens/s cells.", ""]
             for key, label, spec in ROW_TABLES:
                 if key == "identical_to_ar" and temperature != 0:
                     continue
@@ -400,15 +431,17 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
     lines += _verdict_lines(analysis)
     degeneracy = analysis.get("degeneracy")
     lines += _excluded_note(degeneracy)
-    scope = "Held-out" if any("heldout" in str(r.get("split", "")) for r in results) else "All-prompt"
+    scope = _summary_scope(results, meta)
     # with a degeneracy block an empty summary means every prompt was left out: no fallback to all groups' rows
     lines += _summary_lines(analysis.get("summary") or ([] if degeneracy else heldout_summary(results)), scope)
-    bad_groups = {(g["task"], g["language"]) for g in (degeneracy or {}).get("groups", []) if g["degenerate"]}
-    lines += _group_lines(analysis.get("groups") or [], bad_groups)
+    flagged = {(g["task"], g["language"]): g["n_flagged"] for g in (degeneracy or {}).get("groups", [])
+               if g.get("n_flagged")}
+    lines += _group_lines(analysis.get("groups") or [], flagged)
     lines += _degeneracy_lines(degeneracy)
     lines += _replay_lines(analysis.get("replay"))
     lines += _cost_lines(analysis.get("cost_check"))
-    lines += _decision_lines(analysis.get("decisions") or {})
+    decide = (meta.get("rounds") or {}).get("decide") or ["ltd", "grid"]
+    lines += _decision_lines(analysis.get("decisions") or {}, decide[1])
     lines += batch_lines(analysis.get("batch_sizes") or [])
     lines += _row_tables(results)
     lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in protocol.items()] + [

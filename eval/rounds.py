@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -83,7 +83,8 @@ class RoundPlan:
 
     def methods(self, round_index: int, running: list[str]) -> list[str]:
         """The methods of round `round_index` (0-based)."""
-        if self.full_rounds is None or round_index < self.full_rounds:
+        # without the deciding pair among the methods a partial round would time `ar` alone
+        if self.full_rounds is None or round_index < self.full_rounds or not all(m in running for m in self.decide):
             return running
         return [m for m in running if m == "ar" or m in self.decide]
 
@@ -215,6 +216,21 @@ class Measurer:
     seed: int
     failed: dict[str, str]
     records: list[RunRecord]
+    # greedy new tokens -> whether the target's output is degenerate (`eval.degeneracy`): such prompts are left out
+    # of the stopping rule's interval as they are out of the verdict's; None: nothing is left out
+    degenerate: Callable[[list[int]], bool] | None = None
+    _flags: dict = field(default_factory=dict)
+
+    def flagged(self) -> set[str]:
+        """Prompt ids whose greedy `ar` output so far is degenerate (each measured once)."""
+        if self.degenerate is None:
+            return set()
+        from specpilot.eval.degeneracy import greedy_outputs
+
+        for pid, tokens in greedy_outputs(self.records).items():
+            if pid not in self._flags:
+                self._flags[pid] = bool(self.degenerate(tokens))
+        return {pid for pid, bad in self._flags.items() if bad}
 
     def call(self, name: str, index: int, sampling: dict, seed: int) -> RunRecord | None:
         if name in self.failed:
@@ -274,7 +290,9 @@ def run_rounds(measurer: Measurer, running: list[str], sampling: dict, plan: Rou
 def _decided(measurer: Measurer, plan: RoundPlan, temperature: float) -> dict | None:
     if any(m in measurer.failed for m in plan.decide):
         return None
-    by_method = unit_records(measurer.records, temperature=temperature)
+    flagged = measurer.flagged()
+    records = [r for r in measurer.records if r.prompt_id not in flagged]
+    by_method = unit_records(records, temperature=temperature)
     return compare(by_method, *plan.decide, temperature=temperature)
 
 

@@ -41,7 +41,7 @@ from specpilot.drafting.executor import (Executor, ShardOutcome, ShardTask, as_e
                                          shard_report)
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.types import TreeConfig
-from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs
+from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs, measure
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
 from specpilot.eval.metrics import RunRecord, aggregate, pooled_tau
 from specpilot.eval.stats import paired_ratio_interval
@@ -245,7 +245,9 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
     started = time.perf_counter()
     time_budget_s = plan.time_budget_s
     with MemoryMonitor(pair.device) as memory:
-        measurer = Measurer(built, all_ids, [p.id for p in prompts], pair.device, memory, seed, failed, records)
+        measurer = Measurer(built, all_ids, [p.id for p in prompts], pair.device, memory, seed, failed, records,
+                            degenerate=lambda tokens: measure(
+                                tokens, pair.decode(list(tokens), skip_special_tokens=False)).degenerate)
         rounds_meta = {}
         for j, temperature in enumerate(temperatures):
             # top-k / top-p shape the sampled temperatures only (greedy would ignore them, with a warning)
@@ -336,7 +338,8 @@ def merge_meta(metas: list[dict], workers: list[dict]) -> dict:
 
 def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tuple[str, str], seed: int) -> None:
     """The paired analysis of `result.records` (see `specpilot.eval.compare`). Prompts whose greedy output is
-    flagged degenerate are left out of the summary and the comparisons (the headline) and analysed apart."""
+    flagged degenerate are left out of every verdict (the summary, the comparisons and the task groups' intervals)
+    and analysed apart; exactness and the decision statistics describe every prompt."""
     records = result.records
     flagged = set((result.degeneracy or {}).get("flagged", []))
     kept = [r for r in records if r.prompt_id not in flagged]
@@ -346,7 +349,7 @@ def _analyse(result: EvalResult, prompts: list[Prompt], temperatures, decide: tu
         apart = [r for r in records if r.prompt_id in flagged]
         result.degeneracy["summary"] = _summary(apart, temperatures, seed)
         result.degeneracy["comparisons"] = comparisons(apart, temperatures, decide=decide, seed=seed)
-    result.groups = [g for t in temperatures for g in group_comparisons(records, prompts, temperature=t,
+    result.groups = [g for t in temperatures for g in group_comparisons(kept, prompts, temperature=t,
                                                                         method=decide[0], baseline=decide[1],
                                                                         seed=seed)]
     result.decisions = {f"{float(t):g}": decision_stats(records, temperature=t, reference=decide[1])

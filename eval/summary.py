@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from specpilot.eval.compare import describe
+from specpilot.eval.report import measurement_label
 from specpilot.eval.suites import chat_template_note
 
 
@@ -31,7 +32,9 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
     groups = [g for g in report.get("groups") or [] if g["temperature"] == temperature and g["language"] != "all"]
     replay = report.get("replay") or {}
     degeneracy = report.get("degeneracy")
+    flagged_in = {(g["task"], g["language"]): g.get("n_flagged", 0) for g in (degeneracy or {}).get("groups", [])}
     return {
+        "label": measurement_label(report["meta"]) if (report.get("meta") or {}).get("models") else None,
         "suite": (report.get("meta") or {}).get("suite"),
         "degeneracy": {"n_measured": degeneracy.get("n_measured"), "n_flagged": len(degeneracy.get("flagged", [])),
                        "groups": [f"{g['task']}/{g['language']}" for g in degeneracy.get("groups", [])
@@ -43,7 +46,8 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
         "ltd_vs_grid": decide,
         "rounds": (report.get("meta") or {}).get("rounds"),
         "groups": {"n": len(groups), "too_small": sum(g["too_small"] for g in groups),
-                   "conclusive": [{k: g[k] for k in ("task", "language", "ratio", "ci", "verdict")}
+                   "conclusive": [{**{k: g[k] for k in ("task", "language", "ratio", "ci", "verdict")},
+                                   "n_flagged": flagged_in.get((g["task"], g["language"]), 0)}
                                   for g in groups if not g["too_small"]]},
         "replay": {"methods": {m["method"]: {"speedup": m["speedup"], "live_speedup": m.get("live_speedup"),
                                              "gap": m.get("gap")} for m in replay.get("methods", [])},
@@ -132,7 +136,8 @@ def _rounds_line(rounds: dict | None) -> list[str]:
     parts = []
     for t, r in rounds.get("by_temperature", {}).items():
         hw = r.get("decide_half_width")
-        width = f", ltd vs grid +-{100 * hw:.1f}%" if _ok(hw) else ""
+        pair = " vs ".join(r.get("decide") or rounds.get("decide") or ("ltd", "grid"))
+        width = f", {pair} +-{100 * hw:.1f}%" if _ok(hw) else ""
         parts.append(f"T={t}: {r['rounds']} rounds, {r['units']} units, stopped: {r['stopped_by']}{width}")
     return ["rounds: " + "; ".join(parts)]
 
@@ -157,6 +162,9 @@ def _replay_lines(replay: dict | None) -> list[str]:
     lines = [f"replay of the held-out traces (exact tau, modelled time, {deciding}): " + ", ".join(cells)
              + (f"; hindsight oracle {oracle['speedup']:.2f}x" if _ok(oracle.get("speedup")) else "")
              + (f" (share of its gain over AR: {captured})" if captured else "")]
+    if _ok(oracle.get("speedup")) and oracle["speedup"] < 1:
+        lines.append("  the hindsight oracle is below AR: the latency profile's plain step costs more than AR measured "
+                     "now (see the cost check), so these replay numbers are no ceiling: re-measure the profile")
     lines += [f"  replay {describe(c)}" for c in replay.get("comparisons", [])[:1]]
     return lines
 
@@ -173,7 +181,7 @@ def _cost_lines(checks: dict) -> list[str]:
 
 
 def _suite_lines(summary: dict) -> list[str]:
-    lines = []
+    lines = [f"measured on: {summary['label']}"] if summary.get("label") else []
     suite = summary.get("suite")
     if isinstance(suite, dict):
         lines.append(f"suite: {suite.get('name')} ({suite.get('chosen_by')})" + chat_template_note(suite))
@@ -201,7 +209,9 @@ def format_summary_lines(summary: dict) -> list[str]:
     lines += _rounds_line(summary.get("rounds"))
     groups = summary.get("groups") or {}
     if groups.get("n"):
-        concl = "; ".join(f"{g['task']}/{g['language']} {g['verdict']}" for g in groups["conclusive"])
+        concl = "; ".join(f"{g['task']}/{g['language']} {g['verdict']}"
+                          + (f" ({g['n_flagged']} degenerate prompt(s) left out)" if g.get("n_flagged") else "")
+                          for g in groups["conclusive"])
         lines.append(f"task groups: {groups['n']}, {groups['too_small']} too small to conclude (< 5 prompts)"
                      + (f"; {concl}" if concl else ""))
     lines += _replay_lines(summary.get("replay"))

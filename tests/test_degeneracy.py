@@ -147,3 +147,39 @@ def test_a_task_in_several_languages_gets_an_all_languages_mark():
     rep = degeneracy_report({"qa-it": [1, 2] * 20, "qa-zh": [3, 4] * 20}, prompts)
     groups = {(g["task"], g["language"]): g for g in rep["groups"]}
     assert groups[("qa", "all")]["degenerate"] and groups[("qa", "all")]["n_flagged"] == 2
+
+
+def test_a_group_interval_leaves_its_flagged_prompts_out(tmp_path):
+    """One looping prompt inside a task group: the group's interval is over the others (as the headline and replay
+    are), and report.md says how many it left out."""
+    from specpilot.eval.report import write_report
+    from specpilot.eval.runner import EvalResult, _analyse
+
+    prompts = [Prompt(f"num-{i}", "numerics", "python", "heldout", "x") for i in range(4)]
+    records = []
+    for i, p in enumerate(prompts):
+        loop = i == 0
+        records += _records(p.id, [1, 2] * 20 if loop else list(range(40)), ltd_s=0.5 if loop else 1.0)
+    result = EvalResult(results=[], meta={}, records=records)
+    result.degeneracy = degeneracy_report(greedy_outputs(records), prompts)
+    _analyse(result, prompts, (0.0,), ("ltd", "grid"), seed=0)
+    (group,) = result.groups
+    assert group["n_prompts"] == 3 and group["ratio"] == pytest.approx(1.0)
+    md = open(write_report([], {}, tmp_path, plots=False, analysis=result.analysis())["md"]).read()
+    assert "(1 degenerate prompt(s) left out)" in md
+
+
+def test_the_stopping_rule_leaves_flagged_prompts_out():
+    """Rounds stop on the deciding interval over the prompts the verdict keeps (`Measurer.flagged`)."""
+    import torch
+
+    from specpilot.eval.rounds import Measurer, RoundPlan, _decided
+
+    records = _records("loop", [1, 2] * 20, ltd_s=0.5) + _records("code", list(range(40)))
+    measurer = Measurer({}, [], [], torch.device("cpu"), None, 0, {}, records,
+                        degenerate=lambda tokens: measure(tokens).degenerate)
+    assert measurer.flagged() == {"loop"}
+    decided = _decided(measurer, RoundPlan.make(2), 0.0)
+    assert decided["n_prompts"] == 1 and decided["ratio"] == pytest.approx(1.0)
+    measurer.degenerate = None
+    assert _decided(measurer, RoundPlan.make(2), 0.0)["n_prompts"] == 2

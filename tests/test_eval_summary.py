@@ -2,6 +2,8 @@
 verdict, and that "same decisions" is a flag beside the ratio and its interval, never a verdict instead of them."""
 import re
 
+import pytest
+
 from specpilot.eval.report import write_report
 from specpilot.eval.summary import format_summary_lines, summarise_report
 
@@ -105,3 +107,29 @@ def test_report_metrics_names_every_number_a_run_summary_keeps():
     assert metrics["degeneracy"] == {"n_measured": 30, "n_flagged": 1}
     assert (metrics["suite"], metrics["hardware"], metrics["dtype"], metrics["max_new_tokens"]) == \
         ("heldout_code", "Xeon", "bfloat16", 48)
+
+
+@pytest.mark.parametrize("decide,running,expected", [
+    (("ltd", "grid"), ["ar", "ltd", "grid", "ddd"], ["ar", "ltd", "grid"]),
+    (("ltd", "grid"), ["ar", "fixed", "ddd"], ["ar", "fixed", "ddd"]),   # no deciding pair: every round is full
+])
+def test_rounds_after_the_full_ones_run_the_deciding_pair_or_everything(decide, running, expected):
+    from specpilot.eval.rounds import RoundPlan
+
+    plan = RoundPlan.make(3, full_rounds=1, decide=decide)
+    assert plan.methods(0, running) == running and plan.methods(2, running) == expected
+
+
+def test_labels_name_the_deciding_pair_the_splits_and_a_sub_ar_oracle():
+    from specpilot.eval.report import _decision_lines, _summary_scope
+    from specpilot.eval.summary import _replay_lines, _rounds_line
+
+    rounds = {"by_temperature": {"0": {"rounds": 3, "units": 9, "stopped_by": "max rounds", "decide_half_width": 0.05,
+                                       "decide": ["ddd", "fixed"]}}}
+    assert "ddd vs fixed +-5.0%" in _rounds_line(rounds)[0]
+    assert "differs from fixed" in "\n".join(_decision_lines({"0": {}}, "fixed"))
+    assert _summary_scope([], {"prompt_mix": {"by_split": {"heldout": 6, "train": 2}}}) == \
+        "All-prompt (splits heldout 6, train 2)"
+    assert _summary_scope([], {"prompt_mix": {"by_split": {"heldout": 6}}}) == "Held-out"
+    replay = {"methods": {}, "oracle": {"speedup": 0.61}}
+    assert any("oracle is below AR" in line for line in _replay_lines(replay))
