@@ -43,11 +43,30 @@ def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list
     `generate` checks its prompt (non-empty, fits the context with `lookahead` draft positions)."""
     from specpilot.drafting.checks import check_context
 
+    from specpilot.drafting.pair import padded_rows, tokenizer_rows
+
+    if isinstance(prompts, Mapping) and "input_ids" in prompts:  # a tokenizer's output: rows without the padding
+        prompts = tokenizer_rows(prompts)
+    elif hasattr(prompts, "ndim") and hasattr(prompts, "tolist") and str(prompts.dtype).rsplit(".", 1)[-1] \
+            in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64"):  # a tensor / array of ids
+        if prompts.ndim != 2:
+            raise ValueError(f"prompts as a tensor or array must be 2-D (one row of ids per prompt), got shape "
+                             f"{list(prompts.shape)}: for one prompt pass [ids] or call generate")
+        prompts = prompts.tolist()
+        pads = (getattr(getattr(pair, "tokenizer", None), "pad_token_id", None), *pair.eos_token_ids)
+        padded = padded_rows(prompts, pads)
+        if padded:
+            raise ValueError(f"rows {padded[:5]} of the prompt tensor start or end with a pad or end id where "
+                             "others do not: a padded batch would decode its padding as prompt text. Pass the "
+                             "tokenizer's output with its attention_mask (generate_batch(tokenizer(texts, "
+                             "padding=True, return_tensors='pt'))) or a list of unpadded prompts")
     if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
     if isinstance(prompts, (AbstractSet, Mapping)):  # outputs come back in the prompts' order: it must have one
         raise TypeError(f"prompts must be a list or tuple (outputs come back in its order), got a "
                         f"{type(prompts).__name__}")
+    if hasattr(max_new_tokens, "ndim") and hasattr(max_new_tokens, "tolist"):  # a numpy array / tensor of budgets
+        max_new_tokens = max_new_tokens.tolist()
     budgets = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
     if len(budgets) != len(prompts):
         raise ValueError(f"max_new_tokens has {len(budgets)} entries for {len(prompts)} prompts")

@@ -115,6 +115,58 @@ def fits_tree(controller, tree) -> None:
         check(tree)
 
 
+class DuckController(Controller):
+    """A duck-typed controller (an object with should_stop and choose_size, not a Controller subclass) with the
+    optional methods it lacks filled in as the Controller base defines them (never skip, no feedback, nothing to
+    reset), so such an object steers the decoder as the README says it may."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, getattr(inner, "name", type(inner).__name__)
+
+    def reset(self) -> None:
+        if callable(getattr(self.inner, "reset", None)):
+            self.inner.reset()
+
+    def skip_drafting(self, state: DraftState) -> bool:
+        skip = getattr(self.inner, "skip_drafting", None)
+        return bool(skip(state)) if callable(skip) else False
+
+    def should_stop(self, state: DraftState) -> bool:
+        return self.inner.should_stop(state)
+
+    def choose_size(self, state: DraftState) -> int:
+        return self.inner.choose_size(state)
+
+    def observe(self, record: CycleRecord) -> None:
+        if callable(getattr(self.inner, "observe", None)):
+            self.inner.observe(record)
+
+    def check_tree(self, tree) -> None:
+        fits_tree(self.inner, tree)
+
+    def actor_questions(self) -> frozenset[str]:
+        questions = getattr(self.inner, "actor_questions", None)
+        return questions() if callable(questions) else frozenset()
+
+    def describe(self) -> dict:
+        describe = getattr(self.inner, "describe", None)
+        return describe() if callable(describe) else {"name": self.name}
+
+
+def as_controller(obj) -> Controller:
+    """`obj` as a Controller: a Controller as it is, a duck-typed one (should_stop and choose_size) wrapped in
+    DuckController; a class instead of an instance, or an object without those two methods, is a TypeError."""
+    if isinstance(obj, Controller):
+        return obj
+    if isinstance(obj, type):
+        raise TypeError(f"controller must be an instance, got the class {obj.__name__}: pass {obj.__name__}(...)")
+    if not all(callable(getattr(obj, name, None)) for name in ("should_stop", "choose_size")):
+        raise TypeError(f"controller must be a specpilot Controller (FixedController, a heuristic, a learned or "
+                        f"exported policy) or an object with should_stop(state) and choose_size(state), got "
+                        f"{type(obj).__name__}")
+    return DuckController(obj)
+
+
 class DecisionLog(Controller):
     """Delegates every decision to `inner` and logs the (depth, size) of each cycle it observes (for reports,
     validation statistics and the evaluation's decision comparisons)."""

@@ -20,7 +20,7 @@ import torch
 from specpilot.drafting.attention import MaskLayout, model_mask
 from specpilot.drafting.cache import cache_length, generation_cache, keep_positions, new_cache
 from specpilot.drafting.checks import check_context, check_float, check_int, check_seed, warn_unused_sampling
-from specpilot.drafting.control import FixedController, fits_tree
+from specpilot.drafting.control import FixedController, as_controller, fits_tree
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.cycle_math import (clip_size, emitted_count, first_end, level_bounds, num_candidates,
                                           update_acceptance)
@@ -334,7 +334,7 @@ class DecodingSession:
         total = self.token_times[-1] if self.token_times else 0.0
         return GenerationOutput(tokens=list(self.new_tokens), prompt_len=self.prompt_len, cycles=list(self.cycles),
                                 prefill_s=self.prefill_s, total_s=total, token_times=list(self.token_times),
-                                finished_by=self.finished_by or "length", text=self.pair.decode(self.new_tokens))
+                                finished_by=self.finished_by or "unfinished", text=self.pair.decode(self.new_tokens))
 
 
 class SpeculativeDecoder:
@@ -374,10 +374,11 @@ class SpeculativeDecoder:
 
     def generate(self, prompt, *, controller=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
-        """Generate up to `max_new_tokens` new tokens, one `run_cycle` after another. `controller` (anything with
-        should_stop / choose_size / observe / reset) defaults to `default_controller` (an exported decoder's
-        policies), else FixedController() for the device. A FixedController deeper or larger than the tree is
-        refused (it would be capped without a word)."""
+        """Generate up to `max_new_tokens` new tokens, one `run_cycle` after another. `controller` (a Controller, or
+        anything with should_stop / choose_size: skip_drafting / observe / reset default as Controller's) defaults
+        to `default_controller` (an exported decoder's policies), else FixedController() for the device. A
+        FixedController deeper or larger than the tree is refused (it would be capped without a word). `prompt`:
+        text, token ids, or a tokenizer's output (its attention_mask's padding dropped)."""
         controller = self._controller(controller)
         warn_generation_config(self.pair)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -391,9 +392,7 @@ class SpeculativeDecoder:
         deeper or larger than it would be capped without a word, trained policies observe their own tree)."""
         if controller is None:
             controller = self.default_controller or FixedController(device=str(self.pair.device))
-        if not all(hasattr(controller, name) for name in ("should_stop", "choose_size")):
-            raise TypeError(f"controller must be a specpilot Controller (FixedController, a heuristic, a learned or "
-                            f"exported policy), got {type(controller).__name__}")
+        controller = as_controller(controller)  # a duck-typed one gets the optional methods it lacks
         fits_tree(controller, self.tree)
         return controller
 
@@ -402,8 +401,10 @@ class SpeculativeDecoder:
                        max_batch: int | None = None) -> list[GenerationOutput]:
         """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
+        prompts: a list of prompts (text or ids), a 2-D id tensor / array without padding, or a tokenizer's output
+        (`tokenizer(texts, padding=True, return_tensors="pt")`: each row without its attention_mask's padding).
         controller: as for `generate` (default: an exported decoder's policies, else FixedController()).
-        max_new_tokens: one int, or one per prompt. max_batch: decode at most this many at once, refilling a
+        max_new_tokens: one int, or one per prompt (a list, array or tensor). max_batch: decode at most this many at once, refilling a
         finished row's place from the remaining prompts in order (continuous batching of a prompt queue; None:
         all at once). Returns one GenerationOutput per prompt, in prompt order (an admitted prompt's prefill_s
         and token_times count from its own admission). Either drafter: a draft LM or an EAGLE-3 head (per-row target

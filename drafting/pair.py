@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -407,6 +408,38 @@ def _load_lm(source, what: str, dtype):
         raise problem from err
 
 
+def tokenizer_rows(encoding) -> list:
+    """The prompts of a tokenizer's output (a BatchEncoding or any mapping with "input_ids", e.g.
+    `tokenizer(texts, padding=True, return_tensors="pt")` or `apply_chat_template(..., return_dict=True)`): one
+    row of ids per prompt, each without the positions its attention_mask marks as padding (left or right), as
+    transformers' `generate(**encoding)` reads them."""
+    ids = encoding["input_ids"]
+    mask = encoding.get("attention_mask")
+    rows = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if rows and not isinstance(rows[0], (list, tuple)):
+        rows = [rows]  # one prompt: [n]
+    if mask is None:
+        return [list(r) for r in rows]
+    masks = mask.tolist() if hasattr(mask, "tolist") else list(mask)
+    if masks and not isinstance(masks[0], (list, tuple)):
+        masks = [masks]
+    if [len(r) for r in rows] != [len(m) for m in masks]:
+        raise ValueError("the tokenizer output's attention_mask does not match its input_ids in shape")
+    return [[t for t, keep in zip(r, m) if keep] for r, m in zip(rows, masks)]
+
+
+def padded_rows(rows: list[list[int]], pad_ids) -> list[int]:
+    """Indices of the rows of a 2-D id tensor/array that start or end with one of `pad_ids` (the tokenizer's pad id
+    and the end ids, which tokenizers without a pad token are given as one) while another row does not there: a
+    padded batch passed without its attention_mask (the padding would be decoded as prompt text)."""
+    pads = {int(i) for i in pad_ids if i is not None}
+    if not pads or len(rows) < 2:
+        return []
+    starts = [bool(r) and r[0] in pads for r in rows]
+    ends = [bool(r) and r[-1] in pads for r in rows]
+    return [i for i in range(len(rows)) if (starts[i] and not all(starts)) or (ends[i] and not all(ends))]
+
+
 def _one_row(ids, shape: tuple[int, ...]):
     """A prompt tensor/array as one row of ids: [n] or [1, n] (as a tokenizer returns it). More rows are several
     prompts, which one generation must not silently join."""
@@ -433,6 +466,16 @@ class ModelPair:
     def __post_init__(self) -> None:
         if self.draft is None and self.eagle is None:
             raise ValueError("a ModelPair needs a drafter: draft= (a causal LM) or eagle= (an EAGLE-3 head)")
+        if self.draft is not None and self.eagle is not None:  # as from_pretrained: one drafter, said
+            raise ValueError("give draft= (a separate LM) or eagle= (an EAGLE-3 head), not both: the decoder drafts "
+                             "with one")
+        if self.eagle is not None:
+            from specpilot.drafting.eagle import Eagle3Head
+
+            if not isinstance(self.eagle, Eagle3Head):
+                raise TypeError(f"eagle must be an EAGLE-3 head (specpilot.drafting.eagle.Eagle3Head, e.g. from "
+                                f"ModelPair.from_pretrained(target, eagle=PATH)), got {type(self.eagle).__name__}; a "
+                                "separate draft LM goes in draft=")
         for name, module in (("target", self.target), ("draft", self.draft)):
             if module is not None and not (isinstance(module, torch.nn.Module)
                                            and hasattr(module, "get_output_embeddings")):
@@ -442,6 +485,13 @@ class ModelPair:
         if self.tokenizer is not None and not callable(self.tokenizer):
             raise TypeError(f"tokenizer must be a transformers tokenizer object, got {type(self.tokenizer).__name__}; "
                             "load it with AutoTokenizer.from_pretrained(...), or use ModelPair.from_pretrained")
+        training = [name for name, m in (("target", self.target), ("draft", self.draft), ("eagle", self.eagle))
+                    if m is not None and m.training]
+        if training:  # decoding needs dropout off; say so, since the caller's own models change mode
+            import warnings
+
+            warnings.warn(f"ModelPair puts the {' and '.join(training)} in eval mode (decoding needs dropout off); "
+                          "call .train() on them to go on training", UserWarning, stacklevel=3)
         self.target.eval()
         for name, module in (("draft", self.draft), ("eagle", self.eagle)):
             if module is None:
@@ -554,6 +604,12 @@ class ModelPair:
             return check_token_ids(ids, self.vocab_size, what="the tokenizer's id")
         if isinstance(prompt, (bytes, bytearray)):
             raise TypeError("the prompt is bytes: decode it to text (str) first, or pass a list of token ids")
+        if isinstance(prompt, Mapping) and "input_ids" in prompt:  # a tokenizer's output, padding dropped
+            rows = tokenizer_rows(prompt)
+            if len(rows) != 1:
+                raise ValueError(f"the tokenizer output holds {len(rows)} prompts: call generate_batch with it (one "
+                                 "row each) or generate once per prompt")
+            prompt = rows[0]
         if isinstance(prompt, torch.Tensor):
             if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
                 raise TypeError(f"prompt token ids must be integers, got a tensor of {prompt.dtype}")
@@ -563,7 +619,8 @@ class ModelPair:
                 raise TypeError(f"prompt token ids must be integers, got an array of {prompt.dtype}")
             prompt = _one_row(prompt, prompt.shape).tolist()
         elif not isinstance(prompt, (list, tuple, range)):
-            raise TypeError(f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}")
+            raise TypeError(f"the prompt must be text (str), a list of token ids or a tokenizer's output (with "
+                            f"input_ids), got {type(prompt).__name__}")
         ids = [t if type(t) is int else check_int(f"prompt token id at position {i}", t)
                for i, t in enumerate(prompt)]
         return check_token_ids(ids, self.vocab_size)
