@@ -76,7 +76,7 @@ def test_sampling_arguments_are_checked(pair, kwargs, error, fragment, entry):
     (np.array([1.5]), TypeError, "must be integers"),
     (torch.tensor([3, 200]), ValueError, "prompt token id 200"),
     (b"\x01\x02", TypeError, "bytes"),
-    (17, TypeError, "text \\(str\\) or a list of token ids"),
+    (17, TypeError, "text \\(str\\), a list of token ids or a tokenizer's output"),
     (torch.tensor([[1, 2], [3, 4]]), ValueError, r"one sequence of token ids \(\[n\] or \[1, n\]\), got shape \[2, 2\]"),
     (np.array([[1, 2], [3, 4]]), ValueError, "call generate_batch"),
 ])
