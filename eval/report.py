@@ -336,7 +336,10 @@ def _decision_lines(decisions: dict, reference: str = "grid") -> list[str]:
     return lines + [""]
 
 
-def _table(rows: list[dict], methods: list[str], key: str, spec: str) -> list[str]:
+def _table(rows: list[dict], methods: list[str], key: str, spec: str, flagged: dict | None = None) -> list[str]:
+    """flagged: {(task, language): prompts flagged degenerate}; these per-group rows describe every prompt, so
+    the group's label says how many of them loop or are junk."""
+    flagged = flagged or {}
     cells = {(r["task"], r["language"], r["method"]): r for r in rows}
     groups = sorted({(r["task"], r["language"]) for r in rows})
     lines = ["| task | language | " + " | ".join(methods) + " |", "|---|---|" + "---|" * len(methods)]
@@ -346,7 +349,8 @@ def _table(rows: list[dict], methods: list[str], key: str, spec: str) -> list[st
             r = cells.get((task, lang, m))
             out.append("-" if r is None else (_with_ci(r.get(key), r.get("speedup_ci"), spec)
                                               if key == "speedup" and "speedup_ci" in r else _fmt(r.get(key), spec)))
-        lines.append(f"| {task} | {lang} | " + " | ".join(out) + " |")
+        mark = f" ({flagged[(task, lang)]} degenerate)" if flagged.get((task, lang)) else ""
+        lines.append(f"| {task}{mark} | {lang} | " + " | ".join(out) + " |")
     return lines
 
 
@@ -357,7 +361,7 @@ ROW_TABLES = (("speedup", "Speedup over ar [95% paired interval]", ".2f"), ("tau
               ("identical_to_ar", "Identical to ar", ""))
 
 
-def _row_tables(results: list[dict]) -> list[str]:
+def _row_tables(results: list[dict], flagged: dict | None = None) -> list[str]:
     methods = list(dict.fromkeys(r["method"] for r in results))
     lines = []
     for temperature in sorted({r["temperature"] for r in results}):
@@ -370,7 +374,7 @@ def _row_tables(results: list[dict]) -> list[str]:
             for key, label, spec in ROW_TABLES:
                 if key == "identical_to_ar" and temperature != 0:
                     continue
-                lines += [f"**{label}**", ""] + _table(rows, methods, key, spec) + [""]
+                lines += [f"**{label}**", ""] + _table(rows, methods, key, spec, flagged) + [""]
     return lines
 
 
@@ -443,7 +447,7 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
     decide = (meta.get("rounds") or {}).get("decide") or ["ltd", "grid"]
     lines += _decision_lines(analysis.get("decisions") or {}, decide[1])
     lines += batch_lines(analysis.get("batch_sizes") or [])
-    lines += _row_tables(results)
+    lines += _row_tables(results, flagged)
     lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in protocol.items()] + [
         "- tau: tokens emitted per target forward, bonus token included (1 for autoregressive decoding).",
         "- policy_overhead / draft_frac: controller / draft time over the wall time of the generations.",
