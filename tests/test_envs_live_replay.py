@@ -42,7 +42,7 @@ def _tiny_pair(seed: int = 0) -> ModelPair:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                       intermediate_size=64, max_position_embeddings=512, eos_token_id=95)
-    target = LlamaForCausalLM(cfg)
+    target = LlamaForCausalLM(cfg).eval()
     draft = copy.deepcopy(target)  # a noisy copy: partial, position-dependent acceptance
     with torch.no_grad():
         for p in draft.parameters():

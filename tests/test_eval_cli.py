@@ -60,7 +60,8 @@ def test_run_writes_a_report(tmp_path, monkeypatch):
     def tiny(seed):
         torch.manual_seed(seed)
         return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256))
+                                            num_key_value_heads=2, intermediate_size=64,
+                                            max_position_embeddings=256)).eval()
 
     monkeypatch.setattr(ModelPair, "from_pretrained",
                         classmethod(lambda cls, *a, **k: cls(tiny(0), tiny(1), _ByteTokenizer(), name="tiny")))
