@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 
+import numpy as np
 import torch
 
 from specpilot.drafting.attention import MaskLayout, model_mask
@@ -42,13 +43,12 @@ def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list
     """Prompts as token-id lists and one max_new_tokens per prompt (an int applies to all), each checked as
     `generate` checks its prompt (non-empty, fits the context with `lookahead` draft positions)."""
     from specpilot.drafting.checks import check_context
-
     from specpilot.drafting.pair import padded_rows, tokenizer_rows
 
     if isinstance(prompts, Mapping) and "input_ids" in prompts:  # a tokenizer's output: rows without the padding
         prompts = tokenizer_rows(prompts)
-    elif hasattr(prompts, "ndim") and hasattr(prompts, "tolist") and str(prompts.dtype).rsplit(".", 1)[-1] \
-            in ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64"):  # a tensor / array of ids
+    elif isinstance(prompts, torch.Tensor) or (isinstance(prompts, np.ndarray)
+                                               and np.issubdtype(prompts.dtype, np.integer)):  # ids, one row each
         if prompts.ndim != 2:
             raise ValueError(f"prompts as a tensor or array must be 2-D (one row of ids per prompt), got shape "
                              f"{list(prompts.shape)}: for one prompt pass [ids] or call generate")

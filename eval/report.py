@@ -176,6 +176,12 @@ def _degeneracy_lines(degeneracy: dict | None) -> list[str]:
     return lines + [""]
 
 
+def flagged_by_group(degeneracy: dict | None) -> dict:
+    """{(task, language): prompts flagged degenerate} of a report's degeneracy block (groups with none left out)."""
+    return {(g["task"], g["language"]): g["n_flagged"] for g in (degeneracy or {}).get("groups", [])
+            if g.get("n_flagged")}
+
+
 def _summary_scope(results: list[dict], meta: dict) -> str:
     """"Held-out" only when every prompt is; a suite that mixes splits is named with its split counts."""
     splits = (meta.get("prompt_mix") or {}).get("by_split") or {}
@@ -318,13 +324,12 @@ def _decision_lines(decisions: dict, reference: str = "grid") -> list[str]:
     """reference: the deciding pair's baseline, whose most frequent (depth, size) the other methods are compared to."""
     if not decisions:
         return []
-    ref = reference
     lines = ["## Decisions", "",
              "Per method: cycles, mean depth and size, their histograms (value:cycles), the share of cycles whose "
-             f"(depth, size) differs from {ref}'s config, units decided exactly like {ref}, and the mean over units "
-             f"of |tau - tau({ref})|.", "",
-             f"| T | method | cycles | mean depth | mean size | depths | sizes | differs from {ref} | units same as "
-             f"{ref} | mean abs tau diff |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"(depth, size) differs from {reference}'s config, units decided exactly like {reference}, and the mean "
+             f"over units of |tau - tau({reference})|.", "",
+             f"| T | method | cycles | mean depth | mean size | depths | sizes | differs from {reference} | units "
+             f"same as {reference} | mean abs tau diff |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t, per in decisions.items():
         for name, s in sorted(per.items()):
             hist = lambda h: " ".join(f"{k}:{v}" for k, v in h.items())  # noqa: E731
@@ -438,8 +443,7 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
     scope = _summary_scope(results, meta)
     # with a degeneracy block an empty summary means every prompt was left out: no fallback to all groups' rows
     lines += _summary_lines(analysis.get("summary") or ([] if degeneracy else heldout_summary(results)), scope)
-    flagged = {(g["task"], g["language"]): g["n_flagged"] for g in (degeneracy or {}).get("groups", [])
-               if g.get("n_flagged")}
+    flagged = flagged_by_group(degeneracy)
     lines += _group_lines(analysis.get("groups") or [], flagged)
     lines += _degeneracy_lines(degeneracy)
     lines += _replay_lines(analysis.get("replay"))

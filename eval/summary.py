@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from specpilot.eval.compare import describe
-from specpilot.eval.report import measurement_label
+from specpilot.eval.report import flagged_by_group, measurement_label
 from specpilot.eval.suites import chat_template_note
 
 
@@ -32,7 +32,7 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
     groups = [g for g in report.get("groups") or [] if g["temperature"] == temperature and g["language"] != "all"]
     replay = report.get("replay") or {}
     degeneracy = report.get("degeneracy")
-    flagged_in = {(g["task"], g["language"]): g.get("n_flagged", 0) for g in (degeneracy or {}).get("groups", [])}
+    flagged_in = flagged_by_group(degeneracy)
     return {
         "label": measurement_label(report["meta"]) if (report.get("meta") or {}).get("models") else None,
         "suite": (report.get("meta") or {}).get("suite"),
