@@ -21,7 +21,7 @@ def _model(seed: int):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg).eval()  # decoding-ready, as from_pretrained returns it
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def _tiny_llama(vocab_size: int, seed: int = 0):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).eval()  # decoding-ready, as from_pretrained returns it
 
 
 def test_mismatched_model_vocabularies_raise():
