@@ -104,8 +104,7 @@ class LiveSource:
                  temperature: float = 0.0) -> None:
         from specpilot.drafting.decoder import SpeculativeDecoder
 
-        if isinstance(prompts, (str, bytes)) or not prompts or isinstance(prompts[0], (int, np.integer)):
-            raise TypeError("prompts must be a non-empty list of prompts (strings or token-id lists)")
+        _check_prompts(prompts)
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         self.pair, self.tree = pair, tree or TreeConfig()
         self.decoder = SpeculativeDecoder(pair, self.tree)
@@ -558,7 +557,13 @@ def resolve_live_tree(size_actions, tree: TreeConfig | None, pair) -> TreeConfig
     return tree
 
 
-def _pair(pair):
+def _check_prompts(prompts) -> None:
+    if isinstance(prompts, (str, bytes)) or not prompts or isinstance(prompts[0], (int, np.integer)):
+        raise TypeError("prompts must be a non-empty list of prompts (strings or token-id lists)")
+
+
+def _pair(pair, prompts):
+    _check_prompts(prompts)  # before loading the default pair: a missing prompt list should not cost a model load
     if pair is None:
         from specpilot.drafting.pair import ModelPair
 
@@ -569,7 +574,7 @@ def _pair(pair):
 def live_depth_env(pair=None, prompts=None, *, max_new_tokens: int = 128, tree: TreeConfig | None = None,
                    temperature: float = 0.0, **kwargs) -> DepthEnv:
     """specpilot/Depth-v0: DepthEnv over live decoding of `prompts` (strings or token-id lists)."""
-    pair = _pair(pair)
+    pair = _pair(pair, prompts)
     source = LiveSource(pair, prompts, tree=tree, max_new_tokens=max_new_tokens, temperature=temperature)
     return DepthEnv(source, **kwargs)
 
@@ -577,7 +582,7 @@ def live_depth_env(pair=None, prompts=None, *, max_new_tokens: int = 128, tree: 
 def live_size_env(pair=None, prompts=None, *, max_new_tokens: int = 128, tree: TreeConfig | None = None,
                   temperature: float = 0.0, size_actions: list[int] | None = None, **kwargs) -> SizeEnv:
     """specpilot/Size-v0: SizeEnv over live decoding of `prompts` (strings or token-id lists)."""
-    pair = _pair(pair)
+    pair = _pair(pair, prompts)
     source = LiveSource(pair, prompts, tree=resolve_live_tree(size_actions, tree, pair),
                         max_new_tokens=max_new_tokens, temperature=temperature)
     return SizeEnv(source, size_actions=size_actions, **kwargs)

@@ -574,3 +574,14 @@ def test_a_reset_batch_size_the_profile_cannot_time_is_refused_up_front(recorded
     with pytest.raises(ValueError, match=fragment):
         env.reset(seed=0, options={"batch_size": batch_size})
     assert env.reset(seed=0, options={"batch_size": 3})[1]["batch_size"] == 3   # within the curves: interpolated
+
+
+@pytest.mark.parametrize("env_id", ["specpilot/Depth-v0", "specpilot/Size-v0"])
+@pytest.mark.parametrize("prompts", [None, [], "def f(x):", [1, 2, 3]])
+def test_live_env_prompts_are_checked_before_the_default_pair_loads(env_id, prompts, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the default pair was loaded before the prompts were checked")
+
+    monkeypatch.setattr(ModelPair, "from_pretrained", no_load)
+    with pytest.raises(TypeError, match="non-empty list of prompts"):
+        gym.make(env_id, prompts=prompts)
