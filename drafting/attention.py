@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.drafting.errors import NonFiniteLogitsError, overflow_fix
+
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -184,6 +186,11 @@ def check_tree_attention(model, what: str = "model") -> MaskLayout:
         raise TreeAttentionError(f"the {what} ({arch}) cannot take a 4-D attention mask with explicit position ids "
                                  f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}); speculative tree "
                                  f"attention needs both, so this architecture is not supported") from None
+    if not (torch.isfinite(plain).all() and torch.isfinite(masked).all()):
+        # overflow, not the mask: inf - inf would read as a masked token moving the logits by nan
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        raise NonFiniteLogitsError(f"the {what} ({arch}) gives logits that are not finite (inf or nan) in {dtype} on "
+                                   f"a 4-token probe{overflow_fix(dtype)}")
     expected, got = plain[[0, 1, 2]], masked[[0, 1, 3]]
     scale = 1.0 + float(expected.abs().max())
     # half precision: the two forwards round differently (other shapes), far less than a visible sibling moves them

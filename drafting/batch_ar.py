@@ -34,7 +34,7 @@ from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, GenerationOutput
-from specpilot.drafting.sampling import sampling_probs
+from specpilot.drafting.sampling import draw, sampling_probs
 
 PAD = 0  # token id written into holes (never attended to by a real query)
 
@@ -288,8 +288,8 @@ def plain_step(cache: RaggedCache, rows: list, device, sampling: tuple | None = 
         return logits.argmax(dim=-1).tolist()
     probs = sampling_probs(logits, *sampling)
     if isinstance(generator, list):  # per-sequence seeds: each row draws from its own generator
-        return [int(torch.multinomial(probs[i], 1, generator=g)) for i, g in enumerate(generator)]
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+        return [int(draw(probs[i], g)) for i, g in enumerate(generator)]
+    return draw(probs, generator)[:, 0].tolist()
 
 
 def row_generators(seed, n: int, device) -> torch.Generator | list[torch.Generator]:

@@ -27,7 +27,7 @@ from specpilot.drafting.cycle_math import (clip_size, emitted_count, first_end, 
 from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, make_drafter
 from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.pair import ModelPair
-from specpilot.drafting.sampling import sample, sampling_probs
+from specpilot.drafting.sampling import draw, sample, sampling_probs
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
@@ -466,8 +466,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
         for _ in range(max_new_tokens):
             logits = pair.target(input_ids=current, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
             if temperature > 0:
-                current = torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1,
-                                            generator=generator)                     # [1, 1]
+                current = draw(sampling_probs(logits, temperature, top_k, top_p), generator)  # [1, 1]
             else:
                 current = logits.argmax(dim=-1, keepdim=True)                       # [1, 1], stays on device
             token = int(current)

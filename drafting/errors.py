@@ -34,6 +34,19 @@ class OutputPathError(ValueError):
     folder where a file belongs); raised before any work starts (`specpilot.drafting.files.check_writable`)."""
 
 
+class NonFiniteLogitsError(ValueError):
+    """A model's logits are inf or nan: float16's range (to 65504) overflowed, most often. Running in bfloat16 or
+    float32 is the fix, so it is the user's choice to change, not a bug."""
+
+
+def overflow_fix(dtype_name: str) -> str:
+    """The fix a NonFiniteLogitsError message ends with, for a model running in `dtype_name`."""
+    if dtype_name == "float16":
+        return ("; float16 overflows past 65504: load the pair in bfloat16 or float32 (--dtype bfloat16 / float32, "
+                "dtype= in ModelPair.from_pretrained)")
+    return f"; the model's weights or inputs give inf/nan in {dtype_name}: check the checkpoint, or try float32"
+
+
 def defined_in_package(err: BaseException) -> bool:
     """True when the exception's class (or a base class) is one of specpilot's own error classes."""
     return any(cls.__module__.split(".")[0] == PACKAGE for cls in type(err).__mro__)

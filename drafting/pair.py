@@ -31,6 +31,7 @@ DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
 DEFAULT_DRAFTER = "eagle" if (DEFAULT_PAIR_DIR / "eagle" / "config.json").exists() else "draft"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # torch dtypes a pair may run in
 
 
 class VocabularyMismatchError(ValueError):
@@ -84,9 +85,10 @@ def check_dtype(dtype, device: str) -> torch.dtype:
         if dtype.strip().lower() not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
         return DTYPES[dtype.strip().lower()]
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype; choose one of "
-                         f"{', '.join(DTYPE_CHOICES)}")
+    if not isinstance(dtype, torch.dtype) or dtype not in COMPUTE_DTYPES:
+        # float8 and the like are storage formats: models do not compute in them (torch cannot even build one)
+        raise ValueError(f"dtype {dtype!r} is not a dtype models compute in; choose one of "
+                         f"{', '.join(DTYPE_CHOICES)} (or torch.float64)")
     return dtype
 
 
@@ -96,6 +98,8 @@ DTYPE_CHOICES = ("bfloat16", "float16", "float32", AUTO)  # what --dtype offers 
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")   # /proc/cpuinfo flags of CPUs with bf16 matmul instructions
 CPU_FP16_FLAGS = ("amx_fp16", "avx512_fp16")
 AUTO_PROBE_TOKENS = (1, 16)  # auto's micro-benchmark: a plain step and a typical verification block
+AUTO_PROBE_REPEATS = 9  # interleaved fp32/bf16 repeats of the micro-benchmark
+AUTO_BF16_MAX_RATIO = 0.9  # auto takes bf16 on a CPU only when its forward takes <= 90% of fp32's time
 _CPU_FLAGS: set[str] | None = None
 _AUTO_MEASURED: dict[tuple, tuple[torch.dtype, str]] = {}  # per process: (model, device, threads) -> choice
 
@@ -134,8 +138,9 @@ def half_support(dtype: torch.dtype, device: str) -> tuple[str, str]:
     return "emulated", f"this CPU has no {' or '.join(wanted)} (/proc/cpuinfo): torch emulates {name}, slowly"
 
 
-def _forward_ms(model, tokens: int, *, prefix: int = 128, repeats: int = 5) -> float:
-    """Median ms of one target forward over `tokens` new tokens after a `prefix`-token cache (no autograd)."""
+def _forward_timer(model, tokens: int, *, prefix: int = 128):
+    """A callable timing (ms) one target forward over `tokens` new tokens after a `prefix`-token cache (no
+    autograd); the cache is cropped back after each call, so every call times the same work."""
     import time
 
     from specpilot.drafting.cache import crop_to, new_cache
@@ -146,33 +151,52 @@ def _forward_ms(model, tokens: int, *, prefix: int = 128, repeats: int = 5) -> f
     vocab = _vocab_size(model)
     model(input_ids=torch.randint(0, vocab, (1, prefix), generator=gen).to(device), cache=cache, use_cache=True)
     ids = torch.randint(0, vocab, (1, tokens), generator=gen).to(device)
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
+
+    def forward_ms() -> float:
         t0 = time.perf_counter()
         model(input_ids=ids, cache=cache, use_cache=True)
-        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
         crop_to(cache, prefix)
-    return float(np.median(times[1:])) * 1e3
+        return elapsed * 1e3
+
+    forward_ms()  # warm-up, not timed
+    return forward_ms
 
 
-def measure_half(model, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """ms of the target forward at AUTO_PROBE_TOKENS tokens in fp32 and in `dtype` (a copy), for "auto"."""
+def measure_half(model, dtype: torch.dtype = torch.bfloat16, *, repeats: int = AUTO_PROBE_REPEATS) -> dict:
+    """ms of the target forward at AUTO_PROBE_TOKENS tokens in fp32 and in `dtype` (a copy), for "auto": the two
+    interleaved (order alternating per repeat), so a load change on a shared machine hits both alike. Returns each
+    dtype's median ms per token count and `ratio`, the median over repeats of (dtype's summed ms / fp32's)."""
     import copy
 
+    half_name = str(dtype).removeprefix("torch.")
     with torch.inference_mode():
-        half = copy.deepcopy(model).to(dtype)
+        half = copy.deepcopy(model).to(dtype)  # for timing only: the decoding copy is loaded as transformers loads it
         full = model if model.dtype == torch.float32 else copy.deepcopy(model).to(torch.float32)
-        out = {}
-        for name, m in (("float32", full), (str(dtype).removeprefix("torch."), half)):
-            out[name] = {n: round(_forward_ms(m, n), 3) for n in AUTO_PROBE_TOKENS}
+        timers = {name: {n: _forward_timer(m, n) for n in AUTO_PROBE_TOKENS}
+                  for name, m in (("float32", full), (half_name, half))}
+        times = {name: {n: [] for n in AUTO_PROBE_TOKENS} for name in timers}
+        ratios = []
+        for r in range(repeats):
+            order = ("float32", half_name) if r % 2 == 0 else (half_name, "float32")
+            summed = dict.fromkeys(order, 0.0)
+            for n in AUTO_PROBE_TOKENS:
+                for name in order:
+                    ms = timers[name][n]()
+                    times[name][n].append(ms)
+                    summed[name] += ms
+            ratios.append(summed[half_name] / summed["float32"])
+    out = {name: {n: round(float(np.median(v)), 3) for n, v in per.items()} for name, per in times.items()}
+    out["ratio"] = round(float(np.median(ratios)), 4)
     return out
 
 
 def resolve_dtype(dtype, device: str, model=None) -> tuple[torch.dtype, str]:
     """(dtype, why) for a --dtype value. A name or torch.dtype is taken as asked; None is the device's default;
     "auto" picks bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 on MPS, and on a CPU bf16 only when it has
-    AMX-BF16 or AVX512-BF16 *and* a one-off micro-benchmark of `model`'s forward at 1 and 16 tokens (summed) runs
-    faster in bf16 than in fp32 (cached per process); fp32 otherwise, and fp32 when no model is given to measure."""
+    AMX-BF16 or AVX512-BF16 *and* a one-off micro-benchmark of `model`'s forward at 1 and 16 tokens (summed; fp32
+    and bf16 interleaved) runs clearly faster in bf16 (time ratio <= AUTO_BF16_MAX_RATIO; cached per process); fp32
+    otherwise, and fp32 when no model is given to measure."""
     device = str(device)
     if dtype is None:
         chosen = default_dtype(device)
@@ -195,11 +219,13 @@ def resolve_dtype(dtype, device: str, model=None) -> tuple[torch.dtype, str]:
            torch.get_num_threads())
     if key not in _AUTO_MEASURED:
         ms = measure_half(model, torch.bfloat16)
-        fp32, bf16 = sum(ms["float32"].values()), sum(ms["bfloat16"].values())
-        chosen = torch.bfloat16 if bf16 < fp32 else torch.float32
+        # bf16 only when clearly faster: a near tie would flip between runs on a shared machine (and with it the
+        # rounding, so the text), for a speed difference too small to matter
+        chosen = torch.bfloat16 if ms["ratio"] <= AUTO_BF16_MAX_RATIO else torch.float32
         shown = ", ".join(f"{n} tok {ms['float32'][n]:.2f} vs {ms['bfloat16'][n]:.2f} ms" for n in AUTO_PROBE_TOKENS)
         _AUTO_MEASURED[key] = (chosen, f"auto: {str(chosen).removeprefix('torch.')}, {why}; target forward fp32 vs "
-                                       f"bf16 ({shown}, {torch.get_num_threads()} threads)")
+                                       f"bf16 ({shown}, {torch.get_num_threads()} threads, interleaved: bf16/fp32 "
+                                       f"{ms['ratio']:.2f}, bf16 taken at <= {AUTO_BF16_MAX_RATIO})")
     return _AUTO_MEASURED[key]
 
 
@@ -371,6 +397,20 @@ def _config_problem(folder: Path, what: str) -> InputFileError | None:
     return None
 
 
+def _stored_dtype_note(source, dtype: torch.dtype) -> str:
+    """"; the checkpoint stores X" when the target's config.json names a dtype other than the one it runs in (a
+    lossless upcast or a lossy conversion: either way the user should know), else ""."""
+    folder = source if isinstance(source, Path) else Path(str(source))
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):  # a hub id, or no readable config: nothing to compare
+        return ""
+    stored = config.get("dtype") or config.get("torch_dtype")
+    if not isinstance(stored, str) or stored.removeprefix("torch.") == str(dtype).removeprefix("torch."):
+        return ""
+    return f"; the checkpoint stores {stored.removeprefix('torch.')}, converted on loading"
+
+
 def _load_lm(source, what: str, dtype):
     """The causal LM at `source` (a local folder or a hub id). A folder that is no model, damaged weights or a
     config transformers cannot place are InputFileErrors naming the folder or file and the fix; other failures of
@@ -509,6 +549,8 @@ class ModelPair:
             from specpilot.drafting.eagle import check_fits_target
 
             check_fits_target(self.eagle.config, self.target)
+        if not self.dtype_reason:  # built from models in memory: their dtype is the caller's
+            self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: the models as given"
 
     @property
     def drafter_kind(self) -> str:
@@ -558,9 +600,12 @@ class ModelPair:
         return int(min([v for v in limits if v] or [1 << 30]))
 
     def to(self, device=None, dtype=None) -> "ModelPair":
+        before = self.dtype
         for module in (self.target, self.draft, self.eagle):
             if module is not None:
                 module.to(device=device, dtype=dtype)
+        if self.dtype != before:  # reports quote the reason: it must name this conversion, not the load's choice
+            self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: converted with ModelPair.to"
         return self
 
     def identity(self) -> dict:
@@ -673,9 +718,14 @@ class ModelPair:
                                     "folder")
         target_model = _load_lm(target, "target", dtype)
         if isinstance(asked, str) and asked.strip().lower() == AUTO and device == "cpu" and \
-                half_support(torch.bfloat16, device)[0] == "native":  # measure this target, then convert
+                half_support(torch.bfloat16, device)[0] == "native":  # measure this target, then load the choice
             dtype, dtype_reason = resolve_dtype(asked, device, model=target_model)
-            target_model.to(dtype)
+            if dtype != target_model.dtype:
+                # loaded again, not converted with .to(): transformers keeps RoPE buffers and the modules a model
+                # lists in _keep_in_fp32_modules in fp32 when it loads in half precision, and .to() would not
+                del target_model
+                target_model = _load_lm(target, "target", dtype)
+        dtype_reason += _stored_dtype_note(target, dtype)
         tok = _load_tokenizer(tokenizer, target)
         draft_model = head = None
         if draft is not None:

@@ -41,9 +41,24 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     return torch.softmax(scores, dim=-1)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """torch.multinomial(probs, 1): one draw per row of `probs` [..., vocab]. Logits that overflowed (float16's
+    inf) leave nan here, which torch refuses with a bare RuntimeError; that is the model's range, so say so."""
+    try:
+        return torch.multinomial(probs, 1, generator=generator)
+    except RuntimeError as err:
+        if "probability tensor contains" not in str(err):
+            raise
+        from specpilot.drafting.errors import NonFiniteLogitsError
+
+        raise NonFiniteLogitsError("cannot sample: the model's logits are not finite (inf or nan), as float16 logits "
+                                   "are past 65504; load the pair in bfloat16 or float32 (--dtype, or dtype= in "
+                                   "ModelPair.from_pretrained)") from None
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from a probability vector [vocab]."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(draw(probs, generator).item())
 
 
 def uniform(generator: torch.Generator | None, device: torch.device) -> float:

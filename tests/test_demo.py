@@ -64,6 +64,7 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
         ms = real(model, dtype)
         slow, fast = ("bfloat16", "float32") if first == "bfloat16" else ("float32", "bfloat16")
         ms[fast] = {n: v / 4 for n, v in ms[slow].items()}
+        ms["ratio"] = 0.25 if fast == "bfloat16" else 4.0
         return ms
 
     monkeypatch.setattr(pair_module, "measure_half", the_other_dtype_wins)

@@ -13,6 +13,8 @@ from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autore
 from specpilot.drafting.cliargs import dtype as dtype_arg
 from specpilot.drafting.cycle import run_generation
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
+from specpilot.drafting.errors import NonFiniteLogitsError
+from specpilot.drafting.sampling import draw, sampling_probs
 from specpilot.drafting.verify import near_tie_cut
 from specpilot.policies import FixedController
 from tiny import noisy_copy, tiny_model
@@ -66,7 +68,7 @@ def test_auto_with_amx_takes_bf16_only_where_it_measures_faster(bf16_ms, expecte
 
     def fake_measure(model, dtype=torch.bfloat16):
         calls.append(1)
-        return {"float32": {1: 5.0, 16: 10.0}, "bfloat16": {1: bf16_ms, 16: bf16_ms}}
+        return {"float32": {1: 5.0, 16: 10.0}, "bfloat16": {1: bf16_ms, 16: bf16_ms}, "ratio": 2 * bf16_ms / 15.0}
 
     monkeypatch.setattr(pair_mod, "measure_half", fake_measure)
     model = tiny_model()
@@ -78,8 +80,65 @@ def test_auto_with_amx_takes_bf16_only_where_it_measures_faster(bf16_ms, expecte
 
 
 def test_measure_half_times_both_dtypes_on_a_real_model():
-    ms = pair_mod.measure_half(tiny_model(), torch.bfloat16)
-    assert set(ms) == {"float32", "bfloat16"} and all(v > 0 for row in ms.values() for v in row.values())
+    ms = pair_mod.measure_half(tiny_model(), torch.bfloat16, repeats=3)
+    assert set(ms) == {"float32", "bfloat16", "ratio"} and ms["ratio"] > 0
+    assert all(v > 0 for name in ("float32", "bfloat16") for v in ms[name].values())
+
+
+@pytest.mark.parametrize("ratio,expected", [(0.5, torch.bfloat16), (0.9, torch.bfloat16), (0.95, torch.float32),
+                                            (1.2, torch.float32)])
+def test_auto_takes_bf16_only_when_clearly_faster(ratio, expected, flags, monkeypatch):
+    """A near tie stays fp32: a coin flip between runs on a shared machine would change the text with the rounding."""
+    flags("avx512_bf16")
+    monkeypatch.setattr(pair_mod, "measure_half", lambda model, dtype=torch.bfloat16: {
+        "float32": {1: 1.0, 16: 1.0}, "bfloat16": {1: ratio, 16: ratio}, "ratio": ratio})
+    chosen, why = pair_mod.resolve_dtype("auto", "cpu", model=tiny_model())
+    assert chosen == expected and f"bf16/fp32 {ratio:.2f}" in why and "interleaved" in why
+
+
+def test_auto_loads_its_choice_as_transformers_loads_that_dtype(tmp_path, flags, monkeypatch):
+    """bf16 chosen by auto is the model from_pretrained(dtype=bf16) gives (RoPE buffers kept in fp32), not .to()'s."""
+    flags("avx512_bf16")
+    monkeypatch.setattr(pair_mod, "measure_half", lambda model, dtype=torch.bfloat16: {
+        "float32": {1: 2.0, 16: 2.0}, "bfloat16": {1: 1.0, 16: 1.0}, "ratio": 0.5})
+    for name, seed in (("target", 0), ("draft", 1)):
+        tiny_model(seed=seed).save_pretrained(tmp_path / name)
+    auto = ModelPair.from_pretrained(tmp_path / "target", tmp_path / "draft", dtype="auto")
+    asked = ModelPair.from_pretrained(tmp_path / "target", tmp_path / "draft", dtype="bf16")
+    assert auto.dtype == asked.dtype == torch.bfloat16
+    buffers = dict(auto.target.named_buffers())
+    assert buffers and all(b.dtype == dict(asked.target.named_buffers())[n].dtype for n, b in buffers.items())
+    ids = torch.tensor([list(range(1, 90))])
+    with torch.inference_mode():
+        assert torch.equal(auto.target(ids).logits, asked.target(ids).logits)
+
+
+@pytest.mark.parametrize("stored,asked,note", [(torch.float16, None, "the checkpoint stores float16"),
+                                               (torch.bfloat16, "fp32", "the checkpoint stores bfloat16"),
+                                               (torch.bfloat16, "bf16", None)])
+def test_the_reason_says_when_the_checkpoint_stores_another_dtype(stored, asked, note, tmp_path, flags):
+    flags()
+    for name, seed in (("target", 0), ("draft", 1)):
+        tiny_model(seed=seed).to(stored).save_pretrained(tmp_path / name)
+    pair = ModelPair.from_pretrained(tmp_path / "target", tmp_path / "draft", dtype=asked)
+    if note is None:
+        assert "checkpoint" not in pair.dtype_reason
+    else:
+        assert note in pair.dtype_reason and "converted on loading" in pair.dtype_reason
+
+
+def test_the_reason_follows_the_pair_in_memory_and_through_to():
+    pair = ModelPair(tiny_model(), noisy_copy(tiny_model(), 0.01))
+    assert pair.dtype_reason == "float32: the models as given"
+    pair.to(dtype=torch.bfloat16)
+    assert pair.dtype_reason == "bfloat16: converted with ModelPair.to"
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.complex64])
+def test_dtypes_models_do_not_compute_in_are_refused(dtype):
+    with pytest.raises(ValueError, match="not a dtype models compute in"):
+        pair_mod.check_dtype(dtype, "cpu")
+    assert pair_mod.check_dtype(torch.float64, "cpu") == torch.float64
 
 
 def test_from_pretrained_auto_and_bf16(saved_pair, flags):
@@ -88,7 +147,7 @@ def test_from_pretrained_auto_and_bf16(saved_pair, flags):
     assert auto.dtype == torch.float32 and auto.dtype_reason.startswith("auto: float32")
     half = ModelPair.from_pretrained(saved_pair / "target", saved_pair / "draft", dtype="bf16")
     assert half.dtype == torch.bfloat16 and half.draft.dtype == torch.bfloat16
-    assert half.dtype_reason == "bfloat16: asked for"
+    assert half.dtype_reason == "bfloat16: asked for; the checkpoint stores float32, converted on loading"
 
 
 # -- the near-tie guard ---------------------------------------------------------------------------------------------
@@ -224,3 +283,22 @@ def test_export_dtype_takes_the_recorded_dtype_only_where_it_runs_natively(flags
     flags(*cpu_flags)
     dtype, note = export_dtype(meta, "cpu", asked)
     assert dtype == expected and (note is not None) == noted
+
+
+# -- logits float16 cannot hold ------------------------------------------------------------------------------------
+
+def test_a_target_whose_float16_logits_overflow_is_refused_as_overflow_not_as_its_architecture():
+    target = tiny_model()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1e5)  # weights within float16, logits finite in fp32 but past its 65504
+    with pytest.raises(NonFiniteLogitsError, match="not finite .* in float16 .* bfloat16 or float32"):
+        ModelPair(target.to(torch.float16), noisy_copy(tiny_model(), 0.01).to(torch.float16))
+    ModelPair(target.to(torch.float32), noisy_copy(tiny_model(), 0.01))  # the same weights in fp32: fine
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_sampling_from_non_finite_logits_names_the_overflow(rows):
+    logits = torch.zeros(rows, 8)
+    logits[-1, 2] = float("inf")
+    with pytest.raises(NonFiniteLogitsError, match="not finite .* bfloat16 or float32"):
+        draw(sampling_probs(logits, 1.0), None)
