@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specpilot.drafting.cliargs import (add_pair_arguments, given_options, load_pair, non_negative_float,
-                                       non_negative_int, pair_given, positive_int, probability, seed, utf8_text)
+from specpilot.drafting.cliargs import (add_pair_arguments, dtype_label, given_options, load_pair, non_negative_float,
+                                       non_negative_int, pair_given, positive_int, probability, say, seed, utf8_text)
 
 # the tree/controller options an exported decoder fixes itself: given with --config they are refused
 STATIC_OPTIONS = ("depth", "size", "width", "max_depth")
@@ -87,18 +87,17 @@ def check_sampling_options(args: argparse.Namespace) -> None:
 
 def agreement_note(tokens: list[int], reference: list[int], *, temperature: float, dtype) -> str:
     """How speculative output compares with target-only output of the same request, and why they may differ:
-    sampling draws differ; greedy half precision rounds a tree forward and a one-token forward differently (a near
-    tie can flip: `specpilot agreement` measures how often); greedy fp32 must be identical, anything else is a bug."""
+    sampling draws differ; greedy, `specpilot.eval.exactness` says (half-precision rounding, or a bug in fp32)."""
     if list(tokens) == list(reference):
         return "identical to target-only"
     if temperature > 0:
         return "differs from target-only (sampling)"
+    from specpilot.eval.exactness import BUG_ADVICE, ROUNDING, difference_cause, dtype_name, rounding_explanation
+
     at = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
-    name = str(dtype).removeprefix("torch.")
-    if name in ("bfloat16", "float16"):
-        return (f"differs from target-only greedy from token {at} ({name} rounding: a tree forward and a one-token "
-                "forward round differently; `specpilot agreement` measures how often)")
-    return f"DIFFERS from target-only greedy from token {at} in {name}: this is a bug, please report it"
+    if difference_cause(dtype) == ROUNDING:
+        return f"differs from target-only greedy from token {at} ({rounding_explanation(dtype)})"
+    return f"DIFFERS from target-only greedy from token {at} in {dtype_name(dtype)}: {BUG_ADVICE}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
                     top_p=args.top_p, seed=args.seed)
     # the real request must fit before the warm-up runs (else its error would name the warm-up's 4 tokens)
     check_context(pair, len(pair.encode(args.prompt)), args.max_new_tokens, 0)
+    # why this dtype (asked for, the device's default, or auto's measurement): on stderr, so that stdout stays the
+    # text and the summary line scripts parse
+    say(f"dtype {dtype_label(pair.dtype, getattr(pair, 'dtype_reason', ''))}")
     warmup = {**sampling, "max_new_tokens": min(4, args.max_new_tokens)}
     decoder.generate(args.prompt, controller=controller, **warmup)
     out = decoder.generate(args.prompt, controller=controller, **sampling)

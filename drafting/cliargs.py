@@ -320,5 +320,12 @@ def load_pair(args: argparse.Namespace):
                                      dtype=getattr(args, "dtype", None), **extra)
 
 
+def dtype_label(dtype, reason: str | None) -> str:
+    """"float32: asked for", "auto: bfloat16, this CPU has avx512_bf16; ...": the pair's dtype with why it was
+    chosen (`ModelPair.dtype_reason`, which names the dtype itself), or the dtype alone when no reason is known (a
+    pair built in code, an older report)."""
+    return reason or str(dtype).removeprefix("torch.")
+
+
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)

@@ -1,7 +1,9 @@
 """Write an evaluation report: report.json, report.md and PNG plots (`specpilot.eval.plots`).
 
 report.json: {"meta", "summary", "comparisons", "groups", "decisions", "replay", "cost_check", "degeneracy",
-"results"}:
+"greedy_identity", "results"}; greedy_identity ({"dtype", "differing", "cause", "expected", "note"}, null when nothing
+greedy was compared) says which methods' greedy output differs from ar's and why: "rounding" in bf16 / fp16
+(expected), "bug" in fp32 (`specpilot.eval.exactness`);
 summary and results carry every speedup with its 95% paired interval `speedup_ci`; comparisons are method pairs
 per temperature {"method", "baseline", "temperature", "ratio", "ci", "verdict", "flags", "same_decisions", ...}:
 the verdict comes from the interval alone; a flag ("same decisions", with the decision time of both and its
@@ -21,8 +23,10 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from specpilot.drafting.cliargs import dtype_label
 from specpilot.drafting.files import atomic_write_text
 from specpilot.eval.compare import describe, interval_verdict
+from specpilot.eval.exactness import ROUNDING, differing_cell, greedy_identity
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
 from specpilot.eval.suites import chat_template_note
 
@@ -71,6 +75,35 @@ def measurement_label(meta: dict) -> str:
             + ", ".join(f"{k} {v}" for k, v in sorted(mix.get("by_task", {}).items()))
             + (" (splits " + ", ".join(f"{k} {v}" for k, v in sorted(splits.items())) + ")" if len(splits) > 1
                else ""))
+
+
+def dtype_line(meta: dict) -> str:
+    """"dtype auto: float32, this CPU has ...": the numbers' precision and why it was chosen (meta.dtype_reason)."""
+    return f"dtype {dtype_label(meta.get('dtype', '?'), meta.get('dtype_reason'))}"
+
+
+def report_identity(report: dict) -> dict | None:
+    """report.json's `greedy_identity` (`specpilot.eval.exactness.greedy_identity`) from a report payload: a method
+    is identical when every greedy comparison of it with ar (summary rows, every batch size) was; None when nothing
+    greedy was compared."""
+    sections = report.get("batch_sizes") or []
+    rows = [*(report.get("summary") or []), *(row for s in sections for row in s.get("methods") or [])]
+    identical: dict[str, bool] = {}
+    for row in rows:
+        if row.get("identical_to_ar") is not None:
+            identical[row["method"]] = identical.get(row["method"], True) and bool(row["identical_to_ar"])
+    return greedy_identity(identical, (report.get("meta") or {}).get("dtype") or "?")
+
+
+def _identity_cell(identical, dtype, detail: str = "") -> str:
+    """An "identical to ar" cell: yes / - as `_fmt`, a difference labelled with its cause (`differing_cell`)."""
+    return differing_cell(dtype, detail) if identical is False else _fmt(identical)
+
+
+def _identity_lines(block: dict | None) -> list[str]:
+    """The note (half-precision rounding) or warning (a bug) under the verdicts when greedy output differs."""
+    line = (block or {}).get("note")
+    return [line if block["cause"] == ROUNDING else f"**{line}**", ""] if line else []
 
 
 def heldout_summary(results: list[dict]) -> list[dict]:
@@ -194,7 +227,7 @@ def _summary_scope(results: list[dict], meta: dict) -> str:
     return "Held-out" if results and all("heldout" in str(r.get("split", "")) for r in results) else "All-prompt"
 
 
-def _summary_lines(summary: list[dict], scope: str) -> list[str]:
+def _summary_lines(summary: list[dict], scope: str, dtype: str = "?") -> list[str]:
     if not summary:
         return []
     lines = [f"## {scope} speedup over ar (pooled over units, 95% paired interval)", ""]
@@ -211,7 +244,7 @@ def _summary_lines(summary: list[dict], scope: str) -> list[str]:
         ci = s.get("speedup_ci")
         cell = _with_ci(s.get("speedup"), ci) if ci is not None else _fmt(s.get("mean_speedup"))
         lines.append(f"| {s['method']} | {s['temperature']:g} | {cell} | {_fmt(s.get('tau') or s.get('mean_tau'))} |"
-                     f" {_fmt(s.get('policy_overhead'), '.4f')} | {_fmt(s.get('identical_to_ar'))} | "
+                     f" {_fmt(s.get('policy_overhead'), '.4f')} | {_identity_cell(s.get('identical_to_ar'), dtype)} | "
                      f"{s.get('n_units', '-')} | {s.get('n_prompts', s.get('n_groups', '-'))} |")
     return lines + [""]
 
@@ -341,9 +374,10 @@ def _decision_lines(decisions: dict, reference: str = "grid") -> list[str]:
     return lines + [""]
 
 
-def _table(rows: list[dict], methods: list[str], key: str, spec: str, flagged: dict | None = None) -> list[str]:
+def _table(rows: list[dict], methods: list[str], key: str, spec: str, flagged: dict | None = None,
+           dtype: str = "?") -> list[str]:
     """flagged: {(task, language): prompts flagged degenerate}; these per-group rows describe every prompt, so
-    the group's label says how many of them loop or are junk."""
+    the group's label says how many of them loop or are junk. dtype: labels a greedy difference's cause."""
     flagged = flagged or {}
     cells = {(r["task"], r["language"], r["method"]): r for r in rows}
     groups = sorted({(r["task"], r["language"]) for r in rows})
@@ -352,8 +386,12 @@ def _table(rows: list[dict], methods: list[str], key: str, spec: str, flagged: d
         out = []
         for m in methods:
             r = cells.get((task, lang, m))
-            out.append("-" if r is None else (_with_ci(r.get(key), r.get("speedup_ci"), spec)
-                                              if key == "speedup" and "speedup_ci" in r else _fmt(r.get(key), spec)))
+            if r is None:
+                out.append("-")
+            elif key == "speedup" and "speedup_ci" in r:
+                out.append(_with_ci(r.get(key), r.get("speedup_ci"), spec))
+            else:
+                out.append(_identity_cell(r.get(key), dtype) if key == "identical_to_ar" else _fmt(r.get(key), spec))
         mark = f" ({flagged[(task, lang)]} degenerate)" if flagged.get((task, lang)) else ""
         lines.append(f"| {task}{mark} | {lang} | " + " | ".join(out) + " |")
     return lines
@@ -366,7 +404,7 @@ ROW_TABLES = (("speedup", "Speedup over ar [95% paired interval]", ".2f"), ("tau
               ("identical_to_ar", "Identical to ar", ""))
 
 
-def _row_tables(results: list[dict], flagged: dict | None = None) -> list[str]:
+def _row_tables(results: list[dict], flagged: dict | None = None, dtype: str = "?") -> list[str]:
     methods = list(dict.fromkeys(r["method"] for r in results))
     lines = []
     for temperature in sorted({r["temperature"] for r in results}):
@@ -379,14 +417,14 @@ def _row_tables(results: list[dict], flagged: dict | None = None) -> list[str]:
             for key, label, spec in ROW_TABLES:
                 if key == "identical_to_ar" and temperature != 0:
                     continue
-                lines += [f"**{label}**", ""] + _table(rows, methods, key, spec, flagged) + [""]
+                lines += [f"**{label}**", ""] + _table(rows, methods, key, spec, flagged, dtype) + [""]
     return lines
 
 
-def batch_lines(sections: list[dict]) -> list[str]:
+def batch_lines(sections: list[dict], dtype="?") -> list[str]:
     """Markdown of `specpilot.eval.batched.evaluate_batches`' sections: a heading per temperature (naming it, and
     how exactness stands there), one table per batch size (method, tokens/s, ms/token, speedup over batched ar
-    [95% CI], verdict, exact), then its comparisons."""
+    [95% CI], verdict, exact: a greedy difference labelled with its cause in `dtype`), then its comparisons."""
     if not sections:
         return []
 
@@ -419,7 +457,7 @@ def batch_lines(sections: list[dict]) -> list[str]:
             depth = "-" if row["depth_mean"] is None else f"{row['depth_mean']:.1f}"
             size = "-" if row["size_mean"] is None else f"{row['size_mean']:.1f}"
             exact = ("law (sampled)" if row["identical_to_ar"] is None else
-                     "yes" if row["identical_to_ar"] else f"NO ({row['mismatched_sequences']} sequences)")
+                     _identity_cell(row["identical_to_ar"], dtype, f"{row['mismatched_sequences']} sequences"))
             lines.append(f"| {row['method']} | {row['tokens_per_s']:.1f} | {row['per_token_ms']:.1f} | "
                          f"{row['speedup']:.3f} {ci(row['speedup_ci'])} | {row['verdict'] or '-'} | {depth} | "
                          f"{size} | {exact} |")
@@ -429,9 +467,12 @@ def batch_lines(sections: list[dict]) -> list[str]:
     return lines
 
 
-def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str]) -> str:
+def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str],
+              identity: dict | None = None) -> str:
     protocol = meta.get("protocol", {})
+    dtype = meta.get("dtype") or "?"
     lines = ["# specpilot evaluation", "", f"**Measured on:** {measurement_label(meta)}", "",
+             f"**Precision:** {dtype_line(meta)}", "",
              f"Date {meta.get('date')}; versions {meta.get('versions')}; tree {meta.get('tree')}; "
              f"protocol {protocol.get('interleaving')}; warm-up {protocol.get('warmup')}.", ""]
     lines += _rounds_lines(meta)
@@ -439,10 +480,11 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
         lines += ["**Skipped methods:**", ""] + [f"- `{k}`: {v}" for k, v in meta["skipped"].items()] + [""]
     lines += _verdict_lines(analysis)
     degeneracy = analysis.get("degeneracy")
+    lines += _identity_lines(identity)
     lines += _excluded_note(degeneracy)
     scope = _summary_scope(results, meta)
     # with a degeneracy block an empty summary means every prompt was left out: no fallback to all groups' rows
-    lines += _summary_lines(analysis.get("summary") or ([] if degeneracy else heldout_summary(results)), scope)
+    lines += _summary_lines(analysis.get("summary") or ([] if degeneracy else heldout_summary(results)), scope, dtype)
     flagged = flagged_by_group(degeneracy)
     lines += _group_lines(analysis.get("groups") or [], flagged)
     lines += _degeneracy_lines(degeneracy)
@@ -450,12 +492,14 @@ def _markdown(results: list[dict], meta: dict, analysis: dict, plots: list[str])
     lines += _cost_lines(analysis.get("cost_check"))
     decide = (meta.get("rounds") or {}).get("decide") or ["ltd", "grid"]
     lines += _decision_lines(analysis.get("decisions") or {}, decide[1])
-    lines += batch_lines(analysis.get("batch_sizes") or [])
-    lines += _row_tables(results, flagged)
+    lines += batch_lines(analysis.get("batch_sizes") or [], dtype)
+    lines += _row_tables(results, flagged, dtype)
     lines += ["## Definitions", ""] + [f"- {k}: {v}" for k, v in protocol.items()] + [
         "- tau: tokens emitted per target forward, bonus token included (1 for autoregressive decoding).",
         "- policy_overhead / draft_frac: controller / draft time over the wall time of the generations.",
-        "- identical_to_ar: at temperature 0, every run's tokens equal `ar`'s; not defined when sampling.",
+        "- identical_to_ar: at temperature 0, every run's tokens equal `ar`'s; not defined when sampling. In fp32 a "
+        "difference is a bug (NO); in bf16 / fp16 it is rounding (\"no (bfloat16 rounding)\": a tree forward and a "
+        "one-token forward round differently, so a near tie can flip), expected, and the speedup is still reported.",
         "- verdicts: faster / slower when the 95% interval of the ratio excludes 1, indistinguishable when it "
         "contains 1. Flag \"same decisions\": both made the same (depth, size) on every cycle of every unit; "
         "the ratio still differs by each controller's decision time and by timing noise, so the flag gives both "
@@ -490,7 +534,8 @@ def write_report(results: list[dict], meta: dict, out_dir: str | Path, *, plots:
                "results": results}
     if analysis.get("batch_sizes"):  # `specpilot eval --batch-sizes`: one section per batch size
         payload["batch_sizes"] = analysis["batch_sizes"]
+    payload["greedy_identity"] = report_identity(payload)  # which greedy outputs differ from ar's, and why
     # atomic: an interrupted or failing write never leaves a half-written report beside the old one
     atomic_write_text(out / "report.json", json.dumps(_clean(payload), indent=1, ensure_ascii=False))
-    atomic_write_text(out / "report.md", _markdown(results, meta, analysis, png))
+    atomic_write_text(out / "report.md", _markdown(results, meta, analysis, png, payload["greedy_identity"]))
     return {"json": str(out / "report.json"), "md": str(out / "report.md"), **{Path(p).stem: p for p in png}}

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from specpilot.eval.compare import describe
-from specpilot.eval.report import flagged_by_group, measurement_label
+from specpilot.eval.exactness import ROUNDING, difference_cause, dtype_name, identity_line
+from specpilot.eval.report import dtype_line, flagged_by_group, measurement_label, report_identity
 from specpilot.eval.suites import chat_template_note
 
 
@@ -33,8 +34,12 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
     replay = report.get("replay") or {}
     degeneracy = report.get("degeneracy")
     flagged_in = flagged_by_group(degeneracy)
+    meta = report.get("meta") or {}
     return {
-        "label": measurement_label(report["meta"]) if (report.get("meta") or {}).get("models") else None,
+        "label": measurement_label(report["meta"]) if meta.get("models") else None,
+        "dtype": dtype_line(meta) if meta.get("dtype") else None,
+        # computed, not read: a report written before the block existed is explained the same way
+        "greedy_identity": report_identity(report),
         "suite": (report.get("meta") or {}).get("suite"),
         "degeneracy": {"n_measured": degeneracy.get("n_measured"), "n_flagged": len(degeneracy.get("flagged", [])),
                        "groups": [f"{g['task']}/{g['language']}" for g in degeneracy.get("groups", [])
@@ -120,13 +125,21 @@ def _speedup_cell(m: dict) -> str:
     return f"{sp:.2f}x {interval}"
 
 
-def _method_lines(methods: dict) -> list[str]:
+def _identical_cell(identical, dtype) -> str:
+    """True / None / False as they are, False labelled in half precision ("False (bfloat16 rounding)"); in fp32 the
+    WARNING under the table says what a False is."""
+    if identical is False and difference_cause(dtype) == ROUNDING:
+        return f"False ({dtype_name(dtype)} rounding)"
+    return str(identical)
+
+
+def _method_lines(methods: dict, dtype: str = "?") -> list[str]:
     lines = [f"{'method':14s} {'speedup over ar [95% CI]':>26s} {'tau':>6s} {'overhead':>9s} {'units':>6s}  identical"]
     for name, m in sorted(methods.items(), key=lambda kv: -(kv[1]["speedup"] or 0)):
         tau = f"{m['tau']:6.2f}" if _ok(m.get("tau")) else f"{'-':>6s}"
         over = f"{100 * m['policy_overhead']:8.2f}%" if _ok(m.get("policy_overhead")) else f"{'-':>9s}"
         lines.append(f"{name:14s} {_speedup_cell(m):>26s} {tau} {over} {m.get('n_units') or '-':>6}  "
-                     f"{m.get('identical_to_ar')}")
+                     f"{_identical_cell(m.get('identical_to_ar'), dtype)}")
     return lines
 
 
@@ -182,6 +195,7 @@ def _cost_lines(checks: dict) -> list[str]:
 
 def _suite_lines(summary: dict) -> list[str]:
     lines = [f"measured on: {summary['label']}"] if summary.get("label") else []
+    lines += [summary["dtype"]] if summary.get("dtype") else []
     suite = summary.get("suite")
     if isinstance(suite, dict):
         lines.append(f"suite: {suite.get('name')} ({suite.get('chosen_by')})" + chat_template_note(suite))
@@ -200,7 +214,9 @@ def _suite_lines(summary: dict) -> list[str]:
 
 def format_summary_lines(summary: dict) -> list[str]:
     """The summary as printable lines (verdicts first after the method table)."""
-    lines = _suite_lines(summary) + _method_lines(summary.get("methods") or {})
+    identity = summary.get("greedy_identity") or {}
+    lines = _suite_lines(summary) + _method_lines(summary.get("methods") or {}, identity.get("dtype", "?"))
+    lines += [identity_line(identity)] if identity_line(identity) else []
     comps = summary.get("comparisons") or []
     if comps:
         lines.append("verdicts (live, paired 95% intervals):")
