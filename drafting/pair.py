@@ -165,8 +165,9 @@ def _forward_timer(model, tokens: int, *, prefix: int = 128):
 
 def measure_half(model, dtype: torch.dtype = torch.bfloat16, *, repeats: int = AUTO_PROBE_REPEATS) -> dict:
     """ms of the target forward at AUTO_PROBE_TOKENS tokens in fp32 and in `dtype` (a copy), for "auto": the two
-    interleaved (order alternating per repeat), so a load change on a shared machine hits both alike. Returns each
-    dtype's median ms per token count and `ratio`, the median over repeats of (dtype's summed ms / fp32's)."""
+    interleaved (order alternating per repeat), each the fastest of `repeats` (on a shared machine other jobs only
+    ever add time, so the minimum is the least disturbed reading, as `timeit` advises). Returns those ms per dtype
+    and token count, and `ratio`: the dtype's summed ms over fp32's."""
     import copy
 
     half_name = str(dtype).removeprefix("torch.")
@@ -175,19 +176,13 @@ def measure_half(model, dtype: torch.dtype = torch.bfloat16, *, repeats: int = A
         full = model if model.dtype == torch.float32 else copy.deepcopy(model).to(torch.float32)
         timers = {name: {n: _forward_timer(m, n) for n in AUTO_PROBE_TOKENS}
                   for name, m in (("float32", full), (half_name, half))}
-        times = {name: {n: [] for n in AUTO_PROBE_TOKENS} for name in timers}
-        ratios = []
+        fastest = {name: dict.fromkeys(AUTO_PROBE_TOKENS, float("inf")) for name in timers}
         for r in range(repeats):
-            order = ("float32", half_name) if r % 2 == 0 else (half_name, "float32")
-            summed = dict.fromkeys(order, 0.0)
             for n in AUTO_PROBE_TOKENS:
-                for name in order:
-                    ms = timers[name][n]()
-                    times[name][n].append(ms)
-                    summed[name] += ms
-            ratios.append(summed[half_name] / summed["float32"])
-    out = {name: {n: round(float(np.median(v)), 3) for n, v in per.items()} for name, per in times.items()}
-    out["ratio"] = round(float(np.median(ratios)), 4)
+                for name in (("float32", half_name) if r % 2 == 0 else (half_name, "float32")):
+                    fastest[name][n] = min(fastest[name][n], timers[name][n]())
+    out = {name: {n: round(ms, 3) for n, ms in per.items()} for name, per in fastest.items()}
+    out["ratio"] = round(sum(fastest[half_name].values()) / sum(fastest["float32"].values()), 4)
     return out
 
 
@@ -195,8 +190,8 @@ def resolve_dtype(dtype, device: str, model=None) -> tuple[torch.dtype, str]:
     """(dtype, why) for a --dtype value. A name or torch.dtype is taken as asked; None is the device's default;
     "auto" picks bf16 on CUDA (fp16 where the GPU lacks bf16), fp32 on MPS, and on a CPU bf16 only when it has
     AMX-BF16 or AVX512-BF16 *and* a one-off micro-benchmark of `model`'s forward at 1 and 16 tokens (summed; fp32
-    and bf16 interleaved) runs clearly faster in bf16 (time ratio <= AUTO_BF16_MAX_RATIO; cached per process); fp32
-    otherwise, and fp32 when no model is given to measure."""
+    and bf16 interleaved, the fastest of AUTO_PROBE_REPEATS each) runs clearly faster in bf16 (time ratio <=
+    AUTO_BF16_MAX_RATIO; cached per process); fp32 otherwise, and fp32 when no model is given to measure."""
     device = str(device)
     if dtype is None:
         chosen = default_dtype(device)
@@ -224,8 +219,9 @@ def resolve_dtype(dtype, device: str, model=None) -> tuple[torch.dtype, str]:
         chosen = torch.bfloat16 if ms["ratio"] <= AUTO_BF16_MAX_RATIO else torch.float32
         shown = ", ".join(f"{n} tok {ms['float32'][n]:.2f} vs {ms['bfloat16'][n]:.2f} ms" for n in AUTO_PROBE_TOKENS)
         _AUTO_MEASURED[key] = (chosen, f"auto: {str(chosen).removeprefix('torch.')}, {why}; target forward fp32 vs "
-                                       f"bf16 ({shown}, {torch.get_num_threads()} threads, interleaved: bf16/fp32 "
-                                       f"{ms['ratio']:.2f}, bf16 taken at <= {AUTO_BF16_MAX_RATIO})")
+                                       f"bf16 ({shown}, fastest of {AUTO_PROBE_REPEATS} interleaved, "
+                                       f"{torch.get_num_threads()} threads: bf16/fp32 {ms['ratio']:.2f}, bf16 "
+                                       f"taken at <= {AUTO_BF16_MAX_RATIO})")
     return _AUTO_MEASURED[key]
 
 

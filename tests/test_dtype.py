@@ -93,7 +93,7 @@ def test_auto_takes_bf16_only_when_clearly_faster(ratio, expected, flags, monkey
     monkeypatch.setattr(pair_mod, "measure_half", lambda model, dtype=torch.bfloat16: {
         "float32": {1: 1.0, 16: 1.0}, "bfloat16": {1: ratio, 16: ratio}, "ratio": ratio})
     chosen, why = pair_mod.resolve_dtype("auto", "cpu", model=tiny_model())
-    assert chosen == expected and f"bf16/fp32 {ratio:.2f}" in why and "interleaved" in why
+    assert chosen == expected and f"bf16/fp32 {ratio:.2f}" in why and "interleaved" in why and "fastest of" in why
 
 
 def test_auto_loads_its_choice_as_transformers_loads_that_dtype(tmp_path, flags, monkeypatch):
