@@ -198,7 +198,9 @@ def resolve_dtype(dtype, device: str, model=None) -> tuple[torch.dtype, str]:
         return chosen, f"{str(chosen).removeprefix('torch.')}: the default on {device.split(':')[0]}"
     if not (isinstance(dtype, str) and dtype.strip().lower() == AUTO):
         chosen = check_dtype(dtype, device)
-        return chosen, f"{str(chosen).removeprefix('torch.')}: asked for"
+        support, why = half_support(chosen, device) if chosen in (torch.bfloat16, torch.float16) else ("native", "")
+        # an emulated dtype rounds as asked but runs slowly: speedups measured in it are not the hardware's
+        return chosen, f"{str(chosen).removeprefix('torch.')}: asked for" + (f" ({why})" if support != "native" else "")
     kind = device.split(":")[0]
     if kind == "cuda":
         chosen = default_dtype(device)

@@ -147,7 +147,8 @@ def test_from_pretrained_auto_and_bf16(saved_pair, flags):
     assert auto.dtype == torch.float32 and auto.dtype_reason.startswith("auto: float32")
     half = ModelPair.from_pretrained(saved_pair / "target", saved_pair / "draft", dtype="bf16")
     assert half.dtype == torch.bfloat16 and half.draft.dtype == torch.bfloat16
-    assert half.dtype_reason == "bfloat16: asked for; the checkpoint stores float32, converted on loading"
+    assert half.dtype_reason.startswith("bfloat16: asked for (this CPU has no amx_bf16")  # flags(): emulated here
+    assert half.dtype_reason.endswith("; the checkpoint stores float32, converted on loading")
 
 
 # -- the near-tie guard ---------------------------------------------------------------------------------------------
@@ -302,3 +303,13 @@ def test_sampling_from_non_finite_logits_names_the_overflow(rows):
     logits[-1, 2] = float("inf")
     with pytest.raises(NonFiniteLogitsError, match="not finite .* bfloat16 or float32"):
         draw(sampling_probs(logits, 1.0), None)
+
+
+@pytest.mark.parametrize("cpu,asked,emulated", [((), "float16", True), ((), "bf16", True),
+                                                (("avx512_fp16",), "float16", False),
+                                                (("avx512_bf16",), "bf16", False), ((), "fp32", False)])
+def test_an_asked_dtype_this_cpu_only_emulates_says_so(cpu, asked, emulated, flags):
+    flags(*cpu)
+    why = pair_mod.resolve_dtype(asked, "cpu")[1]
+    assert why.startswith(f"{str(pair_mod.check_dtype(asked, 'cpu')).removeprefix('torch.')}: asked for")
+    assert ("emulates" in why) == emulated
