@@ -13,7 +13,7 @@ import numpy as np
 
 from specpilot.drafting.control import FixedController
 from specpilot.train.rl.stages import (StageResult, StageSpec, TaskTraces, TrainOptions, load_partner, run_logger,
-                                    stage_result, static_config, train_stage)
+                                    run_relative, stage_result, static_config, train_stage)
 
 
 def write_index(index_dir: Path, depth: StageResult | None, size: StageResult | None, static: tuple[int, int],
@@ -73,7 +73,8 @@ def coadapt(run_dir: str | Path, traces: TaskTraces | str | Path, *, rounds: int
             latest[kind] = train_stage(spec, run_dir, traces, options, log)
             results.append(latest[kind])
         index = write_index(run_dir, latest["depth"], latest["size"], static, copy=False)
-    update_manifest(run_dir, coadapt={"rounds": [r.to_dict() for r in results], "static": list(static),
-                                      "final": {"depth": str(latest["depth"].best), "size": str(latest["size"].best)}})
+    final = {kind: run_relative(latest[kind].best, run_dir) for kind in ("depth", "size")}  # the run may move
+    update_manifest(run_dir, coadapt={"rounds": [{**r.to_dict(), "best": run_relative(r.best, run_dir)}
+                                                 for r in results], "static": list(static), "final": final})
     return {"rounds": [r.to_dict() for r in results], "policies": index, "depth": latest["depth"].best,
             "size": latest["size"].best}

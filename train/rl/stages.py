@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -307,7 +308,9 @@ def _env_factories(spec: StageSpec, traces: TaskTraces, model: ReplayModel, acti
 
 
 def _finished(run_dir: Path, spec: StageSpec, obs_spec, actions, total: int) -> StageResult | None:
-    """The stage's result when it already finished a budget >= total (a resumed pipeline skips it)."""
+    """The stage's result when it already finished a budget >= total (a resumed pipeline skips it): the policy its
+    recorded selection chose (`stage_selection`), else its best.zip with no `validation` (a stage that keeps its
+    starting policy when better then makes that choice again: `_reselect`)."""
     from specpilot.train.rl.ppo import read_progress
 
     stage_dir = run_dir / spec.stage
@@ -316,12 +319,41 @@ def _finished(run_dir: Path, spec: StageSpec, obs_spec, actions, total: int) -> 
     if not (progress and int(progress["timesteps_done"]) >= total and (stage_dir / BEST_ZIP).is_file()
             and best is not None):
         return None
-    chosen = RunManifest.load(run_dir).stage_selection(spec.stage)
-    if chosen.get("final") and Path(chosen["final"]).is_file():
-        return StageResult(spec.stage, spec.kind, Path(chosen["final"]), obs_spec, actions, chosen.get("score"),
-                           skipped=True, validation=chosen)
+    selection = RunManifest.load(run_dir).stage_selection(spec.stage)
+    chosen = recorded_policy(run_dir, selection.get("final"))
+    if chosen is not None:
+        return StageResult(spec.stage, spec.kind, chosen, obs_spec, actions, selection.get("score"), skipped=True,
+                           validation=selection)
     return StageResult(spec.stage, spec.kind, stage_dir / BEST_ZIP, obs_spec, actions, best.get("score"),
                        skipped=True)
+
+
+def run_relative(path: str | Path, run_dir: str | Path) -> str:
+    """`path` as the manifest records it: relative to the run folder when inside it (a run folder may be copied,
+    moved, or used from another working directory), else absolute."""
+    path = Path(path).resolve()
+    try:
+        return str(path.relative_to(Path(run_dir).resolve()))
+    except ValueError:
+        return str(path)
+
+
+def recorded_policy(run_dir: str | Path, stored: str | None) -> Path | None:
+    """A policy path the manifest recorded, as a file of this run (`run_dir / ...`): run-relative as recorded now,
+    or an older manifest's absolute or working-directory-relative path that still names a file inside this run.
+    None otherwise: a path into another run (this one was copied or moved) must never be deployed from here."""
+    if not stored:
+        return None
+    run_dir, stored = Path(run_dir), Path(stored)
+    root = run_dir.resolve()
+    for candidate in ([stored] if stored.is_absolute() else [run_dir / stored, stored]):
+        if not candidate.is_file():
+            continue
+        try:
+            return run_dir / candidate.resolve().relative_to(root)
+        except ValueError:
+            continue
+    return None
 
 
 def _record_contract(run_dir: Path, traces: TaskTraces, size_actions, static) -> None:
@@ -385,13 +417,8 @@ def stage_setup_record(spec: StageSpec, run_dir: Path, options: TrainOptions, ac
     with warnings.catch_warnings():  # the stage's caller already warned about a missing grid result
         warnings.simplefilter("ignore")
         static = static_config(run_dir, options.static)
-    init_from = None
-    if spec.init_from is not None:  # relative to the run when inside it: run directories can move
-        init_path = Path(spec.init_from).resolve()
-        try:
-            init_from = str(init_path.relative_to(Path(run_dir).resolve()))
-        except ValueError:
-            init_from = str(init_path)
+    # relative to the run when inside it: run directories can move
+    init_from = None if spec.init_from is None else run_relative(spec.init_from, run_dir)
     return {"kind": spec.kind, "reward": options.reward, "backend": options.backend,
             "temperature": float(options.temperature), "static": [int(v) for v in static],
             "size_actions": [int(v) for v in actions] if spec.kind == "size" else None,
@@ -531,13 +558,11 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     if progress is not None:  # resuming: the same settings as its checkpoint, before anything is loaded or written
         settings = keep_budget_derived(settings, progress, options.ppo)
         check_resume_settings(run_dir, spec, progress, settings, setup)
+    validate = partial(_stage_validation, spec, traces, obs_spec, actions, options, logger, profile)
     if options.resume and (done := _finished(run_dir, spec, obs_spec, actions, settings.total_timesteps)):
-        return done
+        return _reselect(done, spec, validate, run_dir)
     check_resume_budget(run_dir / spec.stage, settings.total_timesteps, resume=options.resume)
-    # replay validation models greedy decoding only: a stage trained at T > 0 keeps its final policy
-    val = validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
-                        size_actions=actions, logger=logger, stage=spec.stage, batch_sizes=options.batch_sizes,
-                        profile=profile) if options.temperature == 0 else None
+    val = validate()
     _record_contract(run_dir, traces, actions if spec.kind == "size" else None, options.static)
     update_manifest(run_dir, traces={"train": str(traces.train), "validation": str(traces.validation),
                                      "train_pair": trace.header.get("pair")},
@@ -561,6 +586,31 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     return result
 
 
+def _stage_validation(spec: StageSpec, traces: TaskTraces, obs_spec, actions, options: TrainOptions, logger,
+                      profile):
+    """The stage's validation function; None at temperature > 0 (replay validation models greedy decoding only: such
+    a stage keeps its final policy)."""
+    if options.temperature != 0:
+        return None
+    return validation_fn(traces.validation, kind=spec.kind, spec=obs_spec, partner=spec.val_partner,
+                         size_actions=actions, logger=logger, stage=spec.stage, batch_sizes=options.batch_sizes,
+                         profile=profile)
+
+
+def _reselect(done: StageResult, spec: StageSpec, validate, run_dir: Path) -> StageResult:
+    """A finished stage that keeps its starting policy when better, but whose choice never reached the manifest (the
+    process died between its last checkpoint and the record, or the recorded path is not inside this run): the
+    choice is made again, as the uninterrupted run made it, so a resumed run deploys the same policy."""
+    if done.validation or spec.init_from is None or not spec.keep_init_if_better:
+        return done
+    val = validate()
+    if val is None:
+        return done
+    chosen = _keep_init_if_better(done, spec, val, run_dir)
+    chosen.skipped = True  # nothing was trained
+    return chosen
+
+
 def _keep_init_if_better(result: StageResult, spec: StageSpec, val, run_dir: Path) -> StageResult:
     # validation only runs after training steps: the starting policy itself competes too
     from specpilot.policies.ppo import load_sb3_model
@@ -571,7 +621,8 @@ def _keep_init_if_better(result: StageResult, spec: StageSpec, val, run_dir: Pat
     if result.score is None or init_score > result.score:
         result = StageResult(spec.stage, spec.kind, Path(spec.init_from), result.spec, result.size_actions,
                              init_score, validation={**result.validation, "kept_init": True})
-    update_manifest(run_dir, stage_selection={spec.stage: {**result.validation, "final": str(result.best),
+    update_manifest(run_dir, stage_selection={spec.stage: {**result.validation,
+                                                           "final": run_relative(result.best, run_dir),
                                                            "score": result.score}})
     return result
 
