@@ -33,6 +33,7 @@ from specpilot.artifacts.run import (BEST_JSON, BEST_ZIP, CHECKPOINTS_DIR, PROGR
                                      RunManifest, read_best, write_record)
 from specpilot.artifacts.run import read_progress as artifact_progress
 from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.files import atomic_path
 from specpilot.policies.observation import ObservationSpec
 from specpilot.train.rl.logging import CycleMetricsCallback, RunLogger
 
@@ -335,7 +336,7 @@ class _StageCallback(BaseCallback):
             self._save_best(score)
 
     def _save_best(self, score: float | None) -> None:
-        self.model.save(self.stage_dir / BEST_ZIP)
+        save_atomically(self.model.save, self.stage_dir / BEST_ZIP)
         write_json(self.stage_dir / BEST_JSON, {"score": score, "timesteps": self.num_timesteps,
                                                    "stage": self.stage, "time": time.time()})
 
@@ -348,14 +349,14 @@ class _StageCallback(BaseCallback):
         try:
             zip_path = self.ckpt_dir / f"step_{done:010d}.zip"
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            model.save(zip_path)
+            save_atomically(model.save, zip_path)
         finally:
             model.num_timesteps = seen
         vec_name = None
         vec_norm = model.get_vec_normalize_env()
         if vec_norm is not None:
             vec_name = f"step_{done:010d}_vecnormalize.pkl"
-            vec_norm.save(str(self.ckpt_dir / vec_name))
+            save_atomically(vec_norm.save, self.ckpt_dir / vec_name)
         write_json(self.ckpt_dir / PROGRESS_FILE, {
             "timesteps_done": done, "total_timesteps": self.settings.total_timesteps,
             "checkpoint": zip_path.name, "vecnormalize": vec_name, "last_eval": self.last_eval,
@@ -370,6 +371,50 @@ class _StageCallback(BaseCallback):
             if old.name != keep:
                 old.unlink(missing_ok=True)
                 old.with_name(old.stem + "_vecnormalize.pkl").unlink(missing_ok=True)
+
+
+def save_atomically(save: Callable[[str], Any], path: Path) -> Path:
+    """`save(temporary path)` writes the file beside `path`, which it then replaces in one step: a kill during the
+    write (an SB3 zip of tens of MB takes a while) leaves the previous file whole, never a truncated one that a
+    resume or a later load trips over. The temporary name keeps `path`'s suffix, so SB3 appends no ".zip"."""
+    with atomic_path(path) as tmp:
+        save(str(tmp))
+    return path
+
+
+def damaged_best(stage_dir: Path) -> str | None:
+    """Why the stage's best.zip / best.json cannot stand as its best policy (one is damaged, or one lacks the
+    other), or None when both are whole or both absent."""
+    from specpilot.policies.ppo import PolicyLoadError, load_sb3_model
+
+    zip_path, json_path = stage_dir / BEST_ZIP, stage_dir / BEST_JSON
+    if not zip_path.exists() and not json_path.exists():
+        return None
+    if not zip_path.is_file():
+        return f"{zip_path} is missing while {json_path} names its score"
+    try:
+        steps = int(load_sb3_model(zip_path).num_timesteps)
+    except PolicyLoadError as err:
+        return str(err).split(";")[0]
+    record = _read_best(stage_dir)
+    if record is None:
+        return f"{json_path} is {'damaged' if json_path.exists() else 'missing'}: the score of {zip_path} is unknown"
+    if record.get("timesteps") != steps:  # a kill between writing the zip and its record: the score is another's
+        return f"{json_path} scores the policy of step {record.get('timesteps')}, but {zip_path} holds step {steps}"
+    return None
+
+
+def drop_damaged_best(stage_dir: Path) -> str | None:
+    """Delete a damaged best.zip / best.json pair (`damaged_best`) before a resumed stage trains, so its validations
+    re-establish the best from policies they actually scored (the best before the damage is lost: it cannot be
+    rebuilt from a checkpoint of another step); the note to show, or None when the pair was whole."""
+    why = damaged_best(stage_dir)
+    if why is None:
+        return None
+    for name in (BEST_ZIP, BEST_JSON):
+        (stage_dir / name).unlink(missing_ok=True)
+    return (f"{why}: deleted {BEST_ZIP} and {BEST_JSON}; the resumed stage's validations choose its best again "
+            "(the best validated before the damage is lost)")
 
 
 def _read_best(stage_dir: Path) -> dict | None:
@@ -524,6 +569,10 @@ def train_policy(
     if resumed and callable(getattr(logger, "note", None)):
         logger.note(f"{stage_name}: resuming {settings.kind} seed {settings.seed} from "
                     f"{ckpt_dir / str(progress.get('checkpoint'))} at step {done}")
+    # before any training step (and after the settings check, which changes nothing when it refuses)
+    dropped = drop_damaged_best(stage_dir) if resumed else None
+    if dropped and callable(getattr(logger, "note", None)):
+        logger.note(f"{stage_name}: {dropped}")
     stage_dir.mkdir(parents=True, exist_ok=True)  # only now: a stage that cannot start leaves no folder behind
     if logger is not None:
         model.set_logger(logger.sb3_logger(stage_name))
@@ -550,9 +599,14 @@ def train_policy(
         env.close()
     best = stage_dir / BEST_ZIP
     if val_fn is None or not best.is_file():
-        if stage_cb.model is None:  # nothing left to train: the callback never ran
+        if getattr(stage_cb, "model", None) is None:  # nothing left to train: the callback never ran
             stage_cb.init_callback(model)
-        stage_cb._save_best(None if val_fn is None else stage_cb.best_score)
+            stage_cb.num_timesteps = model.num_timesteps  # (learn() would have set it) best.json's step
+        if val_fn is None:
+            stage_cb._save_best(None)
+        else:  # a dropped damaged best and no validation since: the final policy is scored, never claimed unscored
+            stage_cb.best_score = None
+            stage_cb.validate()
     update_manifest(run_dir, stages={stage_name: {"settings": asdict(settings), "status": "done",
                                                   "timesteps_done": int(model.num_timesteps),
                                                   "best": _read_best(stage_dir)}})
