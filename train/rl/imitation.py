@@ -412,6 +412,73 @@ class ImitationSettings:
     continuation: str = "oracle"
 
 
+# the options naming a cloning's settings in refusals (other ImitationSettings fields have no option: named by field)
+BC_OPTIONS = {"iters": "--bc-iters", "epochs": "--bc-epochs", "exact_single": "bc_exact_single", "seed": "--seed",
+              "batch_sizes": "--batch-sizes"}
+
+
+def imitation_settings(options) -> ImitationSettings:
+    """The cloning a pipeline's TrainOptions ask for (options.bc_iters > 0)."""
+    return ImitationSettings(iters=options.bc_iters, epochs=options.bc_epochs, exact_single=options.bc_exact_single)
+
+
+def imitation_setup(options) -> dict:
+    """The TrainOptions besides ImitationSettings that define a cloning (JSON values), as imitation.json records
+    them: the seed draws its rollouts and fits, the batch sizes its states."""
+    return {"seed": int(options.seed), "batch_sizes": list(options.batch_sizes) if options.batch_sizes else None}
+
+
+def _finished_imitation(run_dir: Path) -> dict | None:
+    """RUN/bc/imitation.json (written last: the cloning finished), or None."""
+    from specpilot.drafting.files import read_json
+
+    path = run_dir / BC_DIR / "imitation.json"
+    if not path.is_file():
+        return None
+    return read_json(path, what="behaviour cloning record", fix=f"delete {path.parent} to clone again")
+
+
+def _trained_ppo_stage1(run_dir: Path) -> bool:
+    from specpilot.artifacts.run import RunManifest
+
+    stages = RunManifest.load(run_dir).stages
+    return "size_s1" in stages or "depth_s1" in stages
+
+
+def check_imitation_resume(run_dir: str | Path, options, settings: ImitationSettings | None) -> None:
+    """Before any work of a resumed pipeline: its stage 1 is the kind asked for (behaviour cloning with `settings`,
+    or PPO when None), and a finished cloning was made with the settings given. ResumeSettingsError otherwise,
+    naming each changed option with its saved and given value (a resumed run used to keep its cloning silently, or
+    to train stage 1 with PPO before co-adaptation refused its starting policies)."""
+    from specpilot.train.rl.ppo import ResumeSettingsError, changed_settings, show_value
+
+    run_dir = Path(run_dir)
+    record = _finished_imitation(run_dir)
+    fix = "or start a new --run to train with the new ones (nothing was changed)"
+    if settings is None:
+        if record is not None and not _trained_ppo_stage1(run_dir):
+            saved = record.get("settings") or {}
+            raise ResumeSettingsError(
+                f"cannot resume {run_dir} without --bc: its stage 1 is behaviour cloning ({run_dir / BC_DIR}, --bc "
+                f"--bc-iters {saved.get('iters', '?')} --bc-epochs {saved.get('epochs', '?')}); resume with those, "
+                f"{fix}")
+        return
+    if record is None:
+        if _trained_ppo_stage1(run_dir):
+            raise ResumeSettingsError(f"cannot resume {run_dir} with --bc: its stage 1 was trained with PPO "
+                                      f"(size_s1, depth_s1); resume without --bc, {fix}")
+        return
+    saved = {**(record.get("settings") or {}), **(record.get("setup") or {})}
+    given = {**settings.__dict__, **imitation_setup(options)}
+    changes = changed_settings(saved, given, sorted(saved))
+    if changes:
+        listed = "; ".join(f"{BC_OPTIONS.get(k, f'ImitationSettings.{k}')} saved {show_value(a)}, given "
+                           f"{show_value(b)}" for k, a, b in changes)
+        raise ResumeSettingsError(f"cannot resume the behaviour cloning of {run_dir} with changed settings "
+                                  f"({listed}): {run_dir / BC_DIR / 'imitation.json'} records the saved values; "
+                                  f"resume with those, {fix}")
+
+
 def _ppo_model(kind: str, source, size_actions, options, seed_offset: int, partner: Controller):
     """A fresh SB3 PPO with exactly the settings the PPO stages use (so their init_from loads it exactly)."""
     from stable_baselines3.common.vec_env import DummyVecEnv
@@ -449,6 +516,8 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
         raise ValueError(f"unknown imitation loss {settings.loss!r}; choose one of {LOSSES}")
     traces = TaskTraces.resolve(traces)
     done = run_dir / BC_DIR / "imitation.json"
+    if options.resume:
+        check_imitation_resume(run_dir, options, settings)
     if options.resume and done.is_file():  # a resumed pipeline keeps its finished behaviour cloning
         from specpilot.train.rl.stages import stage_result
 
@@ -547,6 +616,6 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
                                                  "size_actions": actions}},
                     imitation={"settings": settings.__dict__, "iterations": history})
     policies = write_index(run_dir / BC_DIR, results["depth"], results["size"], static, copy=True)
-    write_json(run_dir / BC_DIR / "imitation.json", {"settings": settings.__dict__, "iterations": history,
-                                                    "best_val_tokens_per_s": best})
+    write_json(run_dir / BC_DIR / "imitation.json", {"settings": settings.__dict__, "setup": imitation_setup(options),
+                                                    "iterations": history, "best_val_tokens_per_s": best})
     return {**results, "iterations": history, "policies": policies}

@@ -50,13 +50,16 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
     run_dir, options = Path(run_dir), options or TrainOptions()
     config = {"pipeline": True, "size_steps": size_steps, "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
               "rounds": rounds, "reward": options.reward, "seed": options.seed, "bc_iters": options.bc_iters}
+    if options.resume:  # stage 1 as it was trained (cloned or PPO, the same cloning), before any work
+        from specpilot.train.rl.imitation import check_imitation_resume, imitation_settings
+
+        check_imitation_resume(run_dir, options, imitation_settings(options) if options.bc_iters > 0 else None)
     with run_logger(run_dir, logger, wandb, config) as log:
         if options.bc_iters > 0:
-            from specpilot.train.rl.imitation import ImitationSettings, imitate
+            from specpilot.train.rl.imitation import imitate, imitation_settings
 
             bc = imitate(run_dir, traces, size_actions=size_actions, options=options, logger=log,
-                         settings=ImitationSettings(iters=options.bc_iters, epochs=options.bc_epochs,
-                                                     exact_single=options.bc_exact_single))
+                         settings=imitation_settings(options))
             size1, depth1 = bc["size"], bc["depth"]
         else:
             with _budget_option("--size-steps"):
