@@ -510,7 +510,49 @@ def check_init_policy(init_from: str | Path, kind: str, obs_spec: ObservationSpe
                          f"{shape['observations']} observations), this stage trains a {kind} policy ({n_actions} "
                          f"actions, {obs_spec.dim} observations) on width {obs_spec.width}, max_depth "
                          f"{obs_spec.max_depth}: {fix}, or train without --init-from")
+    _check_init_tree(init_from, obs_spec)
     return _given_arch(init_from, kind, shape["pi"], shape["vf"], ppo)
+
+
+def _tree_of(spec: ObservationSpec) -> str:
+    return f"width {spec.width}, max_depth {spec.max_depth}, max_context {spec.max_context}"
+
+
+def _check_init_tree(init_from: str | Path, obs_spec: ObservationSpec) -> None:
+    """A starting policy whose run records it observing another tree is refused naming both trees: the observations
+    scale depths by max_depth (and contexts by max_context), so equal shapes (same width) do not make its weights
+    read this stage's observations as it learned them. A zip with no record (outside a run) is taken on its shapes."""
+    found = recorded_spec(init_from)
+    if found is None:
+        return
+    theirs, where = found
+    if _tree_of(theirs) != _tree_of(obs_spec):
+        raise ValueError(f"--init-from {init_from}: it was trained observing a tree of {_tree_of(theirs)} ({where}); "
+                         f"this stage's trace is {_tree_of(obs_spec)}: start from a policy trained on this tree, or "
+                         "train without --init-from")
+
+
+def recorded_spec(policy: str | Path) -> tuple[ObservationSpec, str] | None:
+    """(the observation spec a policy zip was trained on, where that is recorded), from its run: the manifest's stage
+    setup for RUN/<stage>/best.zip, or a policies.json beside the zip or in its run that names it; None without
+    one."""
+    from specpilot.artifacts.policies import POLICIES_FILE, PoliciesIndex
+    from specpilot.artifacts.run import owning_run
+
+    path = Path(policy).resolve()
+    run = owning_run(path)
+    if run is not None and path.name == BEST_ZIP and path.parent.parent == run:
+        setup = RunManifest.load(run).stage_setup(path.parent.name) or {}
+        if isinstance(setup.get("spec"), dict):
+            return ObservationSpec.from_dict(setup["spec"]), f"stage {path.parent.name} of {run / MANIFEST_FILE}"
+    for folder in dict.fromkeys(f for f in (path.parent, run) if f is not None):
+        if not (folder / POLICIES_FILE).is_file():
+            continue
+        index = PoliciesIndex.load(folder)
+        for entry in (index.depth, index.size):
+            if entry is not None and (folder / entry.path).resolve() == path:
+                return ObservationSpec.from_dict(entry.spec), str(folder / POLICIES_FILE)
+    return None
 
 
 def start_arch(init_from: str | Path, kind: str, ppo: PPOOverrides | None = None) -> tuple[list[int], list[int]]:
