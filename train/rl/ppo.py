@@ -15,8 +15,10 @@ Run directory layout (shared with `specpilot.policies.ppo.load_run_controllers` 
 from __future__ import annotations
 
 import dataclasses
+import json
 import platform
 import time
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -129,8 +131,10 @@ _PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Settings that must match for a checkpoint to be resumable: every one that defines the training. The budget
 # (total_timesteps) may change, as may the validation / checkpoint cadence, the device, verbosity and pruning.
+# n_envs must match too, but only the built VecEnv knows it (Ray: one per worker), so train_policy compares it there
+# (`check_resume_envs`), after building the VecEnv and before loading anything.
 RESUME_KEYS = ("kind", "learning_rate", "warmup_fraction", "gamma", "n_steps", "batch_size", "n_epochs", "pi_arch",
-               "vf_arch", "ent_coef", "gae_lambda", "clip_range", "n_envs", "normalize_reward", "seed")
+               "vf_arch", "ent_coef", "gae_lambda", "clip_range", "normalize_reward", "seed")
 
 
 def changed_settings(saved: dict, given: dict, keys) -> list[tuple[str, Any, Any]]:
@@ -488,6 +492,30 @@ def _load_checkpoint(ckpt_dir: Path, progress: dict, venv: DummyVecEnv, settings
     return model, env
 
 
+def checkpoint_envs(ckpt_dir: Path, progress: dict) -> int | None:
+    """How many environments the checkpoint was trained on: its SB3 zip's own n_envs (checkpoints of Ray training
+    before 2026-12 recorded 1 in progress.json for 2 workers), else progress.json's; None when neither says."""
+    try:
+        with zipfile.ZipFile(ckpt_dir / str(progress.get("checkpoint"))) as archive:
+            return int(json.loads(archive.read("data"))["n_envs"])
+    except Exception:  # unreadable here: _load_checkpoint names the damaged zip
+        saved = (progress.get("settings") or {}).get("n_envs")
+        return saved if isinstance(saved, int) else None
+
+
+def check_resume_envs(ckpt_dir: Path, progress: dict, n_envs: int) -> None:
+    """ResumeSettingsError when the resume built another number of environments than the checkpoint trained on: PPO
+    collects n_steps per environment between updates, so the rollout (and the training) would silently change."""
+    saved = checkpoint_envs(ckpt_dir, progress)
+    if saved is None or saved == n_envs:
+        return
+    raise ResumeSettingsError(
+        f"{ckpt_dir / str(progress.get('checkpoint'))} was trained on {saved} environment{'s' * (saved != 1)}, this "
+        f"resume runs {n_envs} (one per Ray worker with --ray, 1 without): resume with "
+        f"{'--ray and --workers ' + str(saved) if saved > 1 else 'no --ray (or --ray with --workers 1)'}, as the "
+        "stage was trained, or use a new stage name / run directory (nothing was changed)")
+
+
 def _start_model(venv, settings: PPOSettings, ckpt_dir: Path, progress: dict | None, init_from,
                  setup: dict | None = None):
     """(model, env, steps done): the checkpoint's when resuming, else a new model (with `init_from`'s weights)."""
@@ -560,8 +588,11 @@ def train_policy(
     if progress is not None and not resume:
         raise StageExistsError(stage_dir)
     venv = venv_factory() if venv_factory is not None else _make_venv(env_factory, settings.n_envs)
+    settings = dataclasses.replace(settings, n_envs=int(venv.num_envs))  # recorded as it runs (Ray: its workers)
     resumed = progress is not None
     try:
+        if resumed:
+            check_resume_envs(ckpt_dir, progress, settings.n_envs)
         model, env, done = _start_model(venv, settings, ckpt_dir, progress, init_from, setup)
     except BaseException:
         venv.close()
