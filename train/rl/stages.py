@@ -356,15 +356,33 @@ def recorded_policy(run_dir: str | Path, stored: str | None) -> Path | None:
     return None
 
 
+CONTRACT_FIX = "use the run's own traces / grid, or train into a new --run folder"
+
+
+def _traces_contract(traces: TaskTraces, size_actions) -> RunContract:
+    """The contract the traces make (their pair, tree, ...); ContractError when the splits have different pairs."""
+    train, val = TraceHeader.load(traces.train), TraceHeader.load(traces.validation)
+    check_pair(train.pair, val.pair, expected_from=f"the training trace {traces.train}",
+               got_from=f"the validation trace {traces.validation}", fix="record both splits with one pair")
+    return RunContract.from_traces(train, val, size_actions=size_actions,
+                                   paths={"train": traces.train, "validation": traces.validation})
+
+
+def _check_contract(run_dir: Path, traces: TaskTraces, size_actions) -> None:
+    """Traces that do not belong to the run are refused naming the traces' tree / pair and the run's (ContractError),
+    writing nothing: a resumed stage checks this before its settings, since a tree's defaults (the depth range)
+    follow the traces and would otherwise be blamed on options never given."""
+    recorded = RunContract.of_run(RunManifest.load(run_dir))
+    if recorded is not None:
+        recorded.check(_traces_contract(traces, size_actions), run=f"run {run_dir} (manifest.json)",
+                       given=f"traces {traces.train}", fix=CONTRACT_FIX)
+
+
 def _record_contract(run_dir: Path, traces: TaskTraces, size_actions, static) -> None:
     """Refuse traces (and a grid result) that do not belong to the run (ContractError naming both sides); record the
     run's contract when it has none yet."""
-    train, val = TraceHeader.load(traces.train), TraceHeader.load(traces.validation)
-    fix = "use the run's own traces / grid, or train into a new --run folder"
-    check_pair(train.pair, val.pair, expected_from=f"the training trace {traces.train}",
-               got_from=f"the validation trace {traces.validation}", fix="record both splits with one pair")
-    contract = RunContract.from_traces(train, val, size_actions=size_actions,
-                                       paths={"train": traces.train, "validation": traces.validation})
+    fix = CONTRACT_FIX
+    contract = _traces_contract(traces, size_actions)
     recorded = record_contract(run_dir, contract, given=f"traces {traces.train}", fix=fix)
     grid = Path(static) if isinstance(static, (str, Path)) else Path(run_dir) / GRID_FILE
     if grid.is_file():
@@ -598,6 +616,7 @@ def train_stage(spec: StageSpec, run_dir: str | Path, traces: TaskTraces | str |
     setup = stage_setup_record(spec, run_dir, options, actions)
     progress = read_progress(run_dir / spec.stage) if options.resume else None
     if progress is not None:  # resuming: the same settings as its checkpoint, before anything is loaded or written
+        _check_contract(run_dir, traces, actions if spec.kind == "size" else None)
         settings = keep_budget_derived(settings, progress, options.ppo)
         check_resume_settings(run_dir, spec, progress, settings, setup)
     validate = partial(_stage_validation, spec, traces, obs_spec, actions, options, logger, profile)
