@@ -32,6 +32,7 @@ trace equals a recording of all prompts at once; OUT/shards/ keeps the finished 
 from __future__ import annotations
 
 import json
+import sys
 import time
 import zipfile
 import zlib
@@ -381,6 +382,12 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     started = time.perf_counter()
     dirs = [out_dir / sh.SHARDS_DIR / f"shard-{i:04d}" for i in range(len(ranges))]
     finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key, plan=plan, also=legacy) is not None]
+    damaged = {i: why for i in finished
+               if (why := _unreadable_shard(dirs[i], samples=ranges[i][0] < n_profile, ar=ar)) is not None}
+    for i, why in damaged.items():  # found before recording the rest, not at the merge: resuming records it again
+        (dirs[i] / sh.DONE_FILE).unlink()
+        print(f"  shard {dirs[i]} is damaged ({why}): recording it again", file=sys.stderr, flush=True)
+    finished = [i for i in finished if i not in damaged]
     tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
                            "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
                            "profile_cycles": share_of(profile_cycles, max(0, min(hi, n_profile) - lo), n_profile),
@@ -461,6 +468,20 @@ def merge_traces(traces: Sequence[Trace]) -> Trace:
     header["recorded_s"] = float(sum(t.header.get("recorded_s", 0.0) for t in traces))
     header["sharded"] = {"shards": len(traces), "devices": sorted({str(t.header.get("device")) for t in traces})}
     return Trace(header, arrays)
+
+
+def _unreadable_shard(shard_dir: Path, *, samples: bool, ar: bool) -> str | None:
+    """Why a finished shard's files cannot be merged (a truncated trace.npz, a garbage samples.json, a missing
+    ar.json), None when they can: the same reads the merge makes, so resume finds it before recording the rest."""
+    try:
+        Trace.load(shard_dir)
+        if samples:
+            sh.samples_from_dict(read_json(shard_dir / "samples.json", what="profile samples of a shard", fix=""))
+        if ar:
+            read_json(shard_dir / sh.AR_FILE, what="AR timing of a shard", fix="")
+    except (OSError, ValueError, KeyError, TypeError) as err:  # (InputFileError is a ValueError)
+        return str(err).replace(f"; {RECORD_AGAIN}", "").rstrip("; ")
+    return None
 
 
 def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int], *, plan: dict | None = None) -> None:
