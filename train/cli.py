@@ -202,7 +202,38 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
         raise FileNotFoundError(f"--init-from {args.init_from}: no such policy zip")
     _check_init_from(cmd, args, traces)
     _check_start_arch(cmd, args, run_dir)
+    _check_outputs(cmd, args, run_dir)
     return traces, args.static if args.static is not None else args.grid
+
+
+def _check_outputs(cmd: str, args: argparse.Namespace, run_dir: Path) -> None:
+    """Every stage folder and file the command will write can take it (a file where a stage folder goes, a folder
+    where policies.json goes): refused in one line before any stage trains, not after the stages before it."""
+    from specpilot.train.rl import pipeline as P
+
+    if cmd in ("size", "depth"):
+        outputs = P.stage_outputs(run_dir, [args.stage])
+    elif cmd == "coadapt":
+        outputs = P.coadapt_outputs(run_dir, args.rounds)
+    elif cmd == "ablation":
+        outputs = P.stage_outputs(run_dir, ["ablation"])
+    else:
+        outputs = _pipeline_outputs(args, run_dir)
+    P.check_outputs(outputs)
+
+
+def _pipeline_outputs(args: argparse.Namespace, run_dir: Path) -> dict:
+    """What `train all` writes: one pipeline in RUN, or with --seeds one per RUN/seed<k> plus the deployed copies."""
+    from specpilot.train.rl import pipeline as P
+    from specpilot.train.rl.seeds import SEEDS_FILE
+
+    settings = dict(rounds=args.rounds, bc=bool(getattr(args, "bc", False)), batch=bool(args.batch_sizes))
+    if getattr(args, "seeds", 1) <= 1:
+        return P.pipeline_outputs(run_dir, **settings)
+    outputs = {run_dir / SEEDS_FILE: "file", **P.pipeline_outputs(run_dir, rounds=0)}  # the best seed's copies
+    for k in range(args.seeds):
+        outputs.update(P.pipeline_outputs(run_dir / f"seed{k}", **settings))
+    return outputs
 
 
 def _check_tree_values(args: argparse.Namespace, traces) -> None:

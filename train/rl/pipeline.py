@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from specpilot.artifacts.policies import POLICIES_FILE
+from specpilot.artifacts.run import MANIFEST_FILE
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.rl.ablation import reward_ablation  # noqa: F401 (part of the pipeline's API)
@@ -48,6 +49,7 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
     iterations (`specpilot.train.rl.imitation`, `options.bc_epochs` supervised epochs each) instead of PPO from
     scratch (size_steps / depth_steps are then unused); co-adaptation fine-tunes the cloned policies with PPO."""
     run_dir, options = Path(run_dir), options or TrainOptions()
+    check_outputs(pipeline_outputs(run_dir, rounds=rounds, bc=options.bc_iters > 0, batch=bool(options.batch_sizes)))
     config = {"pipeline": True, "size_steps": size_steps, "depth_steps": depth_steps, "coadapt_steps": coadapt_steps,
               "rounds": rounds, "reward": options.reward, "seed": options.seed, "bc_iters": options.bc_iters}
     if options.resume:  # stage 1 as it was trained (cloned or PPO, the same cloning), before any work
@@ -84,6 +86,52 @@ def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_s
     return {"batch_guard": guard, "size_s1": size1.to_dict(), "depth_s1": depth1.to_dict(), "stage1_policies": stage1,
             **({"imitation": bc["iterations"]} if options.bc_iters > 0 else {}),
             "coadapt": final, "policies": policies}
+
+
+def stage_outputs(run_dir: str | Path, stages: Sequence[str]) -> dict[Path, str]:
+    """{path: "dir" | "file"} of what training `stages` writes: each stage's folder, the run's manifest and
+    TensorBoard folder."""
+    run_dir = Path(run_dir)
+    return {run_dir / MANIFEST_FILE: "file", run_dir / "tb": "dir", **{run_dir / s: "dir" for s in stages}}
+
+
+def coadapt_outputs(run_dir: str | Path, rounds: int) -> dict[Path, str]:
+    """What `coadapt` writes: its stages (co1_size, co2_depth, ...) and RUN/policies.json."""
+    stages = [f"co{i + 1}_{'size' if i % 2 == 0 else 'depth'}" for i in range(rounds)]
+    return {**stage_outputs(run_dir, stages), Path(run_dir) / POLICIES_FILE: "file"}
+
+
+def pipeline_outputs(run_dir: str | Path, *, rounds: int, bc: bool = False, batch: bool = False) -> dict[Path, str]:
+    """What `run_pipeline` writes: stage 1 (PPO stages, or the cloned stages and RUN/bc/), RUN/stage1/ with its index
+    and copied zips, co-adaptation and RUN/policies.json (and the batch guard)."""
+    from specpilot.train.rl.imitation import BC_DEPTH_STAGE, BC_DIR, BC_SIZE_STAGE
+
+    run_dir = Path(run_dir)
+    first = [BC_SIZE_STAGE, BC_DEPTH_STAGE, BC_DIR] if bc else ["size_s1", "depth_s1"]
+    out = {**stage_outputs(run_dir, first), **coadapt_outputs(run_dir, rounds), run_dir / "stage1": "dir",
+           **{run_dir / "stage1" / name: "file" for name in (POLICIES_FILE, "depth.zip", "size.zip")}}
+    if bc:
+        out.update({run_dir / BC_DIR / name: "file" for name in (POLICIES_FILE, "imitation.json", "depth.zip",
+                                                                  "size.zip")})
+    if batch:
+        out[run_dir / "batch_guard.json"] = "file"
+    return out
+
+
+def check_outputs(outputs: dict[Path, str]) -> None:
+    """Every folder and file a train command will write can take it, checked before any work (OutputPathError,
+    one line): a file where a stage folder goes, or a folder where an index goes, used to be found only when the
+    stages before it had trained (some as raw [Errno] text)."""
+    from specpilot.drafting.errors import OutputPathError
+    from specpilot.drafting.files import check_writable
+
+    fix = "move it away, or train into a new --run folder (nothing was trained)"
+    for path, kind in sorted(outputs.items(), key=lambda item: len(item[0].parts)):  # folders before their files
+        if kind == "dir" and path.exists() and not path.is_dir():
+            raise OutputPathError(f"{path} is a file, where this command writes a folder: {fix}")
+        if kind == "file" and path.is_dir():
+            raise OutputPathError(f"{path} is a folder, where this command writes a file: {fix}")
+        check_writable(path, kind=kind, what="run output")
 
 
 @contextmanager
