@@ -49,11 +49,12 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.drafting.executor import LocalExecutor
     from specpilot.drafting.types import TreeConfig
-    from specpilot.envs.record import record_task
+    from specpilot.envs.record import check_recording_writable, record_task
     from specpilot.policies.observation import default_size_actions
     from specpilot.train.scale.cluster_cli import open_executor
 
     prompts = load_prompts(args.suite, args.split, args.limit)
+    check_recording_writable(args.out)  # before the models load (record_task checks the shard folders again)
     with open_executor(args) as executor:
         max_size = args.max_size or max(max(default_size_actions(executor.device)), TreeConfig().max_size)
         tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)

@@ -362,7 +362,7 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     per cycle (`specpilot.envs.profile.collect_samples`), each shard seeding its draws with (seed, shard), and
     decoding them again until the profile holds at least `profile_cycles` cycles (shared by the shards in
     proportion to their profile prompts)."""
-    out_dir = check_writable(out_dir, kind="dir", what="trace folder")  # before minutes of recording
+    out_dir = check_recording_writable(out_dir)  # before minutes of recording
     executor = as_executor(pair, executor)
     items = [getattr(p, "prompt", p) for p in prompts]
     ranges = shard_ranges(len(items), len(executor), shard_size)
@@ -388,6 +388,7 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
         (dirs[i] / sh.DONE_FILE).unlink()
         print(f"  shard {dirs[i]} is damaged ({why}): recording it again", file=sys.stderr, flush=True)
     finished = [i for i in finished if i not in damaged]
+    check_recording_writable(out_dir, [d for i, d in enumerate(dirs) if i not in finished])
     tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
                            "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
                            "profile_cycles": share_of(profile_cycles, max(0, min(hi, n_profile) - lo), n_profile),
@@ -405,6 +406,18 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     if say and summary["retried_prompts"]:
         say(f"retried prompts (their shard failed once): {summary['retried_prompts']}")
     return out_dir, profile_path(out_dir)
+
+
+def check_recording_writable(out_dir: str | Path, shard_dirs: Sequence[Path] = ()) -> Path:
+    """out_dir as a Path when a recording can write there: the folder, its shards/ folder and the existing shard
+    folders about to be (re)recorded; else OutputPathError naming the folder (a read-only shards/ failed with a raw
+    "[Errno 1]" only after the first shard was recorded)."""
+    out_dir = check_writable(out_dir, kind="dir", what="trace folder (--out)")
+    check_writable(out_dir / sh.SHARDS_DIR, kind="dir", what="its shards folder")
+    for shard in shard_dirs:
+        if shard.exists():
+            check_writable(shard, kind="dir", what="shard folder (delete it to record it again)")
+    return out_dir
 
 
 # ---------------------------------------------------------------------------------------------------------------------

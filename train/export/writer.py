@@ -316,6 +316,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     measurement when there is no trace). Without it the identity comes from the run's manifest ("pair"/"models").
     """
     run_dir, out_dir = Path(run_dir), check_writable(out_dir, kind="dir", what="export folder")
+    # the export is staged beside out_dir and renamed in: its parent must take files too, not only out_dir
+    check_writable(out_dir.parent, kind="dir", what="the export folder's parent")
     index_path = run_dir / POLICIES_FILE
     typed = PoliciesIndex.load(index_path, fix="train the run first (it is written by "
                                "specpilot.train.rl.ppo.write_policies_index)")
