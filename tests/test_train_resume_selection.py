@@ -120,3 +120,22 @@ def test_recorded_policy_paths_resolve_inside_the_run_only(tmp_path, monkeypatch
         recorded = os.fspath(tmp_path / "run" / "co1_size" / "best.zip")
     got = recorded_policy(tmp_path / "run", recorded)
     assert got == (None if found is None else tmp_path / "run" / found)
+
+
+def test_the_starting_policy_is_validated_at_the_stage_step_0(traces, tmp_path):
+    from specpilot.train.rl.logging import RunLogger
+
+    logged = []
+
+    class Recording(RunLogger):
+        def log(self, metrics, step):
+            super().log(metrics, step)
+            logged.extend((key.split("/")[0], step) for key in metrics if "/val/" in key)
+
+    run = tmp_path / "run"
+    P.train_size(run, traces, steps=128, **_kw())
+    P.train_depth(run, traces, steps=128, **_kw())
+    with Recording(run, {}, mode="disabled") as log:
+        P.coadapt(run, traces, rounds=1, steps=64, logger=log, options=_kw()["options"])
+    co1 = [step for stage, step in logged if stage == "co1_size"]
+    assert 0 in co1 and all(step <= 64 for step in co1)  # never the starting policy's own step count (128)

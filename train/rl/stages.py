@@ -677,7 +677,7 @@ def _keep_init_if_better(result: StageResult, spec: StageSpec, val, run_dir: Pat
     from specpilot.policies.ppo import load_sb3_model
     from specpilot.train.rl.ppo import update_manifest
 
-    init_score = val(load_sb3_model(spec.init_from))
+    init_score = val(load_sb3_model(spec.init_from), step=0)  # the stage's step 0: it starts from this policy
     result.validation = {"init_score": init_score, "stage_best_score": result.score}
     if result.score is None or init_score > result.score:
         result = StageResult(spec.stage, spec.kind, Path(spec.init_from), result.spec, result.size_actions,

@@ -159,7 +159,8 @@ def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, pa
     """val_fn(model) -> replay tokens/s on the validation trace, deciding exactly as inference does.
 
     The model's policy becomes the `kind` half of a PPOController; `partner` decides the other half (a fixed
-    config, a RandomDepthController, or a frozen PPOController). Metrics go to `logger` under <stage>/val/.
+    config, a RandomDepthController, or a frozen PPOController). Metrics go to `logger` under <stage>/val/ at the
+    model's step count, or at `step` when given (a stage's starting policy: the stage's step 0).
     With `batch_sizes` (a batch-aware policy) the score is `evaluate_batches`' geometric mean speedup over batched
     AR across those sizes, in batch replay timed by `profile` (None: the trace's).
     """
@@ -183,7 +184,7 @@ def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, pa
                                                                            "mean_accepted_length", "depth_mean",
                                                                            "size_mean")}
 
-    def val(model) -> float:
+    def val(model, *, step: int | None = None) -> float:
         policy = model.policy if hasattr(model, "policy") else model
         if kind == "size":
             ctrl = PPOController(None, policy, size_spec=spec, size_actions=list(size_actions), fallback=partner)
@@ -195,7 +196,8 @@ def validation_fn(val_trace: str | Path, *, kind: str, spec: ObservationSpec, pa
         value, logged = score(ctrl)
         calls["n"] += 1
         if logger is not None:
-            step = int(getattr(model, "num_timesteps", calls["n"]))
+            if step is None:  # a policy under training: its own step count
+                step = int(getattr(model, "num_timesteps", calls["n"]))
             logger.log({f"{stage}/val/{key}": v for key, v in logged.items()}, step=step)
         return value
 
