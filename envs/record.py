@@ -365,20 +365,24 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     out_dir = check_recording_writable(out_dir)  # before minutes of recording
     executor = as_executor(pair, executor)
     items = [getattr(p, "prompt", p) for p in prompts]
-    ranges = shard_ranges(len(items), len(executor), shard_size)
     n_profile = len(items) if not profile_prompts else min(int(profile_prompts), len(items))
     tree = {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size}
     worker = executor.workers[0]
-    # the plan's models by content (hashes, dtype), never by the paths they were loaded from: the same pair given
-    # relatively, absolutely or copied elsewhere resumes the shards already recorded
-    parts = dict(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile_prompts=n_profile, seed=seed, ar=ar,
-                 profile_cycles=int(profile_cycles), shards=[list(r) for r in ranges],
-                 **sh.pair_content(worker["pair"], worker.get("dtype")))
-    key = sh.plan_key(**parts)
-    plan = sh.plan_fields(**parts)
-    legacy = (sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed, ar=ar,
-                          ranges=ranges, pair=worker["pair"],
-                          **({"profile_cycles": int(profile_cycles)} if profile_cycles else {})),)  # older done.json
+
+    def plan_of(ranges) -> tuple[str, dict, tuple[str]]:
+        """(key, fields, older key) of the plan recording `ranges` (`specpilot.envs.shards.plan_key`)."""
+        # the plan's models by content (hashes, dtype), never by the paths they were loaded from: the same pair
+        # given relatively, absolutely or copied elsewhere resumes the shards already recorded
+        parts = dict(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile_prompts=n_profile, seed=seed,
+                     ar=ar, profile_cycles=int(profile_cycles), shards=[list(r) for r in ranges],
+                     **sh.pair_content(worker["pair"], worker.get("dtype")))
+        legacy = sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed,
+                             ar=ar, ranges=ranges, pair=worker["pair"],
+                             **({"profile_cycles": int(profile_cycles)} if profile_cycles else {}))  # older done.json
+        return sh.plan_key(**parts), sh.plan_fields(**parts), (legacy,)
+
+    ranges = _shard_layout(out_dir, len(items), len(executor), shard_size, plan_of)
+    key, plan, legacy = plan_of(ranges)
     started = time.perf_counter()
     dirs = [out_dir / sh.SHARDS_DIR / f"shard-{i:04d}" for i in range(len(ranges))]
     finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key, plan=plan, also=legacy) is not None]
@@ -406,6 +410,26 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     if say and summary["retried_prompts"]:
         say(f"retried prompts (their shard failed once): {summary['retried_prompts']}")
     return out_dir, profile_path(out_dir)
+
+
+# worker counts whose default shard layouts a resumed recording tries (`_shard_layout`)
+RESUMABLE_WORKER_COUNTS = range(1, 257)
+
+
+def _shard_layout(out_dir: Path, n: int, workers: int, shard_size: int | None, plan_of) -> list[tuple[int, int]]:
+    """The prompt ranges of the recording's shards: those of the recording already under out_dir/shards when its
+    finished shards match one (the default layout depends on the worker count at its start, so a recording begun
+    with --ray and --workers 2 resumes without Ray or with other --workers), else the default for `workers`."""
+    recorded = sh.recorded_keys(out_dir / sh.SHARDS_DIR)
+    default = shard_ranges(n, workers, shard_size)
+    if not recorded or shard_size:
+        return default
+    layouts = [default, *(shard_ranges(n, w) for w in RESUMABLE_WORKER_COUNTS)]
+    for ranges in dict.fromkeys(tuple(r) for r in layouts):
+        key, _, legacy = plan_of(list(ranges))
+        if recorded & {key, *legacy}:
+            return list(ranges)
+    return default
 
 
 def check_recording_writable(out_dir: str | Path, shard_dirs: Sequence[Path] = ()) -> Path:

@@ -162,6 +162,19 @@ def _differences(recorded: dict, now: dict) -> list[str]:
             for name in sorted(set(recorded) | set(now)) if recorded.get(name) != now.get(name)]
 
 
+def recorded_keys(shards_dir: Path) -> set[str]:
+    """The plan keys in the done.json files under shards_dir (unreadable ones skipped: `read_done` reports them)."""
+    keys = set()
+    for done in sorted(Path(shards_dir).glob(f"shard-*/{DONE_FILE}")):
+        try:
+            key = json.loads(done.read_text(encoding="utf-8")).get("key")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(key, str):
+            keys.add(key)
+    return keys
+
+
 def read_done(shard_dir: Path, key: str, *, plan: dict | None = None, also: Sequence[str] = ()) -> dict | None:
     """The shard's done.json, None when the shard is not finished; refuses a shard of another recording, naming
     the fields of `plan` (`plan_fields`) that differ from the ones it was recorded with. `also`: keys of the same
@@ -175,6 +188,11 @@ def read_done(shard_dir: Path, key: str, *, plan: dict | None = None, also: Sequ
     recorded = done.get("plan")
     if isinstance(recorded, dict) and plan is not None:
         diff = _differences(recorded, plan)
+        if any(not d.startswith("shards ") for d in diff):  # the layout alone is resumed (`record._shard_layout`)
+            diff = [d for d in diff if not d.startswith("shards ")]
+        elif diff:
+            diff = [d + " (the shard layout follows --workers, or the Ray cluster's size, when the recording "
+                    "started: give that --workers / --ray again)" for d in diff]
         what = "its " + "; ".join(diff) if diff else "its settings hash differently (a newer specpilot?)"
     else:
         what = ("it was written by an older specpilot that kept no settings to compare (its prompts, tree, "

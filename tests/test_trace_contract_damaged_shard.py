@@ -11,6 +11,7 @@ from tiny import tiny_pair
 
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs import shards as sh
+import specpilot.envs.record as record
 from specpilot.envs.record import Trace, record_task
 
 PROMPTS = [[5, 17, 3, 42], [60, 2, 2, 9], [7, 7, 1]]
@@ -49,3 +50,19 @@ def test_resume_records_a_damaged_finished_shard_again(pair, tmp_path, capsys, f
     assert f"shard {damaged} is damaged" in capsys.readouterr().err
     again = Trace.load(out)
     assert all((again.arrays[k] == whole.arrays[k]).all() for k in ("continuation", "onpath_rank"))
+
+
+def test_a_recording_begun_with_more_workers_resumes_with_one(pair, tmp_path, monkeypatch):
+    """The default shard layout depends on the worker count at the start (--ray, --workers): resume finds it from
+    the finished shards instead of refusing them."""
+    out = tmp_path / "rec"
+    real = record.shard_ranges
+    with monkeypatch.context() as m:  # as a 2-worker pool plans it: 6 shards of one prompt (1 worker: 3 of two)
+        m.setattr(record, "shard_ranges", lambda n, workers, size=None: real(n, 2, size))
+        prompts = PROMPTS * 2
+        record_task(pair, TREE, prompts, out, max_new_tokens=6)
+    for shard in sorted((out / sh.SHARDS_DIR).iterdir())[3:]:  # interrupted after three shards
+        (shard / sh.DONE_FILE).unlink()
+    record_task(pair, TREE, prompts, out, max_new_tokens=6)
+    cluster = json.loads((out / sh.CLUSTER_FILE).read_text())
+    assert len(cluster["shards"]) == 6 and cluster["resumed_shards"] == [0, 1, 2]
