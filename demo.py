@@ -252,7 +252,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     heldout = _limit(load_suite(heldout_suite["name"]), budget.heldout_prompts)
     # checked before any model loads: --chat-template on needs a template
     heldout, heldout_suite["chat_template"] = with_chat_template(heldout, load_tokenizer(target), chat_template)
-    # dtype "auto": bf16 on CUDA, and on a CPU with AMX / AVX512-BF16 where it measures faster, fp32 otherwise
+    # dtype "auto": bf16 on CUDA, and on a CPU with AMX / AVX512-BF16 where it measures clearly faster (<= 0.9x
+    # fp32), fp32 otherwise
     # (`specpilot.drafting.pair.resolve_dtype`); the summary says which and why. A resumed run keeps the dtype its
     # first start chose: the CPU measurement is close on some machines and would otherwise flip with the load,
     # refusing the finished stages (every stage's key holds the dtype) on a command without --dtype

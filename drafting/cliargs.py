@@ -286,7 +286,8 @@ def add_pair_arguments(parser, *, dtype_option: bool = True, what: str = "",
     if dtype_option:
         parser.add_argument("--dtype", type=dtype, default=None,
                             help="bfloat16, float16, float32 or auto (bf16 on CUDA; on a CPU with AMX/AVX512-BF16 "
-                                 "where it measures faster, else fp32) (default: float32 on CPU, bfloat16 on CUDA)")
+                                 "where it measures clearly faster, else fp32) (default: float32 on CPU, bfloat16 on "
+                                 "CUDA)")
 
 
 def pair_given(args: argparse.Namespace) -> bool:
