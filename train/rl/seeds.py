@@ -68,14 +68,52 @@ def _copy_policies(src: Path, dest: Path) -> None:
     write_json(dest / "policies.json", index)
 
 
+_training_seed = False  # in a seed worker process: whether it is running a seed now (`_seed_worker_signals`)
+
+
 def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipeline: dict, threads: int) -> None:
     """One seed's pipeline in a worker process (module level, so a spawned process can import it)."""
     import torch
 
     from specpilot.train.rl.pipeline import run_pipeline
 
+    global _training_seed
     torch.set_num_threads(threads)
-    run_pipeline(seed_dir, traces, options=options, **pipeline)
+    _training_seed = True
+    try:
+        run_pipeline(seed_dir, traces, options=options, **pipeline)
+    finally:
+        _training_seed = False
+
+
+def _seed_worker_signals() -> None:
+    """A seed worker's initializer: it ignores SIGINT and takes SIGTERM as its Ctrl-C, once. The main process
+    forwards an interrupt as one SIGTERM to each worker (`_stop_workers`), so a worker is interrupted exactly once
+    (train_policy saves its checkpoint) whether the terminal's Ctrl-C reached the whole process group or `kill -INT`
+    reached the main process only; a second SIGINT in the group cannot cut the checkpoint's save short."""
+    import signal
+
+    def interrupt(signum, frame):
+        if not _training_seed:  # idle between seeds: the pool's shutdown ends it cleanly
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the worker at once
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _stop_workers(pool) -> None:
+    """Interrupt every live worker process of `pool` (SIGTERM: their Ctrl-C, see `_seed_worker_signals`)."""
+    import os
+    import signal
+
+    for pid, process in list((getattr(pool, "_processes", None) or {}).items()):
+        if process.is_alive():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
 
 
 def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTraces, pipeline: dict,
@@ -89,7 +127,7 @@ def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTrace
     threads = max(1, torch.get_num_threads() // workers)
     pipeline = {k: v for k, v in pipeline.items() if k != "logger"}  # each worker logs to its own seed folder
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_seed_worker_signals) as pool:
         started = time.monotonic()
         futures = {pool.submit(_train_seed, seed_dir, traces, options, pipeline, threads): (seed_dir, options.seed)
                    for seed_dir, options in jobs}
@@ -102,9 +140,11 @@ def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTrace
                 if progress:
                     seed_dir, seed = futures[future]
                     progress(f"seed {seed} trained ({seed_dir}, {time.monotonic() - started:.0f} s)")
-        except BaseException:
+        except BaseException as err:
             for future in futures:
                 future.cancel()
+            if isinstance(err, KeyboardInterrupt):  # the workers ignore SIGINT: pass it on, then wait for their saves
+                _stop_workers(pool)
             raise
 
 
