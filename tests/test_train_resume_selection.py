@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 import specpilot.train.rl.ppo as ppo
+from specpilot.policies.ppo import load_sb3_model
 from specpilot.train.rl import pipeline as P
 from specpilot.train.rl.stages import recorded_policy
 
@@ -139,3 +140,15 @@ def test_the_starting_policy_is_validated_at_the_stage_step_0(traces, tmp_path):
         P.coadapt(run, traces, rounds=1, steps=64, logger=log, options=_kw()["options"])
     co1 = [step for stage, step in logged if stage == "co1_size"]
     assert 0 in co1 and all(step <= 64 for step in co1)  # never the starting policy's own step count (128)
+
+
+def test_a_finished_stage_with_a_damaged_best_is_rescored_not_skipped(finished, traces, tmp_path):
+    """A best.zip damaged after its stage finished (a kill mid-write before writes were atomic): the resume validates
+    the stage's final policy instead of deploying the damaged file or refusing a budget already spent."""
+    run = _copy(finished, tmp_path / "run")
+    best = run / "co1_size" / "best.zip"
+    best.write_bytes(best.read_bytes()[: best.stat().st_size // 2])
+    assert ppo.damaged_best(run / "co1_size") is not None
+    P.coadapt(run, traces, rounds=1, steps=64, **_kw(resume=True))
+    assert ppo.damaged_best(run / "co1_size") is None
+    load_sb3_model(run / _deployed_size(run))  # whole (an absolute path joins as itself)

@@ -311,13 +311,15 @@ def _finished(run_dir: Path, spec: StageSpec, obs_spec, actions, total: int) -> 
     """The stage's result when it already finished a budget >= total (a resumed pipeline skips it): the policy its
     recorded selection chose (`stage_selection`), else its best.zip with no `validation` (a stage that keeps its
     starting policy when better then makes that choice again: `_reselect`)."""
-    from specpilot.train.rl.ppo import read_progress
+    from specpilot.train.rl.ppo import damaged_best, read_progress
 
     stage_dir = run_dir / spec.stage
     progress = read_progress(stage_dir) if (stage_dir / "checkpoints").is_dir() else None
     best = read_best(stage_dir)
     if not (progress and int(progress["timesteps_done"]) >= total and (stage_dir / BEST_ZIP).is_file()
             and best is not None):
+        return None
+    if damaged_best(stage_dir) is not None:  # not finished after all: train_policy scores its final policy again
         return None
     selection = RunManifest.load(run_dir).stage_selection(spec.stage)
     chosen = recorded_policy(run_dir, selection.get("final"))
@@ -408,11 +410,16 @@ class BudgetPassedError(ValueError):
 
 def check_resume_budget(stage_dir: Path, total: int, *, resume: bool) -> None:
     """Resuming a stage whose checkpoint already passed the budget would train nothing (and never validate): refuse
-    it, naming the checkpoint's step count (BudgetPassedError)."""
+    it, naming the checkpoint's step count (BudgetPassedError); unless its best policy is damaged, when validating
+    the final policy is what the resume has left to do."""
     from specpilot.train.rl.ppo import read_progress
+
+    from specpilot.train.rl.ppo import damaged_best
 
     progress = read_progress(stage_dir) if resume else None
     if progress is not None and int(progress.get("timesteps_done", 0)) >= total:
+        if damaged_best(stage_dir) is not None:  # the budget is spent but its best is damaged: train_policy trains
+            return                               # nothing and validates the final policy, which is what is left
         raise BudgetPassedError.of(stage_dir.name, int(progress["timesteps_done"]), total)
 
 
