@@ -85,7 +85,7 @@ def report_metrics(report: dict) -> dict:
     """A report.json payload's numbers, nested by temperature ("T=0", "T=1"; with batch sizes "T=0/B=4"): each
     method's speedup over ar with its interval, tau, decision overhead and token identity; each comparison's ratio,
     interval over prompts and verdict; replay's speedups and the oracle's; the suite and how many prompts the
-    degeneracy flag left out. Lists are flattened into named keys so that a wandb run summary
+    degeneracy flag left out; why greedy output differs from ar's, and why the pair runs in its dtype. Lists are flattened into named keys so that a wandb run summary
     (`RunLogger.summarize`) keeps every number."""
     meta = report.get("meta") or {}
     suite = meta.get("suite") or {}
@@ -114,6 +114,11 @@ def report_metrics(report: dict) -> dict:
     if degeneracy:
         out["degeneracy"] = {"n_measured": degeneracy.get("n_measured"),
                              "n_flagged": len(degeneracy.get("flagged") or [])}
+    identity = report.get("greedy_identity")
+    if identity:  # why greedy output differs from ar's: half-precision rounding (expected) or a bug (fp32)
+        out["greedy_identity"] = {"cause": identity.get("cause"), "expected": identity.get("expected"),
+                                  "n_differing": len(identity.get("differing") or [])}
+    out["dtype_reason"] = meta.get("dtype_reason")
     return out
 
 

@@ -95,7 +95,10 @@ def test_report_metrics_names_every_number_a_run_summary_keeps():
         "replay": {"methods": [{"method": "ltd", "speedup": 1.6}], "comparisons": [],
                    "oracle": {"speedup": 2.0, "gain_share": {"ltd": 0.6}}},
         "degeneracy": {"n_measured": 30, "flagged": ["p1"]},
+        "greedy_identity": {"dtype": "bfloat16", "differing": ["grid", "ltd"], "cause": "rounding", "expected": True,
+                            "note": "..."},
     }
+    report["meta"]["dtype_reason"] = "auto: bfloat16, this CPU has avx512_bf16"
     metrics = report_metrics(report)
     assert metrics["T=0"]["methods"]["ltd"] == {"speedup": 1.5, "tau": 3.0, "policy_overhead": None,
                                                  "identical_to_ar": None, "n_units": None, "speedup_low": 1.4,
@@ -105,6 +108,8 @@ def test_report_metrics_names_every_number_a_run_summary_keeps():
     assert metrics["T=0"]["B=4"]["methods"]["ltd"]["speedup_low"] == 1.0
     assert metrics["replay"]["oracle"]["gain_share"]["ltd"] == 0.6
     assert metrics["degeneracy"] == {"n_measured": 30, "n_flagged": 1}
+    assert metrics["greedy_identity"] == {"cause": "rounding", "expected": True, "n_differing": 2}
+    assert metrics["dtype_reason"].startswith("auto: bfloat16")
     assert (metrics["suite"], metrics["hardware"], metrics["dtype"], metrics["max_new_tokens"]) == \
         ("heldout_code", "Xeon", "bfloat16", 48)
 
