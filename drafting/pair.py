@@ -395,6 +395,40 @@ def _config_problem(folder: Path, what: str) -> InputFileError | None:
     return None
 
 
+def auto_probe_too_big(source, *, available: int | None = None) -> str | None:
+    """Why auto's CPU micro-benchmark must be skipped for the model folder `source`, or None. It holds the target in
+    fp32 and a bf16 copy at once (6 bytes a parameter), which for a 7B checkpoint is ~42 GB: more than a machine
+    that runs the model in bf16 (14 GB) may have. Parameters are counted from the weight files' sizes and the
+    dtype config.json stores; a hub id or a folder without them is not judged (None)."""
+    folder = Path(str(source))
+    weights = [f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern)]
+    if not weights:
+        return None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    params = sum(f.stat().st_size for f in weights) / {"float32": 4, "float64": 8}.get(stored, 2)
+    needed = 6 * params
+    available = _available_memory() if available is None else available
+    if available is None or needed <= 0.8 * available:
+        return None
+    return (f"fp32 and bf16 copies of this target to time would need ~{needed / 2**30:.1f} GiB, over 80% of the "
+            f"{available / 2**30:.1f} GiB available")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new work (MemAvailable in /proc/meminfo), None where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _stored_dtype_note(source, dtype: torch.dtype) -> str:
     """"; the checkpoint stores X" when the target's config.json names a dtype other than the one it runs in (a
     lossless upcast or a lossy conversion: either way the user should know), else ""."""
@@ -714,9 +748,14 @@ class ModelPair:
             raise FileNotFoundError(f"the embedded pair ships no EAGLE-3 head ({DEFAULT_PAIR_DIR / 'eagle'} is "
                                     "missing): use its draft (draft='embedded', --draft embedded) or give a head "
                                     "folder")
+        measure = isinstance(asked, str) and asked.strip().lower() == AUTO and device == "cpu" and \
+            half_support(torch.bfloat16, device)[0] == "native"
+        too_big = auto_probe_too_big(target) if measure else None
+        if too_big:  # measuring would hold fp32 and bf16 copies at once: decide by the CPU's features alone
+            measure, dtype = False, torch.bfloat16
+            dtype_reason = f"auto: bfloat16, {half_support(torch.bfloat16, device)[1]}; not measured: {too_big}"
         target_model = _load_lm(target, "target", dtype)
-        if isinstance(asked, str) and asked.strip().lower() == AUTO and device == "cpu" and \
-                half_support(torch.bfloat16, device)[0] == "native":  # measure this target, then load the choice
+        if measure:  # measure this target, then load the choice
             dtype, dtype_reason = resolve_dtype(asked, device, model=target_model)
             if dtype != target_model.dtype:
                 # loaded again, not converted with .to(): transformers keeps RoPE buffers and the modules a model

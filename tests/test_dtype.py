@@ -313,3 +313,22 @@ def test_an_asked_dtype_this_cpu_only_emulates_says_so(cpu, asked, emulated, fla
     why = pair_mod.resolve_dtype(asked, "cpu")[1]
     assert why.startswith(f"{str(pair_mod.check_dtype(asked, 'cpu')).removeprefix('torch.')}: asked for")
     assert ("emulates" in why) == emulated
+
+
+def test_auto_does_not_time_a_target_whose_two_copies_would_not_fit(tmp_path, flags, monkeypatch):
+    """Timing holds fp32 and bf16 copies at once (6 bytes a parameter): where that would not fit, a CPU with native
+    bf16 takes bf16 by its features, loading the target once, in bf16."""
+    flags("avx512_bf16")
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed a target too big for two copies")
+
+    monkeypatch.setattr(pair_mod, "measure_half", no_timing)
+    monkeypatch.setattr(pair_mod, "_available_memory", lambda: 10_000)
+    for name, seed in (("target", 0), ("draft", 1)):
+        tiny_model(seed=seed).save_pretrained(tmp_path / name)
+    pair = ModelPair.from_pretrained(tmp_path / "target", tmp_path / "draft", dtype="auto")
+    assert pair.dtype == pair.draft.dtype == torch.bfloat16
+    assert pair.dtype_reason.startswith("auto: bfloat16, this CPU has avx512_bf16; not measured: fp32 and bf16 copies")
+    assert pair_mod.auto_probe_too_big(tmp_path / "target", available=10**12) is None  # fits: timed as before
+    assert pair_mod.auto_probe_too_big("some/hub-id") is None  # nothing on disk to judge
