@@ -402,13 +402,9 @@ def auto_probe_too_big(source, *, available: int | None = None) -> str | None:
     dtype config.json stores; a hub id or a folder without them is not judged (None)."""
     folder = Path(str(source))
     weights = [f for pattern in ("*.safetensors", "*.bin") for f in folder.glob(pattern)]
-    if not weights:
+    if not weights or not (folder / "config.json").is_file():
         return None
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    stored = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    stored = _stored_dtype(folder) or "float32"
     params = sum(f.stat().st_size for f in weights) / {"float32": 4, "float64": 8}.get(stored, 2)
     needed = 6 * params
     available = _available_memory() if available is None else available
@@ -429,18 +425,24 @@ def _available_memory() -> int | None:
     return None
 
 
+def _stored_dtype(source) -> str | None:
+    """The dtype a model folder's config.json says its weights are stored in ("bfloat16"), None when it names none
+    or there is no readable config (a hub id)."""
+    try:
+        config = json.loads((Path(str(source)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    stored = config.get("dtype") or config.get("torch_dtype")
+    return stored.removeprefix("torch.") if isinstance(stored, str) else None
+
+
 def _stored_dtype_note(source, dtype: torch.dtype) -> str:
     """"; the checkpoint stores X" when the target's config.json names a dtype other than the one it runs in (a
     lossless upcast or a lossy conversion: either way the user should know), else ""."""
-    folder = source if isinstance(source, Path) else Path(str(source))
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):  # a hub id, or no readable config: nothing to compare
+    stored = _stored_dtype(source)
+    if stored is None or stored == str(dtype).removeprefix("torch."):
         return ""
-    stored = config.get("dtype") or config.get("torch_dtype")
-    if not isinstance(stored, str) or stored.removeprefix("torch.") == str(dtype).removeprefix("torch."):
-        return ""
-    return f"; the checkpoint stores {stored.removeprefix('torch.')}, converted on loading"
+    return f"; the checkpoint stores {stored}, converted on loading"
 
 
 def _load_lm(source, what: str, dtype):

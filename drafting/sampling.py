@@ -49,11 +49,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     except RuntimeError as err:
         if "probability tensor contains" not in str(err):
             raise
-        from specpilot.drafting.errors import NonFiniteLogitsError
+        from specpilot.drafting.errors import NonFiniteLogitsError, overflow_fix
 
-        raise NonFiniteLogitsError("cannot sample: the model's logits are not finite (inf or nan), as float16 logits "
-                                   "are past 65504; load the pair in bfloat16 or float32 (--dtype, or dtype= in "
-                                   "ModelPair.from_pretrained)") from None
+        # the probabilities are float32 whatever the model ran in: the overflow they show is float16's
+        raise NonFiniteLogitsError("cannot sample: the model's logits are not finite (inf or nan)"
+                                   f"{overflow_fix('float16')}") from None
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

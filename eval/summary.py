@@ -85,8 +85,8 @@ def report_metrics(report: dict) -> dict:
     """A report.json payload's numbers, nested by temperature ("T=0", "T=1"; with batch sizes "T=0/B=4"): each
     method's speedup over ar with its interval, tau, decision overhead and token identity; each comparison's ratio,
     interval over prompts and verdict; replay's speedups and the oracle's; the suite and how many prompts the
-    degeneracy flag left out; why greedy output differs from ar's, and why the pair runs in its dtype. Lists are flattened into named keys so that a wandb run summary
-    (`RunLogger.summarize`) keeps every number."""
+    degeneracy flag left out; why greedy output differs from ar's, and why the pair runs in its dtype. Lists are
+    flattened into named keys so that a wandb run summary (`RunLogger.summarize`) keeps every number."""
     meta = report.get("meta") or {}
     suite = meta.get("suite") or {}
     out: dict = {"suite": suite.get("name") if isinstance(suite, dict) else suite,

@@ -16,6 +16,12 @@ from specpilot.train.rl.stages import (StageResult, StageSpec, TaskTraces, Train
                                     run_relative, stage_result, static_config, train_stage)
 
 
+def coadapt_stages(rounds: int) -> list[tuple[str, str]]:
+    """(kind, stage folder) of each co-adaptation round: size first, then alternating (co1_size, co2_depth, ...)."""
+    kinds = ["size" if i % 2 == 0 else "depth" for i in range(rounds)]
+    return [(kind, f"co{i + 1}_{kind}") for i, kind in enumerate(kinds)]
+
+
 def write_index(index_dir: Path, depth: StageResult | None, size: StageResult | None, static: tuple[int, int],
                 copy: bool) -> Path:
     """index_dir/policies.json for these stage results (copying the zips in when `copy`)."""
@@ -62,12 +68,11 @@ def coadapt(run_dir: str | Path, traces: TaskTraces | str | Path, *, rounds: int
               for kind, stage in (("size", size_stage), ("depth", depth_stage))}
     results: list[StageResult] = []
     with run_logger(run_dir, logger, wandb, {"stage": "coadapt", "rounds": rounds, "steps": budgets}) as log:
-        for i in range(rounds):
-            kind = "size" if i % 2 == 0 else "depth"
+        for i, (kind, stage) in enumerate(coadapt_stages(rounds)):
             other = latest["depth" if kind == "size" else "size"]
             frozen = load_partner(other.kind, other.best, other.spec, size_actions=other.size_actions,
                                   fallback=FixedController(*static))
-            spec = StageSpec(kind, f"co{i + 1}_{kind}", budgets[i], partner=frozen, val_partner=frozen,
+            spec = StageSpec(kind, stage, budgets[i], partner=frozen, val_partner=frozen,
                              size_actions=latest["size"].size_actions, init_from=latest[kind].best,
                              keep_init_if_better=True, seed_offset=i + 1)
             latest[kind] = train_stage(spec, run_dir, traces, options, log)

@@ -28,7 +28,7 @@ from specpilot.artifacts.run import MANIFEST_FILE
 from specpilot.drafting.control import Controller, FixedController
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.rl.ablation import reward_ablation  # noqa: F401 (part of the pipeline's API)
-from specpilot.train.rl.coadapt import coadapt, write_index, write_stage1_index
+from specpilot.train.rl.coadapt import coadapt, coadapt_stages, write_index, write_stage1_index
 from specpilot.train.rl.stages import (StageResult, TaskTraces, TrainOptions, budget_settings,  # noqa: F401
                                     run_logger, static_config, train_depth, train_size)
 from specpilot.train.rl.traces import record_traces  # noqa: F401
@@ -97,7 +97,7 @@ def stage_outputs(run_dir: str | Path, stages: Sequence[str]) -> dict[Path, str]
 
 def coadapt_outputs(run_dir: str | Path, rounds: int) -> dict[Path, str]:
     """What `coadapt` writes: its stages (co1_size, co2_depth, ...) and RUN/policies.json."""
-    stages = [f"co{i + 1}_{'size' if i % 2 == 0 else 'depth'}" for i in range(rounds)]
+    stages = [stage for _, stage in coadapt_stages(rounds)]
     return {**stage_outputs(run_dir, stages), Path(run_dir) / POLICIES_FILE: "file"}
 
 
