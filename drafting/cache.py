@@ -7,8 +7,26 @@ caches therefore keep every position (`new_cache`); only target-only decoding us
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from specpilot.drafting.errors import DependencyError
+
+# transformers 5.24 renamed the forward keyword `past_key_values` to `cache`, which every decoding forward passes.
+# Older 5.x models take `cache=` into **kwargs without a word and decode with no cache: the first crop then fails
+# ("cannot crop a cache of 0 positions") or attention meets masks of the wrong width (seen on 5.17).
+MIN_TRANSFORMERS = "5.24"
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers release whose models do not take the `cache=` keyword (before any model is loaded)."""
+    version = transformers.__version__ if version is None else version
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise DependencyError(f"specpilot needs transformers >= {MIN_TRANSFORMERS} (its models take the cache= keyword "
+                           f"every decoding forward passes); this environment has transformers {version}: "
+                           f"pip install 'transformers>={MIN_TRANSFORMERS},<6'")
 
 
 def new_cache(model) -> DynamicCache:

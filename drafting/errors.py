@@ -34,6 +34,11 @@ class OutputPathError(ValueError):
     folder where a file belongs); raised before any work starts (`specpilot.drafting.files.check_writable`)."""
 
 
+class DependencyError(RuntimeError):
+    """An installed library is too old (or too new) for the package; the message names the version found and the
+    pip command that fixes it."""
+
+
 class NonFiniteLogitsError(ValueError):
     """A model's logits are inf or nan: float16's range (to 65504) overflowed, most often. Running in bfloat16 or
     float32 is the fix, so it is the user's choice to change, not a bug."""

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from specpilot.drafting.attention import check_tree_attention
+from specpilot.drafting.cache import check_transformers
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import damaged_weights, model_files_fix, read_json
@@ -538,6 +539,7 @@ class ModelPair:
     dtype_reason: str = ""  # why the pair runs in its dtype (`resolve_dtype`): for reports and manifests
 
     def __post_init__(self) -> None:
+        check_transformers()
         if self.draft is None and self.eagle is None:
             raise ValueError("a ModelPair needs a drafter: draft= (a causal LM) or eagle= (an EAGLE-3 head)")
         if self.draft is not None and self.eagle is not None:  # as from_pretrained: one drafter, said
@@ -728,6 +730,7 @@ class ModelPair:
         (`DEFAULT_DRAFTER`); draft="embedded" / eagle="embedded" pick the embedded one explicitly."""
         if draft is not None and eagle is not None:
             raise ValueError("give draft= (a separate LM) or eagle= (an EAGLE-3 head), not both")
+        check_transformers()  # before any weights load
         device = check_device(device)
         asked = dtype
         dtype, dtype_reason = resolve_dtype(dtype, device)
