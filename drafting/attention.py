@@ -15,14 +15,46 @@ between valid slots), which is all `model_mask` needs to know where each key is.
 `check_tree_attention` probes, when a pair is built, that a model honours 4-D masks and position ids at all
 (models that build ALiBi biases from a 2-D mask, such as BLOOM, do not), so such a model is refused with a clear
 error instead of decoding wrong tokens.
+
+`decoding_mode` is the context every decoding forward runs in: inference mode, and on CUDA SDPA without its cuDNN
+backend (see DECODING_SDPA_BACKENDS for why).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specpilot.drafting.errors import NonFiniteLogitsError, overflow_fix
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# SDPA's backends while decoding on CUDA: all but cuDNN. On an H200 (torch 2.11+cu130) SDPA sent masked bf16 attention
+# to cuDNN, which builds a graph for every new (query, key) length: the embedded target's first forward at a new
+# query length took 50-1170 ms against 6-8.5 ms once built (benchmarks/gpu_check.py --sections shapes). Decoding
+# meets a new length every cycle (tree blocks of varying size over a growing cache), so a bf16 tree decoder ran at
+# 0.5-0.67x of AR on new prompts while fp32 (SDPA's efficient kernel) ran at 1.23-1.51x. The efficient kernel takes
+# the same boolean masks; vLLM and SGLang plan their own attention kernels instead of cuDNN's for the same reason.
+DECODING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+                          SDPBackend.OVERRIDEABLE]
+
+
+def limits_sdpa(device: torch.device | str) -> bool:
+    """Whether decoding on `device` limits SDPA's backends (CUDA only: the CPU and MPS kernels have no cuDNN)."""
+    return torch.device(device).type == "cuda"
+
+
+@contextmanager
+def decoding_mode(device: torch.device | str):
+    """torch.inference_mode() and, on CUDA, SDPA limited to DECODING_SDPA_BACKENDS; other devices dispatch as
+    before. The previous backend choice is restored on exit, so the caller's own code keeps its settings."""
+    with torch.inference_mode():
+        if limits_sdpa(device):
+            with sdpa_kernel(DECODING_SDPA_BACKENDS):
+                yield
+        else:
+            yield
 
 
 class TreeAttentionError(ValueError):

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from specpilot.drafting.attention import model_mask
+from specpilot.drafting.attention import decoding_mode, model_mask
 from specpilot.drafting.batch_ar import (BatchRow, RaggedCache, plain_step, row_generator, row_generators,
                                           step_generators)
 from specpilot.drafting.checks import check_int
@@ -84,7 +84,7 @@ class BatchSession:
     def _prefill(self) -> float:
         """The target's prefill only: the draft stays empty until the first cycle that drafts, whose catch-up feed
         (`_start_trees`) prefills it then, so a batch that never drafts costs exactly batched AR."""
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             self.target = self._prefill_target(self.active)
             return self.clock.now() - t0
@@ -132,7 +132,7 @@ class BatchSession:
         """Catch every live row's draft up to committed[:-1] now (one ragged forward; returns its seconds): what the
         first drafting cycle would otherwise feed. For measurements whose cycles must see steady-state catch-ups
         only (envs/profile.py's batch profile), as a single-sequence session's prefill gives them."""
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             self._feed_draft(self.draft, self.active, to_root=False)
             self._drafted = True
@@ -237,7 +237,7 @@ class BatchSession:
         roots' top-W children; level d >= 2 feeds every row's W frontier nodes with its own tree mask."""
         if self.done:
             raise RuntimeError("the generation is finished; start a new session")
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             if self._depth == 0:
                 self._start_trees()
@@ -314,7 +314,7 @@ class BatchSession:
             self._node_hidden[:, level_ids] = out.repeat_interleave(k, dim=1)
 
     def rank_candidates(self) -> None:
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             for r in self.active:
                 if r.tree is not None:
@@ -338,7 +338,7 @@ class BatchSession:
         else:
             size = clip_size(size, self.lead.tree.size, self.tree_config.max_size)
         lead = self.lead
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             results = self._verify_plain() if self._depth == 0 else self._verify_trees(size)
             emitted_rows = []
@@ -363,7 +363,7 @@ class BatchSession:
             if row is lead:
                 lead_record = record
         self._depth, self._draft_s, self._policy_s, self._level_s = 0, 0.0, 0.0, []
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             self._retire()
             self._admit()
         return lead_record

@@ -25,7 +25,7 @@ from collections.abc import Set as AbstractSet
 import numpy as np
 import torch
 
-from specpilot.drafting.attention import MaskLayout, model_mask
+from specpilot.drafting.attention import MaskLayout, decoding_mode, model_mask
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.checks import check_float, check_int, check_seed, warn_unused_sampling
 from specpilot.drafting.cycle_math import emitted_count, first_end
@@ -374,7 +374,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     rows = [BatchRow(i, p, m) for i, (p, m) in enumerate(zip(ids, budgets))]
     limit = len(rows) if max_batch is None else check_int("max_batch", max_batch, minimum=1)
     active, queue = rows[:limit], rows[limit:]
-    with torch.inference_mode():
+    with decoding_mode(device):
         t0 = clock.now()
         cache = prefill_rows(pair.target, active, device)
         start = clock.now()

@@ -11,13 +11,14 @@ same `DecodingSession` steps:
 
 Invariant between cycles: the target's cache holds committed[:-1] and the last committed token is the root of the
 next tree; the draft's cache holds a prefix of committed (it catches up in the next cycle's first forward).
-Inference runs under torch.inference_mode(); every clock read synchronises the device first.
+Inference runs under `attention.decoding_mode` (torch.inference_mode(); on CUDA, SDPA without its cuDNN
+backend); every clock read synchronises the device first.
 """
 from __future__ import annotations
 
 import torch
 
-from specpilot.drafting.attention import MaskLayout, model_mask
+from specpilot.drafting.attention import MaskLayout, decoding_mode, model_mask
 from specpilot.drafting.cache import cache_length, generation_cache, keep_positions, new_cache
 from specpilot.drafting.checks import check_context, check_float, check_int, check_seed, warn_unused_sampling
 from specpilot.drafting.control import FixedController, as_controller, fits_tree
@@ -99,7 +100,7 @@ class DecodingSession:
 
     def _prefill(self, prompt: list[int]) -> float:
         """Both caches take prompt[:-1] (not timed as generation; returns its duration)."""
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             if len(prompt) > 1:
                 ids = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)
@@ -191,7 +192,7 @@ class DecodingSession:
         """Run one draft forward (the first of a cycle also catches the draft up) and return the new state."""
         if self.done:
             raise RuntimeError("the generation is finished; start a new session")
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             if self.drafter.tree is None:
                 unseen = self.committed[self.drafter.committed:]
@@ -212,7 +213,7 @@ class DecodingSession:
         """Sort the drafted candidates for verification now (timed as drafting, which ends here), so a size policy
         reading `candidate_scores` and the verification share this one sort instead of each paying for one."""
         if self.drafter.tree is not None:
-            with torch.inference_mode():
+            with decoding_mode(self.device):
                 t0 = self.clock.now()
                 self.drafter.tree.ranking()
                 self._draft_s += self.clock.now() - t0
@@ -241,7 +242,7 @@ class DecodingSession:
         tree = self.drafter.tree
         if tree is None:
             return self._plain_step()
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             cache_len = cache_length(self.target_cache)
             block = select_block(tree, size, self.committed[-1])
@@ -273,7 +274,7 @@ class DecodingSession:
 
     def _plain_step(self) -> CycleRecord:
         """One target step on the root, as autoregressive decoding takes it (no block, mask or cache compaction)."""
-        with torch.inference_mode():
+        with decoding_mode(self.device):
             t0 = self.clock.now()
             emitted = self._one_token()
             now = self.clock.now()
@@ -456,7 +457,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     tokens: list[int] = []
     times: list[float] = []
     finished_by = "length"
-    with torch.inference_mode():
+    with decoding_mode(device):
         t0 = clock.now()
         if len(ids) > 1:
             pair.target(input_ids=torch.tensor([ids[:-1]], device=device), cache=cache, use_cache=True,
