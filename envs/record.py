@@ -240,6 +240,7 @@ def _feed_rows(features, drafter, tokens: list[int]):
 
 
 def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int, ar_timing: list | None = None) -> dict:
+    from specpilot.drafting.attention import decoding_mode
     from specpilot.drafting.drafters import make_drafter
     from specpilot.drafting.tree import TreeDrafter
 
@@ -255,7 +256,7 @@ def _record_prompt(pair, tree_config, prompt: list[int], max_new_tokens: int, ar
     ranks = np.full((n, d_max, d_max), NO_RANK, dtype=np.int16)
     drafter = TreeDrafter(make_drafter(pair), w, d_max)
     cont_arr = np.asarray(cont, dtype=np.int64)
-    with torch.inference_mode():
+    with decoding_mode(pair.device):  # the attention kernels live decoding uses (drafting/attention.py)
         features = _features(pair, prompt + cont[: max(n - 1, 0)])
         drafter.prefill(prompt[:-1], _feed_rows(features, drafter, prompt[:-1]))
         feed = [prompt[-1]]

@@ -80,3 +80,23 @@ def test_every_decoding_forward_runs_without_cudnn(kind, monkeypatch):
     assert sampled.num_tokens == 8
     assert len(seen) > 40
     assert all(not flags["cudnn"] and flags["efficient"] and flags["inference"] for flags in seen), seen
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3"])
+def test_recording_a_trace_runs_without_cudnn(kind, monkeypatch):
+    """The replay recorder's forwards (the target's continuation and features, every draft level) use the kernels
+    live decoding uses."""
+    from specpilot.envs.record import _record_prompt
+
+    monkeypatch.setattr(attention, "limits_sdpa", lambda device: True)
+    pair = _pairs()[kind]
+    seen: list[dict] = []
+    modules = [pair.target, pair.draft if pair.draft is not None else pair.eagle]
+    handles = [m.register_forward_pre_hook(lambda module, args: seen.append(_flags())) for m in modules]
+    try:
+        _record_prompt(pair, TreeConfig(width=2, max_depth=3, max_size=6), PROMPTS[1], 8)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(seen) > 10
+    assert all(not flags["cudnn"] and flags["inference"] for flags in seen), seen
