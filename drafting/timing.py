@@ -6,15 +6,24 @@ import time
 import torch
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait until `device` finished its queued work (nothing to wait for on CPU). The device itself, not the current
+    one: `torch.cuda.synchronize()` waits for cuda:0 while a pair on cuda:1 is still running."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Clock:
     """`now()` returns perf_counter() after the device finished all queued work (a no-op sync on CPU)."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
 
     def now(self) -> float:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from specpilot.drafting.timing import synchronize
 from specpilot.eval.metrics import RunRecord
 
 
@@ -22,9 +23,9 @@ class TimingStreamer(BaseStreamer):
     """Records, for every new token, the perf_counter offset from `start` at which generate() pushed it.
     generate() first pushes the prompt, which is skipped."""
 
-    def __init__(self, start: float, cuda: bool) -> None:
+    def __init__(self, start: float, device: torch.device) -> None:
         self.start = start
-        self.cuda = cuda
+        self.device = device
         self.token_times: list[float] = []
         self._seen_prompt = False
 
@@ -32,8 +33,7 @@ class TimingStreamer(BaseStreamer):
         if not self._seen_prompt:
             self._seen_prompt = True
             return
-        if self.cuda:
-            torch.cuda.synchronize()  # the tokens exist once the kernels that made them finished
+        synchronize(self.device)  # the tokens exist once the kernels that made them finished
         now = time.perf_counter() - self.start
         self.token_times.extend([now] * int(value.numel()))
 
@@ -78,7 +78,6 @@ class HFGenerate:
                  seed: int | None) -> RunRecord:
         pair = self.pair
         device = pair.device
-        cuda = device.type == "cuda"
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, attention_mask=torch.ones_like(input_ids),
                       eos_token_id=list(pair.eos_token_ids) or None,
@@ -93,9 +92,8 @@ class HFGenerate:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         if self.assisted:
             kwargs["assistant_model"] = self.assistant
-        if cuda:
-            torch.cuda.synchronize()
-        streamer = TimingStreamer(time.perf_counter(), cuda)
+        synchronize(device)
+        streamer = TimingStreamer(time.perf_counter(), device)
         with torch.inference_mode():
             out = pair.target.generate(input_ids, streamer=streamer, **kwargs)
         tokens = [int(t) for t in out[0, len(ids):].tolist()]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specpilot.drafting.timing import synchronize
 from specpilot.eval.compare import DECIDE, compare, unit_records
 from specpilot.eval.metrics import RunRecord
 
@@ -116,7 +117,8 @@ class MemoryMonitor:
     `interval_s` by one background thread (plus before and after each call, so short calls are not missed)."""
 
     def __init__(self, device: torch.device, interval_s: float = 0.02) -> None:
-        self.cuda = device.type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.interval_s = interval_s
         self._peak = 0.0
         self._lock = threading.Lock()
@@ -148,22 +150,21 @@ class MemoryMonitor:
 
     def begin(self) -> None:
         if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_peak_memory_stats(self.device)  # the pair's GPU, not the current one
         else:
             with self._lock:
                 self._peak = self._rss_mb()
 
     def end(self) -> float:
         if self.cuda:
-            return torch.cuda.max_memory_allocated() / 2**20
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
         rss = self._rss_mb()
         with self._lock:
             return max(self._peak, rss)
 
 
 def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter()
 
 
