@@ -32,7 +32,7 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # SDPA's backends while decoding on CUDA: all but cuDNN. On an H200 (torch 2.11+cu130) SDPA sent masked bf16 attention
 # to cuDNN, which builds a graph for every new (query, key) length: the embedded target's first forward at a new
-# query length took 49-1170 ms against 6-8.6 ms once built (benchmarks/gpu_check.py --sections shapes). Decoding
+# query length took 49-1170 ms against 5.9-8.6 ms once built (benchmarks/gpu_check.py --sections shapes). Decoding
 # meets a new length every cycle (tree blocks of varying size over a growing cache), so a bf16 tree decoder ran at
 # 0.5-0.67x of AR on new prompts while fp32 (SDPA's efficient kernel) ran at 1.23-1.51x. The efficient kernel takes
 # the same boolean masks; vLLM and SGLang plan their own attention kernels instead of cuDNN's for the same reason.
