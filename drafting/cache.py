@@ -7,7 +7,6 @@ caches therefore keep every position (`new_cache`); only target-only decoding us
 from __future__ import annotations
 
 import torch
-import transformers
 from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -22,7 +21,10 @@ MIN_TRANSFORMERS = "5.24"
 
 def check_transformers(version: str | None = None) -> None:
     """Refuse a transformers release whose models do not take the `cache=` keyword (before any model is loaded)."""
-    version = transformers.__version__ if version is None else version
+    if version is None:
+        import transformers  # the module sys.modules holds now (transformers can replace its lazy module object)
+
+        version = transformers.__version__
     if Version(version) < Version(MIN_TRANSFORMERS):
         raise DependencyError(f"specpilot needs transformers >= {MIN_TRANSFORMERS} (its models take the cache= keyword "
                            f"every decoding forward passes); this environment has transformers {version}: "

@@ -3,7 +3,6 @@ is refused before any model loads, with the version found and the pip command, o
 from __future__ import annotations
 
 import pytest
-import transformers
 
 from specpilot.cli import main
 from specpilot.drafting.cache import MIN_TRANSFORMERS, check_transformers
@@ -30,7 +29,7 @@ def test_the_installed_release_passes():
 def test_a_pair_is_refused_before_anything_runs(monkeypatch):
     target = tiny_model()
     draft = noisy_copy(target, 0.3)
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    monkeypatch.setattr("transformers.__version__", "5.17.0")  # the module sys.modules holds when the test runs
     with pytest.raises(DependencyError, match="pip install 'transformers>=5.24,<6'") as refusal:
         ModelPair(target, draft)
     assert is_user_error(refusal.value)
@@ -39,7 +38,7 @@ def test_a_pair_is_refused_before_anything_runs(monkeypatch):
 
 
 def test_the_cli_says_it_in_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    monkeypatch.setattr("transformers.__version__", "5.17.0")  # the module sys.modules holds when the test runs
     code = main(["generate", "--prompt", "def f(x):", "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
