@@ -49,6 +49,7 @@ import torch
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
 from specpilot.drafting.sampling import sampling_probs
+from specpilot.eval.rounds import method_order
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
 from specpilot.drafting.timing import Clock, timed
@@ -136,14 +137,23 @@ def tiny_sampled_law(device, n: int = 1500) -> dict:
     return out
 
 
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tokens_and_calls(out) -> tuple[list[int], int]:
+    """A GenerationOutput's tokens and its target forwards (cycles; one per token for AR)."""
+    return out.tokens, (len(out.cycles) or out.num_tokens)
+
+
 def load_embedded(drafter: str, dtype, device):
     kwargs = {"eagle": "embedded"} if drafter == "eagle3" else {"draft": "embedded"}
     return ModelPair.from_pretrained(device=device, dtype=dtype, **kwargs)
 
 
 def interleaved(run: dict, prompts, repeats: int) -> tuple[dict, dict]:
-    """Time each method's whole call on every prompt, `repeats` rounds, the order rotated each prompt; returns
-    ({name: [tokens, seconds, cycles]}, {name: [first round's token lists]})."""
+    """Time each method's whole call on every prompt, `repeats` rounds, in eval's balanced order (`method_order`,
+    a new row each prompt); returns ({name: [tokens, seconds, cycles]}, {name: [first round's token lists]})."""
     for name in run:  # warm-up (CUDA kernels, cuBLAS handles, allocator)
         run[name](prompts[0])
     totals = {name: [0, 0.0, 0] for name in run}
@@ -151,7 +161,7 @@ def interleaved(run: dict, prompts, repeats: int) -> tuple[dict, dict]:
     names, turn = list(run), 0
     for r in range(max(1, int(repeats))):
         for prompt in prompts:
-            for name in names[turn % len(names):] + names[: turn % len(names)]:
+            for name in method_order(names, turn):
                 (tokens, cycles), seconds = timed(lambda: run[name](prompt))
                 t = totals[name]
                 t[0], t[1], t[2] = t[0] + len(tokens), t[1] + seconds, t[2] + cycles
@@ -175,15 +185,12 @@ def embedded(drafter: str, dtype, prompts, args) -> dict:
     decoders = {name: (SpeculativeDecoder(pair, tree), ctrl) for name, (tree, ctrl) in configs.items()}
     hf = HFGenerate(pair, assisted=False, name="hf_generate")
 
-    def ours(out):
-        return out.tokens, (len(out.cycles) or out.num_tokens)
-
     def theirs(method, prompt):
         record = method(pair.encode(prompt), max_new_tokens=n, temperature=0.0, top_k=0, top_p=1.0, seed=None)
         # the streamer stamps every token of one generate() step with the same time: distinct stamps = steps
         return record.tokens, max(1, len(set(record.token_times)))
 
-    run = {"ar": lambda p: ours(autoregressive_generate(pair, p, max_new_tokens=n)),
+    run = {"ar": lambda p: tokens_and_calls(autoregressive_generate(pair, p, max_new_tokens=n)),
            "hf_generate": lambda p: theirs(hf, p)}
     if pair.draft is not None:
         assistant = copy.deepcopy(pair.draft)
@@ -191,11 +198,11 @@ def embedded(drafter: str, dtype, prompts, args) -> dict:
         assisted = HFGenerate(pair, assisted=True, name="hf_assisted", assistant=assistant)
         run["hf_assisted"] = lambda p: theirs(assisted, p)
     for name, (decoder, ctrl) in decoders.items():
-        run[name] = lambda p, d=decoder, c=ctrl: ours(d.generate(p, controller=c, max_new_tokens=n))
+        run[name] = lambda p, d=decoder, c=ctrl: tokens_and_calls(d.generate(p, controller=c, max_new_tokens=n))
     totals, first = interleaved(run, prompts, args.repeats)
     ar_tps = totals["ar"][0] / totals["ar"][1]
     rows = {}
-    label = f"{drafter} {str(dtype).replace('torch.', '')}"
+    label = f"{drafter} {dtype_name(dtype)}"
     for name, (tokens, seconds, cycles) in totals.items():
         same = sum(a == b for a, b in zip(first[name], first["ar"]))
         rows[name] = {"tokens_per_s": tokens / seconds, "speedup_vs_ar": tokens / seconds / ar_tps,
@@ -215,17 +222,16 @@ def sweep(drafter: str, prompts, args) -> dict:
         return {"error": str(err)}
     decoder = SpeculativeDecoder(pair, TreeConfig(width=8, max_depth=8, max_size=64))
     n = args.sweep_tokens
-    run = {"ar": lambda p: (lambda o: (o.tokens, o.num_tokens))(autoregressive_generate(pair, p, max_new_tokens=n))}
+    run = {"ar": lambda p: tokens_and_calls(autoregressive_generate(pair, p, max_new_tokens=n))}
     for depth, size in itertools.product((1, 2, 3, 4, 6, 8), (4, 8, 16, 32, 64)):
         if size >= depth:
-            run[f"d{depth} V{size}"] = lambda p, c=FixedController(depth, size): (
-                lambda o: (o.tokens, len(o.cycles) or o.num_tokens))(decoder.generate(p, controller=c,
-                                                                                     max_new_tokens=n))
+            run[f"d{depth} V{size}"] = lambda p, c=FixedController(depth, size): tokens_and_calls(
+                decoder.generate(p, controller=c, max_new_tokens=n))
     totals, _ = interleaved(run, prompts, 1)
     ar_tps = totals["ar"][0] / totals["ar"][1]
     rows = {name: {"speedup_vs_ar": t[0] / t[1] / ar_tps, "tau": t[0] / t[2]} for name, t in totals.items()}
     best = sorted((r["speedup_vs_ar"], name) for name, r in rows.items())[::-1][:5]
-    say(f"  {drafter} {str(dtype).replace('torch.', '')} static sweep ({len(prompts)} prompts, {n} tokens), best: "
+    say(f"  {drafter} {dtype_name(dtype)} static sweep ({len(prompts)} prompts, {n} tokens), best: "
         + ", ".join(f"{name} {x:.2f}x (tau {rows[name]['tau']:.2f})" for x, name in best))
     return rows
 
@@ -238,7 +244,7 @@ def batched(drafter: str, dtype, prompts, args) -> dict:
         pair = load_embedded(drafter, dtype, args.device)
     except (FileNotFoundError, ValueError) as err:
         return {"error": str(err)}
-    label = f"{drafter} {str(dtype).replace('torch.', '')}"
+    label = f"{drafter} {dtype_name(dtype)}"
     n = args.batch_tokens
     trees = {"tree W8 D6 V60": (SpeculativeDecoder(pair, TreeConfig(width=8, max_depth=6, max_size=60)),
                                 FixedController(6, 60)),
@@ -258,7 +264,7 @@ def batched(drafter: str, dtype, prompts, args) -> dict:
         identical = {}
         names = list(run)
         for r in range(args.repeats):
-            for name in names[r % len(names):] + names[: r % len(names)]:
+            for name in method_order(names, r):
                 outs, sec = timed(lambda: run[name](batch))
                 seconds[name] += sec
                 tokens[name] += sum(o.num_tokens for o in outs)
@@ -431,7 +437,7 @@ def main(argv=None) -> int:
             f"{args.max_new_tokens} new tokens, greedy")
         for drafter in args.drafters.split(","):
             for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
-                key = f"{drafter}_{str(dtype).replace('torch.', '')}"
+                key = f"{drafter}_{dtype_name(dtype)}"
                 result[key] = guarded(key, lambda: embedded(drafter, dtype, prompts, args))
                 save()
     if "sweep" in sections:
@@ -444,7 +450,7 @@ def main(argv=None) -> int:
         say(f"2c. batched decoding on {args.device}: {args.batch_tokens} new tokens, batch sizes {args.batch_sizes}")
         for drafter, dtype in itertools.product(args.drafters.split(","), [getattr(torch, d) for d in
                                                                              args.dtypes.split(",")]):
-            key = f"batched_{drafter}_{str(dtype).replace('torch.', '')}"
+            key = f"batched_{drafter}_{dtype_name(dtype)}"
             result[key] = guarded(key, lambda: batched(drafter, dtype, code, args))
             save()
     if "agreement" in sections:

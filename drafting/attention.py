@@ -35,7 +35,8 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # query length took 49-1170 ms against 5.9-8.6 ms once built (benchmarks/gpu_check.py --sections shapes). Decoding
 # meets a new length every cycle (tree blocks of varying size over a growing cache), so a bf16 tree decoder ran at
 # 0.5-0.67x of AR on new prompts while fp32 (SDPA's efficient kernel) ran at 1.23-1.51x. The efficient kernel takes
-# the same boolean masks; vLLM and SGLang plan their own attention kernels instead of cuDNN's for the same reason.
+# the same boolean masks. (vLLM and SGLang run their own kernels, FlashAttention / FlashInfer; an SGLang cuDNN
+# backend met the same per-shape graph builds, sgl-project/sglang#4650.)
 DECODING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
                           SDPBackend.OVERRIDEABLE]
 
@@ -45,16 +46,17 @@ def limits_sdpa(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-@contextmanager
 def decoding_mode(device: torch.device | str):
-    """torch.inference_mode() and, on CUDA, SDPA limited to DECODING_SDPA_BACKENDS; other devices dispatch as
-    before. The previous backend choice is restored on exit, so the caller's own code keeps its settings."""
-    with torch.inference_mode():
-        if limits_sdpa(device):
-            with sdpa_kernel(DECODING_SDPA_BACKENDS):
-                yield
-        else:
-            yield
+    """The context of every decoding forward: torch.inference_mode() and, on CUDA, SDPA limited to
+    DECODING_SDPA_BACKENDS (the previous backend choice is restored on exit, so the caller's own code keeps its
+    settings); other devices get plain inference mode, as before."""
+    return _cuda_decoding() if limits_sdpa(device) else torch.inference_mode()
+
+
+@contextmanager
+def _cuda_decoding():
+    with torch.inference_mode(), sdpa_kernel(DECODING_SDPA_BACKENDS):
+        yield
 
 
 class TreeAttentionError(ValueError):
