@@ -91,6 +91,40 @@ def test_interrupted_training_resumes_without_repeating_steps(tmp_path):
     assert CountingEnv.steps == 0
 
 
+def test_ctrl_c_inside_the_gradient_update_checkpoints_the_boundary_weights(tmp_path, monkeypatch):
+    """A Ctrl-C during PPO's update (after some gradient steps) must not save those half-trained weights under the
+    previous boundary's step: the checkpoint holds the weights and optimiser state the boundary had."""
+    updates, boundary = [], {}
+    real_train = PPO.train
+
+    def train_then_interrupt(self):
+        if len(updates) == 2:  # the third update: take one real gradient step, then Ctrl-C
+            boundary["weights"] = {k: v.clone() for k, v in self.policy.state_dict().items()}
+            boundary["steps"] = self.policy.optimizer.state_dict()["state"][0]["step"].item()
+            loss = sum(p.pow(2).sum() for p in self.policy.parameters())
+            self.policy.optimizer.zero_grad()
+            loss.backward()
+            self.policy.optimizer.step()
+            raise KeyboardInterrupt
+        updates.append(self.num_timesteps)
+        return real_train(self)
+
+    monkeypatch.setattr(PPO, "train", train_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        train_policy(CountingEnv, None, tiny(), tmp_path, "stage")
+    progress = read_progress(tmp_path / "stage")
+    assert progress["timesteps_done"] == updates[-1] == 256  # two updates trained; the third rollout is redone
+    saved = PPO.load(tmp_path / "stage" / "checkpoints" / progress["checkpoint"], device="cpu")
+    for name, value in saved.policy.state_dict().items():
+        assert torch.equal(value, boundary["weights"][name]), name
+    assert saved.policy.optimizer.state_dict()["state"][0]["step"].item() == boundary["steps"]
+
+    monkeypatch.setattr(PPO, "train", real_train)
+    CountingEnv.steps = 0
+    train_policy(CountingEnv, None, tiny(), tmp_path, "stage", resume=True)
+    assert CountingEnv.steps == 1024 - 256 and read_progress(tmp_path / "stage")["timesteps_done"] == 1024
+
+
 def test_existing_stage_is_never_overwritten(tmp_path):
     train_policy(CountingEnv, None, tiny(total_timesteps=256), tmp_path, "stage")
     assert (tmp_path / "stage" / "best.zip").is_file()

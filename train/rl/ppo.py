@@ -14,6 +14,7 @@ Run directory layout (shared with `specpilot.policies.ppo.load_run_controllers` 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import platform
@@ -311,9 +312,11 @@ class _StageCallback(BaseCallback):
         # only a resumed stage inherits its best score: a fresh start must not be beaten by a stale best.json
         best = _read_best(stage_dir) if progress else None
         self.best_score = best.get("score") if best else None
+        self._boundary_state: tuple[dict, dict] | None = None  # weights + optimiser while an update runs
 
     def _on_rollout_start(self) -> None:
         self.trained = self.num_timesteps
+        self._boundary_state = None  # the previous update finished: the live weights are the boundary's again
         if self.num_timesteps - self.last_eval >= self.settings.eval_every:
             self.validate()
         if self.num_timesteps - self.last_ckpt >= self.settings.checkpoint_every:
@@ -322,7 +325,15 @@ class _StageCallback(BaseCallback):
     def _on_step(self) -> bool:
         return True
 
+    def _on_rollout_end(self) -> None:
+        # PPO's gradient update comes next and changes the weights epoch by epoch: keep the boundary's weights and
+        # optimiser state, so a Ctrl-C inside the update checkpoints the policy that step `trained` labels
+        # rather than a partly updated one (a resume redoes this rollout and its whole update)
+        self._boundary_state = copy.deepcopy(self.model.policy.state_dict()), \
+            copy.deepcopy(self.model.policy.optimizer.state_dict())
+
     def _on_training_end(self) -> None:
+        self._boundary_state = None
         self.trained = self.num_timesteps
         if self.val_fn is not None and self.last_eval != self.num_timesteps:
             self.validate()
@@ -348,6 +359,11 @@ class _StageCallback(BaseCallback):
         """Save model (+ VecNormalize) at the last update boundary, then point progress.json at it."""
         done = self.trained
         model = self.model
+        if self._boundary_state is not None:  # interrupted inside an update: roll it back
+            weights, optimiser = self._boundary_state
+            model.policy.load_state_dict(weights)
+            model.policy.optimizer.load_state_dict(optimiser)
+            self._boundary_state = None
         seen = model.num_timesteps
         model.num_timesteps = done  # an interrupted rollout's steps were never trained on: they are redone
         try:
