@@ -87,3 +87,32 @@ def test_a_profile_measured_on_another_pair_is_refused(recorded, tmp_path):
 def test_a_task_traces_object_is_checked_too(recorded):
     with pytest.raises(ContractError, match="width 3"):
         TaskTraces.resolve(TaskTraces(recorded["train"], recorded["other_tree"]))
+
+
+def _other_tree_profile(recorded, tmp_path):
+    return shutil.copy(recorded["other_tree"] / "profile.json", tmp_path / "batch_profile.json")
+
+
+def test_a_batch_profile_of_another_tree_is_refused_by_train(recorded, tmp_path):
+    from specpilot.envs.replay import load_trace
+    from specpilot.train.rl.stages import TrainOptions, batch_profile_for
+
+    trace = load_trace(recorded["train"])
+    given = _other_tree_profile(recorded, tmp_path)
+    with pytest.raises(ContractError, match=r"--batch-profile .*width 3 \(trace: 2\)"):
+        batch_profile_for(tmp_path, trace, TrainOptions(batch_profile=given))
+    own = recorded["train"] / "profile.json"
+    assert batch_profile_for(tmp_path, trace, TrainOptions(batch_profile=own)) == own
+    saved = shutil.copy(given, tmp_path / f"grid.profile_w{trace.width}.json")  # a run folder's grid profile
+    with pytest.raises(ContractError, match="the run's batch profile .*max_depth 4 \\(trace: 3\\)"):
+        batch_profile_for(tmp_path, trace, TrainOptions())
+
+
+def test_a_batch_profile_of_another_tree_is_refused_by_the_grid(recorded, tmp_path):
+    from specpilot.envs.replay import load_trace
+    from specpilot.train.grid.search import _batch_profile
+
+    given = _other_tree_profile(recorded, tmp_path)
+    with pytest.raises(ContractError, match=r"--batch-profile .*width 3 \(trace: 2\)"):
+        _batch_profile(load_trace(recorded["train"]), None, given, [1, 2], None, prompts=1, max_new_tokens=4,
+                       out=None, progress=False)

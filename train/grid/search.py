@@ -43,6 +43,7 @@ from specpilot.envs.profile import LatencyProfile, measure_batch_profile
 from specpilot.envs.record import Trace
 from specpilot.envs.replay import ReplayModel, load_profile, load_trace
 from specpilot.policies.observation import default_size_actions
+from specpilot.train.rl.traces import check_profile_belongs
 from specpilot.train.rl.validation import replay_ar
 
 
@@ -141,6 +142,9 @@ def _batch_profile(trace: Trace, profile, batch_profile, batch_sizes: Sequence[i
     """A profile covering `batch_sizes` for `trace`: `batch_profile` when given, else the trace's own when it has
     them, else measured now with `pair` (drafting/batch.py's batched forwards) on the trace's first `prompts`
     prompts, saved beside grid.json (<stem>.profile_w<W>.json)."""
+    if batch_profile is not None and not isinstance(batch_profile, LatencyProfile):
+        check_profile_belongs(trace, batch_profile, given=f"--batch-profile {batch_profile}",
+                              fix="leave --batch-profile out to measure the batch sizes with the trace's pair now")
     given = load_profile(batch_profile if batch_profile is not None else profile, trace)
     if given.batch_sizes and max(batch_sizes) <= given.batch_sizes[-1]:
         return given

@@ -26,7 +26,7 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_FEATURES, ObservationSpec, default_size_actions
 from specpilot.train.rl.ppo import PPOOverrides
-from specpilot.train.rl.traces import TaskTraces
+from specpilot.train.rl.traces import TaskTraces, check_profile_belongs
 from specpilot.train.rl.validation import validation_fn
 
 REWARD_MODES = ("throughput", "acceptance", "time", "dinkelbach")
@@ -268,9 +268,17 @@ def batch_profile_for(run_dir: str | Path, trace, options: TrainOptions):
     """The latency profile batch training replays with: options.batch_profile, else RUN/grid.profile_w<W>.json
     (saved by `specpilot grid --batch-sizes`) when present, else None (the trace's own profile)."""
     if options.batch_profile is not None:
+        check_profile_belongs(trace, options.batch_profile, given=f"--batch-profile {options.batch_profile}",
+                              fix="measure batch sizes with the trace's pair and tree (`specpilot grid "
+                                  "--batch-sizes ...` on this trace saves <stem>.profile_w<W>.json)")
         return options.batch_profile
     saved = Path(run_dir) / f"{Path(GRID_FILE).stem}.profile_w{trace.width}.json"
-    return saved if saved.is_file() else None
+    if not saved.is_file():
+        return None
+    check_profile_belongs(trace, saved, given=f"the run's batch profile {saved}",
+                          fix="run `specpilot grid --batch-sizes ...` on this run's traces again, or give "
+                              "--batch-profile FILE")
+    return saved
 
 
 def _live_env(pair, *, prompts, tree, max_new_tokens, temperature, spec, actions, **env_settings):

@@ -70,6 +70,19 @@ def check_traces_agree(traces: TaskTraces) -> None:
                                     "(or record the trace again: it measures a new one)")
 
 
+def check_profile_belongs(trace, profile: str | Path, *, given: str, fix: str) -> None:
+    """ContractError when `profile` (a profile.json path) was measured with another pair, dtype or tree than
+    `trace` (a loaded Trace or TraceHeader) records: replay would time these decisions with another model's or
+    tree's latencies. `given` names the file as the user gave it (e.g. "--batch-profile P"); `fix` says what to do.
+    A profile that is not a file is left to the loader's own error."""
+    if not Path(profile).is_file():
+        return
+    folder = getattr(trace, "path", None)
+    head = trace if isinstance(trace, TraceHeader) else TraceHeader.from_dict(trace.header, folder or "trace.json")
+    _refuse_differences(_trace_fields(head), _profile_fields(Path(profile)), PROFILE_CONTRACT, given=given,
+                        expected=f"the trace {folder}" if folder else "the trace", fix=fix, label="trace")
+
+
 def _trace_fields(head: TraceHeader) -> dict:
     return {"pair": head.pair, "dtype": _dtype_name(head.dtype), **head.tree, "max_new_tokens": head.max_new_tokens,
             "temperature": head.data.get("temperature")}
@@ -89,10 +102,10 @@ def _dtype_name(dtype) -> str | None:
 
 
 def _refuse_differences(train: dict, got: dict, keys: Sequence[str], *, given: str, expected: str,
-                        fix: str) -> None:
+                        fix: str, label: str = "training trace") -> None:
     """ContractError listing each of `keys` whose value in `got` differs from the training trace's; a field one
     side does not record (None: an older file) is not compared."""
-    differing = [f"{key} {_shown(key, got[key])} (training trace: {_shown(key, train[key])})" for key in keys
+    differing = [f"{key} {_shown(key, got[key])} ({label}: {_shown(key, train[key])})" for key in keys
                  if _differs(key, train.get(key), got.get(key))]
     if differing:
         raise ContractError(f"{given} does not belong with {expected}: {'; '.join(differing)}; {fix}")
