@@ -437,13 +437,14 @@ def _stored_dtype(source) -> str | None:
     return stored.removeprefix("torch.") if isinstance(stored, str) else None
 
 
-def _stored_dtype_note(source, dtype: torch.dtype) -> str:
-    """"; the checkpoint stores X" when the target's config.json names a dtype other than the one it runs in (a
-    lossless upcast or a lossy conversion: either way the user should know), else ""."""
+def _stored_dtype_note(source, dtype: torch.dtype, whose: str = "the checkpoint") -> str:
+    """"; the checkpoint stores X" when a model folder's config.json names a dtype other than the one it runs in (a
+    lossless upcast or a lossy conversion: either way the user should know), else "". `whose` names the model
+    ("the EAGLE-3 head's checkpoint" for a drafter, which runs in the target's dtype as vLLM runs it)."""
     stored = _stored_dtype(source)
     if stored is None or stored == str(dtype).removeprefix("torch."):
         return ""
-    return f"; the checkpoint stores {stored}, converted on loading"
+    return f"; {whose} stores {stored}, converted on loading"
 
 
 def _load_lm(source, what: str, dtype):
@@ -587,6 +588,9 @@ class ModelPair:
             check_fits_target(self.eagle.config, self.target)
         if not self.dtype_reason:  # built from models in memory: their dtype is the caller's
             self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: the models as given"
+            if self.drafter_dtype != self.dtype:  # decoding stays exact (the target verifies); reports say it
+                self.dtype_reason += (f" (the {'EAGLE-3 head' if self.eagle is not None else 'draft LM'} in "
+                                      f"{str(self.drafter_dtype).removeprefix('torch.')})")
 
     @property
     def drafter_kind(self) -> str:
@@ -600,6 +604,13 @@ class ModelPair:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.target.parameters()).dtype
+
+    @property
+    def drafter_dtype(self) -> torch.dtype:
+        """The dtype the drafter (the EAGLE-3 head, else the draft LM) computes in; `from_pretrained` loads it in the
+        target's, a pair built in memory keeps the caller's."""
+        drafter = self.eagle if self.eagle is not None else self.draft
+        return next(drafter.parameters()).dtype
 
     @property
     def vocab_size(self) -> int:
@@ -636,11 +647,11 @@ class ModelPair:
         return int(min([v for v in limits if v] or [1 << 30]))
 
     def to(self, device=None, dtype=None) -> "ModelPair":
-        before = self.dtype
+        before = self.dtype, self.drafter_dtype
         for module in (self.target, self.draft, self.eagle):
             if module is not None:
                 module.to(device=device, dtype=dtype)
-        if self.dtype != before:  # reports quote the reason: it must name this conversion, not the load's choice
+        if (self.dtype, self.drafter_dtype) != before:  # reports quote the reason: it must name this conversion
             self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: converted with ModelPair.to"
         return self
 
@@ -782,6 +793,10 @@ class ModelPair:
             folder = DEFAULT_PAIR_DIR / "eagle" if eagle == "embedded" else checked_source(eagle, "eagle head")
             head = Eagle3Head.from_pretrained(folder, target_model.to(device))
             head.source = str(folder)
+        if draft not in (None, "embedded"):
+            dtype_reason += _stored_dtype_note(draft, dtype, "the draft LM's checkpoint")
+        if eagle not in (None, "embedded"):
+            dtype_reason += _stored_dtype_note(folder, dtype, "the EAGLE-3 head's checkpoint")
         drafter_name = "eagle" if head is not None else "draft"
         name = ("specpilot-default" if embedded else f"{Path(str(target)).name}+{Path(str(draft or eagle)).name}")
         if embedded and drafter_name != DEFAULT_DRAFTER:

@@ -489,6 +489,7 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
         "models": pair.identity(),
         "dtype": str(pair.dtype).replace("torch.", ""),
         "dtype_reason": getattr(pair, "dtype_reason", ""),  # why this dtype (resolve_dtype: asked, default, auto)
+        "drafter_dtype": str(pair.drafter_dtype).replace("torch.", ""),
         "device": str(device),
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),

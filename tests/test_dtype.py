@@ -134,6 +134,33 @@ def test_the_reason_follows_the_pair_in_memory_and_through_to():
     assert pair.dtype_reason == "bfloat16: converted with ModelPair.to"
 
 
+def test_a_drafter_in_another_dtype_is_named():
+    """Mixed dtypes decode exactly (the target verifies), but the reports' dtype must not hide the drafter's."""
+    pair = ModelPair(tiny_model(), noisy_copy(tiny_model(), 0.01).to(torch.bfloat16))
+    assert (pair.dtype, pair.drafter_dtype) == (torch.float32, torch.bfloat16)
+    assert pair.dtype_reason == "float32: the models as given (the draft LM in bfloat16)"
+    pair.to(dtype=torch.float32)  # the target already is: the draft's conversion is still said
+    assert pair.drafter_dtype == torch.float32 and pair.dtype_reason == "float32: converted with ModelPair.to"
+
+
+def test_the_reason_says_when_the_drafters_checkpoint_stores_another_dtype(tmp_path, flags):
+    flags()
+    tiny_model(seed=0).save_pretrained(tmp_path / "target")
+    tiny_model(seed=1).to(torch.float16).save_pretrained(tmp_path / "draft")
+    pair = ModelPair.from_pretrained(tmp_path / "target", tmp_path / "draft")
+    assert pair.drafter_dtype == torch.float32
+    assert pair.dtype_reason.endswith("; the draft LM's checkpoint stores float16, converted on loading")
+    assert "; the checkpoint stores" not in pair.dtype_reason  # the target's is stored as it runs
+
+    target = tiny_model(seed=0, layers=4)
+    target.save_pretrained(tmp_path / "deeper")
+    head = Eagle3Head(Eagle3Config.for_target(target.config, draft_vocab_size=48), target).to(torch.bfloat16)
+    head.save_pretrained(tmp_path / "head")
+    pair = ModelPair.from_pretrained(tmp_path / "deeper", eagle=tmp_path / "head")
+    assert pair.drafter_dtype == torch.float32
+    assert pair.dtype_reason.endswith("; the EAGLE-3 head's checkpoint stores bfloat16, converted on loading")
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.complex64])
 def test_dtypes_models_do_not_compute_in_are_refused(dtype):
     with pytest.raises(ValueError, match="not a dtype models compute in"):
@@ -148,7 +175,8 @@ def test_from_pretrained_auto_and_bf16(saved_pair, flags):
     half = ModelPair.from_pretrained(saved_pair / "target", saved_pair / "draft", dtype="bf16")
     assert half.dtype == torch.bfloat16 and half.draft.dtype == torch.bfloat16
     assert half.dtype_reason.startswith("bfloat16: asked for (this CPU has no amx_bf16")  # flags(): emulated here
-    assert half.dtype_reason.endswith("; the checkpoint stores float32, converted on loading")
+    assert half.dtype_reason.endswith("; the checkpoint stores float32, converted on loading; the draft LM's "
+                                      "checkpoint stores float32, converted on loading")
 
 
 # -- the near-tie guard ---------------------------------------------------------------------------------------------
