@@ -76,7 +76,7 @@ def main() -> None:
     heldout = [encode(p.prompt) for p in load_suite("heldout") if p.task == "code"][: args.prompts]
     n_new = args.max_new_tokens
     print(f"pair {pair.name} ({pair.identity()['target_hash']}/{pair.identity()['draft_hash']}), "
-          f"{pair.device.type} {str(pair.dtype).replace('torch.', '')}, {_cpu_name() if pair.device.type == 'cpu' else torch.cuda.get_device_name()}, "
+          f"{pair.device.type} {str(pair.dtype).replace('torch.', '')}, {_cpu_name() if pair.device.type == 'cpu' else torch.cuda.get_device_name(pair.device)}, "
           f"torch threads {torch.get_num_threads()}, greedy, max_new_tokens {n_new}, "
           f"{len(heldout)} held-out code prompts (tuning: {len(tune)} validation prompts)")
 

@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     import transformers
 
     device = torch.device(args.device)
-    result = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "none (dry run)",
+    result = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (dry run)",
               "torch": torch.__version__, "cuda": torch.version.cuda,
               "transformers": transformers.__version__, "python": platform.python_version(),
               "float32_matmul_precision": torch.get_float32_matmul_precision(),

@@ -67,10 +67,23 @@ def check_device(device: str | torch.device | None) -> str:
     return text
 
 
+def _cuda_bf16(device, *, including_emulation: bool = True) -> bool:
+    """torch.cuda.is_bf16_supported for `device` itself: torch asks the current device, which on a machine with
+    mixed GPUs need not be the pair's."""
+    if not torch.cuda.is_available():
+        return False
+    with torch.cuda.device(torch.device(device)):
+        return torch.cuda.is_bf16_supported(including_emulation=including_emulation)
+
+
+def _cuda_name(device) -> str:
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def default_dtype(device: str) -> torch.dtype:
     """fp32 on CPU (exact and fastest for small models there); bf16 on CUDA when supported, else fp16."""
     if str(device).startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if _cuda_bf16(device) else torch.float16
     return torch.float32
 
 
@@ -127,9 +140,9 @@ def half_support(dtype: torch.dtype, device: str) -> tuple[str, str]:
     kind = str(device).split(":")[0]
     name = str(dtype).removeprefix("torch.")
     if kind == "cuda":
-        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-            return "none", f"this GPU has no bf16 ({torch.cuda.get_device_name()}); use float16 or float32"
-        return "native", f"{name} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CUDA'}"
+        if dtype == torch.bfloat16 and not _cuda_bf16(device, including_emulation=False):
+            return "none", f"this GPU has no bf16 ({_cuda_name(device)}); use float16 or float32"
+        return "native", f"{name} on {_cuda_name(device) if torch.cuda.is_available() else 'CUDA'}"
     if kind != "cpu":
         return "native", f"{name} on {kind}"
     wanted = CPU_BF16_FLAGS if dtype == torch.bfloat16 else CPU_FP16_FLAGS

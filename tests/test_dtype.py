@@ -360,3 +360,30 @@ def test_auto_does_not_time_a_target_whose_two_copies_would_not_fit(tmp_path, fl
     assert pair.dtype_reason.startswith("auto: bfloat16, this CPU has avx512_bf16; not measured: fp32 and bf16 copies")
     assert pair_mod.auto_probe_too_big(tmp_path / "target", available=10**12) is None  # fits: timed as before
     assert pair_mod.auto_probe_too_big("some/hub-id") is None  # nothing on disk to judge
+
+
+def test_cuda_checks_ask_the_pairs_own_gpu(monkeypatch):
+    """On a machine with mixed GPUs the current device need not be the pair's: bf16 support and the name in the
+    reason are asked of `device` itself (torch's is_bf16_supported() asks the current device)."""
+    gpus = {0: ("Tesla T4", False), 1: ("NVIDIA H100", True)}  # device index -> (name, native bf16)
+    current = [0]
+
+    class AsCurrent:
+        def __init__(self, device):
+            self.index = torch.device(device).index or 0
+
+        def __enter__(self):
+            self.before, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.before
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", AsCurrent)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: gpus[current[0]][1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpus[
+        current[0] if device is None else (torch.device(device).index or 0)][0])
+    assert pair_mod.half_support(torch.bfloat16, "cuda:1") == ("native", "bfloat16 on NVIDIA H100")
+    assert pair_mod.half_support(torch.bfloat16, "cuda:0")[0] == "none"
+    assert pair_mod.default_dtype("cuda:1") == torch.bfloat16 and pair_mod.default_dtype("cuda:0") == torch.float16
+    assert current == [0]
