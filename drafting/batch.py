@@ -36,6 +36,7 @@ from specpilot.drafting.batch_ar import (BatchRow, RaggedCache, plain_step, row_
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates, update_acceptance
 from specpilot.drafting.drafters import aux_batch, fuse_aux, make_drafter
+from specpilot.drafting.stopping import StopStrings
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput
@@ -47,8 +48,9 @@ class BatchSession:
     returned CycleRecords are the lead row's (the first unfinished one); `outputs()` gives every row's."""
 
     def __init__(self, decoder, prompts: list[list[int]], *, max_new_tokens, sampling: tuple | None = None,
-                 seed: int | None = None, max_batch: int | None = None) -> None:
+                 seed: int | None = None, max_batch: int | None = None, stop_strings=None) -> None:
         pair, tree = decoder.pair, decoder.tree
+        self.stops = StopStrings.of(stop_strings, pair.tokenizer)
         self.pair, self.tree_config = pair, tree
         self.max_context = pair.max_context
         self.width = tree.width
@@ -171,10 +173,12 @@ class BatchSession:
 
     @property
     def finished_by(self) -> str | None:
-        """Once done, "eos" when every row ended with its end token, else "length"."""
+        """Once done, "eos" when every row ended with its end token, "stop" when every row ended with an end token
+        or a stop string and one with a stop string, else "length"."""
         if self.active:
             return None
-        return "eos" if all(r.finished_by == "eos" for r in self.rows) else "length"
+        ends = {r.finished_by for r in self.rows}
+        return "eos" if ends == {"eos"} else "stop" if ends <= {"eos", "stop"} else "length"
 
     @property
     def prompt_len(self) -> int:
@@ -343,7 +347,7 @@ class BatchSession:
             results = self._verify_plain() if self._depth == 0 else self._verify_trees(size)
             emitted_rows = []
             for row, (accepted, emitted) in zip(self.active, results):
-                emitted = row.truncate(emitted, self.eos)
+                emitted = row.truncate(emitted, self.eos, self.stops)
                 row.committed.extend(emitted)
                 row.new_tokens.extend(emitted)
                 emitted_rows.append((accepted, emitted))

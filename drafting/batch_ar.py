@@ -28,13 +28,13 @@ import torch
 from specpilot.drafting.attention import MaskLayout, decoding_mode, model_mask
 from specpilot.drafting.cache import new_cache
 from specpilot.drafting.checks import check_float, check_int, check_seed, warn_unused_sampling
-from specpilot.drafting.cycle_math import emitted_count, first_end
 from specpilot.drafting.drafters import FeatureBuffer
 from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, GenerationOutput
 from specpilot.drafting.sampling import draw, sampling_probs
+from specpilot.drafting.stopping import StopStrings, truncate_emitted
 
 PAD = 0  # token id written into holes (never attended to by a real query)
 
@@ -337,22 +337,18 @@ class BatchRow:
         self.start = 0.0                # clock reading when its decoding started (after its prefill)
         self.prefill_s = 0.0
 
-    def truncate(self, emitted: list[int], eos: tuple[int, ...]) -> list[int]:
-        """Never emit past an end id (`eos`: the pair's `eos_token_ids`) or max_new_tokens (as the single-sequence
-        session truncates)."""
-        left = self.max_new_tokens - len(self.new_tokens)
-        end = first_end(emitted[:left], eos)
-        if end is not None:
-            self.finished_by = "eos"
-            left = end + 1
-        elif len(emitted) >= left:
-            self.finished_by = "length"
-        return emitted[: emitted_count(len(emitted) - 1, left)]
+    def truncate(self, emitted: list[int], eos: tuple[int, ...], stops: StopStrings | None = None) -> list[int]:
+        """Never emit past an end id (`eos`: the pair's `eos_token_ids`), max_new_tokens or a stop string (the
+        single-sequence session's rule, `stopping.truncate_emitted`)."""
+        kept, finished_by = truncate_emitted(emitted, self.new_tokens, self.max_new_tokens, eos, stops)
+        if finished_by is not None:
+            self.finished_by = finished_by
+        return kept
 
 
 def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batch: int | None = None,
                                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                                  seed=None) -> list[GenerationOutput]:
+                                  seed=None, stop_strings=None) -> list[GenerationOutput]:
     """Target-only decoding of several prompts together (the batched baseline): greedy, or at temperature > 0
     drawn from the target's (top-k / top-p filtered) law with `seed` as `generate_batch` takes it (an int for the
     batch, or one per prompt: per-sequence seeds). One ragged prefill of every
@@ -360,8 +356,9 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     BatchSession's depth-0 cycle takes); rows leave the batch at EOS or their max_new_tokens (one int, or one per
     prompt). max_batch: at most this many rows at once, finished rows refilled from the remaining prompts in order
     (continuous batching, as `generate_batch(max_batch=)`). Same caches, masks and timing as BatchSession's plain
-    steps; the draft is never touched."""
+    steps; the draft is never touched. stop_strings: as `generate_batch` takes them (each row ends on its own)."""
     ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
+    stops = StopStrings.of(stop_strings, pair.tokenizer)
     device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_ids
     check_float("temperature", temperature, minimum=0.0)
     check_int("top_k (0 disables it)", top_k, minimum=0)
@@ -384,7 +381,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
             tokens = plain_step(cache, active, device, sampling, step_generators(generator, active))
             now = clock.now()
             for row, token in zip(active, tokens):
-                emitted = row.truncate([token], eos)
+                emitted = row.truncate([token], eos, stops)
                 row.committed.extend(emitted)
                 row.new_tokens.extend(emitted)
                 row.token_times.append(now - row.start)

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="top-p when sampling (1: off)")
     parser.add_argument("--seed", type=seed, default=None, help="sampling seed (default: random)")
+    parser.add_argument("--stop", action="append", type=utf8_text, default=None, metavar="TEXT",
+                        help="end the generation with the token that completes TEXT in the generated text (repeat "
+                             "for several; the output keeps it, as transformers' stop_strings) (default: none)")
+    parser.add_argument("--stream", action="store_true",
+                        help="print the text as each cycle emits it (transformers' TextStreamer) instead of at the "
+                             "end")
     parser.add_argument("--compare", action="store_true", help="also run target-only decoding and print the speedup")
 
 
@@ -115,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
     mark_noted(pair)  # said here, once: the library's warning would repeat it
     if note:
         print(f"note: {note}", file=sys.stderr)
+    if (args.stop or args.stream) and pair.tokenizer is None:
+        raise ValueError(f"{'--stop' if args.stop else '--stream'} needs the pair's tokenizer, and this pair has none: "
+                         "keep the tokenizer files in the target's folder, or drop the option")
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed)
+                    top_p=args.top_p, seed=args.seed, stop_strings=args.stop)
     # the real request must fit before the warm-up runs (else its error would name the warm-up's 4 tokens)
     check_context(pair, len(pair.encode(args.prompt)), args.max_new_tokens, 0)
     # why this dtype (asked for, the device's default, or auto's measurement): on stderr, so that stdout stays the
@@ -124,8 +133,15 @@ def run(args: argparse.Namespace) -> int:
     say(f"dtype {dtype_label(pair.dtype, getattr(pair, 'dtype_reason', ''))}")
     warmup = {**sampling, "max_new_tokens": min(4, args.max_new_tokens)}
     decoder.generate(args.prompt, controller=controller, **warmup)
-    out = decoder.generate(args.prompt, controller=controller, **sampling)
-    print(out.text if out.text is not None else out.tokens)
+    streamer = None
+    if args.stream:
+        from transformers import TextStreamer
+
+        sys.stdout.flush()
+        streamer = TextStreamer(pair.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out = decoder.generate(args.prompt, controller=controller, streamer=streamer, **sampling)
+    if streamer is None:
+        print(out.text if out.text is not None else out.tokens)
     if decoder.dtype_note:
         print(f"note: {decoder.dtype_note}", file=sys.stderr)
     line = (f"[{len(out.tokens)} tokens, {out.tokens_per_s:.1f} tok/s, tau {out.mean_accepted_length:.2f}, "

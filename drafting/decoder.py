@@ -23,12 +23,12 @@ from specpilot.drafting.cache import cache_length, generation_cache, keep_positi
 from specpilot.drafting.checks import check_context, check_float, check_int, check_seed, warn_unused_sampling
 from specpilot.drafting.control import FixedController, as_controller, fits_tree
 from specpilot.drafting.cycle import run_generation
-from specpilot.drafting.cycle_math import (clip_size, emitted_count, first_end, level_bounds, num_candidates,
-                                          update_acceptance)
+from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates, update_acceptance
 from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, make_drafter
 from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import draw, sample, sampling_probs
+from specpilot.drafting.stopping import StopStrings, truncate_emitted
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
@@ -62,9 +62,12 @@ class DecodingSession:
     `specpilot.drafting.cycle` (see the module docstring for the cache invariant)."""
 
     def __init__(self, decoder: "SpeculativeDecoder", prompt: list[int], *, max_new_tokens: int,
-                 temperature: float, top_k: int, top_p: float, seed: int | None) -> None:
+                 temperature: float, top_k: int, top_p: float, seed: int | None, stop_strings=None,
+                 streamer=None) -> None:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
+        self.stops = StopStrings.of(stop_strings, pair.tokenizer)
+        self.streamer = streamer
         check_context(pair, len(prompt), max_new_tokens, 0)  # drafts shrink where the context ends (max_depth)
         self.pair, self.tree_config = pair, tree
         self.max_context = pair.max_context
@@ -95,6 +98,8 @@ class DecodingSession:
         self._draft_s = self._policy_s = 0.0
         self._level_s: list[float] = []
         self._fed = 0
+        if streamer is not None:  # as generate() does: the prompt first (TextStreamer(skip_prompt=True) drops it)
+            streamer.put(torch.tensor([prompt]))
         self.prefill_s = self._prefill(prompt)
         self.start_time = self.clock.now()
 
@@ -318,18 +323,19 @@ class DecodingSession:
         self.cycles.append(record)
         self._draft_s = self._policy_s = 0.0
         self._level_s, self._fed = [], 0
+        if self.streamer is not None:  # after the cycle's clock reads: its own time is the caller's, not the cycle's
+            if emitted:
+                self.streamer.put(torch.tensor([emitted]))
+            if self.done:
+                self.streamer.end()
         return record
 
     def _truncate(self, emitted: list[int]) -> list[int]:
-        """Never emit past EOS or max_new_tokens; mark the session finished when either is hit."""
-        left = self.max_new_tokens - len(self.new_tokens)
-        end = first_end(emitted[:left], self.eos)
-        if end is not None:
-            self.finished_by = "eos"
-            left = end + 1
-        elif len(emitted) >= left:
-            self.finished_by = "length"
-        return emitted[: emitted_count(len(emitted) - 1, left)]  # accepted drafts + the bonus token, within `left`
+        """Never emit past an end id, max_new_tokens or a stop string; mark the session finished when one is hit."""
+        kept, finished_by = truncate_emitted(emitted, self.new_tokens, self.max_new_tokens, self.eos, self.stops)
+        if finished_by is not None:
+            self.finished_by = finished_by
+        return kept
 
     def output(self) -> GenerationOutput:
         total = self.token_times[-1] if self.token_times else 0.0
@@ -369,21 +375,27 @@ class SpeculativeDecoder:
         self.tree = tree
 
     def start(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-              top_p: float = 1.0, seed: int | None = None) -> DecodingSession:
+              top_p: float = 1.0, seed: int | None = None, stop_strings=None, streamer=None) -> DecodingSession:
         return DecodingSession(self, self.pair.encode(prompt), max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                               stop_strings=stop_strings, streamer=streamer)
 
     def generate(self, prompt, *, controller=None, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_strings=None,
+                 streamer=None) -> GenerationOutput:
         """Generate up to `max_new_tokens` new tokens, one `run_cycle` after another. `controller` (a Controller, or
         anything with should_stop / choose_size: skip_drafting / observe / reset default as Controller's) defaults
         to `default_controller` (an exported decoder's policies), else FixedController() for the device. A
         FixedController deeper or larger than the tree is refused (it would be capped without a word). `prompt`:
-        text, token ids, or a tokenizer's output (its attention_mask's padding dropped)."""
+        text, token ids, or a tokenizer's output (its attention_mask's padding dropped).
+        stop_strings: a string or list of strings; the generation ends with the token that completes one in the
+        generated text (`finished_by` "stop"; `specpilot.drafting.stopping`). streamer: a transformers streamer
+        (`TextStreamer`, `TextIteratorStreamer`, any `put(ids)` / `end()`): given the prompt's ids, then each
+        cycle's emitted tokens as one [1, n] tensor, then `end()`, as generate() feeds it."""
         controller = self._controller(controller)
         warn_generation_config(self.pair)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed)
+                             top_p=top_p, seed=seed, stop_strings=stop_strings, streamer=streamer)
         run_generation(session, controller)
         return session.output()
 
@@ -399,7 +411,7 @@ class SpeculativeDecoder:
 
     def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                       max_batch: int | None = None) -> list[GenerationOutput]:
+                       max_batch: int | None = None, stop_strings=None) -> list[GenerationOutput]:
         """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
         prompts: a list of prompts (text or ids), a 2-D id tensor / array without padding, or a tokenizer's output
@@ -410,7 +422,8 @@ class SpeculativeDecoder:
         all at once). Returns one GenerationOutput per prompt, in prompt order (an admitted prompt's prefill_s
         and token_times count from its own admission). Either drafter: a draft LM or an EAGLE-3 head (per-row target
         features); at temperature > 0 the trees take top-W children (exact per row). seed: an int for the batch, or
-        a list of one per prompt (each sequence draws from its own generator)."""
+        a list of one per prompt (each sequence draws from its own generator). stop_strings: as `generate` takes
+        them; each row ends on its own, where it would alone."""
         from specpilot.drafting.batch import BatchSession
         from specpilot.drafting.batch_ar import batch_inputs
 
@@ -419,7 +432,8 @@ class SpeculativeDecoder:
         warn_generation_config(self.pair)
         ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=0)  # BatchSession.max_depth
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
-        session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch)
+        session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch,
+                               stop_strings=stop_strings)
         run_generation(session, controller)
         return session.outputs()
 
@@ -441,13 +455,15 @@ class SpeculativeDecoder:
 
 
 def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0,
-                            top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> GenerationOutput:
+                            top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_strings=None,
+                            streamer=None) -> GenerationOutput:
     """Target-only decoding on the same caches and timing as the speculative decoder (the speedup baseline).
 
     Like the speculative session, the prefill covers prompt[:-1] (not timed) and the timed loop starts by feeding
-    the last prompt token, one target forward per new token.
+    the last prompt token, one target forward per new token. stop_strings and streamer as `generate` takes them.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
+    stops = StopStrings.of(stop_strings, pair.tokenizer)
     warn_generation_config(pair)
     ids = pair.encode(prompt)
     check_context(pair, len(ids), max_new_tokens, 0)
@@ -457,6 +473,8 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     tokens: list[int] = []
     times: list[float] = []
     finished_by = "length"
+    if streamer is not None:  # as generate() does: the prompt first (TextStreamer(skip_prompt=True) drops it)
+        streamer.put(torch.tensor([ids]))
     with decoding_mode(device):
         t0 = clock.now()
         if len(ids) > 1:
@@ -471,11 +489,16 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
             else:
                 current = logits.argmax(dim=-1, keepdim=True)                       # [1, 1], stays on device
             token = int(current)
+            stopped = stops is not None and stops.cut(tokens, [token]) is not None
             tokens.append(token)
             times.append(clock.now() - start)
-            if token in eos:
-                finished_by = "eos"
+            if streamer is not None:
+                streamer.put(current.cpu())
+            if token in eos or stopped:
+                finished_by = "eos" if token in eos else "stop"
                 break
+    if streamer is not None:
+        streamer.end()
     return GenerationOutput(tokens=tokens, prompt_len=len(ids), prefill_s=start - t0,
                             total_s=times[-1] if times else 0.0, token_times=times, finished_by=finished_by,
                             text=pair.decode(tokens))

@@ -230,7 +230,8 @@ class GenerationOutput:
     prefill_s: float = 0.0
     total_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
-    finished_by: str = "length"  # "eos" | "length"; "unfinished" for a session's output() taken before it is done
+    finished_by: str = "length"  # "eos" | "length" | "stop" (a stop string); "unfinished" for a session's output()
+    # taken before it is done
     text: str | None = None
 
     @property

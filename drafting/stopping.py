@@ -1,0 +1,78 @@
+"""Where a generation ends: end ids, the token budget and stop strings, one rule for every decoding loop.
+
+    truncate_emitted   the tokens of a cycle (or an autoregressive step) that reach the output, and why it ends
+    StopStrings        transformers' generate(stop_strings=...) / vLLM's `stop`: end once the generated text holds
+                       one of the strings
+
+A speculative cycle emits several tokens at once; each is cut exactly where target-only decoding would have stopped,
+so speculative, batched and target-only decoding return the same tokens for the same request. As vLLM checks stop
+strings, only the generated text is searched (never the prompt), and the output keeps the tokens up to and
+including the one that completes the string (transformers keeps it too; vLLM trims the string from its text).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specpilot.drafting.cycle_math import emitted_count, first_end
+
+# tokens decoded before a cycle's new ones, beyond the longest stop string's length in characters: a token decodes
+# to at least one character except pieces of a multi-byte character, which this margin covers
+LOOKBACK_MARGIN = 8
+
+
+class StopStrings:
+    """Stop strings checked on decoded text. stops: one string or a sequence of non-empty strings; tokenizer: the
+    pair's (text is decoded as `ModelPair.decode` gives output text, special tokens left out)."""
+
+    def __init__(self, stops: str | Sequence[str], tokenizer) -> None:
+        stops = [stops] if isinstance(stops, str) else stops
+        if not isinstance(stops, Sequence) or not stops or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {stops!r}")
+        if tokenizer is None:
+            raise ValueError("stop_strings need the pair's tokenizer to read the generated text: load the pair with "
+                             "ModelPair.from_pretrained, or give ModelPair(tokenizer=...)")
+        self.stops = tuple(dict.fromkeys(stops))
+        self.tokenizer = tokenizer
+        self.lookback = max(len(s) for s in self.stops) + LOOKBACK_MARGIN
+
+    @classmethod
+    def of(cls, stops, tokenizer) -> "StopStrings | None":
+        """None for no stop strings (None or an empty list), else the checked StopStrings."""
+        if stops is None or (not isinstance(stops, str) and isinstance(stops, Sequence) and len(stops) == 0):
+            return None
+        return cls(stops, tokenizer)
+
+    def _text(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+
+    def cut(self, generated: Sequence[int], emitted: Sequence[int]) -> int | None:
+        """How many of `emitted` (the tokens about to follow the `generated` ones) to keep when one of them completes
+        a stop string: the first i + 1 whose text holds a stop string that the text before it did not; None when
+        none does."""
+        tail = list(generated[-self.lookback:]) if self.lookback else []
+        before = self._text(tail)
+        for i in range(len(emitted)):
+            text = self._text(tail + list(emitted[: i + 1]))
+            if any(s in text and s not in before for s in self.stops):
+                return i + 1
+        return None
+
+
+def truncate_emitted(emitted: list[int], generated: Sequence[int], max_new_tokens: int, eos: tuple[int, ...],
+                     stops: StopStrings | None = None) -> tuple[list[int], str | None]:
+    """(the tokens of `emitted` that reach the output, why the generation ends: "eos", "length", "stop" or None to go
+    on). Never past an end id (kept, as generate() keeps it), the budget, or the token completing a stop string;
+    `generated`: the tokens already output."""
+    left = max_new_tokens - len(generated)
+    finished_by = None
+    end = first_end(emitted[:left], eos)
+    if end is not None:
+        finished_by, left = "eos", end + 1
+    elif len(emitted) >= left:
+        finished_by = "length"
+    kept = emitted[: emitted_count(len(emitted) - 1, left)]  # accepted drafts + the bonus token, within `left`
+    if stops is not None:
+        cut = stops.cut(generated, kept)
+        if cut is not None:
+            return kept[:cut], "stop"
+    return kept, finished_by
