@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from specpilot.drafting.cycle_math import emitted_count, first_end
 
-# tokens decoded before a cycle's new ones, beyond the longest stop string's length in characters: a token decodes
-# to at least one character except pieces of a multi-byte character, which this margin covers
+# tokens decoded before a cycle's new ones, beyond the longest stop string's length in UTF-8 bytes (a token of a
+# byte-level or byte-fallback vocabulary holds at least one byte): room for a cut multi-byte character at the start
 LOOKBACK_MARGIN = 8
 
 
@@ -33,7 +33,7 @@ class StopStrings:
                              "ModelPair.from_pretrained, or give ModelPair(tokenizer=...)")
         self.stops = tuple(dict.fromkeys(stops))
         self.tokenizer = tokenizer
-        self.lookback = max(len(s) for s in self.stops) + LOOKBACK_MARGIN
+        self.lookback = max(len(s.encode("utf-8")) for s in self.stops) + LOOKBACK_MARGIN
 
     @classmethod
     def of(cls, stops, tokenizer) -> "StopStrings | None":
@@ -49,7 +49,7 @@ class StopStrings:
         """How many of `emitted` (the tokens about to follow the `generated` ones) to keep when one of them completes
         a stop string: the first i + 1 whose text holds a stop string that the text before it did not; None when
         none does."""
-        tail = list(generated[-self.lookback:]) if self.lookback else []
+        tail = list(generated[-self.lookback:])
         before = self._text(tail)
         for i in range(len(emitted)):
             text = self._text(tail + list(emitted[: i + 1]))

@@ -178,3 +178,23 @@ def test_the_cli_stops_on_stop_and_streams_the_same_text(saved_pair, pair, case,
     out = capsys.readouterr().out
     assert out.startswith(pair.decode(expected) + "\n")
     assert f"[{len(expected)} tokens," in out and "identical to target-only" in out
+
+
+def test_cut_matches_a_search_of_the_whole_text_with_multi_byte_characters(saved_pair):
+    """A byte-level tokenizer splits 'é', '中' or an emoji into several tokens: the cut still lands on the token
+    that completes the string in the whole generated text, wherever the cycle boundary falls."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(saved_pair / "target")
+    text = "x = 1\n# café 中文字符串 🙂 done\nreturn x + 1\n" * 2
+    tokens = tokenizer.encode(text)
+    whole = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    assert whole(tokens) == text and len(tokens) > len(text)  # multi-byte characters span several tokens
+    for stop in ["中文字符", "é 中", "🙂 d", "return x", "串 🙂", "\nre"]:
+        first = next(k for k in range(1, len(tokens) + 1) if stop in whole(tokens[:k]))
+        checker = StopStrings(stop, tokenizer)
+        for split in range(0, first):
+            for size in (1, 3, 9):  # cycles of several tokens
+                emitted = tokens[split: split + size]
+                expected = first - split if split + size >= first else None
+                assert checker.cut(tokens[:split], emitted) == expected, (stop, split, size)
