@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from stable_baselines3 import PPO
+from stable_baselines3.common.logger import Logger
 from tiny import tiny_pair
 
 from specpilot.drafting import SpeculativeDecoder, TreeConfig
@@ -227,6 +228,7 @@ def test_an_algorithm_trained_under_vec_normalize_decides_on_normalised_observat
 
     venv = VecNormalize(DummyVecEnv([lambda: gym.make("CartPole-v1")]), norm_obs=True, clip_obs=3.0)
     model = PPO("MlpPolicy", venv, n_steps=64, batch_size=32, n_epochs=1, seed=0, policy_kwargs={"net_arch": [8]})
+    model.set_logger(Logger(folder=None, output_formats=[]))  # SB3's default logger leaves a /tmp/SB3-* folder
     model.learn(128)
     venv.obs_rms.mean += 0.5  # statistics far from zero/one, so raw and normalised inputs decide differently
     venv.obs_rms.var *= 9.0
