@@ -11,7 +11,8 @@ import argparse
 import sys
 
 from specpilot.drafting.cliargs import (add_pair_arguments, dtype_label, given_options, load_pair, non_negative_float,
-                                       non_negative_int, pair_given, positive_int, probability, say, seed, utf8_text)
+                                       non_negative_int, pair_given, positive_int, probability, say, seed, stop_text,
+                                       utf8_text)
 
 # the tree/controller options an exported decoder fixes itself: given with --config they are refused
 STATIC_OPTIONS = ("depth", "size", "width", "max_depth")
@@ -40,9 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="top-p when sampling (1: off)")
     parser.add_argument("--seed", type=seed, default=None, help="sampling seed (default: random)")
-    parser.add_argument("--stop", action="append", type=utf8_text, default=None, metavar="TEXT",
+    parser.add_argument("--stop", action="append", type=stop_text, default=None, metavar="TEXT",
                         help="end the generation with the token that completes TEXT in the generated text (repeat "
-                             "for several; the output keeps it, as transformers' stop_strings) (default: none)")
+                             "for several; whitespace counts: --stop $'\\n\\n' in bash; the output keeps it, as "
+                             "transformers' stop_strings) (default: none)")
     parser.add_argument("--stream", action="store_true",
                         help="print the text as each cycle emits it (transformers' TextStreamer) instead of at the "
                              "end")

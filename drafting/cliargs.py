@@ -209,6 +209,19 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def stop_text(text: str) -> str:
+    """A stop string: valid UTF-8 and not empty; whitespace is a stop string like any other ("\n\n")."""
+    from specpilot.drafting.pair import check_text
+
+    try:
+        check_text("the text", text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("the text ", "", 1)) from None
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty stop string, got an empty string")
+    return text
+
+
 def device(text: str) -> str:
     from specpilot.drafting.pair import check_device
 

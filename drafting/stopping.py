@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from specpilot.drafting.cycle_math import emitted_count, first_end
 
 # tokens decoded before a cycle's new ones, beyond the longest stop string's length in UTF-8 bytes (a token of a
-# byte-level or byte-fallback vocabulary holds at least one byte): room for a cut multi-byte character at the start
+# byte-level or byte-fallback vocabulary holds at least one byte): room for a cut multi-byte character at the start.
+# Tokens that decode to nothing (special tokens) can leave that window short of text: it then grows (`_tail`).
 LOOKBACK_MARGIN = 8
 
 
@@ -25,15 +26,20 @@ class StopStrings:
     pair's (text is decoded as `ModelPair.decode` gives output text, special tokens left out)."""
 
     def __init__(self, stops: str | Sequence[str], tokenizer) -> None:
+        from specpilot.drafting.pair import check_text
+
         stops = [stops] if isinstance(stops, str) else stops
         if not isinstance(stops, Sequence) or not stops or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {stops!r}")
+        for stop in stops:
+            check_text("a stop string", stop)  # lone surrogates: named here, not as a UnicodeEncodeError
         if tokenizer is None:
             raise ValueError("stop_strings need the pair's tokenizer to read the generated text: load the pair with "
                              "ModelPair.from_pretrained, or give ModelPair(tokenizer=...)")
         self.stops = tuple(dict.fromkeys(stops))
         self.tokenizer = tokenizer
         self.lookback = max(len(s.encode("utf-8")) for s in self.stops) + LOOKBACK_MARGIN
+        self.longest = max(len(s) for s in self.stops)
 
     @classmethod
     def of(cls, stops, tokenizer) -> "StopStrings | None":
@@ -45,12 +51,23 @@ class StopStrings:
     def _text(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
+    def _tail(self, generated: Sequence[int]) -> tuple[list[int], str]:
+        """The last generated tokens and their text, enough of it for a stop string begun there: the byte bound
+        (`lookback` tokens), doubled while special tokens leave it holding fewer characters than a stop string and
+        a margin for a multi-byte character cut at its start."""
+        n = self.lookback
+        while True:
+            tail = list(generated[-n:])
+            text = self._text(tail)
+            if len(text) >= self.longest + 4 or len(tail) == len(generated):
+                return tail, text
+            n *= 2
+
     def cut(self, generated: Sequence[int], emitted: Sequence[int]) -> int | None:
         """How many of `emitted` (the tokens about to follow the `generated` ones) to keep when one of them completes
         a stop string: the first i + 1 whose text holds a stop string that the text before it did not; None when
         none does."""
-        tail = list(generated[-self.lookback:])
-        before = self._text(tail)
+        tail, before = self._tail(generated)
         for i in range(len(emitted)):
             text = self._text(tail + list(emitted[: i + 1]))
             if any(s in text and s not in before for s in self.stops):
@@ -73,6 +90,7 @@ def truncate_emitted(emitted: list[int], generated: Sequence[int], max_new_token
     kept = emitted[: emitted_count(len(emitted) - 1, left)]  # accepted drafts + the bonus token, within `left`
     if stops is not None:
         cut = stops.cut(generated, kept)
-        if cut is not None:
+        # an end id whose own text completes a stop string ended the generation first (vLLM checks it first too)
+        if cut is not None and not (finished_by == "eos" and cut == len(kept)):
             return kept[:cut], "stop"
     return kept, finished_by

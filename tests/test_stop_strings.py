@@ -44,6 +44,21 @@ def test_truncation_order_end_id_budget_then_stop_strings():
     assert truncate_emitted(ids("abcde"), [], 3, (), stops) == (ids("abc"), "length")
     assert truncate_emitted(ids("abcde"), [], 10, (ids("b")[0],), stops) == (ids("ab"), "eos")
     assert truncate_emitted(ids("abcde"), [], 10, (), None) == (ids("abcde"), None)
+    # an end id whose own text completes the stop string ends by "eos", as target-only decoding says (vLLM's order)
+    assert truncate_emitted(ids("abcde"), [], 10, (ids("d")[0],), stops) == (ids("abcd"), "eos")
+
+
+def test_special_tokens_in_the_lookback_do_not_hide_the_start_of_a_stop_string():
+    """Special tokens decode to nothing: a run of them between a stop string's start and its end must not push the
+    start out of the text searched."""
+    tokenizer = CharTokenizer()
+    generated = ids("xbcd") + [0] * 40  # token 0 ("a") is special: no text
+    assert StopStrings("bcdefg", tokenizer).cut(generated, ids("efg")) == 3
+
+
+def test_a_stop_string_that_is_not_valid_utf8_is_named():
+    with pytest.raises(ValueError, match="a stop string is not valid UTF-8"):
+        StopStrings("x\udcff", CharTokenizer())
 
 
 @pytest.mark.parametrize("stops", ["", [], [""], ["ok", 3], 5])
@@ -166,6 +181,32 @@ def test_no_stop_strings_change_nothing(pair, case):
     assert torch.is_inference_mode_enabled() is False
 
 
+def test_the_end_token_completing_a_stop_string_ends_every_path_by_eos(tmp_path):
+    """Target-only, speculative and batched decoding give one reason when the end token's own text completes a stop
+    string (an end id that is no special token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny import noisy_copy, tiny_model
+
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"!": 26}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)  # "!" (the end id) decodes to "!": not special
+    target = tiny_model(vocab=27, eos=26, seed=3)
+    with torch.no_grad():
+        target.lm_head.bias = None
+        target.lm_head.weight[26] += 50.0  # the end id first, whatever the prompt
+    target_pair = ModelPair(target, noisy_copy(target, 0.01), tokenizer)
+    decoder = SpeculativeDecoder(target_pair, TreeConfig(width=2, max_depth=3, max_size=6))
+    outputs = [autoregressive_generate(target_pair, [1, 2], max_new_tokens=4, stop_strings="!"),
+               decoder.generate([1, 2], max_new_tokens=4, stop_strings="!"),
+               decoder.generate_batch([[1, 2]], max_new_tokens=4, stop_strings="!")[0],
+               autoregressive_generate_batch(target_pair, [[1, 2]], max_new_tokens=4, stop_strings="!")[0]]
+    assert outputs[0].tokens[-1] == 26 and "!" not in tokenizer.decode(outputs[0].tokens[:-1])
+    assert [(o.tokens, o.finished_by) for o in outputs] == [(outputs[0].tokens, "eos")] * 4
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_cli_stops_on_stop_and_streams_the_same_text(saved_pair, pair, case, capsys, stream):
     from specpilot.cli import main
@@ -173,7 +214,8 @@ def test_the_cli_stops_on_stop_and_streams_the_same_text(saved_pair, pair, case,
     stop, expected, _ = case
     args = ["generate", "--prompt", PROMPT, "--target", str(saved_pair / "target"), "--draft",
             str(saved_pair / "draft"), "--width", "2", "--depth", "3", "--size", "6", "--max-new-tokens", str(NEW),
-            "--stop", stop, "--stop", "never in this text", "--compare", *(["--stream"] if stream else [])]
+            "--stop", stop, "--stop", "never in this text", "--stop", "\n\n\n\n\n\n", "--compare",
+            *(["--stream"] if stream else [])]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.startswith(pair.decode(expected) + "\n")
