@@ -196,28 +196,27 @@ def name_list(choices, what: str) -> Callable[[str], list[str]]:
 
 # -- text, devices, paths -------------------------------------------------------------------------------------------
 
-def utf8_text(text: str) -> str:
-    """Text that is valid UTF-8 (invalid bytes in argv arrive as lone surrogates) and not empty."""
+def _valid_utf8(text: str) -> str:
+    """`text` when it is valid UTF-8 (invalid bytes in argv arrive as lone surrogates)."""
     from specpilot.drafting.pair import check_text
 
     try:
         check_text("the text", text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err).replace("the text ", "", 1)) from None
-    if not text.strip():
+    return text
+
+
+def utf8_text(text: str) -> str:
+    """Text that is valid UTF-8 and not empty or blank."""
+    if not _valid_utf8(text).strip():
         raise argparse.ArgumentTypeError("expected non-empty text, got an empty string")
     return text
 
 
 def stop_text(text: str) -> str:
     """A stop string: valid UTF-8 and not empty; whitespace is a stop string like any other ("\n\n")."""
-    from specpilot.drafting.pair import check_text
-
-    try:
-        check_text("the text", text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err).replace("the text ", "", 1)) from None
-    if not text:
+    if not _valid_utf8(text):
         raise argparse.ArgumentTypeError("expected a non-empty stop string, got an empty string")
     return text
 
