@@ -36,7 +36,7 @@ from specpilot.drafting.batch_ar import (BatchRow, RaggedCache, plain_step, row_
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates, update_acceptance
 from specpilot.drafting.drafters import aux_batch, fuse_aux, make_drafter
-from specpilot.drafting.stopping import StopStrings
+from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput
@@ -48,15 +48,17 @@ class BatchSession:
     returned CycleRecords are the lead row's (the first unfinished one); `outputs()` gives every row's."""
 
     def __init__(self, decoder, prompts: list[list[int]], *, max_new_tokens, sampling: tuple | None = None,
-                 seed: int | None = None, max_batch: int | None = None, stop_strings=None) -> None:
+                 seed: int | None = None, max_batch: int | None = None, stop_strings=None, stop_token_ids=None,
+                 ignore_eos: bool = False) -> None:
         pair, tree = decoder.pair, decoder.tree
         self.stops = StopStrings.of(stop_strings, pair.tokenizer)
+        self.stop_ids = check_stop_token_ids(stop_token_ids, pair.vocab_size)
         self.pair, self.tree_config = pair, tree
         self.max_context = pair.max_context
         self.width = tree.width
         self.device = pair.device
         self.clock = Clock(self.device)
-        self.eos = pair.eos_token_ids
+        self.eos = end_ids(pair, ignore_eos)
         self.sampling = sampling  # (temperature, top_k, top_p), None for greedy
         self.generator = row_generators(seed, len(prompts), self.device)
         self.capacity = num_candidates(tree.width, tree.max_depth)
@@ -347,7 +349,7 @@ class BatchSession:
             results = self._verify_plain() if self._depth == 0 else self._verify_trees(size)
             emitted_rows = []
             for row, (accepted, emitted) in zip(self.active, results):
-                emitted = row.truncate(emitted, self.eos, self.stops)
+                emitted = row.truncate(emitted, self.eos, self.stops, self.stop_ids)
                 row.committed.extend(emitted)
                 row.new_tokens.extend(emitted)
                 emitted_rows.append((accepted, emitted))

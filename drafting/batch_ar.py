@@ -34,7 +34,7 @@ from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, GenerationOutput
 from specpilot.drafting.sampling import draw, sampling_probs
-from specpilot.drafting.stopping import StopStrings, truncate_emitted
+from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids, truncate_emitted
 
 PAD = 0  # token id written into holes (never attended to by a real query)
 
@@ -337,10 +337,11 @@ class BatchRow:
         self.start = 0.0                # clock reading when its decoding started (after its prefill)
         self.prefill_s = 0.0
 
-    def truncate(self, emitted: list[int], eos: tuple[int, ...], stops: StopStrings | None = None) -> list[int]:
-        """Never emit past an end id (`eos`: the pair's `eos_token_ids`), max_new_tokens or a stop string (the
-        single-sequence session's rule, `stopping.truncate_emitted`)."""
-        kept, finished_by = truncate_emitted(emitted, self.new_tokens, self.max_new_tokens, eos, stops)
+    def truncate(self, emitted: list[int], eos: tuple[int, ...], stops: StopStrings | None = None,
+                 stop_ids: tuple[int, ...] = ()) -> list[int]:
+        """Never emit past an end id (`eos`: the pair's `eos_token_ids`, or none), max_new_tokens, a stop token id
+        or a stop string (the single-sequence session's rule, `stopping.truncate_emitted`)."""
+        kept, finished_by = truncate_emitted(emitted, self.new_tokens, self.max_new_tokens, eos, stops, stop_ids)
         if finished_by is not None:
             self.finished_by = finished_by
         return kept
@@ -348,7 +349,8 @@ class BatchRow:
 
 def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batch: int | None = None,
                                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                                  seed=None, stop_strings=None) -> list[GenerationOutput]:
+                                  seed=None, stop_strings=None, stop_token_ids=None,
+                                  ignore_eos: bool = False) -> list[GenerationOutput]:
     """Target-only decoding of several prompts together (the batched baseline): greedy, or at temperature > 0
     drawn from the target's (top-k / top-p filtered) law with `seed` as `generate_batch` takes it (an int for the
     batch, or one per prompt: per-sequence seeds). One ragged prefill of every
@@ -356,10 +358,12 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     BatchSession's depth-0 cycle takes); rows leave the batch at EOS or their max_new_tokens (one int, or one per
     prompt). max_batch: at most this many rows at once, finished rows refilled from the remaining prompts in order
     (continuous batching, as `generate_batch(max_batch=)`). Same caches, masks and timing as BatchSession's plain
-    steps; the draft is never touched. stop_strings: as `generate_batch` takes them (each row ends on its own)."""
+    steps; the draft is never touched. stop_strings, stop_token_ids, ignore_eos: as `generate_batch` takes them (each
+    row ends on its own)."""
     ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
     stops = StopStrings.of(stop_strings, pair.tokenizer)
-    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_ids
+    stop_ids, eos = check_stop_token_ids(stop_token_ids, pair.vocab_size), end_ids(pair, ignore_eos)
+    device, clock = pair.device, Clock(pair.device)
     check_float("temperature", temperature, minimum=0.0)
     check_int("top_k (0 disables it)", top_k, minimum=0)
     check_float("top_p", top_p, minimum=0.0, maximum=1.0, open_low=True)
@@ -381,7 +385,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
             tokens = plain_step(cache, active, device, sampling, step_generators(generator, active))
             now = clock.now()
             for row, token in zip(active, tokens):
-                emitted = row.truncate([token], eos, stops)
+                emitted = row.truncate([token], eos, stops, stop_ids)
                 row.committed.extend(emitted)
                 row.new_tokens.extend(emitted)
                 row.token_times.append(now - row.start)

@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="end the generation with the token that completes TEXT in the generated text (repeat "
                              "for several; whitespace counts: --stop $'\\n\\n' in bash; the output keeps it, as "
                              "transformers' stop_strings) (default: none)")
+    parser.add_argument("--stop-token-id", action="append", type=non_negative_int, default=None, metavar="ID",
+                        help="end the generation at token ID as at the model's end token (repeat for several; vLLM's "
+                             "stop_token_ids) (default: none)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="decode past the model's end token, to --max-new-tokens (vLLM's ignore_eos, for "
+                             "benchmarks)")
     parser.add_argument("--stream", action="store_true",
                         help="print the text as each cycle emits it (transformers' TextStreamer) instead of at the "
                              "end")
@@ -127,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{'--stop' if args.stop else '--stream'} needs the pair's tokenizer, and this pair has none: "
                          "keep the tokenizer files in the target's folder, or drop the option")
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, stop_strings=args.stop)
+                    top_p=args.top_p, seed=args.seed, stop_strings=args.stop, stop_token_ids=args.stop_token_id,
+                    ignore_eos=args.ignore_eos)
     # the real request must fit before the warm-up runs (else its error would name the warm-up's 4 tokens)
     check_context(pair, len(pair.encode(args.prompt)), args.max_new_tokens, 0)
     # why this dtype (asked for, the device's default, or auto's measurement): on stderr, so that stdout stays the

@@ -28,7 +28,7 @@ from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, mak
 from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import draw, sample, sampling_probs
-from specpilot.drafting.stopping import StopStrings, truncate_emitted
+from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids, truncate_emitted
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
@@ -63,10 +63,12 @@ class DecodingSession:
 
     def __init__(self, decoder: "SpeculativeDecoder", prompt: list[int], *, max_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: int | None, stop_strings=None,
-                 streamer=None) -> None:
+                 stop_token_ids=None, ignore_eos: bool = False, streamer=None) -> None:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
         self.stops = StopStrings.of(stop_strings, pair.tokenizer)
+        self.stop_ids = check_stop_token_ids(stop_token_ids, pair.vocab_size)
+        self.eos = end_ids(pair, ignore_eos)
         self.streamer = streamer
         check_context(pair, len(prompt), max_new_tokens, 0)  # drafts shrink where the context ends (max_depth)
         self.pair, self.tree_config = pair, tree
@@ -76,7 +78,6 @@ class DecodingSession:
         self.device = pair.device
         self.clock = Clock(self.device)
         self.generator = _generator(seed, self.device)
-        self.eos = pair.eos_token_ids
         self.committed: list[int] = list(prompt)
         self.prompt_len = len(prompt)
         self.new_tokens: list[int] = []
@@ -332,7 +333,8 @@ class DecodingSession:
 
     def _truncate(self, emitted: list[int]) -> list[int]:
         """Never emit past an end id, max_new_tokens or a stop string; mark the session finished when one is hit."""
-        kept, finished_by = truncate_emitted(emitted, self.new_tokens, self.max_new_tokens, self.eos, self.stops)
+        kept, finished_by = truncate_emitted(emitted, self.new_tokens, self.max_new_tokens, self.eos, self.stops,
+                                             self.stop_ids)
         if finished_by is not None:
             self.finished_by = finished_by
         return kept
@@ -375,27 +377,32 @@ class SpeculativeDecoder:
         self.tree = tree
 
     def start(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-              top_p: float = 1.0, seed: int | None = None, stop_strings=None, streamer=None) -> DecodingSession:
+              top_p: float = 1.0, seed: int | None = None, stop_strings=None, stop_token_ids=None,
+              ignore_eos: bool = False, streamer=None) -> DecodingSession:
         return DecodingSession(self, self.pair.encode(prompt), max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                               stop_strings=stop_strings, streamer=streamer)
+                               stop_strings=stop_strings, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                               streamer=streamer)
 
     def generate(self, prompt, *, controller=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_strings=None,
-                 streamer=None) -> GenerationOutput:
+                 stop_token_ids=None, ignore_eos: bool = False, streamer=None) -> GenerationOutput:
         """Generate up to `max_new_tokens` new tokens, one `run_cycle` after another. `controller` (a Controller, or
         anything with should_stop / choose_size: skip_drafting / observe / reset default as Controller's) defaults
         to `default_controller` (an exported decoder's policies), else FixedController() for the device. A
         FixedController deeper or larger than the tree is refused (it would be capped without a word). `prompt`:
         text, token ids, or a tokenizer's output (its attention_mask's padding dropped).
         stop_strings: a string or list of strings; the generation ends with the token that completes one in the
-        generated text (`finished_by` "stop"; `specpilot.drafting.stopping`). streamer: a transformers streamer
+        generated text (`finished_by` "stop"; `specpilot.drafting.stopping`). stop_token_ids: ids that end it as the
+        end ids do (kept; `finished_by` "stop"), vLLM's option. ignore_eos: decode past the end ids, to the budget
+        (vLLM's option, for benchmarks). streamer: a transformers streamer
         (`TextStreamer`, `TextIteratorStreamer`, any `put(ids)` / `end()`): given the prompt's ids, then each
         cycle's emitted tokens as one [1, n] tensor, then `end()`, as generate() feeds it."""
         controller = self._controller(controller)
         warn_generation_config(self.pair)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, stop_strings=stop_strings, streamer=streamer)
+                             top_p=top_p, seed=seed, stop_strings=stop_strings, stop_token_ids=stop_token_ids,
+                             ignore_eos=ignore_eos, streamer=streamer)
         run_generation(session, controller)
         return session.output()
 
@@ -411,7 +418,8 @@ class SpeculativeDecoder:
 
     def generate_batch(self, prompts, *, controller=None, max_new_tokens=128, temperature: float = 0.0,
                        top_k: int = 0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                       max_batch: int | None = None, stop_strings=None) -> list[GenerationOutput]:
+                       max_batch: int | None = None, stop_strings=None, stop_token_ids=None,
+                       ignore_eos: bool = False) -> list[GenerationOutput]:
         """Decode several prompts together (`specpilot.drafting.batch`): one batched draft forward per level, one
         target forward verifying every sequence's tree, one controller decision per cycle for the batch.
         prompts: a list of prompts (text or ids), a 2-D id tensor / array without padding, or a tokenizer's output
@@ -422,8 +430,8 @@ class SpeculativeDecoder:
         all at once). Returns one GenerationOutput per prompt, in prompt order (an admitted prompt's prefill_s
         and token_times count from its own admission). Either drafter: a draft LM or an EAGLE-3 head (per-row target
         features); at temperature > 0 the trees take top-W children (exact per row). seed: an int for the batch, or
-        a list of one per prompt (each sequence draws from its own generator). stop_strings: as `generate` takes
-        them; each row ends on its own, where it would alone."""
+        a list of one per prompt (each sequence draws from its own generator). stop_strings, stop_token_ids,
+        ignore_eos: as `generate` takes them; each row ends on its own, where it would alone."""
         from specpilot.drafting.batch import BatchSession
         from specpilot.drafting.batch_ar import batch_inputs
 
@@ -433,7 +441,7 @@ class SpeculativeDecoder:
         ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=0)  # BatchSession.max_depth
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
         session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch,
-                               stop_strings=stop_strings)
+                               stop_strings=stop_strings, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
         run_generation(session, controller)
         return session.outputs()
 
@@ -456,18 +464,20 @@ class SpeculativeDecoder:
 
 def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0,
                             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_strings=None,
-                            streamer=None) -> GenerationOutput:
+                            stop_token_ids=None, ignore_eos: bool = False, streamer=None) -> GenerationOutput:
     """Target-only decoding on the same caches and timing as the speculative decoder (the speedup baseline).
 
     Like the speculative session, the prefill covers prompt[:-1] (not timed) and the timed loop starts by feeding
-    the last prompt token, one target forward per new token. stop_strings and streamer as `generate` takes them.
+    the last prompt token, one target forward per new token. stop_strings, stop_token_ids, ignore_eos and streamer
+    as `generate` takes them.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
     stops = StopStrings.of(stop_strings, pair.tokenizer)
+    stop_ids, eos = check_stop_token_ids(stop_token_ids, pair.vocab_size), end_ids(pair, ignore_eos)
     warn_generation_config(pair)
     ids = pair.encode(prompt)
     check_context(pair, len(ids), max_new_tokens, 0)
-    device, clock, eos = pair.device, Clock(pair.device), pair.eos_token_ids
+    device, clock = pair.device, Clock(pair.device)
     generator = _generator(seed, device) if temperature > 0 else None
     cache = generation_cache(pair.target)
     tokens: list[int] = []
@@ -494,7 +504,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
             times.append(clock.now() - start)
             if streamer is not None:
                 streamer.put(current.cpu())
-            if token in eos or stopped:
+            if token in eos or token in stop_ids or stopped:
                 finished_by = "eos" if token in eos else "stop"
                 break
     if streamer is not None:

@@ -1,8 +1,11 @@
-"""Where a generation ends: end ids, the token budget and stop strings, one rule for every decoding loop.
+"""Where a generation ends: end ids, the token budget, stop token ids and stop strings, one rule for every loop.
 
-    truncate_emitted   the tokens of a cycle (or an autoregressive step) that reach the output, and why it ends
-    StopStrings        transformers' generate(stop_strings=...) / vLLM's `stop`: end once the generated text holds
-                       one of the strings
+    truncate_emitted       the tokens of a cycle (or an autoregressive step) that reach the output, and why it ends
+    StopStrings            transformers' generate(stop_strings=...) / vLLM's `stop`: end once the generated text
+                           holds one of the strings
+    check_stop_token_ids   vLLM's `stop_token_ids`: ids that end the generation as the model's end ids do (kept in
+                           the output), reported as "stop"
+    end_ids                the pair's end ids, or none with vLLM's `ignore_eos` (benchmarks that want full budgets)
 
 A speculative cycle emits several tokens at once; each is cut exactly where target-only decoding would have stopped,
 so speculative, batched and target-only decoding return the same tokens for the same request. As vLLM checks stop
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specpilot.drafting.checks import check_int
 from specpilot.drafting.cycle_math import emitted_count, first_end
 
 # tokens decoded before a cycle's new ones, beyond the longest stop string's length in UTF-8 bytes (a token of a
@@ -75,16 +79,37 @@ class StopStrings:
         return None
 
 
+def check_stop_token_ids(ids, vocab_size: int) -> tuple[int, ...]:
+    """The checked stop token ids: None or an empty list for none, one id, or a list / array / tensor of ids, each
+    in 0..vocab_size-1 (ValueError / TypeError naming the bad one)."""
+    if ids is None:
+        return ()
+    if isinstance(ids, (str, bool)) or not (hasattr(ids, "__iter__") or hasattr(ids, "__index__")):
+        raise TypeError(f"stop_token_ids must be token ids (an int or a list of them), got {ids!r}")
+    if getattr(ids, "ndim", None) == 0 or not hasattr(ids, "__iter__"):  # one id: an int, numpy or 0-d tensor
+        ids = [ids]
+    return tuple(dict.fromkeys(check_int("stop token id", i, minimum=0, maximum=vocab_size - 1) for i in ids))
+
+
+def end_ids(pair, ignore_eos: bool = False) -> tuple[int, ...]:
+    """The ids that end a generation: the pair's `eos_token_ids`, or none when `ignore_eos` (vLLM's option: decode
+    the whole budget, for benchmarks; the end token is then text like any other)."""
+    if not isinstance(ignore_eos, bool):
+        raise TypeError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    return () if ignore_eos else pair.eos_token_ids
+
+
 def truncate_emitted(emitted: list[int], generated: Sequence[int], max_new_tokens: int, eos: tuple[int, ...],
-                     stops: StopStrings | None = None) -> tuple[list[int], str | None]:
+                     stops: StopStrings | None = None,
+                     stop_ids: tuple[int, ...] = ()) -> tuple[list[int], str | None]:
     """(the tokens of `emitted` that reach the output, why the generation ends: "eos", "length", "stop" or None to go
-    on). Never past an end id (kept, as generate() keeps it), the budget, or the token completing a stop string;
-    `generated`: the tokens already output."""
+    on). Never past an end id or a stop token id (kept, as generate() keeps its end id), the budget, or the token
+    completing a stop string; `generated`: the tokens already output."""
     left = max_new_tokens - len(generated)
     finished_by = None
-    end = first_end(emitted[:left], eos)
+    end = first_end(emitted[:left], eos + stop_ids if stop_ids else eos)
     if end is not None:
-        finished_by, left = "eos", end + 1
+        finished_by, left = "eos" if emitted[end] in eos else "stop", end + 1
     elif len(emitted) >= left:
         finished_by = "length"
     kept = emitted[: emitted_count(len(emitted) - 1, left)]  # accepted drafts + the bonus token, within `left`

@@ -240,3 +240,72 @@ def test_cut_matches_a_search_of_the_whole_text_with_multi_byte_characters(saved
                 emitted = tokens[split: split + size]
                 expected = first - split if split + size >= first else None
                 assert checker.cut(tokens[:split], emitted) == expected, (stop, split, size)
+
+
+# -- vLLM's stop_token_ids and ignore_eos ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ids, expected", [(None, ()), ([], ()), (3, (3,)), ([4, 1, 4], (4, 1)),
+                                           (torch.tensor(7), (7,)), (torch.tensor([2, 5]), (2, 5))])
+def test_stop_token_ids_are_read_as_vllm_takes_them(ids, expected):
+    from specpilot.drafting.stopping import check_stop_token_ids
+
+    assert check_stop_token_ids(ids, 10) == expected
+
+
+@pytest.mark.parametrize("ids, error", [([10], ValueError), ([-1], ValueError), (["a"], TypeError), ("3", TypeError),
+                                        (2.5, TypeError), (True, TypeError), ([True], TypeError)])
+def test_bad_stop_token_ids_are_refused(ids, error):
+    from specpilot.drafting.stopping import check_stop_token_ids
+
+    with pytest.raises(error, match="stop"):
+        check_stop_token_ids(ids, 10)
+
+
+def test_a_stop_token_id_ends_every_path_on_its_first_occurrence(pair, case):
+    _, _, ref = case
+    token = ref[len(ref) // 2]
+    k = ref.index(token) + 1
+    decoder = SpeculativeDecoder(pair, TreeConfig(width=3, max_depth=6, max_size=16))
+    outputs = [autoregressive_generate(pair, PROMPT, max_new_tokens=NEW, stop_token_ids=[token]),
+               decoder.generate(PROMPT, controller=FixedController(6, 16), max_new_tokens=NEW, stop_token_ids=token),
+               decoder.generate_batch([PROMPT, OTHER], max_new_tokens=NEW, stop_token_ids=[token])[0],
+               autoregressive_generate_batch(pair, [PROMPT, OTHER], max_new_tokens=NEW, stop_token_ids=[token])[0]]
+    assert [(o.tokens, o.finished_by) for o in outputs] == [(ref[:k], "stop")] * 4
+
+
+def test_ignore_eos_decodes_the_whole_budget_on_every_path(tmp_path):
+    """A target that ends at once: with ignore_eos every path decodes past its end token, to the same budget."""
+    from tiny import noisy_copy, tiny_model
+
+    target = tiny_model(vocab=40, eos=None, seed=4)
+    prompts = [[1, 2, 3], [5, 6], [7]]
+    end = autoregressive_generate(ModelPair(target, noisy_copy(target, 0.05)), prompts[0], max_new_tokens=4).tokens[3]
+    target.generation_config.eos_token_id = target.config.eos_token_id = end  # met by the 4th token of prompt 0
+    end_pair = ModelPair(target, noisy_copy(target, 0.05))
+    decoder = SpeculativeDecoder(end_pair, TreeConfig(width=2, max_depth=4, max_size=8))
+    plain = [autoregressive_generate(end_pair, p, max_new_tokens=24).finished_by for p in prompts]
+    runs = {"ar": [autoregressive_generate(end_pair, p, max_new_tokens=24, ignore_eos=True) for p in prompts],
+            "spec": [decoder.generate(p, max_new_tokens=24, ignore_eos=True) for p in prompts],
+            "batch": decoder.generate_batch(prompts, max_new_tokens=24, ignore_eos=True),
+            "ar_batch": autoregressive_generate_batch(end_pair, prompts, max_new_tokens=24, ignore_eos=True)}
+    for name, outputs in runs.items():
+        assert [o.tokens for o in outputs] == [o.tokens for o in runs["ar"]], name
+        assert all(len(o.tokens) == 24 and o.finished_by == "length" for o in outputs), name
+    assert plain[0] == "eos" and end in runs["ar"][0].tokens[:4]  # without it prompt 0 ended; with it, ran on
+    with pytest.raises(TypeError, match="ignore_eos"):
+        decoder.generate([1], ignore_eos="yes")
+
+
+def test_the_cli_takes_stop_token_ids_and_ignore_eos(saved_pair, pair, case, capsys):
+    from specpilot.cli import main
+
+    _, _, ref = case
+    token = ref[len(ref) // 2]
+    k = ref.index(token) + 1
+    base = ["generate", "--prompt", PROMPT, "--target", str(saved_pair / "target"), "--draft",
+            str(saved_pair / "draft"), "--width", "2", "--depth", "3", "--size", "6", "--max-new-tokens", str(NEW)]
+    assert main([*base, "--stop-token-id", str(token), "--ignore-eos", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert f"[{k} tokens," in out and "identical to target-only" in out
+    assert main([*base, "--stop-token-id", str(pair.vocab_size)]) == 2
+    assert "stop token id must be an integer in 0.." in capsys.readouterr().err
