@@ -499,13 +499,13 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
             else:
                 current = logits.argmax(dim=-1, keepdim=True)                       # [1, 1], stays on device
             token = int(current)
-            stopped = stops is not None and stops.cut(tokens, [token]) is not None
+            _, ended = truncate_emitted([token], tokens, max_new_tokens, eos, stops, stop_ids)  # the sessions' rule
             tokens.append(token)
             times.append(clock.now() - start)
             if streamer is not None:
                 streamer.put(current.cpu())
-            if token in eos or token in stop_ids or stopped:
-                finished_by = "eos" if token in eos else "stop"
+            if ended is not None:
+                finished_by = ended
                 break
     if streamer is not None:
         streamer.end()
