@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specpilot.drafting.cliargs import (add_pair_arguments, dtype_label, given_options, load_pair, non_negative_float,
-                                       non_negative_int, pair_given, positive_int, probability, say, seed, stop_text,
-                                       utf8_text)
+from specpilot.drafting.cliargs import (add_pair_arguments, add_stop_arguments, dtype_label, given_options, load_pair,
+                                       non_negative_float, non_negative_int, pair_given, positive_int, probability,
+                                       say, seed, utf8_text)
 
 # the tree/controller options an exported decoder fixes itself: given with --config they are refused
 STATIC_OPTIONS = ("depth", "size", "width", "max_depth")
@@ -41,16 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="top-p when sampling (1: off)")
     parser.add_argument("--seed", type=seed, default=None, help="sampling seed (default: random)")
-    parser.add_argument("--stop", action="append", type=stop_text, default=None, metavar="TEXT",
-                        help="end the generation with the token that completes TEXT in the generated text (repeat "
-                             "for several; whitespace counts: --stop $'\\n\\n' in bash; the output keeps it, as "
-                             "transformers' stop_strings) (default: none)")
-    parser.add_argument("--stop-token-id", action="append", type=non_negative_int, default=None, metavar="ID",
-                        help="end the generation at token ID as at the model's end token (repeat for several; vLLM's "
-                             "stop_token_ids) (default: none)")
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="decode past the model's end token, to --max-new-tokens (vLLM's ignore_eos, for "
-                             "benchmarks)")
+    add_stop_arguments(parser)
     parser.add_argument("--stream", action="store_true",
                         help="print the text as each cycle emits it (transformers' TextStreamer) instead of at the "
                              "end")

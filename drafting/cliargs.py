@@ -221,6 +221,21 @@ def stop_text(text: str) -> str:
     return text
 
 
+def add_stop_arguments(parser: argparse.ArgumentParser, *, what: str = "the generation") -> None:
+    """--stop TEXT, --stop-token-id ID (both repeatable) and --ignore-eos: where `what` ends, as generate() takes
+    them (`specpilot.drafting.stopping`); one declaration for `generate` and `eval`."""
+    parser.add_argument("--stop", action="append", type=stop_text, default=None, metavar="TEXT",
+                        help=f"end {what} with the token that completes TEXT in the generated text (repeat for "
+                             "several; whitespace counts: --stop $'\\n\\n' in bash; the output keeps it, as "
+                             "transformers' stop_strings) (default: none)")
+    parser.add_argument("--stop-token-id", action="append", type=non_negative_int, default=None, metavar="ID",
+                        help=f"end {what} at token ID as at the model's end token (repeat for several; vLLM's "
+                             "stop_token_ids) (default: none)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="decode past the model's end token, to --max-new-tokens (vLLM's ignore_eos, for "
+                             "benchmarks)")
+
+
 def device(text: str) -> str:
     from specpilot.drafting.pair import check_device
 

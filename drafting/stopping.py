@@ -6,6 +6,7 @@
     check_stop_token_ids   vLLM's `stop_token_ids`: ids that end the generation as the model's end ids do (kept in
                            the output), reported as "stop"
     end_ids                the pair's end ids, or none with vLLM's `ignore_eos` (benchmarks that want full budgets)
+    stopping_options       the three options as generate() keyword arguments, checked once (what eval passes on)
 
 A speculative cycle emits several tokens at once; each is cut exactly where target-only decoding would have stopped,
 so speculative, batched and target-only decoding return the same tokens for the same request. As vLLM checks stop
@@ -30,17 +31,11 @@ class StopStrings:
     pair's (text is decoded as `ModelPair.decode` gives output text, special tokens left out)."""
 
     def __init__(self, stops: str | Sequence[str], tokenizer) -> None:
-        from specpilot.drafting.pair import check_text
-
-        stops = [stops] if isinstance(stops, str) else stops
-        if not isinstance(stops, Sequence) or not stops or not all(isinstance(s, str) and s for s in stops):
-            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {stops!r}")
-        for stop in stops:
-            check_text("a stop string", stop)  # lone surrogates: named here, not as a UnicodeEncodeError
+        stops = check_stop_strings(stops)
         if tokenizer is None:
             raise ValueError("stop_strings need the pair's tokenizer to read the generated text: load the pair with "
                              "ModelPair.from_pretrained, or give ModelPair(tokenizer=...)")
-        self.stops = tuple(dict.fromkeys(stops))
+        self.stops = stops
         self.tokenizer = tokenizer
         self.lookback = max(len(s.encode("utf-8")) for s in self.stops) + LOOKBACK_MARGIN
         self.longest = max(len(s) for s in self.stops)
@@ -77,6 +72,37 @@ class StopStrings:
             if any(s in text and s not in before for s in self.stops):
                 return i + 1
         return None
+
+
+def check_stop_strings(stops) -> tuple[str, ...]:
+    """The checked stop strings, once each: one non-empty string or a sequence of them, valid UTF-8 (ValueError)."""
+    from specpilot.drafting.pair import check_text
+
+    stops = [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, Sequence) or not stops or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {stops!r}")
+    for stop in stops:
+        check_text("a stop string", stop)  # lone surrogates: named here, not as a UnicodeEncodeError
+    return tuple(dict.fromkeys(stops))
+
+
+def stopping_options(stop_strings=None, stop_token_ids=None, ignore_eos: bool = False) -> dict:
+    """The given ending options as `generate()` keyword arguments, their form checked ({} when none is given): what
+    an evaluation hands every method alike. The tokenizer and the vocabulary are checked where the pair is
+    (`StopStrings`, `check_stop_token_ids`)."""
+    out: dict = {}
+    empty = isinstance(stop_strings, Sequence) and not isinstance(stop_strings, str) and len(stop_strings) == 0
+    if stop_strings is not None and not empty:  # None or [] mean none, as generate() takes them
+        out["stop_strings"] = list(check_stop_strings(stop_strings))
+    if stop_token_ids is not None:
+        ids = check_stop_token_ids(stop_token_ids, vocab_size=2 ** 62)  # the form here; the range on the pair
+        if ids:
+            out["stop_token_ids"] = list(ids)
+    if not isinstance(ignore_eos, bool):
+        raise TypeError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    if ignore_eos:
+        out["ignore_eos"] = True
+    return out
 
 
 def check_stop_token_ids(ids, vocab_size: int) -> tuple[int, ...]:

@@ -33,6 +33,7 @@ import numpy as np
 
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.control import Controller
+from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, stopping_options
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import compare, unit_records
 from specpilot.eval.methods import ARMethod, ControllerMethod, EvalContext, build_methods
@@ -73,9 +74,11 @@ class BatchMethod:
         return self._describe
 
     def __call__(self, batch: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, **_) -> BatchRecord:
+                 top_p: float = 1.0, seed: int = 0, stop_strings=None, stop_token_ids=None, ignore_eos: bool = False,
+                 **_) -> BatchRecord:
         sampling = {} if temperature == 0.0 else dict(temperature=temperature, top_k=top_k, top_p=top_p,
                                                       seed=sequence_seeds(seed, len(batch)))
+        sampling.update(stopping_options(stop_strings, stop_token_ids, ignore_eos))
         outs = self._run(batch, max_new_tokens, sampling)
         longest = max(outs, key=lambda o: len(o.cycles))
         waits = [(o.prefill_s + o.token_times[-1]) / len(o.tokens) for o in outs if o.tokens and o.token_times]
@@ -125,13 +128,16 @@ def batch_units(ids: list[list[int]], batch_size: int) -> list[list[list[int]]]:
 def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree: TreeConfig,
                      methods: list[str] | None = None, controllers: dict | None = None, max_new_tokens: int = 64,
                      plan: RoundPlan | None = None, warmup: int = 1, seed: int = 0, grid=None, run_dir=None,
-                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_strings=None,
+                     stop_token_ids=None, ignore_eos: bool = False,
                      progress: Callable[[str], None] | None = None) -> dict:
     """Every method on `ids` (token-id lists) in batches of each B in `batch_sizes`, greedy (temperature 0) or
     sampled at `temperature` (with top_k / top_p; per-sequence seeds), interleaved (module docstring).
     `methods`: registry names (None: none but `ar`, which always runs); `controllers`: more methods by name,
     {name: Controller or (Controller, TreeConfig)}. `plan` (default one round) applies per batch size;
-    its time budget is shared evenly by the batch sizes still to run. Returns {"batch_sizes": [section per B], "methods": {name: describe}, "skipped": {...},
+    its time budget is shared evenly by the batch sizes still to run. stop_strings, stop_token_ids, ignore_eos: where
+    each sequence ends, as `generate_batch` takes them, alike for every method.
+    Returns {"batch_sizes": [section per B], "methods": {name: describe}, "skipped": {...},
     "records": {B: [BatchRecord]}}: each section holds its temperature and how exactness stands there
     (`exactness`), per method tokens/s, per-token latency, speedup over batched `ar` with its 95% paired interval
     and verdict, identical_to_ar (None when sampling), and the comparisons between the per-batch-size methods
@@ -150,7 +156,11 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
     temperature = float(temperature)
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature,
+                    **stopping_options(stop_strings, stop_token_ids, ignore_eos))
+    # on the pair before any method runs: a method failing on them would be skipped, not refused
+    StopStrings.of(sampling.get("stop_strings"), pair.tokenizer)
+    check_stop_token_ids(sampling.get("stop_token_ids"), pair.vocab_size)
     if temperature > 0:
         sampling.update(top_k=top_k, top_p=top_p)
     failed: dict[str, str] = {}
@@ -178,6 +188,7 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
             "protocol": {"max_new_tokens": max_new_tokens, "warmup": warmup, "temperature": temperature,
                          **({"top_k": top_k, "top_p": top_p, "seeds": "per sequence: unit seed * B + row"}
                             if temperature > 0 else {}),
+                         **{k: v for k, v in sampling.items() if k in ("stop_strings", "stop_token_ids", "ignore_eos")},
                          "rounds": plan.describe(), "seconds": round(time.perf_counter() - started, 1)}}
 
 

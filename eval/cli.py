@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from specpilot.drafting.cliargs import (add_pair_arguments, float_list, given_options, int_list, name_list,
-                                        non_negative_float, non_negative_int, output_dir, positive_float, positive_int,
-                                        probability, say, seed)
+from specpilot.drafting.cliargs import (add_pair_arguments, add_stop_arguments, float_list, given_options, int_list,
+                                        name_list, non_negative_float, non_negative_int, output_dir, positive_float,
+                                        positive_int, probability, say, seed)
 from specpilot.drafting.checks import check_prompt_lengths, prompt_room
 from specpilot.eval.suites import CHAT_TEMPLATE_MODES
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
     parser.add_argument("--top-p", type=probability, default=1.0, help="top-p when sampling (1: off)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens generated per prompt")
+    add_stop_arguments(parser, what="every method's generation of a prompt")
     parser.add_argument("--rounds", type=_rounds, default="auto",
                         help="rounds over all prompts: N, or auto (default): until the --decide pair's 95%% interval "
                              "is within --target-half-width, they made the same decisions, or --time-budget is spent")
@@ -163,6 +164,11 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
                              "or drop them")
     if {"--repeats", "--rounds"} <= given_options(args):  # both set args.rounds: the later one would silently win
         raise ValueError("--repeats is the old name of --rounds: give one of them")
+    ending = [o for o, given in (("--stop", args.stop), ("--stop-token-id", args.stop_token_id),
+                                 ("--ignore-eos", args.ignore_eos)) if given]
+    if ending and args.replay_dir:
+        raise ValueError(f"--replay-dir cannot be combined with {', '.join(ending)}: replay's traces are greedy "
+                         "decodings to the end token or --max-new-tokens; drop one of them")
     if args.check_profile and not args.replay_dir:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
     for path in args.check_profile:
@@ -268,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
             run_dir=args.run_dir, methods=methods, sampled_methods=plan.sampled, seed=args.seed,
             plots=not args.no_plots, progress=say, top_k=args.top_k, top_p=args.top_p, min_rounds=args.min_rounds,
             max_rounds=args.max_rounds, target_half_width=args.target_half_width, decide=plan.decide,
-            warmup=args.warmup, concurrency=args.concurrency, suite=plan.suite)
+            warmup=args.warmup, concurrency=args.concurrency, suite=plan.suite, stop_strings=args.stop,
+            stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
     for name, reason in result.meta["skipped"].items():
         say(f"skipped {name}: {reason}")
     if result.meta["executor"]["retried_prompts"]:
@@ -286,6 +293,7 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     import time
 
     from specpilot.drafting.cliargs import dtype_label, load_pair
+    from specpilot.drafting.stopping import stopping_options
     from specpilot.eval.batched import evaluate_batches
     from specpilot.eval.inputs import check_inputs_pair
     from specpilot.eval.exactness import identity_line
@@ -322,7 +330,8 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
         results.append(evaluate_batches(tokens, pair=pair, batch_sizes=args.batch_sizes, tree=plan.tree,
                                         methods=names, max_new_tokens=args.max_new_tokens, plan=rounds,
                                         warmup=args.warmup, seed=args.seed, grid=args.grid, run_dir=args.run_dir,
-                                        temperature=t, top_k=args.top_k, top_p=args.top_p,
+                                        temperature=t, top_k=args.top_k, top_p=args.top_p, stop_strings=args.stop,
+                                        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
                                         progress=lambda msg, t=t: say(f"T={t:g}: {msg}")))
     sections = [s for r in results for s in r["batch_sizes"]]
     described = {n: d for r in results for n, d in r["methods"].items()}
@@ -330,7 +339,8 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     repeats = max(s["rounds"]["rounds"] for s in sections)
     meta = build_meta(pair, tree=plan.tree, prompts=plan.prompts, temperatures=tuple(temperatures),
                       top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens, repeats=repeats,
-                      warmup=args.warmup, concurrency=1, seed=args.seed, methods=described, skipped=skipped)
+                      warmup=args.warmup, concurrency=1, seed=args.seed, methods=described, skipped=skipped,
+                      stopping=stopping_options(args.stop, args.stop_token_id, args.ignore_eos))
     meta.update(prompt_mix=prompt_mix(list(plan.prompts)), suite=plan.suite,
                 batch_protocol=[r["protocol"] for r in results])
     paths = write_report([], meta, args.out, plots=False, analysis={"batch_sizes": sections})

@@ -56,6 +56,10 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     prompts = list(prompts)
+    ending = [k for k in ("stop_strings", "stop_token_ids", "ignore_eos") if evaluate_kwargs.get(k)]
+    if replay and ending:
+        raise ValueError(f"replay cannot apply {', '.join(ending)}: its traces are greedy decodings to the model's end "
+                         "token or the budget; evaluate live only (replay=False, no --replay-dir)")
     executor = as_executor(pair, executor)
     trace = profile = lookup = None
     if replay:

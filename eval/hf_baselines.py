@@ -6,15 +6,19 @@ decoder. Token arrival times come from a streamer that `generate()` calls once p
 generation, the accepted tokens plus the bonus for assisted generation), so TTFT, inter-token latency and the
 tokens per target forward (tau) are observed rather than assumed. Assisted generation reads its drafting
 settings from the draft's own `generation_config` (passing them to generate() does not reach the assistant), so
-`configure_assistant` writes them there.
+`configure_assistant` writes them there. Stop strings end generate() by our decoder's rule (`GeneratedTextStop`:
+the generated text only, as vLLM; transformers' own `stop_strings` also match a string begun in the prompt), stop
+token ids join the end ids, and ignore_eos gives generate() no end id, so both baselines end where `ar` ends.
 """
 from __future__ import annotations
 
 import time
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids
 from specpilot.drafting.timing import synchronize
 from specpilot.eval.metrics import RunRecord
 
@@ -39,6 +43,26 @@ class TimingStreamer(BaseStreamer):
 
     def end(self) -> None:
         pass
+
+
+class GeneratedTextStop(StoppingCriteria):
+    """A stopping criterion for generate(): True once a token completes one of `stops` in the text generated after
+    the first `prompt_len` tokens (`StopStrings.cut`, the rule of our decoder); `stop_at` is then the output length
+    that keeps that token (assisted generation may append tokens past it in the same step)."""
+
+    def __init__(self, stops: StopStrings, prompt_len: int) -> None:
+        self.stops, self.prompt_len = stops, prompt_len
+        self.checked = 0
+        self.stop_at: int | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        generated = input_ids[0, self.prompt_len:].tolist()
+        if self.stop_at is None and len(generated) > self.checked:
+            cut = self.stops.cut(generated[: self.checked], generated[self.checked:])
+            if cut is not None:
+                self.stop_at = self.checked + cut
+            self.checked = len(generated)
+        return torch.full((input_ids.shape[0],), self.stop_at is not None, dtype=torch.bool, device=input_ids.device)
 
 
 def configure_assistant(draft, *, num_assistant_tokens: int, schedule: str = "constant",
@@ -75,13 +99,19 @@ class HFGenerate:
         return out
 
     def __call__(self, ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                 seed: int | None) -> RunRecord:
+                 seed: int | None, stop_strings=None, stop_token_ids=None, ignore_eos: bool = False) -> RunRecord:
         pair = self.pair
         device = pair.device
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        # an empty list, not None: None would fall back to the model's generation_config end ids (ignore_eos)
+        ends = list(end_ids(pair, ignore_eos)) + list(check_stop_token_ids(stop_token_ids, pair.vocab_size))
         kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, attention_mask=torch.ones_like(input_ids),
-                      eos_token_id=list(pair.eos_token_ids) or None,
+                      eos_token_id=list(dict.fromkeys(ends)) if ends or ignore_eos else None,
                       pad_token_id=pair.eos_token_id if pair.eos_token_id is not None else 0)
+        stops = StopStrings.of(stop_strings, pair.tokenizer)
+        criterion = GeneratedTextStop(stops, len(ids)) if stops is not None else None
+        if criterion is not None:
+            kwargs["stopping_criteria"] = StoppingCriteriaList([criterion])
         if temperature > 0:
             # top_k=0 disables top-k in transformers as in our sampler; the explicit value overrides the model's
             # generation_config default (often 50)
@@ -97,5 +127,7 @@ class HFGenerate:
         with torch.inference_mode():
             out = pair.target.generate(input_ids, streamer=streamer, **kwargs)
         tokens = [int(t) for t in out[0, len(ids):].tolist()]
+        if criterion is not None and criterion.stop_at is not None:
+            tokens = tokens[: criterion.stop_at]
         times = streamer.token_times[: len(tokens)]
         return RunRecord(prompt_id="", method=self.name, tokens=tokens, wall_s=0.0, token_times=times)

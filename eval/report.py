@@ -56,6 +56,14 @@ def _fmt(value, spec: str = ".2f") -> str:
     return format(value, spec)
 
 
+def ending_note(sampling: dict) -> str:
+    """", stop ['\\ndef '], stop token ids [13], ignore_eos": the ending options every method was given, or ""."""
+    parts = ([f"stop {sampling['stop_strings']!r}"] if sampling.get("stop_strings") else []) + (
+        [f"stop token ids {sampling['stop_token_ids']}"] if sampling.get("stop_token_ids") else []) + (
+        ["ignore_eos"] if sampling.get("ignore_eos") else [])
+    return "".join(f", {p}" for p in parts)
+
+
 def measurement_label(meta: dict) -> str:
     """What a number was measured on: models, precision, device and hardware, sampling, suite and prompt mix."""
     models = meta.get("models", {})
@@ -68,7 +76,7 @@ def measurement_label(meta: dict) -> str:
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"
             f" | {meta.get('dtype', '?')} on {meta.get('device', '?')} ({hw}{threads})"
             f" | T={temperatures}, top_k={s.get('top_k')}, top_p={s.get('top_p')}, "
-            f"max_new_tokens={s.get('max_new_tokens')}, seed {s.get('seed')}"
+            f"max_new_tokens={s.get('max_new_tokens')}, seed {s.get('seed')}{ending_note(s)}"
             + (f" | suite {meta['suite']['name']}{chat_template_note(meta['suite'])}"
                if isinstance(meta.get("suite"), dict) else "")
             + f" | {mix.get('n_prompts', '?')} prompts: "

@@ -1,9 +1,9 @@
 """`evaluate()`: run every method on the same prompts in interleaved rounds, and aggregate rows for the report.
 
 Protocol (what makes the numbers comparable; the loop itself is `specpilot.eval.rounds`):
-- every method gets the same token ids, the same max_new_tokens, sampling parameters and per-unit seed (a unit
-  is one (prompt, round)); `ar` (our autoregressive baseline on the same caches and clock) is always run, as the
-  speedup reference;
+- every method gets the same token ids, the same max_new_tokens, sampling parameters, ending options (stop strings,
+  stop token ids, ignore_eos) and per-unit seed (a unit is one (prompt, round)); `ar` (our autoregressive baseline
+  on the same caches and clock) is always run, as the speedup reference;
 - warm-up generations of every method before anything is timed;
 - per prompt and round, all methods run back to back in the order of a Williams design (`rounds.method_order`:
   every method in every position and right after every other method equally often), so drift in machine load,
@@ -40,6 +40,7 @@ from specpilot.drafting.checks import prompt_room
 from specpilot.drafting.executor import (Executor, ShardOutcome, ShardTask, as_executor, assign_groups,
                                          shard_report)
 from specpilot.drafting.pair import ModelPair
+from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, stopping_options
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs, measure
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
@@ -180,7 +181,8 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
              grid: str | Path | None = None, run_dir: str | Path | None = None, seed: int = 0,
              encode: Callable[[str], list[int]] | None = None, progress: Callable[[str], None] | None = None,
              sampled_methods: list[str] | None = None, by_group: bool = True,
-             suite: dict | None = None) -> EvalResult:
+             suite: dict | None = None, stop_strings: Sequence[str] | None = None,
+             stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False) -> EvalResult:
     """Evaluate `methods` (default: every registered one that is available) and `controllers` (any Controllers,
     by name, on the evaluation `tree`) on `prompts` with the interleaved rounds of `specpilot.eval.rounds`.
 
@@ -195,6 +197,8 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
     which every method runs, later rounds run `ar` and the `decide` pair (None: all rounds); sampled_min_rounds:
     min_rounds at temperatures > 0 (None: min_rounds); repeats: the old name of a fixed `rounds`.
     sampled_methods: the methods run at temperatures > 0 (default: all; `ar` always runs, it is the reference).
+    stop_strings, stop_token_ids, ignore_eos: where every method's generations end, as `generate()` takes them
+    (a code-completion suite stopped at "\ndef ", or vLLM's ignore_eos for full budgets); each method gets the same.
     Returns rows (task x language x method x temperature x concurrency, each speedup with its paired interval,
     tagged with the worker and device that measured it), the paired analysis, a meta block (meta["workers"],
     meta["executor"]: which worker ran which prompts) and the raw records."""
@@ -203,13 +207,14 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
     plan = RoundPlan.make(repeats if repeats is not None else rounds, min_rounds=min_rounds, max_rounds=max_rounds,
                           time_budget_s=time_budget_s, target_half_width=target_half_width, decide=tuple(decide),
                           full_rounds=full_rounds, sampled_min_rounds=sampled_min_rounds)
+    stopping = stopping_options(stop_strings, stop_token_ids, ignore_eos)
     executor = as_executor(pair, executor)
     if executor is None:
         raise ValueError("evaluate needs pair= (run in this process) or executor= (e.g. a Ray WorkerPool)")
     settings = dict(methods=methods, controllers=controllers, temperatures=tuple(temperatures), top_k=top_k,
                     top_p=top_p, max_new_tokens=max_new_tokens, plan=plan, warmup=warmup, concurrency=concurrency,
                     tree=tree or TreeConfig(), grid=grid, run_dir=run_dir, seed=seed, encode=encode,
-                    sampled_methods=sampled_methods)
+                    sampled_methods=sampled_methods, stopping=stopping)
     shares = [idx for idx in assign_groups(prompts, len(executor), by_group=by_group) if idx]
     tasks = [ShardTask(i, {"prompts": [prompts[j] for j in idx], **settings}, idx) for i, idx in enumerate(shares)]
     outcomes = executor.map(measure_rounds, tasks, progress=progress)
@@ -221,10 +226,14 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
 
 def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, temperatures, top_k, top_p,
                    max_new_tokens, plan: RoundPlan, warmup, concurrency, tree: TreeConfig, grid, run_dir, seed, encode,
-                   sampled_methods) -> dict:
+                   sampled_methods, stopping: dict | None = None) -> dict:
     """The work unit of `evaluate`: the interleaved rounds of every method on `prompts` on the worker's pair.
     Returns {"records", "meta", "kept" (methods that ran without failing), "controllers"}."""
     pair = worker.pair
+    stopping = dict(stopping or {})
+    # checked on the pair before any method runs: a method failing on them would be skipped, not refused
+    StopStrings.of(stopping.get("stop_strings"), pair.tokenizer)
+    check_stop_token_ids(stopping.get("stop_token_ids"), pair.vocab_size)
     ctx = EvalContext(pair=pair, tree=tree, grid=grid, run_dir=run_dir)
     built, skipped, factories = _build(ctx, methods, controllers)
     names = list(built)
@@ -252,7 +261,7 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
         for j, temperature in enumerate(temperatures):
             # top-k / top-p shape the sampled temperatures only (greedy would ignore them, with a warning)
             sampling = dict(max_new_tokens=max_new_tokens, temperature=float(temperature),
-                            top_k=top_k if temperature > 0 else 0, top_p=top_p if temperature > 0 else 1.0)
+                            top_k=top_k if temperature > 0 else 0, top_p=top_p if temperature > 0 else 1.0, **stopping)
             running = names if temperature == 0 else sampled_names
             # what is left of the budget, shared evenly by the temperatures still to run
             deadline = (None if time_budget_s is None else time.perf_counter()
@@ -270,7 +279,8 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
     meta = build_meta(pair, tree=tree, prompts=prompts, temperatures=temperatures, top_k=top_k, top_p=top_p,
                       max_new_tokens=max_new_tokens, repeats=max(r["rounds"] for r in rounds_meta.values()),
                       warmup=warmup, concurrency=concurrency, seed=seed, methods=method_info,
-                      skipped={**skipped, **failed}, n_truncated=n_truncated, prompt_token_limit=limit)
+                      skipped={**skipped, **failed}, n_truncated=n_truncated, prompt_token_limit=limit,
+                      stopping=stopping)
     meta["rounds"] = {**plan.describe(), "seconds": round(time.perf_counter() - started, 1),
                       "by_temperature": rounds_meta}
     if sampled_methods is not None:
@@ -481,8 +491,11 @@ def _version(module: str) -> str | None:
 
 def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temperatures, top_k: int,
                top_p: float, max_new_tokens: int, repeats: int, warmup: int, concurrency: int, seed: int,
-               methods: dict, skipped: dict, n_truncated: int = 0, prompt_token_limit: int | None = None) -> dict:
-    """Everything a reader needs to know what the numbers were measured on."""
+               methods: dict, skipped: dict, n_truncated: int = 0, prompt_token_limit: int | None = None,
+               stopping: dict | None = None) -> dict:
+    """Everything a reader needs to know what the numbers were measured on. stopping: the stop strings, stop token
+    ids and ignore_eos every method was given (`drafting.stopping.stopping_options`)."""
+    stopping = stopping or {}
     device = pair.device
     import os
     return {
@@ -498,7 +511,10 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": _version("transformers"), "specpilot": _version("specpilot")},
         "sampling": {"temperatures": [float(t) for t in temperatures], "top_k": top_k, "top_p": top_p,
-                     "max_new_tokens": max_new_tokens, "seed": seed},
+                     "max_new_tokens": max_new_tokens, "seed": seed,
+                     "stop_strings": list(stopping.get("stop_strings", [])),
+                     "stop_token_ids": list(stopping.get("stop_token_ids", [])),
+                     "ignore_eos": bool(stopping.get("ignore_eos", False))},
         "protocol": {"repeats": repeats, "warmup": warmup, "concurrency": concurrency,
                      "interleaving": ("rounds over all prompts; per prompt the methods back to back, in the order of a "
                                       "Williams design (every method in every position and after every other "

@@ -93,6 +93,11 @@ def report_metrics(report: dict) -> dict:
                  "models": (meta.get("models") or {}).get("name"), "dtype": meta.get("dtype"),
                  "device": meta.get("device"), "hardware": meta.get("gpu") or meta.get("cpu"),
                  "max_new_tokens": (meta.get("sampling") or {}).get("max_new_tokens")}
+    sampling = meta.get("sampling") or {}
+    for key in ("stop_strings", "stop_token_ids"):  # flattened as the lists below; absent when none was given
+        out.update({f"{key}/{i}": v for i, v in enumerate(sampling.get(key) or [])})
+    if sampling.get("ignore_eos"):
+        out["ignore_eos"] = True
     keys = ("speedup", "tau", "policy_overhead", "identical_to_ar", "n_units")
     for t in sorted({row["temperature"] for row in report.get("summary") or []}):
         rows = [{**row, "speedup": row.get("speedup", row.get("mean_speedup")),

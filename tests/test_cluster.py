@@ -108,6 +108,23 @@ def test_sharded_eval_keeps_the_report_structure_and_records_each_workers_device
     assert {r["worker"] for r in report["results"]} == {0, 1}
 
 
+def test_sharded_eval_applies_the_stop_strings_on_every_worker(ray_pool, local_pair):
+    from specpilot.drafting import autoregressive_generate
+
+    first, last = (list(autoregressive_generate(local_pair, p.prompt, max_new_tokens=16).tokens)
+                   for p in (EVAL_PROMPTS[0], EVAL_PROMPTS[-1]))
+    text = local_pair.decode(first, skip_special_tokens=True)
+    kw = {**EVAL_KW, "max_new_tokens": 16, "methods": ["fixed", "hf_generate"],
+          "stop_strings": [text[len(text) // 2:][:2]], "stop_token_ids": [last[8]]}
+    got = evaluate(EVAL_PROMPTS, executor=ray_pool, **kw)
+    want = evaluate(EVAL_PROMPTS, pair=local_pair, **kw)
+    tokens = {(r.prompt_id, r.method): r.tokens for r in want.records}
+    assert {(r.prompt_id, r.method): r.tokens for r in got.records} == tokens
+    assert any(len(t) < 16 for t in tokens.values())  # the options ended some generations early
+    assert got.meta["sampling"] == want.meta["sampling"]
+    assert {r["worker"] for r in got.results} == {0, 1}
+
+
 def test_sharded_grid_replays_exactly_and_remeasures_the_top_cells_on_every_worker(ray_pool, sharded, tmp_path):
     out, _ = sharded
     got = grid_search(out, executor=ray_pool, val_prompts=PROMPTS[:2], live_top=2, live_max_new_tokens=6,
