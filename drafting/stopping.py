@@ -95,7 +95,7 @@ def stopping_options(stop_strings=None, stop_token_ids=None, ignore_eos: bool = 
     if stop_strings is not None and not empty:  # None or [] mean none, as generate() takes them
         out["stop_strings"] = list(check_stop_strings(stop_strings))
     if stop_token_ids is not None:
-        ids = check_stop_token_ids(stop_token_ids, vocab_size=2 ** 62)  # the form here; the range on the pair
+        ids = check_stop_token_ids(stop_token_ids, vocab_size=None)  # the form here; the range on the pair
         if ids:
             out["stop_token_ids"] = list(ids)
     if not isinstance(ignore_eos, bool):
@@ -105,16 +105,17 @@ def stopping_options(stop_strings=None, stop_token_ids=None, ignore_eos: bool = 
     return out
 
 
-def check_stop_token_ids(ids, vocab_size: int) -> tuple[int, ...]:
+def check_stop_token_ids(ids, vocab_size: int | None) -> tuple[int, ...]:
     """The checked stop token ids: None or an empty list for none, one id, or a list / array / tensor of ids, each
-    in 0..vocab_size-1 (ValueError / TypeError naming the bad one)."""
+    in 0..vocab_size-1 (ValueError / TypeError naming the bad one; vocab_size None: any id >= 0, the form only)."""
     if ids is None:
         return ()
     if isinstance(ids, (str, bool)) or not (hasattr(ids, "__iter__") or hasattr(ids, "__index__")):
         raise TypeError(f"stop_token_ids must be token ids (an int or a list of them), got {ids!r}")
     if getattr(ids, "ndim", None) == 0 or not hasattr(ids, "__iter__"):  # one id: an int, numpy or 0-d tensor
         ids = [ids]
-    return tuple(dict.fromkeys(check_int("stop token id", i, minimum=0, maximum=vocab_size - 1) for i in ids))
+    top = None if vocab_size is None else vocab_size - 1
+    return tuple(dict.fromkeys(check_int("stop token id", i, minimum=0, maximum=top) for i in ids))
 
 
 def end_ids(pair, ignore_eos: bool = False) -> tuple[int, ...]:

@@ -226,6 +226,7 @@ def check_batch_options(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.drafting.executor import LocalExecutor, prompt_lengths
+    from specpilot.drafting.stopping import check_stop_token_ids
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.inputs import EvalInputError, check_inputs_pair, check_methods
     from specpilot.eval.methods import assisted_refusal_on
@@ -239,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
             SpeculativeDecoder(executor.pair, plan.tree)
         identity = executor.workers[0]["pair"]
         check_inputs_pair(identity, run_dir=args.run_dir, grid=args.grid)  # the run / grid were made on this pair
+        check_stop_token_ids(args.stop_token_id, identity["vocab_size"])  # before OUT's old plots are cleared
         check_replay_dir(args.replay_dir, identity, tree=plan.tree, max_new_tokens=args.max_new_tokens,
                          num_prompts=len(plan.prompts))
         methods = plan.methods
@@ -293,7 +295,7 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
     import time
 
     from specpilot.drafting.cliargs import dtype_label, load_pair
-    from specpilot.drafting.stopping import stopping_options
+    from specpilot.drafting.stopping import check_stop_token_ids, stopping_options
     from specpilot.eval.batched import evaluate_batches
     from specpilot.eval.inputs import check_inputs_pair
     from specpilot.eval.exactness import identity_line
@@ -304,6 +306,7 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
 
     pair = load_pair(args)
     check_inputs_pair(pair.identity(), run_dir=args.run_dir, grid=args.grid)
+    check_stop_token_ids(args.stop_token_id, pair.vocab_size)  # before OUT's old plots are cleared
     ids = {p.prompt: pair.encode(p.prompt) for p in plan.prompts}
     lengths = {text: len(tokens) for text, tokens in ids.items()}
     for note in check_prompt_lengths(plan.prompts, lengths, context=pair.max_context,

@@ -22,6 +22,7 @@ from pathlib import Path
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.artifacts.profile import profile_path as profile_file
 from specpilot.drafting.executor import Executor, ShardTask, as_executor
+from specpilot.drafting.stopping import stopping_options
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import DECIDE
 from specpilot.eval.costcheck import check_records, profile_age_s
@@ -56,7 +57,8 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     prompts = list(prompts)
-    ending = [k for k in ("stop_strings", "stop_token_ids", "ignore_eos") if evaluate_kwargs.get(k)]
+    ending = stopping_options(evaluate_kwargs.get("stop_strings"), evaluate_kwargs.get("stop_token_ids"),
+                              evaluate_kwargs.get("ignore_eos", False))  # a bare id 0 or an array counts as given
     if replay and ending:
         raise ValueError(f"replay cannot apply {', '.join(ending)}: its traces are greedy decodings to the model's end "
                          "token or the budget; evaluate live only (replay=False, no --replay-dir)")

@@ -211,6 +211,8 @@ def evaluate(prompts: list[Prompt], *, pair: ModelPair | None = None, executor: 
     executor = as_executor(pair, executor)
     if executor is None:
         raise ValueError("evaluate needs pair= (run in this process) or executor= (e.g. a Ray WorkerPool)")
+    # the id range here, from the workers' pair: on Ray a worker raising it would be retried as a failed shard
+    check_stop_token_ids(stopping.get("stop_token_ids"), executor.workers[0]["pair"]["vocab_size"])
     settings = dict(methods=methods, controllers=controllers, temperatures=tuple(temperatures), top_k=top_k,
                     top_p=top_p, max_new_tokens=max_new_tokens, plan=plan, warmup=warmup, concurrency=concurrency,
                     tree=tree or TreeConfig(), grid=grid, run_dir=run_dir, seed=seed, encode=encode,

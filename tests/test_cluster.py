@@ -123,6 +123,9 @@ def test_sharded_eval_applies_the_stop_strings_on_every_worker(ray_pool, local_p
     assert any(len(t) < 16 for t in tokens.values())  # the options ended some generations early
     assert got.meta["sampling"] == want.meta["sampling"]
     assert {r["worker"] for r in got.results} == {0, 1}
+    # an id outside the vocabulary is refused on the driver, not retried as a failing shard
+    with pytest.raises(ValueError, match="stop token id must be"):
+        evaluate(EVAL_PROMPTS, executor=ray_pool, **{**kw, "stop_token_ids": [local_pair.vocab_size]})
 
 
 def test_sharded_grid_replays_exactly_and_remeasures_the_top_cells_on_every_worker(ray_pool, sharded, tmp_path):

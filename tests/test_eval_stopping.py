@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -150,17 +151,34 @@ def test_bad_ending_options_are_refused_before_any_work(kwargs, error):
         evaluate(PROMPTS, pair=None, executor=None, **kwargs)
 
 
-def test_a_stop_token_id_outside_the_vocabulary_is_refused_on_the_pair(pair):
-    with pytest.raises(ValueError, match="stop token id"):
+@pytest.mark.parametrize("bad", [300, 10 ** 30])
+def test_a_stop_token_id_outside_the_vocabulary_is_refused_naming_the_vocabulary(pair, bad):
+    assert stopping_options(stop_token_ids=[bad]) == {"stop_token_ids": [bad]}  # the form only: no pair yet
+    with pytest.raises(ValueError, match=rf"stop token id must be an integer in 0\.\.{pair.vocab_size - 1}, got {bad}"):
         evaluate(PROMPTS, pair=pair, methods=["fixed"], temperatures=(0.0,), max_new_tokens=4, rounds=1,
-                 tree=TREE, stop_token_ids=[pair.vocab_size])
+                 tree=TREE, stop_token_ids=[bad])
 
 
-def test_replay_refuses_ending_options(pair, tmp_path):
+@pytest.mark.parametrize("kwargs, named", [
+    ({"stop_strings": ["x"]}, "stop_strings"),
+    ({"stop_token_ids": 0}, "stop_token_ids"),  # one id, 0: given, though falsy
+    ({"stop_token_ids": np.array([5, 6])}, "stop_token_ids"),
+    ({"ignore_eos": True}, "ignore_eos"),
+])
+def test_replay_refuses_ending_options(pair, tmp_path, kwargs, named):
     from specpilot.eval.full import full_evaluation
 
-    with pytest.raises(ValueError, match="replay cannot apply stop_strings"):
-        full_evaluation(PROMPTS, pair=pair, tree=TREE, out_dir=tmp_path, replay=True, stop_strings=["x"])
+    with pytest.raises(ValueError, match=f"replay cannot apply {named}"):
+        full_evaluation(PROMPTS, pair=pair, tree=TREE, out_dir=tmp_path, replay=True, **kwargs)
+
+
+def test_live_only_full_evaluation_takes_stop_ids_as_an_array(pair, tmp_path):
+    from specpilot.eval.full import full_evaluation
+
+    result, _ = full_evaluation(PROMPTS[:1], pair=pair, tree=TREE, out_dir=tmp_path, replay=False, plots=False,
+                                methods=["fixed"], temperatures=(0.0,), max_new_tokens=4, rounds=1, warmup=0,
+                                stop_token_ids=np.array([5, 6]))
+    assert result.meta["sampling"]["stop_token_ids"] == [5, 6]
 
 
 def test_cli_refuses_stop_options_with_replay_in_one_line(tmp_path):
@@ -170,3 +188,16 @@ def test_cli_refuses_stop_options_with_replay_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "--replay-dir cannot be combined with --stop, --ignore-eos" in proc.stderr
+
+
+def test_cli_refuses_an_unknown_stop_token_id_before_touching_the_output_folder(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "forest_speedup_T0.png").write_text("an earlier evaluation's plot")
+    proc = subprocess.run([sys.executable, "-m", "specpilot.cli", "eval", "--limit", "1", "--methods", "ar",
+                           "--temperatures", "0", "--max-new-tokens", "4", "--stop-token-id", "99999999",
+                           "--out", str(out), "--wandb", "disabled"], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("specpilot eval: stop token id must be an integer in 0..")
+    assert "Traceback" not in proc.stderr
+    assert (out / "forest_speedup_T0.png").is_file()
