@@ -32,6 +32,7 @@ import torch
 from specpilot.drafting.cliargs import add_pair_arguments, non_negative_float, output_dir, positive_int, say
 
 GUARD_CHOICES = ("on", "off", "auto")
+AGREEMENT_MAX_DEPTH = 12  # the default tree's deepest draft: prompts need room for it beside the budget
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -94,7 +95,7 @@ def agreement_report(pair, prompts: list, *, reference=None, near_tie: float | N
     reference = pair if reference is None else reference
     if reference.dtype != torch.float32:
         raise ValueError(f"the reference pair must be fp32 (got {reference.dtype}): it is the unrounded yardstick")
-    base = tree or TreeConfig(width=8 if pair.device.type == "cuda" else 4, max_depth=12, max_size=64)
+    base = tree or TreeConfig(width=8 if pair.device.type == "cuda" else 4, max_depth=AGREEMENT_MAX_DEPTH, max_size=64)
     tree = TreeConfig(width=base.width, max_depth=base.max_depth, max_size=base.max_size,
                       sampled_children=base.sampled_children, near_tie=near_tie if near_tie is not None
                       else base.near_tie)
@@ -241,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.cliargs import load_pair
     from specpilot.drafting.files import atomic_write_json
     from specpilot.drafting.types import NEAR_TIE_ON
-    from specpilot.eval.suites import load_suite
+    from specpilot.drafting.checks import check_prompt_lengths
+    from specpilot.eval.suites import BUNDLED_SUITES, load_suite
 
     if args.near_tie is not None and args.guard != "on":
         raise ValueError(f"--near-tie sets the guard's width, which applies only with --guard on (got --guard "
@@ -254,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"suite {args.suite!r} has no prompts of task {args.task!r}")
     prompts = prompts[: args.limit] if args.limit else prompts
     pair = load_pair(args)
+    # every prompt must fit before any is decoded (room for the budget and the deepest draft: agreement_report's
+    # tree reaches depth 12), so a long last prompt does not throw away the finished ones
+    check_prompt_lengths(prompts, {p.prompt: len(pair.encode(p.prompt)) for p in prompts}, context=pair.max_context,
+                         max_new_tokens=args.max_new_tokens, max_depth=AGREEMENT_MAX_DEPTH, truncate=False,
+                         options=("--max-new-tokens",), bundled=args.suite if args.suite in BUNDLED_SUITES else None)
     reference = pair
     if pair.dtype != torch.float32:
         reference = load_pair(argparse.Namespace(**{**vars(args), "dtype": "float32"}))

@@ -12,16 +12,19 @@ dedented, so methods read like functions. `exclude` names suites (bundled names 
 not overlap: a prompt for a function they define (`def` name) or sharing any line of 30+ characters with them is
 dropped (the rule the bundled train / validation suites keep with the held-out ones), so held-out stays held out.
 
+Files are decoded as Python decodes them (a UTF-8 BOM or a `# coding:` declaration, else UTF-8); files that cannot
+be read, decoded or parsed give no prompts, and a refusal for finding none counts them.
 The draw is deterministic for a seed and spread over the source: files are visited in a seeded order, each file
 gives at most `per_file` prompts, each folder directly under a given path at most `per_folder`.
 """
 from __future__ import annotations
 
 import ast
+import io
 import json
 import random
 import re
-import textwrap
+import tokenize
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -51,6 +54,17 @@ def python_files(paths: Sequence[str | Path]) -> list[Path]:
     return sorted(set(found))
 
 
+def read_source(path: Path) -> str | None:
+    """A Python file's text decoded as Python decodes it (a UTF-8 BOM, a `# coding:` declaration, else UTF-8), or
+    None when it cannot be read or decoded."""
+    try:
+        raw = path.read_bytes()
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+        return raw.decode(encoding)
+    except (OSError, SyntaxError, LookupError, UnicodeDecodeError):  # SyntaxError: a bad coding declaration
+        return None
+
+
 def _long_lines(text: str) -> set[str]:
     """The stripped lines of `text` long enough to count as overlap when shared (>= SHARED_LINE_CHARS)."""
     return {s for s in (line.strip() for line in text.splitlines()) if len(s) >= SHARED_LINE_CHARS}
@@ -70,18 +84,29 @@ def _prompt_text(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef,
     start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
     doc_end = node.body[0].end_lineno
     end = doc_end if form == "signature" else min(node.body[1].end_lineno, doc_end + 3)
-    return textwrap.dedent("\n".join(lines[start:end])).rstrip()
+    block = lines[start:end]
+    # the def's own indentation comes off every line that has it (a method reads like a function); textwrap.dedent
+    # would remove nothing when a multi-line string inside holds a line at column 0
+    indent = block[0][: len(block[0]) - len(block[0].lstrip())]
+    return "\n".join("" if not line.strip() else line[len(indent):] if line.startswith(indent) else line
+                     for line in block).rstrip()
+
+
+def _has_body_cut(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A `body` prompt holds the first statement after the docstring: it must begin within the 3 lines the form
+    takes (blank or comment lines in between would leave the prompt without it)."""
+    return len(node.body) >= 2 and node.body[1].lineno <= node.body[0].end_lineno + 3
 
 
 def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: Sequence[str] = FORMS,
                         min_doc: int = 20, max_doc: int = 500, min_chars: int = 60,
                         max_chars: int = 900) -> list[tuple[str, str, str]]:
     """(id, form, prompt) for each public function with a docstring in one file's `source` (the form drawn
-    from `forms` by `rng`); a file that does not parse gives none. A `body` prompt needs a statement after the
-    docstring; functions without one give a `signature` prompt."""
+    from `forms` by `rng`); a file that does not parse gives none. A `body` prompt needs a statement within 3
+    lines of the docstring; functions without one give a `signature` prompt."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the last two: nesting the parser cannot hold
         return []
     lines = source.splitlines()
     out = []
@@ -92,7 +117,7 @@ def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: 
         if not doc or not min_doc <= len(doc) <= max_doc:
             continue
         form = rng.choice(list(forms))
-        if form == "body" and len(node.body) < 2:
+        if form == "body" and not _has_body_cut(node):
             form = "signature"
         if form not in forms:
             continue
@@ -130,19 +155,23 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
     per_folder_count: Counter = Counter()
     seen_text: set[str] = set()
     prompts: list[Prompt] = []
+    unreadable, excluded = 0, 0
     for f in files:
         folder = folder_of(f)
         if per_folder_count[folder] >= per_folder:
             continue
-        try:
-            source = f.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+        source = read_source(f)
+        if source is None:
+            unreadable += 1
             continue
         origin = f.stem if f.parent == Path(folder) else f"{Path(folder).name}/{f.stem}"
         taken = 0
         for pid, form, text in prompts_from_source(source, origin=origin, rng=rng, forms=forms):
             name = pid.rsplit(":", 1)[-1]
-            if text in seen_text or name in avoid_names or _long_lines(text) & avoid_lines:
+            if name in avoid_names or _long_lines(text) & avoid_lines:
+                excluded += 1
+                continue
+            if text in seen_text:
                 continue
             seen_text.add(text)
             prompts.append(Prompt(id=f"{split}-{pid}-{len(prompts)}", task=f"code-{form}", language="python",
@@ -154,7 +183,13 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
-        raise SuiteError(f"no function with a docstring of the usable size found under {', '.join(map(str, paths))}")
+        where = ", ".join(map(str, paths))
+        if excluded:
+            raise SuiteError(f"all {excluded} usable function(s) under {where} overlap the excluded suites (a `def` "
+                             f"name or a line of {SHARED_LINE_CHARS}+ characters in common with "
+                             f"{', '.join(map(str, exclude))}): give other source, or fewer suites to exclude")
+        skipped = f" ({unreadable} of {len(files)} .py file(s) could not be read or decoded)" if unreadable else ""
+        raise SuiteError(f"no function with a docstring of the usable size found under {where}{skipped}")
     return prompts[:limit]
 
 

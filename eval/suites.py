@@ -131,6 +131,10 @@ def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
         except json.JSONDecodeError as err:
             raise SuiteError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be one "
                              "JSON object like {\"id\": \"q1\", \"prompt\": \"...\"}") from err
+        except (ValueError, RecursionError) as err:  # json's own limits: an integer of 4300+ digits, deep nesting
+            raise SuiteError(f"{where}: JSON this loader cannot read ({type(err).__name__}: "
+                             f"{str(err).split(';')[0] if str(err) else 'nested too deeply'}); each line must be "
+                             "one JSON object like {\"id\": \"q1\", \"prompt\": \"...\"}") from None
         if not isinstance(obj, dict):
             raise SuiteError(f"{where}: expected a JSON object with a \"prompt\" field, got {type(obj).__name__}")
         required = REQUIRED_BUNDLED_FIELDS if strict else ("prompt",)
@@ -161,12 +165,15 @@ def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
 def _parse_text(path: Path) -> list[Prompt]:
     lines = read_lines(path)
     stem = path.stem
-    return [
-        Prompt(id=f"{stem}-{lineno}", task=stem, language="unknown", split="custom",
-               prompt=line.replace("\\n", "\n"))
-        for lineno, line in enumerate(lines, start=1)
-        if line.strip()
-    ]
+    prompts = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue  # blank lines separate prompts
+        text = line.replace("\\n", "\n")
+        if not text.strip():  # a line of escaped newlines only: blank once unescaped, as .jsonl refuses it
+            raise SuiteError(f"{path}:{lineno}: empty prompt (the line holds only escaped newlines)")
+        prompts.append(Prompt(id=f"{stem}-{lineno}", task=stem, language="unknown", split="custom", prompt=text))
+    return prompts
 
 
 TABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".xlsx", ".xls")

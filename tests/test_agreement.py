@@ -94,3 +94,17 @@ def test_cli_writes_agreement_json(saved_pair, tmp_path, capsys):
     assert all(k in report for k in FIELDS)
     assert report["dtype"] == "bfloat16" and report["guard"] == "on" and report["n_prompts"] == 2
     assert "identical to bfloat16 AR" in stdout
+
+
+def test_cli_refuses_a_prompt_too_long_before_decoding_any(saved_pair, tmp_path, capsys):
+    suite = tmp_path / "suite.jsonl"
+    context = ModelPair.from_pretrained(saved_pair / "target", saved_pair / "draft").max_context
+    suite.write_text(json.dumps({"id": "short", "prompt": "def f(x):"}) + "\n"
+                     + json.dumps({"id": "long", "prompt": "x " * (2 * context)}) + "\n")
+    out = tmp_path / "out"
+    code, stdout, err = _cli(["agreement", "--target", str(saved_pair / "target"), "--draft",
+                              str(saved_pair / "draft"), "--device", "cpu", "--dtype", "float32", "--suite",
+                              str(suite), "--max-new-tokens", "8", "--out", str(out)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("specpilot agreement: prompt 'long' is") and "--max-new-tokens" in err
+    assert not out.exists() and "agreement of" not in err  # refused before the first prompt was decoded

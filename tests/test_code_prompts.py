@@ -97,7 +97,7 @@ def test_prompts_overlapping_an_excluded_suite_are_dropped(tmp_path):
     assert [p.id.split(":")[1].rsplit("-", 1)[0] for p in kept] == ["public_with_doc"]
     kept = extract_code_prompts([src], exclude=[by_line])
     assert [p.id.split(":")[1].rsplit("-", 1)[0] for p in kept] == ["volume"]
-    with pytest.raises(SuiteError, match="no function"):
+    with pytest.raises(SuiteError, match="all 2 usable function\\(s\\) under .* overlap the excluded suites"):
         extract_code_prompts([src], exclude=[by_name, by_line])
 
 
@@ -128,3 +128,65 @@ def test_cli_writes_the_suite_and_refuses_bad_input_in_one_line(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no such file or folder" in err and "Traceback" not in err
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_body_prompt_holds_a_statement_else_the_function_gives_a_signature_prompt():
+    import random
+
+    source = textwrap.dedent('''\
+        def spaced(values: list[float]) -> float:
+            """Return the mean of `values`, or zero when the list is empty."""
+
+
+
+
+            return sum(values) / len(values) if values else 0.0
+
+
+        def commented(values: list[float]) -> float:
+            """Return the largest of `values`, or zero when the list is empty."""
+            # first comment line here
+            # second comment line here
+            # third comment line here
+            return max(values, default=0.0)
+        ''')
+    # body only: neither function has a statement within the form's 3 lines, so neither gives a (mislabelled) prompt
+    assert prompts_from_source(source, origin="m", rng=random.Random(0), forms=("body",), min_chars=20) == []
+    got = prompts_from_source(source, origin="m", rng=random.Random(0), forms=("signature",), min_chars=20)
+    assert [(pid, form) for pid, form, _ in got] == [("m:spaced", "signature"), ("m:commented", "signature")]
+    assert all(text.endswith('"""') for _, _, text in got)
+
+
+def test_a_method_reads_like_a_function_even_with_a_column_zero_string_inside():
+    import random
+
+    source = ('class C:\n'
+              '    def method_with_text(self):\n'
+              '        """A method whose body holds a multi-line string at column zero here."""\n'
+              '        text = """\n'
+              'first line at column zero\n'
+              '"""\n'
+              '        return text\n')
+    [(_, form, text)] = prompts_from_source(source, origin="m", rng=random.Random(0), forms=("body",))
+    assert form == "body" and text.startswith("def method_with_text(self):\n    \"\"\"A method")
+    assert "\nfirst line at column zero\n" in text  # the string's own text is left as it is
+
+
+@pytest.mark.parametrize("encoded", [
+    b"\xef\xbb\xbf" + SOURCE.encode(),                                                    # a UTF-8 BOM
+    b"# -*- coding: latin-1 -*-\n" + SOURCE.replace("stripped.", "stripped, caf\u00e9.").encode("latin-1"),
+])
+def test_source_decoded_as_python_decodes_it(tmp_path, encoded):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "m.py").write_bytes(encoded)
+    kept = extract_code_prompts([tmp_path / "src"])
+    assert len(kept) == 2 and not kept[0].prompt.startswith("\ufeff")
+
+
+def test_files_that_cannot_be_read_are_counted_in_the_refusal(tmp_path):
+    (tmp_path / "src").mkdir()
+    latin1 = SOURCE.replace("stripped.", "stripped, caf\u00e9.").encode("latin-1")  # no declaration: not UTF-8
+    (tmp_path / "src" / "latin1.py").write_bytes(latin1)
+    (tmp_path / "src" / "deep.py").write_text("x = " + "+".join(["a"] * 3000) + "\n")  # too deep for the parser
+    with pytest.raises(SuiteError, match=r"\(1 of 2 \.py file\(s\) could not be read or decoded\)"):
+        extract_code_prompts([tmp_path / "src"])

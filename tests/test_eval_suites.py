@@ -117,3 +117,21 @@ def test_a_table_is_refused_not_read_as_text(tmp_path, suffix):
     path.write_text("id,prompt\na,def f(x):\n")
     with pytest.raises(SuiteError, match="table is not a suite; write JSON lines"):
         load_suite(path)
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"prompt": "x", "n": ' + "9" * 4301 + "}", "JSON this loader cannot read \\(ValueError: Exceeds the limit"),
+    ('{"prompt": "x", "n": ' + "[" * 5000 + "]" * 5000 + "}", "JSON this loader cannot read \\(RecursionError"),
+])
+def test_json_the_parser_cannot_hold_is_a_suite_error_naming_the_line(tmp_path, line, match):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(SuiteError, match=f"mine.jsonl:1: {match}"):
+        load_suite(path)
+
+
+def test_a_text_suite_line_of_escaped_newlines_only_is_an_empty_prompt(tmp_path):
+    path = tmp_path / "mine.txt"
+    path.write_text("def f(x):\\n    return\n\\n\\n\n")
+    with pytest.raises(SuiteError, match="mine.txt:2: empty prompt"):
+        load_suite(path)
