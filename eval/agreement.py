@@ -203,8 +203,10 @@ def describe(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pair_arguments(parser)
-    parser.add_argument("--suite", default="heldout",
-                        help="bundled suite (train, validation, heldout) or a path to .jsonl / .txt")
+    parser.add_argument("--suite", default=None,
+                        help="bundled suite (train, validation, heldout, heldout_code) or a path to .jsonl / .txt "
+                             "(default: the held-out suite that matches the pair, as `eval` picks it: heldout_code "
+                             "for the embedded pair or a code model, heldout for a general-purpose target)")
     parser.add_argument("--task", default=None, help="keep only prompts of this task, e.g. code (default: all)")
     parser.add_argument("--limit", type=positive_int, default=None, help="first N prompts (default: all)")
     parser.add_argument("--guard", choices=GUARD_CHOICES, default="auto",
@@ -243,33 +245,35 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.files import atomic_write_json
     from specpilot.drafting.types import NEAR_TIE_ON
     from specpilot.drafting.checks import check_prompt_lengths
-    from specpilot.eval.suites import BUNDLED_SUITES, load_suite
+    from specpilot.eval.suites import BUNDLED_SUITES, choose_suite, load_suite
 
     if args.near_tie is not None and args.guard != "on":
         raise ValueError(f"--near-tie sets the guard's width, which applies only with --guard on (got --guard "
                          f"{args.guard}): add --guard on, or drop --near-tie")
     _check_support(args)
-    prompts = load_suite(args.suite)
+    suite = choose_suite(args.suite, getattr(args, "target", None))
+    prompts = load_suite(suite["name"])
     if args.task:
         prompts = [p for p in prompts if p.task == args.task]
         if not prompts:
-            raise ValueError(f"suite {args.suite!r} has no prompts of task {args.task!r}")
+            tasks = ", ".join(sorted({p.task for p in load_suite(suite["name"])}))
+            raise ValueError(f"suite {suite['name']!r} has no prompts of task {args.task!r} (its tasks: {tasks})")
     prompts = prompts[: args.limit] if args.limit else prompts
     pair = load_pair(args)
     # every prompt must fit before any is decoded (room for the budget and the deepest draft: agreement_report's
     # tree reaches depth 12), so a long last prompt does not throw away the finished ones
     check_prompt_lengths(prompts, {p.prompt: len(pair.encode(p.prompt)) for p in prompts}, context=pair.max_context,
                          max_new_tokens=args.max_new_tokens, max_depth=AGREEMENT_MAX_DEPTH, truncate=False,
-                         options=("--max-new-tokens",), bundled=args.suite if args.suite in BUNDLED_SUITES else None)
+                         options=("--max-new-tokens",), bundled=suite["name"] if suite["name"] in BUNDLED_SUITES else None)
     reference = pair
     if pair.dtype != torch.float32:
         reference = load_pair(argparse.Namespace(**{**vars(args), "dtype": "float32"}))
     near_tie = {"on": args.near_tie if args.near_tie is not None else NEAR_TIE_ON, "off": 0.0, "auto": None}[args.guard]
     say(f"agreement of {pair.name} in {str(pair.dtype).removeprefix('torch.')} ({pair.dtype_reason or 'given'}) "
-        f"on {len(prompts)} prompts, guard {args.guard}")
+        f"on {len(prompts)} prompts of suite {suite['name']} ({suite['chosen_by']}), guard {args.guard}")
     report = agreement_report(pair, prompts, reference=reference, near_tie=near_tie, depth=args.depth,
                               size=args.size, max_new_tokens=args.max_new_tokens, progress=say)
-    report["suite"] = args.suite
+    report["suite"], report["suite_chosen_by"] = suite["name"], suite["chosen_by"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "agreement.json", report, indent=1)

@@ -108,3 +108,23 @@ def test_cli_refuses_a_prompt_too_long_before_decoding_any(saved_pair, tmp_path,
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("specpilot agreement: prompt 'long' is") and "--max-new-tokens" in err
     assert not out.exists() and "agreement of" not in err  # refused before the first prompt was decoded
+
+
+def test_cli_picks_the_held_out_suite_that_matches_the_pair_and_names_it(saved_pair, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = _cli(["agreement", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+                         "--device", "cpu", "--dtype", "float32", "--limit", "1", "--max-new-tokens", "4",
+                         "--out", str(out)], capsys)
+    assert code == 0, err
+    report = json.loads((out / "agreement.json").read_text())
+    # a target whose name marks no code model gets the general held-out suite, as `eval` would pick it
+    assert report["suite"] == "heldout" and report["suite_chosen_by"].startswith("default for target")
+    assert "prompts of suite heldout (default for target" in err
+
+
+def test_cli_names_the_suites_tasks_when_the_task_has_none(saved_pair, tmp_path, capsys):
+    code, _, err = _cli(["agreement", "--target", str(saved_pair / "target"), "--draft", str(saved_pair / "draft"),
+                         "--device", "cpu", "--suite", "heldout_code", "--task", "code", "--out", str(tmp_path)],
+                        capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "suite 'heldout_code' has no prompts of task 'code' (its tasks: classes, datastruct" in err
