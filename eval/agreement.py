@@ -262,9 +262,10 @@ def run(args: argparse.Namespace) -> int:
     pair = load_pair(args)
     # every prompt must fit before any is decoded (room for the budget and the deepest draft: agreement_report's
     # tree reaches depth 12), so a long last prompt does not throw away the finished ones
+    bundled = suite["name"] if suite["name"] in BUNDLED_SUITES else None
     check_prompt_lengths(prompts, {p.prompt: len(pair.encode(p.prompt)) for p in prompts}, context=pair.max_context,
                          max_new_tokens=args.max_new_tokens, max_depth=AGREEMENT_MAX_DEPTH, truncate=False,
-                         options=("--max-new-tokens",), bundled=suite["name"] if suite["name"] in BUNDLED_SUITES else None)
+                         options=("--max-new-tokens",), bundled=bundled)
     reference = pair
     if pair.dtype != torch.float32:
         reference = load_pair(argparse.Namespace(**{**vars(args), "dtype": "float32"}))
