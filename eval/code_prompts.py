@@ -130,10 +130,11 @@ def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: 
 
 def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = None, seed: int = 0,
                          split: str = "train", exclude: Sequence[str | Path] = (), per_file: int = 3,
-                         per_folder: int = 12, forms: Sequence[str] = FORMS) -> list[Prompt]:
+                         per_folder: int = 12, forms: Sequence[str] = FORMS, stats: dict | None = None) -> list[Prompt]:
     """Up to `limit` prompts (None: all) from the Python files under `paths`, as `Prompt`s with task "code-<form>",
     language "python" and the given `split` (module docstring: forms, overlap rule, spread). Raises SuiteError when
-    nothing usable is found."""
+    nothing usable is found. stats: a dict filled with what was left out ({"files", "unreadable", "excluded"}: .py
+    files found, files that could not be read or decoded, functions dropped for overlapping `exclude`)."""
     unknown = [f for f in forms if f not in FORMS]
     if unknown or not forms:
         raise SuiteError(f"unknown prompt form(s) {unknown or '(none given)'}: choose from {', '.join(FORMS)}")
@@ -182,6 +183,8 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
                 break
         if limit is not None and len(prompts) >= limit:
             break
+    if stats is not None:
+        stats.update(files=len(files), unreadable=unreadable, excluded=excluded)
     if not prompts:
         where = ", ".join(map(str, paths))
         if excluded:

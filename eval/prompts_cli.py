@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from specpilot.drafting.cliargs import output_file, positive_int, seed
+from specpilot.drafting.cliargs import output_file, positive_int, say, seed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,9 +35,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.split.strip():
         raise ValueError("--split must name a split (for example train or validation), got an empty string")
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+    stats: dict = {}
     prompts = extract_code_prompts(args.sources, limit=args.limit, seed=args.seed, split=args.split,
                                    exclude=args.exclude, per_file=args.per_file, per_folder=args.per_folder,
-                                   forms=forms)
+                                   forms=forms, stats=stats)
+    left_out = ([f"{stats['unreadable']} of {stats['files']} .py file(s) could not be read or decoded"]
+                if stats.get("unreadable") else []) + (
+        [f"{stats['excluded']} function(s) overlapped the excluded suites"] if stats.get("excluded") else [])
+    if left_out:
+        say(f"note: {'; '.join(left_out)}")
     out = write_suite(prompts, args.out)
     forms_used = Counter(p.task for p in prompts)
     print(f"wrote {len(prompts)} prompts to {out} ({', '.join(f'{k} {v}' for k, v in sorted(forms_used.items()))}); "

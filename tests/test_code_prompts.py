@@ -190,3 +190,15 @@ def test_files_that_cannot_be_read_are_counted_in_the_refusal(tmp_path):
     (tmp_path / "src" / "deep.py").write_text("x = " + "+".join(["a"] * 3000) + "\n")  # too deep for the parser
     with pytest.raises(SuiteError, match=r"\(1 of 2 \.py file\(s\) could not be read or decoded\)"):
         extract_code_prompts([tmp_path / "src"])
+
+
+def test_the_command_says_what_it_left_out(tmp_path, capsys):
+    src = _tree(tmp_path / "src", {"m.py": SOURCE})
+    (src / "latin1.py").write_bytes(b"def f():\n    '''caf\xe9'''\n")  # not UTF-8, no declaration
+    by_name = tmp_path / "by_name.jsonl"
+    by_name.write_text(json.dumps({"id": "h-volume", "prompt": "def volume(x):\n    pass"}) + "\n")
+    out = tmp_path / "suite.jsonl"
+    assert main(["prompts", "--from", str(src), "--exclude", str(by_name), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "note: 1 of 2 .py file(s) could not be read or decoded; 1 function(s) overlapped the excluded suites" in err
+    assert len(load_suite(out)) == 1
