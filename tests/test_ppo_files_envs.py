@@ -62,3 +62,35 @@ def test_resume_with_the_same_envs_continues(tmp_path):
     train_interrupted(tmp_path, two_envs)
     resume(tmp_path, two_envs)
     assert read_progress(tmp_path / "stage")["timesteps_done"] == 512
+
+
+def test_a_resume_is_checked_against_a_worker_count_before_any_env_is_built(tmp_path):
+    from specpilot.train.rl.ppo import check_stages_envs
+
+    train_interrupted(tmp_path, None)  # one environment
+    with pytest.raises(ResumeSettingsError, match="no --ray"):
+        check_stages_envs(tmp_path, ["stage"], 2)
+    check_stages_envs(tmp_path, ["stage"], 1)  # the same count: nothing to say
+    check_stages_envs(tmp_path, ["not_started"], 2)  # no checkpoint: a new stage takes any count
+    assert CountingEnv.steps == 0
+
+
+def test_the_cli_refuses_a_ray_resume_with_another_worker_count_before_starting_the_pool(tmp_path, monkeypatch,
+                                                                                          capsys):
+    import specpilot.train.cli as train_cli
+    import specpilot.train.scale.cluster_cli as cluster_cli
+    from specpilot.cli import main
+
+    train_interrupted(tmp_path, None)
+    (tmp_path / "stage").rename(tmp_path / "size_s1")
+    monkeypatch.setattr(train_cli, "_check", lambda cmd, args, run_dir: (None, None))  # no traces needed here
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("the Ray pool was started")
+    monkeypatch.setattr(cluster_cli, "open_pool", no_pool)
+    monkeypatch.setattr(train_cli, "open_pool", no_pool, raising=False)
+    code = main(["train", "size", "--run", str(tmp_path), "--backend", "live", "--ray", "local", "--workers", "2",
+                 "--resume"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "was trained on 1 environment, this resume runs 2" in err and "no --ray" in err

@@ -289,6 +289,12 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run)
     traces, static = _check(cmd, args, run_dir)
     ray = getattr(args, "ray", None)
+    if ray and getattr(args, "resume", False) and args.workers:  # one live env per worker: checked before the pool
+        from specpilot.train.rl.coadapt import coadapt_stages
+        from specpilot.train.rl.ppo import check_stages_envs
+
+        stages = ([stage for _, stage in coadapt_stages(args.rounds)] if cmd == "coadapt" else [args.stage])
+        check_stages_envs(run_dir, stages, args.workers)
     pair = load_pair(args) if args.backend == "live" and not ray else None
     from specpilot.train.rl.ppo import StageExistsError
 

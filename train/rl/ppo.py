@@ -532,6 +532,29 @@ def check_resume_envs(ckpt_dir: Path, progress: dict, n_envs: int) -> None:
         "stage was trained, or use a new stage name / run directory (nothing was changed)")
 
 
+def check_stages_envs(run_dir: str | Path, stages: list[str], n_envs: int) -> None:
+    """`check_resume_envs` for each of `stages` that a resume would continue (a checkpoint, and not finished in the
+    run's manifest), before any environment is built: the CLI asks it before starting a Ray pool of n_envs workers,
+    so a resume with another worker count is refused in a second rather than after the pool has loaded the models.
+    Damaged records are left to the resume itself, which names them."""
+    run_dir = Path(run_dir)
+    try:
+        manifest = RunManifest.load(run_dir)
+        statuses = manifest.stages
+    except (OSError, ValueError):
+        statuses = {}
+    for name in stages:
+        stage_dir = run_dir / name
+        if not (stage_dir / CHECKPOINTS_DIR).is_dir() or (name in statuses and statuses[name].finished):
+            continue
+        try:
+            progress = read_progress(stage_dir)
+        except CheckpointError:
+            continue
+        if progress is not None:
+            check_resume_envs(stage_dir / CHECKPOINTS_DIR, progress, n_envs)
+
+
 def _start_model(venv, settings: PPOSettings, ckpt_dir: Path, progress: dict | None, init_from,
                  setup: dict | None = None):
     """(model, env, steps done): the checkpoint's when resuming, else a new model (with `init_from`'s weights)."""
