@@ -36,7 +36,7 @@ from specpilot.drafting.batch_ar import (BatchRow, RaggedCache, plain_step, row_
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.cycle_math import clip_size, level_bounds, num_candidates, update_acceptance
 from specpilot.drafting.drafters import aux_batch, fuse_aux, make_drafter
-from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids
+from specpilot.drafting.stopping import request_ending
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput
@@ -51,14 +51,12 @@ class BatchSession:
                  seed: int | None = None, max_batch: int | None = None, stop_strings=None, stop_token_ids=None,
                  ignore_eos: bool = False) -> None:
         pair, tree = decoder.pair, decoder.tree
-        self.stops = StopStrings.of(stop_strings, pair.tokenizer)
-        self.stop_ids = check_stop_token_ids(stop_token_ids, pair.vocab_size)
+        self.eos, self.stops, self.stop_ids = request_ending(pair, stop_strings, stop_token_ids, ignore_eos)
         self.pair, self.tree_config = pair, tree
         self.max_context = pair.max_context
         self.width = tree.width
         self.device = pair.device
         self.clock = Clock(self.device)
-        self.eos = end_ids(pair, ignore_eos)
         self.sampling = sampling  # (temperature, top_k, top_p), None for greedy
         self.generator = row_generators(seed, len(prompts), self.device)
         self.capacity = num_candidates(tree.width, tree.max_depth)

@@ -34,7 +34,7 @@ from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import DraftTree
 from specpilot.drafting.types import CycleRecord, GenerationOutput
 from specpilot.drafting.sampling import draw, sampling_probs
-from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids, truncate_emitted
+from specpilot.drafting.stopping import StopStrings, request_ending, truncate_emitted
 
 PAD = 0  # token id written into holes (never attended to by a real query)
 
@@ -361,8 +361,7 @@ def autoregressive_generate_batch(pair, prompts, *, max_new_tokens=128, max_batc
     steps; the draft is never touched. stop_strings, stop_token_ids, ignore_eos: as `generate_batch` takes them (each
     row ends on its own)."""
     ids, budgets = batch_inputs(pair, prompts, max_new_tokens, lookahead=0)
-    stops = StopStrings.of(stop_strings, pair.tokenizer)
-    stop_ids, eos = check_stop_token_ids(stop_token_ids, pair.vocab_size), end_ids(pair, ignore_eos)
+    eos, stops, stop_ids = request_ending(pair, stop_strings, stop_token_ids, ignore_eos)
     device, clock = pair.device, Clock(pair.device)
     check_float("temperature", temperature, minimum=0.0)
     check_int("top_k (0 disables it)", top_k, minimum=0)

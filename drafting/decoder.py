@@ -28,7 +28,7 @@ from specpilot.drafting.drafters import FeatureBuffer, aux_states, fuse_aux, mak
 from specpilot.drafting.generation_defaults import warn_generation_config
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.sampling import draw, sample, sampling_probs
-from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids, truncate_emitted
+from specpilot.drafting.stopping import request_ending, truncate_emitted
 from specpilot.drafting.timing import Clock
 from specpilot.drafting.tree import TreeDrafter
 from specpilot.drafting.types import CycleRecord, DraftState, GenerationOutput, TreeConfig
@@ -66,9 +66,7 @@ class DecodingSession:
                  stop_token_ids=None, ignore_eos: bool = False, streamer=None) -> None:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
-        self.stops = StopStrings.of(stop_strings, pair.tokenizer)
-        self.stop_ids = check_stop_token_ids(stop_token_ids, pair.vocab_size)
-        self.eos = end_ids(pair, ignore_eos)
+        self.eos, self.stops, self.stop_ids = request_ending(pair, stop_strings, stop_token_ids, ignore_eos)
         self.streamer = streamer
         check_context(pair, len(prompt), max_new_tokens, 0)  # drafts shrink where the context ends (max_depth)
         self.pair, self.tree_config = pair, tree
@@ -472,8 +470,7 @@ def autoregressive_generate(pair: ModelPair, prompt, *, max_new_tokens: int = 12
     as `generate` takes them.
     """
     _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
-    stops = StopStrings.of(stop_strings, pair.tokenizer)
-    stop_ids, eos = check_stop_token_ids(stop_token_ids, pair.vocab_size), end_ids(pair, ignore_eos)
+    eos, stops, stop_ids = request_ending(pair, stop_strings, stop_token_ids, ignore_eos)
     warn_generation_config(pair)
     ids = pair.encode(prompt)
     check_context(pair, len(ids), max_new_tokens, 0)

@@ -6,6 +6,7 @@
     check_stop_token_ids   vLLM's `stop_token_ids`: ids that end the generation as the model's end ids do (kept in
                            the output), reported as "stop"
     end_ids                the pair's end ids, or none with vLLM's `ignore_eos` (benchmarks that want full budgets)
+    request_ending         the three of one request, checked against the pair (what each decoding loop holds)
     stopping_options       the three options as generate() keyword arguments, checked once (what eval passes on)
 
 A speculative cycle emits several tokens at once; each is cut exactly where target-only decoding would have stopped,
@@ -124,6 +125,15 @@ def end_ids(pair, ignore_eos: bool = False) -> tuple[int, ...]:
     if not isinstance(ignore_eos, bool):
         raise TypeError(f"ignore_eos must be True or False, got {ignore_eos!r}")
     return () if ignore_eos else pair.eos_token_ids
+
+
+def request_ending(pair, stop_strings=None, stop_token_ids=None,
+                   ignore_eos: bool = False) -> tuple[tuple[int, ...], StopStrings | None, tuple[int, ...]]:
+    """(end ids, stop strings, stop token ids) of one request, checked against the pair (its tokenizer, its
+    vocabulary): what every decoding loop hands `truncate_emitted`, and what an evaluation checks before any method
+    runs."""
+    return (end_ids(pair, ignore_eos), StopStrings.of(stop_strings, pair.tokenizer),
+            check_stop_token_ids(stop_token_ids, pair.vocab_size))
 
 
 def truncate_emitted(emitted: list[int], generated: Sequence[int], max_new_tokens: int, eos: tuple[int, ...],

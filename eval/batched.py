@@ -33,7 +33,7 @@ import numpy as np
 
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.control import Controller
-from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, stopping_options
+from specpilot.drafting.stopping import request_ending, stopping_options
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import compare, unit_records
 from specpilot.eval.methods import ARMethod, ControllerMethod, EvalContext, build_methods
@@ -74,11 +74,11 @@ class BatchMethod:
         return self._describe
 
     def __call__(self, batch: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_strings=None, stop_token_ids=None, ignore_eos: bool = False,
-                 **_) -> BatchRecord:
+                 top_p: float = 1.0, seed: int = 0, **ending) -> BatchRecord:
+        # ending: the stop strings / stop token ids / ignore_eos `evaluate_batches` checked once, passed on as given
         sampling = {} if temperature == 0.0 else dict(temperature=temperature, top_k=top_k, top_p=top_p,
                                                       seed=sequence_seeds(seed, len(batch)))
-        sampling.update(stopping_options(stop_strings, stop_token_ids, ignore_eos))
+        sampling.update(ending)
         outs = self._run(batch, max_new_tokens, sampling)
         longest = max(outs, key=lambda o: len(o.cycles))
         waits = [(o.prefill_s + o.token_times[-1]) / len(o.tokens) for o in outs if o.tokens and o.token_times]
@@ -156,11 +156,10 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
     temperature = float(temperature)
     if not math.isfinite(temperature) or temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature,
-                    **stopping_options(stop_strings, stop_token_ids, ignore_eos))
     # on the pair before any method runs: a method failing on them would be skipped, not refused
-    StopStrings.of(sampling.get("stop_strings"), pair.tokenizer)
-    check_stop_token_ids(sampling.get("stop_token_ids"), pair.vocab_size)
+    ending = stopping_options(stop_strings, stop_token_ids, ignore_eos)
+    request_ending(pair, **ending)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, **ending)
     if temperature > 0:
         sampling.update(top_k=top_k, top_p=top_p)
     failed: dict[str, str] = {}
@@ -188,7 +187,7 @@ def evaluate_batches(ids: list[list[int]], *, pair, batch_sizes: list[int], tree
             "protocol": {"max_new_tokens": max_new_tokens, "warmup": warmup, "temperature": temperature,
                          **({"top_k": top_k, "top_p": top_p, "seeds": "per sequence: unit seed * B + row"}
                             if temperature > 0 else {}),
-                         **{k: v for k, v in sampling.items() if k in ("stop_strings", "stop_token_ids", "ignore_eos")},
+                         **ending,
                          "rounds": plan.describe(), "seconds": round(time.perf_counter() - started, 1)}}
 
 

@@ -18,7 +18,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, end_ids
+from specpilot.drafting.stopping import StopStrings, request_ending
 from specpilot.drafting.timing import synchronize
 from specpilot.eval.metrics import RunRecord
 
@@ -104,11 +104,11 @@ class HFGenerate:
         device = pair.device
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         # an empty list, not None: None would fall back to the model's generation_config end ids (ignore_eos)
-        ends = list(end_ids(pair, ignore_eos)) + list(check_stop_token_ids(stop_token_ids, pair.vocab_size))
+        eos, stops, stop_ids = request_ending(pair, stop_strings, stop_token_ids, ignore_eos)
+        ends = list(eos) + list(stop_ids)
         kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=0, attention_mask=torch.ones_like(input_ids),
                       eos_token_id=list(dict.fromkeys(ends)) if ends or ignore_eos else None,
                       pad_token_id=pair.eos_token_id if pair.eos_token_id is not None else 0)
-        stops = StopStrings.of(stop_strings, pair.tokenizer)
         criterion = GeneratedTextStop(stops, len(ids)) if stops is not None else None
         if criterion is not None:
             kwargs["stopping_criteria"] = StoppingCriteriaList([criterion])

@@ -40,7 +40,7 @@ from specpilot.drafting.checks import prompt_room
 from specpilot.drafting.executor import (Executor, ShardOutcome, ShardTask, as_executor, assign_groups,
                                          shard_report)
 from specpilot.drafting.pair import ModelPair
-from specpilot.drafting.stopping import StopStrings, check_stop_token_ids, stopping_options
+from specpilot.drafting.stopping import check_stop_token_ids, request_ending, stopping_options
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs, measure
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
@@ -234,8 +234,7 @@ def measure_rounds(worker, *, prompts: list[Prompt], methods, controllers, tempe
     pair = worker.pair
     stopping = dict(stopping or {})
     # checked on the pair before any method runs: a method failing on them would be skipped, not refused
-    StopStrings.of(stopping.get("stop_strings"), pair.tokenizer)
-    check_stop_token_ids(stopping.get("stop_token_ids"), pair.vocab_size)
+    request_ending(pair, **stopping)
     ctx = EvalContext(pair=pair, tree=tree, grid=grid, run_dir=run_dir)
     built, skipped, factories = _build(ctx, methods, controllers)
     names = list(built)
