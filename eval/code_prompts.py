@@ -92,6 +92,12 @@ def _prompt_text(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef,
                      for line in block).rstrip()
 
 
+def _line_prefixes(text: str) -> set[str]:
+    """The text cut at each of its line ends, itself excluded: the shorter prompts it extends."""
+    lines = text.split("\n")
+    return {"\n".join(lines[:n]).rstrip() for n in range(1, len(lines))}
+
+
 def _has_body_cut(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """A `body` prompt holds the first statement after the docstring: it must begin within the 3 lines the form
     takes (blank or comment lines in between would leave the prompt without it)."""
@@ -155,6 +161,7 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
 
     per_folder_count: Counter = Counter()
     seen_text: set[str] = set()
+    seen_heads: set[str] = set()  # every taken prompt cut at each of its line ends
     prompts: list[Prompt] = []
     unreadable, excluded = 0, 0
     for f in files:
@@ -172,9 +179,13 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
             if name in avoid_names or _long_lines(text) & avoid_lines:
                 excluded += 1
                 continue
-            if text in seen_text:
+            # a copy of a function already taken (an identical or vendored file) repeats it, or, in the other
+            # form, extends it or is cut from it: one prompt a prefix of another at a line end
+            heads = _line_prefixes(text)
+            if text in seen_text or text in seen_heads or heads & seen_text:
                 continue
             seen_text.add(text)
+            seen_heads |= heads
             prompts.append(Prompt(id=f"{split}-{pid}-{len(prompts)}", task=f"code-{form}", language="python",
                                   split=split, prompt=text))
             taken += 1

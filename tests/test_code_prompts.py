@@ -202,3 +202,14 @@ def test_the_command_says_what_it_left_out(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "note: 1 of 2 .py file(s) could not be read or decoded; 1 function(s) overlapped the excluded suites" in err
     assert len(load_suite(out)) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_copies_of_a_file_give_each_function_once_in_either_form(tmp_path, seed):
+    """Identical (or vendored) files: the draw may cut one copy as `signature` and another as `body`, a prompt that
+    extends the first; each function still gives one prompt, none a prefix of another."""
+    src = _tree(tmp_path / "src", {"a/m.py": SOURCE, "b/m.py": SOURCE, "c/copy.py": SOURCE})
+    prompts = extract_code_prompts([src], seed=seed)
+    texts = [p.prompt for p in prompts]
+    assert len(texts) == 2
+    assert not [a for a in texts for b in texts if a != b and b.startswith(a)]
