@@ -534,8 +534,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pair_arguments(parser, dtype_option=False)
     parser.add_argument("--seed", type=seed, default=0, help="seed of every stage")
     parser.add_argument("--suite", default=None,
-                        help="held-out suite evaluated: a bundled name or a .jsonl / .txt path (default: heldout_code "
-                             "for the embedded pair or a code model, heldout for a general-purpose target)")
+                        help="held-out suite evaluated: a bundled name or a .jsonl / .json / .txt path "
+                             "(default: heldout_code for the embedded pair or a code model, heldout for a "
+                             "general-purpose target)")
     parser.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
                         help="send the held-out prompts through the target tokenizer's chat template: auto = "
                              "natural-language prompts when the tokenizer has one (code completions stay raw), "

@@ -11,7 +11,7 @@ from specpilot.eval.suites import load_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suite", default="train", help="bundled suite name or path to a .jsonl/.txt file")
+    parser.add_argument("--suite", default="train", help="bundled suite name or path to a .jsonl/.json/.txt file")
     parser.add_argument("--split", default=None, help="keep only prompts of this split (default: all)")
     parser.add_argument("--out", required=True, type=output_dir,
                         help="output folder for trace.npz, trace.json and profile.json (checked before recording)")

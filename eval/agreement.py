@@ -204,9 +204,10 @@ def describe(report: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pair_arguments(parser)
     parser.add_argument("--suite", default=None,
-                        help="bundled suite (train, validation, heldout, heldout_code) or a path to .jsonl / .txt "
-                             "(default: the held-out suite that matches the pair, as `eval` picks it: heldout_code "
-                             "for the embedded pair or a code model, heldout for a general-purpose target)")
+                        help="bundled suite (train, validation, heldout, heldout_code) or a path to a "
+                             ".jsonl / .json / .txt (default: the held-out suite that matches the pair, as `eval` "
+                             "picks it: heldout_code for the embedded pair or a code model, heldout for a "
+                             "general-purpose target)")
     parser.add_argument("--task", default=None, help="keep only prompts of this task, e.g. code (default: all)")
     parser.add_argument("--limit", type=positive_int, default=None, help="first N prompts (default: all)")
     parser.add_argument("--guard", choices=GUARD_CHOICES, default="auto",

@@ -57,9 +57,10 @@ def _decide(text: str) -> tuple[str, str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", default=None,
-                        help="bundled suite (train, validation, heldout, heldout_code) or a path to .jsonl / .txt "
-                             "(default: the held-out suite that matches the pair: heldout_code for the embedded "
-                             "pair or a code model, heldout for a general-purpose target)")
+                        help="bundled suite (train, validation, heldout, heldout_code) or a path to a "
+                             ".jsonl / .json / .txt (default: the held-out suite that matches the pair: "
+                             "heldout_code for the embedded pair or a code model, heldout for a general-purpose "
+                             "target)")
     parser.add_argument("--split", default=None, help="keep only prompts of this split (default: all)")
     parser.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
                         help="send prompts through the target tokenizer's chat template: auto = natural-language "

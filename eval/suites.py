@@ -31,8 +31,10 @@ Prompts are sent as a user of the model would send them (`with_chat_template`, `
 every prompt, `off` none. The report says how many prompts were templated.
 
 Users add their own suite by path: a `.jsonl` file whose objects have at least a `prompt` field (`id`, `task`,
-`language`, `split` are optional), or a plain-text file with one prompt per line (blank lines skipped; a literal
-`\\n` inside a line stands for a newline, so multi-line prompts fit on one line).
+`language`, `split` are optional; a bare JSON string is a prompt too), a `.json` file holding one array of such
+objects or strings, or a plain-text file (`.txt`, or no extension) with one prompt per line (blank lines skipped;
+a literal `\\n` inside a line stands for a newline, so multi-line prompts fit on one line). Any other extension
+(.yaml, .py, a table) is refused rather than read line by line as text.
 """
 from __future__ import annotations
 
@@ -117,49 +119,70 @@ def _check_encodable(value, where: str, key: str) -> None:
                          f"{err.start}): a \\uD800-\\uDFFF escape must be half of a surrogate pair") from None
 
 
+def _loads(text: str, where: str, form: str):
+    """json.loads with every failure a SuiteError naming `where` and showing the expected `form`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SuiteError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); {form}") from err
+    except (ValueError, RecursionError) as err:  # json's own limits: an integer of 4300+ digits, deep nesting
+        raise SuiteError(f"{where}: JSON this loader cannot read ({type(err).__name__}: "
+                         f"{str(err).split(';')[0] if str(err) else 'nested too deeply'}); {form}") from None
+
+
+JSONL_FORM = "each line must be one JSON object like {\"id\": \"q1\", \"prompt\": \"...\"}"
+
+
+def _prompt_from_json(obj, where: str, default_id: str, stem: str, *, strict: bool) -> Prompt:
+    """One suite entry: an object with a "prompt" field (optional id, task, language, split), or, in a user suite,
+    a bare string (the prompt itself)."""
+    if isinstance(obj, str) and not strict:
+        obj = {"prompt": obj}
+    if not isinstance(obj, dict):
+        raise SuiteError(f"{where}: expected a JSON object with a \"prompt\" field, got {type(obj).__name__}")
+    required = REQUIRED_BUNDLED_FIELDS if strict else ("prompt",)
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise SuiteError(f"{where}: missing field(s) {', '.join(missing)}; "
+                         f"required: {', '.join(required)}")
+    text = obj["prompt"]
+    if not isinstance(text, str):
+        raise SuiteError(f"{where}: \"prompt\" must be a string, got {type(text).__name__} {json.dumps(text)[:40]}")
+    if not text.strip():
+        raise SuiteError(f"{where}: empty prompt (\"prompt\" must be a non-empty string)")
+    for key in ("id", "task", "language", "split"):
+        if key in obj and not isinstance(obj[key], (str, int)):
+            raise SuiteError(f"{where}: field \"{key}\" must be a string")
+    for key in ("prompt", "id", "task", "language", "split"):
+        _check_encodable(obj.get(key), where, key)
+    return Prompt(id=str(obj.get("id", default_id)), task=str(obj.get("task", stem)),
+                  language=str(obj.get("language", "unknown")), split=str(obj.get("split", "custom")), prompt=text)
+
+
 def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
     """strict=True (bundled suites) demands every field; user suites need only `prompt`."""
     prompts: list[Prompt] = []
-    stem = path.stem
-    lines = read_lines(path)
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in enumerate(read_lines(path), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SuiteError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be one "
-                             "JSON object like {\"id\": \"q1\", \"prompt\": \"...\"}") from err
-        except (ValueError, RecursionError) as err:  # json's own limits: an integer of 4300+ digits, deep nesting
-            raise SuiteError(f"{where}: JSON this loader cannot read ({type(err).__name__}: "
-                             f"{str(err).split(';')[0] if str(err) else 'nested too deeply'}); each line must be "
-                             "one JSON object like {\"id\": \"q1\", \"prompt\": \"...\"}") from None
-        if not isinstance(obj, dict):
-            raise SuiteError(f"{where}: expected a JSON object with a \"prompt\" field, got {type(obj).__name__}")
-        required = REQUIRED_BUNDLED_FIELDS if strict else ("prompt",)
-        missing = [k for k in required if k not in obj]
-        if missing:
-            raise SuiteError(f"{where}: missing field(s) {', '.join(missing)}; "
-                             f"required: {', '.join(required)}")
-        text = obj["prompt"]
-        if not isinstance(text, str):
-            raise SuiteError(f"{where}: \"prompt\" must be a string, got {type(text).__name__} {json.dumps(text)[:40]}")
-        if not text.strip():
-            raise SuiteError(f"{where}: empty prompt (\"prompt\" must be a non-empty string)")
-        for key in ("id", "task", "language", "split"):
-            if key in obj and not isinstance(obj[key], (str, int)):
-                raise SuiteError(f"{where}: field \"{key}\" must be a string")
-        for key in ("prompt", "id", "task", "language", "split"):
-            _check_encodable(obj.get(key), where, key)
-        prompts.append(Prompt(
-            id=str(obj.get("id", f"{stem}-{lineno}")),
-            task=str(obj.get("task", stem)),
-            language=str(obj.get("language", "unknown")),
-            split=str(obj.get("split", "custom")),
-            prompt=text,
-        ))
+        prompts.append(_prompt_from_json(_loads(line, where, JSONL_FORM), where, f"{path.stem}-{lineno}",
+                                         path.stem, strict=strict))
     return prompts
+
+
+def _parse_json(path: Path) -> list[Prompt]:
+    """A .json user suite: one JSON array of prompt objects (or of prompt strings), the form most prompt sets are
+    shared in; a .json file holding JSON lines instead is read as .jsonl."""
+    lines = read_lines(path)
+    text = "\n".join(lines)
+    first = text.lstrip()[:1]
+    if first != "[":
+        return _parse_jsonl(path, strict=False)  # JSON lines (or one object) under a .json name
+    items = _loads(text, str(path), "a .json suite is one array like [{\"id\": \"q1\", \"prompt\": \"...\"}, ...] "
+                   "(or write JSON lines to a .jsonl file)")
+    return [_prompt_from_json(obj, f"{path}: item {i}", f"{path.stem}-{i}", path.stem, strict=False)
+            for i, obj in enumerate(items, start=1)]
 
 
 def _parse_text(path: Path) -> list[Prompt]:
@@ -177,6 +200,7 @@ def _parse_text(path: Path) -> list[Prompt]:
 
 
 TABLE_SUFFIXES = (".csv", ".tsv", ".parquet", ".xlsx", ".xls")
+TEXT_SUFFIXES = ("", ".txt", ".text", ".prompts")  # "" : a file named without an extension is read as text
 
 
 def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Prompt]:
@@ -197,19 +221,27 @@ def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Promp
         if not path.exists():
             if path.suffix or len(path.parts) > 1:  # written as a path: say that the file is missing
                 raise SuiteError(f"{path}: no such file (a suite is a bundled name, {', '.join(BUNDLED_SUITES)}, or "
-                                 "a path to a .jsonl / .txt file)")
+                                 "a path to a .jsonl / .json / .txt file)")
             raise SuiteError(f"unknown suite {name!r}: not a bundled suite ({', '.join(BUNDLED_SUITES)}) and no "
-                             "such file. Pass a bundled name or a path to a .jsonl / .txt file")
+                             "such file. Pass a bundled name or a path to a .jsonl / .json / .txt file")
         if path.is_dir():
-            raise SuiteError(f"{path}: is a directory; pass a .jsonl or .txt file")
+            raise SuiteError(f"{path}: is a directory; pass a .jsonl, .json or .txt file")
     if path.suffix.lower() in TABLE_SUFFIXES:  # read as text, its header and every cell would become prompts
         raise SuiteError(f"{path}: a {path.suffix} table is not a suite; write JSON lines (.jsonl, one "
                          '{"prompt": ...} object per line, optional "id", "task", "language", "split") or plain text '
                          "(.txt, one prompt per line, \\n for a newline)")
-    if path.suffix.lower() in (".jsonl", ".json"):
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        prompts = _parse_json(path)
+    elif suffix in (".jsonl", ".ndjson") or bundled:
         prompts = _parse_jsonl(path, strict=bundled)
-    else:
+    elif suffix in TEXT_SUFFIXES:
         prompts = _parse_text(path)
+    else:  # read as text, a YAML, TOML or Python file's every line would become a prompt without a word
+        hint = (" (to cut completion prompts out of Python source, run `specpilot prompts`)" if suffix == ".py"
+                else "")
+        raise SuiteError(f"{path}: a {path.suffix} file is not a suite format; write JSON lines (.jsonl), a JSON "
+                         "array (.json) or plain text (.txt, one prompt per line, \\n for a newline)" + hint)
     if not prompts:
         raise SuiteError(f"{path}: no prompts found (empty file?)")
     # Duplicate ids would merge distinct prompts in the per-prompt comparisons (identical_to_ar, speedup).
@@ -265,7 +297,7 @@ def prompt_mix(prompts: list[Prompt]) -> dict:
 
 
 def load_prompts(suite: str, split: str | None = None, limit: int | None = None) -> list[str]:
-    """The prompt texts of a bundled suite name or a .jsonl/.txt path, the first `limit` (all when None)."""
+    """The prompt texts of a bundled suite name or a .jsonl/.json/.txt path, the first `limit` (all when None)."""
     prompts = [p.prompt for p in load_suite(suite, split=split)]
     return prompts[:limit] if limit else prompts
 

@@ -119,6 +119,47 @@ def test_a_table_is_refused_not_read_as_text(tmp_path, suffix):
         load_suite(path)
 
 
+@pytest.mark.parametrize("name, content", [
+    ("mine.json", '[{"id": "a", "prompt": "def f(x):"},\n {"prompt": "def g():", "task": "t"}]\n'),
+    ("mine.json", '[\n  "def f(x):",\n  "def g():"\n]'),
+    ("mine.json", '{"id": "a", "prompt": "def f(x):"}\n{"prompt": "def g():"}\n'),  # JSON lines named .json
+    ("mine.jsonl", '"def f(x):"\n{"prompt": "def g():"}\n'),  # a bare string line is a prompt
+    ("mine.ndjson", '{"prompt": "def f(x):"}\n{"prompt": "def g():"}\n'),
+    ("mine", "def f(x):\ndef g():\n"),  # no extension: plain text
+    ("mine.prompts", "def f(x):\ndef g():\n"),
+])
+def test_user_suite_forms(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_text(content)
+    assert [p.prompt for p in load_suite(path)] == ["def f(x):", "def g():"]
+
+
+@pytest.mark.parametrize("content, match", [
+    ('[{"prompt": "x"}, 3]', r"mine\.json: item 2: expected a JSON object"),
+    ('[{"prompt": "x"}, {"id": 1}]', r"mine\.json: item 2: missing field\(s\) prompt"),
+    ('[{"prompt": "x"},', r"mine\.json: invalid JSON .*one array like"),
+    ("[]", r"no prompts found"),
+    ('[{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]', r"duplicate id\(s\) a"),
+])
+def test_bad_json_array_suite_rejected_with_item(tmp_path, content, match):
+    path = tmp_path / "mine.json"
+    path.write_text(content)
+    with pytest.raises(SuiteError, match=match):
+        load_suite(path)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("prompts.yaml", r"a \.yaml file is not a suite format; write JSON lines"),
+    ("prompts.TOML", r"a \.TOML file is not a suite format"),
+    ("module.py", r"a \.py file is not a suite format.*run `specpilot prompts`"),
+])
+def test_unknown_extension_refused_not_read_as_text(tmp_path, name, match):
+    path = tmp_path / name
+    path.write_text("- prompt: def f(x):\n")
+    with pytest.raises(SuiteError, match=match):
+        load_suite(path)
+
+
 @pytest.mark.parametrize("line, match", [
     ('{"prompt": "x", "n": ' + "9" * 4301 + "}", "JSON this loader cannot read \\(ValueError: Exceeds the limit"),
     ('{"prompt": "x", "n": ' + "[" * 5000 + "]" * 5000 + "}", "JSON this loader cannot read \\(RecursionError"),
