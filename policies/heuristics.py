@@ -78,6 +78,8 @@ class DDDController(_SizedController):
         if isinstance(check_depths, (int, np.integer)) or not hasattr(check_depths, "__iter__"):
             raise TypeError(f"DDD check_depths must be a sequence of depths such as (5, 7, 9), got {check_depths!r}")
         self.check_depths = frozenset(check_int("DDD check depth", d, minimum=1) for d in check_depths)
+        if not self.check_depths:  # nothing would ever be checked: refused here, not by min() mid-decoding
+            raise ValueError("DDD check_depths is empty: give at least one depth, e.g. (5, 7, 9)")
         self.threshold = check_float("DDD threshold (a log-probability)", threshold)
 
     def check_tree(self, tree) -> None:
@@ -139,6 +141,9 @@ class ConfidenceController(_SizedController):
         return {"name": self.name, "threshold": self.threshold, "size": self.size}
 
 
+HF_INITIAL_DEPTH = 5  # transformers' num_assistant_tokens default
+
+
 class HFHeuristicController(_SizedController):
     """transformers' `num_assistant_tokens_schedule="heuristic"`: draft `target` levels; after each cycle the
     target grows by 2 if every drafted token was accepted, else shrinks by 1 (never below 1, never above
@@ -147,12 +152,27 @@ class HFHeuristicController(_SizedController):
 
     name = "hf_heuristic"
 
-    def __init__(self, initial_depth: int = 5, max_depth: int | None = None, size: int | None = None, *,
+    def __init__(self, initial_depth: int | None = None, max_depth: int | None = None, size: int | None = None, *,
                  device: str | None = None) -> None:
         super().__init__(size, device=device)
-        self.initial_depth = check_int("initial_depth", initial_depth, minimum=1)
+        self._initial_given = initial_depth is not None  # the default may exceed a shallow tree: the schedule caps it
+        self.initial_depth = check_int("initial_depth", HF_INITIAL_DEPTH if initial_depth is None else initial_depth,
+                                       minimum=1)
         self.max_depth = None if max_depth is None else check_int("max_depth (or None)", max_depth, minimum=1)
+        if self.max_depth is not None and self.initial_depth > self.max_depth:
+            raise ValueError(f"hf_heuristic initial_depth {self.initial_depth} is above its max_depth "
+                             f"{self.max_depth}: give an initial_depth in 1..{self.max_depth}")
         self.target = self._clip(self.initial_depth)
+
+    def check_tree(self, tree) -> None:
+        """A given initial or maximum depth past the tree's max_depth would be capped at it without a word (the
+        schedule's growth beyond it is capped by design: it reaches the tree's depth and stays)."""
+        super().check_tree(tree)
+        for label, value, given in (("initial_depth", self.initial_depth, self._initial_given),
+                                    ("max_depth", self.max_depth, self.max_depth is not None)):
+            if given and value > tree.max_depth:
+                raise ValueError(f"hf_heuristic {label} {value} is deeper than the tree's max_depth {tree.max_depth}: "
+                                 f"use a depth in 1..{tree.max_depth}, or a deeper TreeConfig")
 
     def _clip(self, depth: int) -> int:
         depth = max(1, depth)
@@ -187,14 +207,28 @@ class GammaTuneController(_SizedController):
                  switch_at: float = 0.5, size: int | None = None, *, device: str | None = None) -> None:
         super().__init__(size, device=device)
         base = default_static_config(device)[0]
-        self.gamma_min = max(1, check_int("gamma_min", gamma_min, minimum=1) if gamma_min is not None else base // 2)
-        self.gamma_max = max(self.gamma_min, check_int("gamma_max", gamma_max, minimum=1) if gamma_max is not None
-                             else math.ceil(1.5 * base))
+        self._given = {"gamma_min": gamma_min is not None, "gamma_max": gamma_max is not None}
+        gamma_min = check_int("gamma_min", gamma_min, minimum=1) if gamma_min is not None else None
+        gamma_max = check_int("gamma_max", gamma_max, minimum=1) if gamma_max is not None else None
+        if gamma_min is not None and gamma_max is not None and gamma_min > gamma_max:
+            raise ValueError(f"gammatune gamma_min {gamma_min} is above gamma_max {gamma_max}: the short depth must "
+                             "not exceed the long one")
+        self.gamma_min = gamma_min if gamma_min is not None else max(1, min(base // 2, gamma_max or base))
+        self.gamma_max = gamma_max if gamma_max is not None else max(self.gamma_min, math.ceil(1.5 * base))
         if not 0.0 < rate <= 1.0:
             raise ValueError(f"rate must be in (0, 1], got {rate}")
         self.rate = float(rate)
         self.switch_at = check_float("switch_at (an acceptance rate)", switch_at, minimum=0.0, maximum=1.0)
         self.ema = self.switch_at
+
+    def check_tree(self, tree) -> None:
+        """A given gamma past the tree's max_depth would be capped at it without a word (the defaults, fitted to the
+        device's default depth, may be: a shallower tree drafts to its max_depth)."""
+        super().check_tree(tree)
+        for label in ("gamma_min", "gamma_max"):
+            if self._given[label] and getattr(self, label) > tree.max_depth:
+                raise ValueError(f"gammatune {label} {getattr(self, label)} is deeper than the tree's max_depth "
+                                 f"{tree.max_depth}: use a depth in 1..{tree.max_depth}, or a deeper TreeConfig")
 
     @property
     def target(self) -> int:

@@ -124,6 +124,9 @@ def test_registry_unknown_name_lists_choices():
     (lambda: HFHeuristicController(size="12"), TypeError, "verification size must be an integer"),
     (lambda: RandomDepthController(1.5, 3), TypeError, "low must be an integer >= 0"),
     (lambda: GammaTuneController(switch_at=float("nan")), ValueError, "switch_at .* must be a finite number"),
+    (lambda: DDDController(check_depths=()), ValueError, "check_depths is empty"),
+    (lambda: HFHeuristicController(initial_depth=10, max_depth=3), ValueError, "initial_depth 10 is above its max"),
+    (lambda: GammaTuneController(gamma_min=5, gamma_max=2), ValueError, "gamma_min 5 is above gamma_max 2"),
 ])
 def test_heuristic_arguments_are_checked_not_truncated(make, error, fragment):
     with pytest.raises(error, match=fragment):
@@ -141,3 +144,26 @@ def test_a_given_size_past_the_tree_is_refused_by_the_decoder():
     assert decoder.generate([1, 2, 3], controller=DDDController(size=8), max_new_tokens=4).tokens
     with pytest.raises(ValueError, match=r"DDD check depths \[5, 7\] all lie past the tree's max_depth 4"):
         decoder.generate([1, 2, 3], controller=DDDController(check_depths=(5, 7)), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda: HFHeuristicController(initial_depth=10), "hf_heuristic initial_depth 10 is deeper than the tree's"),
+    (lambda: HFHeuristicController(max_depth=9), "hf_heuristic max_depth 9 is deeper than the tree's"),
+    (lambda: GammaTuneController(gamma_max=10), "gammatune gamma_max 10 is deeper than the tree's"),
+    (lambda: GammaTuneController(gamma_min=5, gamma_max=5), "gammatune gamma_min 5 is deeper than the tree's"),
+])
+def test_given_depths_the_tree_cannot_draft_are_refused_not_capped(make, fragment):
+    from specpilot.drafting import TreeConfig
+    from specpilot.drafting.control import fits_tree
+
+    with pytest.raises(ValueError, match=fragment):
+        fits_tree(make(), TreeConfig(width=2, max_depth=4, max_size=8))
+
+
+@pytest.mark.parametrize("make", [HFHeuristicController, GammaTuneController,
+                                  lambda: HFHeuristicController(initial_depth=4, max_depth=4)])
+def test_default_depths_fit_a_shallow_tree_by_the_schedules_cap(make):
+    from specpilot.drafting import TreeConfig
+    from specpilot.drafting.control import fits_tree
+
+    fits_tree(make(), TreeConfig(width=2, max_depth=4, max_size=8))  # defaults past max_depth: capped by design
