@@ -45,6 +45,8 @@ def python_files(paths: Sequence[str | Path]) -> list[Path]:
         if not root.exists():
             raise SuiteError(f"{root}: no such file or folder to take code prompts from")
         if root.is_file():
+            if root.suffix != ".py":  # read as Python it would give nothing, and the error would blame docstrings
+                raise SuiteError(f"{root} is not a Python file (.py): give Python source files or folders")
             found.append(root)
             continue
         found += [f for f in root.rglob("*.py")
@@ -90,6 +92,20 @@ def _prompt_text(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef,
     indent = block[0][: len(block[0]) - len(block[0].lstrip())]
     return "\n".join("" if not line.strip() else line[len(indent):] if line.startswith(indent) else line
                      for line in block).rstrip()
+
+
+def _parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return True
+
+
+def _text_name(name: str) -> str:
+    """A file name as text an id can hold: Python gives undecodable bytes of a name as lone surrogates, which
+    load_suite refuses (no tokenizer encodes them); they become U+FFFD."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _line_prefixes(text: str) -> set[str]:
@@ -139,8 +155,9 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
                          per_folder: int = 12, forms: Sequence[str] = FORMS, stats: dict | None = None) -> list[Prompt]:
     """Up to `limit` prompts (None: all) from the Python files under `paths`, as `Prompt`s with task "code-<form>",
     language "python" and the given `split` (module docstring: forms, overlap rule, spread). Raises SuiteError when
-    nothing usable is found. stats: a dict filled with what was left out ({"files", "unreadable", "excluded"}: .py
-    files found, files that could not be read or decoded, functions dropped for overlapping `exclude`)."""
+    nothing usable is found. stats: a dict filled with what was left out ({"files", "unreadable", "unparsable",
+    "excluded"}: .py files found, files that could not be read or decoded, files that are not valid Python,
+    functions dropped for overlapping `exclude`)."""
     unknown = [f for f in forms if f not in FORMS]
     if unknown or not forms:
         raise SuiteError(f"unknown prompt form(s) {unknown or '(none given)'}: choose from {', '.join(FORMS)}")
@@ -163,7 +180,7 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
     seen_text: set[str] = set()
     seen_heads: set[str] = set()  # every taken prompt cut at each of its line ends
     prompts: list[Prompt] = []
-    unreadable, excluded = 0, 0
+    unreadable, unparsable, excluded = 0, 0, 0
     for f in files:
         folder = folder_of(f)
         if per_folder_count[folder] >= per_folder:
@@ -172,9 +189,12 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
         if source is None:
             unreadable += 1
             continue
-        origin = f.stem if f.parent == Path(folder) else f"{Path(folder).name}/{f.stem}"
+        origin = _text_name(f.stem if f.parent == Path(folder) else f"{Path(folder).name}/{f.stem}")
         taken = 0
-        for pid, form, text in prompts_from_source(source, origin=origin, rng=rng, forms=forms):
+        found = prompts_from_source(source, origin=origin, rng=rng, forms=forms)
+        if not found and not _parses(source):
+            unparsable += 1
+        for pid, form, text in found:
             name = pid.rsplit(":", 1)[-1]
             if name in avoid_names or _long_lines(text) & avoid_lines:
                 excluded += 1
@@ -195,14 +215,18 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
         if limit is not None and len(prompts) >= limit:
             break
     if stats is not None:
-        stats.update(files=len(files), unreadable=unreadable, excluded=excluded)
+        stats.update(files=len(files), unreadable=unreadable, unparsable=unparsable, excluded=excluded)
     if not prompts:
         where = ", ".join(map(str, paths))
         if excluded:
             raise SuiteError(f"all {excluded} usable function(s) under {where} overlap the excluded suites (a `def` "
                              f"name or a line of {SHARED_LINE_CHARS}+ characters in common with "
                              f"{', '.join(map(str, exclude))}): give other source, or fewer suites to exclude")
-        skipped = f" ({unreadable} of {len(files)} .py file(s) could not be read or decoded)" if unreadable else ""
+        skipped = [f"{unreadable} of {len(files)} .py file(s) could not be read or decoded"] if unreadable else []
+        if unparsable:
+            skipped.append(f"{unparsable} of {len(files)} .py file(s) could not be parsed (a syntax error, NUL bytes, "
+                           "or nesting too deep)")
+        skipped = f" ({'; '.join(skipped)})" if skipped else ""
         raise SuiteError(f"no function with a docstring of the usable size found under {where}{skipped}")
     return prompts[:limit]
 

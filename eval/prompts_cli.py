@@ -41,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
                                    forms=forms, stats=stats)
     left_out = ([f"{stats['unreadable']} of {stats['files']} .py file(s) could not be read or decoded"]
                 if stats.get("unreadable") else []) + (
+        [f"{stats['unparsable']} of {stats['files']} .py file(s) could not be parsed as Python"]
+        if stats.get("unparsable") else []) + (
         [f"{stats['excluded']} function(s) overlapped the excluded suites"] if stats.get("excluded") else [])
     if left_out:
         say(f"note: {'; '.join(left_out)}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -188,7 +189,8 @@ def test_files_that_cannot_be_read_are_counted_in_the_refusal(tmp_path):
     latin1 = SOURCE.replace("stripped.", "stripped, caf\u00e9.").encode("latin-1")  # no declaration: not UTF-8
     (tmp_path / "src" / "latin1.py").write_bytes(latin1)
     (tmp_path / "src" / "deep.py").write_text("x = " + "+".join(["a"] * 3000) + "\n")  # too deep for the parser
-    with pytest.raises(SuiteError, match=r"\(1 of 2 \.py file\(s\) could not be read or decoded\)"):
+    with pytest.raises(SuiteError, match=r"\(1 of 2 \.py file\(s\) could not be read or decoded; 1 of 2 \.py "
+                                         r"file\(s\) could not be parsed \(a syntax error, NUL bytes, or nesting"):
         extract_code_prompts([tmp_path / "src"])
 
 
@@ -213,3 +215,35 @@ def test_copies_of_a_file_give_each_function_once_in_either_form(tmp_path, seed)
     texts = [p.prompt for p in prompts]
     assert len(texts) == 2
     assert not [a for a in texts for b in texts if a != b and b.startswith(a)]
+
+
+def test_a_file_name_that_is_not_utf8_gives_ids_the_suite_loader_reads(tmp_path):
+    import os
+
+    src = tmp_path / "src"
+    src.mkdir()
+    try:
+        (Path(os.fsdecode(bytes(src) + b"/mod\xff.py"))).write_text(SOURCE)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses non-UTF-8 names")
+    out = write_suite(extract_code_prompts([src]), tmp_path / "s.jsonl")
+    ids = [p.id for p in load_suite(out)]
+    assert len(ids) == 2 and all("mod\ufffd" in i for i in ids)
+
+
+def test_files_that_are_not_valid_python_are_counted_and_named(tmp_path, capsys):
+    src = _tree(tmp_path / "src", {"broken.py": "def broken(:\n    pass\n", "m.py": SOURCE})
+    (src / "nul.py").write_bytes(b"def f():\n    '''doc'''\x00\n")
+    stats: dict = {}
+    assert len(extract_code_prompts([src], stats=stats)) == 2
+    assert stats["unparsable"] == 2 and stats["unreadable"] == 0
+    assert main(["prompts", "--from", str(src), "--out", str(tmp_path / "s.jsonl"), "--exclude"]) == 0
+    assert "2 of 3 .py file(s) could not be parsed as Python" in capsys.readouterr().err
+    with pytest.raises(SuiteError, match=r"under .*broken.py \(1 of 1 .py file\(s\) could not be parsed"):
+        extract_code_prompts([src / "broken.py"])
+
+
+def test_a_source_file_that_is_not_python_is_refused(tmp_path):
+    (tmp_path / "readme.txt").write_text("def f(x):\n    '''Not code.'''\n")
+    with pytest.raises(SuiteError, match="readme.txt is not a Python file"):
+        extract_code_prompts([tmp_path / "readme.txt"])
