@@ -3,6 +3,7 @@ result (JSON + heat map) is what `specpilot eval --grid` reads."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -215,3 +216,24 @@ def test_pick_batch_live_never_keeps_a_cell_slower_than_ar(ci, point, kept):
              {"depth": 1, "size": 1, "live_tokens_per_s": 50.0, "live_speedup_vs_ar": 0.5, "live_speedup_ci": ci}]
     chosen = pick_batch_live(cells)
     assert (chosen is cells[0]) if kept else chosen is None
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"prompts": 2}, "were recorded with different prompts"),
+    ({"max_new_tokens": 8}, "were recorded with different token budgets (16 vs 8)"),
+])
+def test_grid_refuses_widths_recorded_on_different_workloads(recorded, tmp_path, change, fragment):
+    """The best cell of a multi-width grid is picked across the widths' tables: all must replay one workload."""
+    pair, prompts, root = recorded
+    other = TreeConfig(width=TREE.width + 1, max_depth=TREE.max_depth, max_size=TREE.max_size)
+    trace = record_trace(pair, other, prompts[:change.get("prompts", len(prompts))],
+                         max_new_tokens=change.get("max_new_tokens", 16))
+    trace.save(tmp_path / "w")
+    synthetic_profile(other).save(tmp_path / "w" / "profile.json")
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        grid_search([root / "train", tmp_path / "w"])
+    same = record_trace(pair, other, prompts, max_new_tokens=16)
+    same.save(tmp_path / "same")
+    synthetic_profile(other).save(tmp_path / "same" / "profile.json")
+    assert {r["width"] for r in grid_search([root / "train", tmp_path / "same"])["table"]} == {TREE.width,
+                                                                                             TREE.width + 1}

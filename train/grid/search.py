@@ -24,6 +24,8 @@ tokens/s over live autoregressive tokens/s on the same prompts. `specpilot eval 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Sequence
@@ -103,6 +105,29 @@ def _span(values: list[int]) -> str:
     return ",".join(map(str, values)) if len(values) <= 4 else f"{values[0]}..{values[-1]} ({len(values)} values)"
 
 
+def _prompts_digest(prompts) -> str | None:
+    """A short digest of a trace's prompts (their texts and token counts): equal digests, equal prompts."""
+    if not isinstance(prompts, list):
+        return None
+    return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_comparable(sources: list[dict]) -> None:
+    """Traces of several widths are ranked in one table: they must be replays of one pair, in one dtype, on the same
+    prompts with the same budget, or the best cell is picked across different workloads (ValueError naming both)."""
+    first = sources[0]
+    for other in sources[1:]:
+        where = f"traces {first['trace']} (W={first['width']}) and {other['trace']} (W={other['width']})"
+        check_pair(first["pair"], other["pair"], expected_from=f"trace {first['trace']}",
+                   got_from=f"trace {other['trace']}", fix="give one trace per width, all recorded with one pair")
+        for key, what in (("dtype", "dtypes"), ("prompts", "prompts"), ("max_new_tokens", "token budgets")):
+            if first.get(key) is not None and other.get(key) is not None and first[key] != other[key]:
+                shown = "" if key == "prompts" else f" ({first[key]} vs {other[key]})"
+                raise ValueError(f"{where} were recorded with different {what}{shown}: their replay speeds are not "
+                                 "comparable; record every width with the same pair, dtype, --suite/--limit and "
+                                 "--max-new-tokens")
+
+
 def _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress) -> tuple[list[dict], dict, dict]:
     """Every (depth, size) cell of one trace under replay: (table rows, ceilings, source description)."""
     trace = load_trace(item)
@@ -129,7 +154,8 @@ def _replay_sweep(item, profile, depths, sizes, max_new_tokens, progress) -> tup
     source = {"trace": str(trace.path) if trace.path else None, "width": width, "max_depth": trace.max_depth,
               "max_size": trace.max_size, "pair": trace.header.get("pair"), "device": trace.header.get("device"),
               "positions": trace.header.get("positions"), "max_new_tokens": model.max_new_tokens,
-              "depths": cell_depths, "sizes": cell_sizes}
+              "depths": cell_depths, "sizes": cell_sizes, "dtype": trace.header.get("dtype"),
+              "prompts": _prompts_digest(trace.header.get("prompts"))}
     if progress:
         best = result["best_static"]
         print(f"  replay grid W={width}: {len(rows)} cells, best d={best['depth']} V={best['size']} "
@@ -394,6 +420,7 @@ def grid_search(
             raise ValueError(f"two traces with width {source['width']}: give one trace per width")
         table += rows
         oracle[str(source["width"])], sources = oracle_w, sources + [source]
+    check_comparable(sources)
     table.sort(key=lambda r: -r["tokens_per_s"])
     if executor is not None and val_prompts and (live_top > 0 or any(t > 0 for t in sampled_temperatures)):
         identity = executor.workers[0]["pair"]  # the live phase must measure the pair the replay table was recorded with
