@@ -287,6 +287,10 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]},
                    *([heldout_suite["name"], chat_template] if stage == "eval" else []))  # other prompts: again
         previous = state.done(stage, key)
+        damage = damaged_outputs(stage, run_dir) if previous is not None else None
+        if damage:  # finished once, but a file it made is missing or corrupted now: made again, not trusted
+            tqdm.write(f"[{stage}] finished before, but {damage}: running it again")
+            previous = None
         if previous is not None:
             results[stage], timings[stage] = previous["result"], previous["seconds"]
             reused.append(stage)
@@ -305,6 +309,38 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     _log_summary(run_dir, summary, wandb)
     print(format_summary(summary))
     return summary
+
+
+def damaged_outputs(stage: str, run_dir: Path) -> str | None:
+    """Why a finished stage's outputs cannot be reused (a file it wrote is missing, truncated or corrupted since),
+    or None. Each is read as the later stages read it: traces and profiles, the grid result, the deployed policy
+    zips, the report, the exported decoder."""
+    import zipfile
+
+    from specpilot.artifacts.trace import ARRAYS_FILE, TraceHeader
+    from specpilot.envs.profile import LatencyProfile
+    from specpilot.eval.inputs import load_run_policies, read_grid_best
+    from specpilot.policies.exported import load_exported
+
+    try:
+        if stage == "record":
+            for split in ("train", "validation"):
+                folder = run_dir / "traces" / split
+                TraceHeader.load(folder)
+                if not zipfile.is_zipfile(folder / ARRAYS_FILE):
+                    return f"{folder / ARRAYS_FILE} is missing or not a readable array file"
+                LatencyProfile.load(profile_path(folder))
+        elif stage == "grid":
+            read_grid_best(run_dir / GRID_FILE)
+        elif stage == "train":
+            load_run_policies(run_dir)
+        elif stage == "eval":
+            read_report(run_dir / "eval")
+        elif stage == "export":
+            load_exported(run_dir / "export", load_pair=False)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, zipfile.BadZipFile) as err:
+        return (str(err).splitlines() or [type(err).__name__])[0]
+    return None
 
 
 # -- stages --------------------------------------------------------------------------------------------------------

@@ -88,6 +88,13 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
     assert out.count("(earlier start, reused)") == 2 and "(earlier start, reused), train" in out
     assert all(f"[{stage}] reused" not in out for stage in ("train", "eval", "export"))
     assert json.loads((run / "demo_state.json").read_text())["record"] == state["record"]
+    # a finished stage whose output was damaged since is run again, not reused (and not reported as written)
+    (run / "export" / "decoder.json").write_text("")
+    run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=changed,
+             wandb="disabled")
+    out = capsys.readouterr().out
+    assert "[export] finished before, but" in out and "[train] reused" in out and "[eval] reused" in out
+    assert json.loads((run / "export" / "decoder.json").read_text())["policies"]
 
 
 def test_full_demo_trains_three_seeds_and_quick_one():
