@@ -81,6 +81,8 @@ def is_user_error(err: BaseException) -> bool:
         return True
     if type(err).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError / torch.cuda.OutOfMemoryError
         return True
+    if type(err).__name__ == "SafetensorError" and "I/O error" in str(err):  # a full disk or a lost mount while
+        return True                                                            # writing weights: not a bug
     return isinstance(err, (ValueError, TypeError)) and raised_in_package(err)
 
 

@@ -68,6 +68,20 @@ def check_writable(path: str | Path, *, kind: str = "dir", what: str | None = No
     return path
 
 
+def check_outputs(outputs: dict[Path, str], *, fix: str, what: str = "output") -> None:
+    """Every folder ("dir") and file ("file") in `outputs` that a command will write can take it, checked before
+    any work: a file where it writes a folder, or a folder where it writes a file (report.json made a folder by
+    mistake), is an OutputPathError naming the path and ending with `fix`; found only at the end, it cost the
+    whole run."""
+    for path, kind in sorted(outputs.items(), key=lambda item: len(Path(item[0]).parts)):  # folders before files
+        path = Path(path)
+        if kind == "dir" and path.exists() and not path.is_dir():
+            raise OutputPathError(f"{path} is a file, where this command writes a folder: {fix}")
+        if kind == "file" and path.is_dir():
+            raise OutputPathError(f"{path} is a folder, where this command writes a file: {fix}")
+        check_writable(path, kind=kind, what=what)
+
+
 def _temporary_sibling(path: Path) -> Path:
     # the suffix stays last: numpy appends .npz and matplotlib picks the format from it
     return path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
@@ -83,6 +97,11 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        # a write error (a full disk) names no file: name the one this write was for
+        raise OSError(err.errno, f"{err.strerror} while writing {path}") from err
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -122,16 +122,10 @@ def check_outputs(outputs: dict[Path, str]) -> None:
     """Every folder and file a train command will write can take it, checked before any work (OutputPathError,
     one line): a file where a stage folder goes, or a folder where an index goes, used to be found only when the
     stages before it had trained (some as raw [Errno] text)."""
-    from specpilot.drafting.errors import OutputPathError
-    from specpilot.drafting.files import check_writable
+    from specpilot.drafting.files import check_outputs as check_paths
 
-    fix = "move it away, or train into a new --run folder (nothing was trained)"
-    for path, kind in sorted(outputs.items(), key=lambda item: len(item[0].parts)):  # folders before their files
-        if kind == "dir" and path.exists() and not path.is_dir():
-            raise OutputPathError(f"{path} is a file, where this command writes a folder: {fix}")
-        if kind == "file" and path.is_dir():
-            raise OutputPathError(f"{path} is a folder, where this command writes a file: {fix}")
-        check_writable(path, kind=kind, what="run output")
+    check_paths(outputs, fix="move it away, or train into a new --run folder (nothing was trained)",
+                what="run output")
 
 
 @contextmanager
