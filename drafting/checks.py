@@ -109,6 +109,12 @@ def _context_reason(pair, limit: int) -> str:
            for m in models):
         return (f" (LongRoPE: exact only within original_max_position_embeddings={limit}, where a cached decoder "
                 "keeps its rotary factors)")
+    limits = {name: context_limit(m.config) for name, m in (("target", getattr(pair, "target", None)),
+                                                             ("draft", getattr(pair, "draft", None))) if m is not None}
+    if len(limits) == 2 and all(limits.values()) and len(set(limits.values())) == 2:  # the shorter one limits
+        short = min(limits, key=limits.get)
+        other = "draft" if short == "target" else "target"
+        return f" (the {short}'s; the {other} takes {limits[other]})"
     return ""
 
 

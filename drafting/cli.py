@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tree width W, 1 = a chain (default: 8, the width `record`, `eval` and the trained "
                              "policies use, so a static run here measures the tree they measured)")
     parser.add_argument("--max-depth", type=positive_int, default=None,
-                        help="deepest tree (default: 12, raised to --depth when that is deeper)")
+                        help="deepest tree (default: 12, raised to --depth when that is deeper; a smaller "
+                             "one also caps the default --depth)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="top-k when sampling (0: off)")
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _decoder(args: argparse.Namespace):
     """(decoder, controller) for --config or for the static options."""
     from specpilot.drafting import SpeculativeDecoder, TreeConfig
+    from specpilot.drafting.cycle_math import num_candidates
     from specpilot.policies import FixedController
 
     if args.config:
@@ -73,8 +75,16 @@ def _decoder(args: argparse.Namespace):
         raise ValueError(f"--size {args.size} applies only when drafting, but --depth 0 runs plain target steps: drop "
                          "--size, or give --depth >= 1")
     pair = load_pair(args)
-    controller = FixedController(args.depth, args.size, device=str(pair.device))
+    depth = args.depth
+    if depth is None and args.max_depth is not None:  # the default depth, no deeper than the tree asked for
+        depth = min(FixedController(device=str(pair.device)).depth, args.max_depth)
+    controller = FixedController(depth, args.size, device=str(pair.device))
     width = args.width if args.width is not None else TreeConfig().width
+    if args.size is not None and controller.depth > 0 and args.size > num_candidates(width, controller.depth):
+        # verified sizes are clipped to the candidates drafted: the run would verify fewer than asked, silently
+        raise ValueError(f"--size {args.size} is more than the {num_candidates(width, controller.depth)} candidates "
+                         f"a width-{width} tree drafts in {controller.depth} levels: give --size "
+                         f"{num_candidates(width, controller.depth)} or less, or a larger --width or --depth")
     max_depth = args.max_depth if args.max_depth is not None else TreeConfig().max_depth
     tree = TreeConfig(width=width, max_depth=max(max_depth, controller.depth), max_size=max(64, controller.size))
     return SpeculativeDecoder(pair, tree), controller
@@ -105,6 +115,17 @@ def agreement_note(tokens: list[int], reference: list[int], *, temperature: floa
     return f"DIFFERS from target-only greedy from token {at} in {dtype_name(dtype)}: {BUG_ADVICE}"
 
 
+def no_end_note(pair) -> str:
+    """For a target whose generation_config and config.json name no end token: decoding stops only at the length
+    (as generate() does), and the tokenizer's end token, when it has one, is what --stop-token-id would stop at."""
+    tokenizer = getattr(pair, "tokenizer", None)
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    hint = (f"; its tokenizer's end token {tokenizer.eos_token!r} is id {eos}: pass --stop-token-id {eos} to stop "
+            "there" if isinstance(eos, int) else "; pass --stop or --stop-token-id to end earlier")
+    return ("the target names no end token (neither its generation_config nor config.json), so decoding stops only "
+            f"at --max-new-tokens, as generate() does{hint}")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -120,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     mark_noted(pair)  # said here, once: the library's warning would repeat it
     if note:
         print(f"note: {note}", file=sys.stderr)
+    elif not pair.eos_token_ids and not args.ignore_eos:  # nothing names an end: said, as a missing one would be
+        print(f"note: {no_end_note(pair)}", file=sys.stderr)
     if (args.stop or args.stream) and pair.tokenizer is None:
         raise ValueError(f"{'--stop' if args.stop else '--stream'} needs the pair's tokenizer, and this pair has none: "
                          "keep the tokenizer files in the target's folder, or drop the option")

@@ -31,6 +31,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+GLOBAL_OPTIONS = ("--threads", "--debug")  # `specpilot`'s own options (cli.build_parser), given before the command
+
+
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (`PROG: MESSAGE`, exit 2) and whose help shows every
     option's default. Sub-parsers made with add_subparsers() are Parsers too."""
@@ -40,7 +43,15 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+        hint = ""
+        if message.startswith("unrecognized arguments"):  # options of `specpilot` itself go before the command
+            given = {word.split("=", 1)[0] for word in message.split()}
+            misplaced = [o for o in GLOBAL_OPTIONS if o in given]
+            if misplaced:
+                hint = (f"; {' and '.join(misplaced)} {'is an option' if len(misplaced) == 1 else 'are options'} of "
+                        f"`specpilot` itself: put {'it' if len(misplaced) == 1 else 'them'} before the command, "
+                        "e.g. `specpilot --threads 1 generate ...`")
+        self.exit(2, f"{self.prog}: {' '.join(message.split())}{hint} (see `{self.prog} --help`)\n")
 
     def _parse_optional(self, arg_string: str):
         # "-1,0" or "-0.5,1" is a value (a list with a negative number), not an unknown option: the option's type
@@ -163,6 +174,16 @@ def int_list(minimum: int = 0) -> Callable[[str], list[int]]:
 
     parse.__name__ = "int_list"
     return parse
+
+
+def batch_sizes(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]: batch sizes >= 1, ascending; one given twice is refused, as --temperatures refuses a
+    repeated value (each size is one measurement and one table row)."""
+    values = int_list(1)(text)
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(str, repeated))} given more than once in {text!r}")
+    return sorted(values)
 
 
 def float_list(item: Callable[[str], float] = non_negative_float) -> Callable[[str], tuple[float, ...]]:
@@ -290,22 +311,46 @@ def _output(kind: str) -> Callable[[str], str]:
     return parse
 
 
+def run_folder(text: str) -> str:
+    """A trained run's folder (it holds policies.json): a file or a missing path is named as such here, instead of
+    as "RUN/policies.json/policies.json: policies index not found" later."""
+    from pathlib import Path
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a run folder, got an empty string")
+    path = Path(text).expanduser()
+    if path.is_file():
+        hint = f" (give its folder, {path.parent})" if path.name == "policies.json" else ""
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a run folder{hint}")
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such run folder (train one with `specpilot train all --run "
+                                         f"{text}` or `specpilot demo --out {text}`)")
+    return text
+
+
 output_dir = _output("dir")    # a folder that can be created/written (checked before any work starts)
 output_file = _output("file")  # a file that can be written (its folder exists or can be created)
 
 
 # -- the model pair -------------------------------------------------------------------------------------------------
 
+def model_source(text: str) -> str:
+    """A model folder or hub id: an empty one is refused (as a path it would silently mean the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a model folder or hub id, got an empty string")
+    return text
+
+
 def add_pair_arguments(parser, *, dtype_option: bool = True, what: str = "",
                        target_default: str = "the embedded target") -> None:
     """--target / --draft / --eagle / --device (/ --dtype) as every command that loads a pair takes them."""
     suffix = f" {what}" if what else ""
-    parser.add_argument("--target", default=None,
+    parser.add_argument("--target", type=model_source, default=None,
                         help=f"target model{suffix}: a local folder or hub id (default: {target_default})")
-    parser.add_argument("--draft", default=None,
+    parser.add_argument("--draft", type=model_source, default=None,
                         help="draft model: a causal LM sharing the target's vocabulary (folder or hub id), or "
                              "'embedded' (default: the embedded pair's drafter)")
-    parser.add_argument("--eagle", default=None, metavar="PATH",
+    parser.add_argument("--eagle", type=model_source, default=None, metavar="PATH",
                         help="EAGLE-3 head folder (released layout) drafting from the target's hidden states, or "
                              "'embedded' (default: none; give --draft or --eagle, not both)")
     parser.add_argument("--device", type=device, default=None,

@@ -54,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.train.scale.cluster_cli import open_executor
 
     prompts = load_prompts(args.suite, args.split, args.limit)
+    if args.profile_prompts is not None and args.profile_prompts > len(prompts):
+        raise ValueError(f"--profile-prompts {args.profile_prompts} is more than the {len(prompts)} prompt(s) "
+                         "recorded: give --profile-prompts "
+                         f"{len(prompts)} or less{', or a larger --limit' if args.limit else ''}")
     check_recording_writable(args.out)  # before the models load (record_task checks the shard folders again)
     with open_executor(args) as executor:
         max_size = args.max_size or max(max(default_size_actions(executor.device)), TreeConfig().max_size)
@@ -71,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
                                                   executor=executor, ar=True)  # the AR reference of replay speedups
         except KeyboardInterrupt:  # finished shards are kept (done.json): the same command resumes from them
             done = len(list(Path(args.out).glob("shards/*/done.json")))
-            print(f"specpilot record: interrupted; {done} finished shard(s) kept under {Path(args.out) / 'shards'}: "
-                  "run the same command again to resume from them", file=sys.stderr)
+            kept = (f"{done} finished shard(s) kept under {Path(args.out) / 'shards'}: run the same command again to "
+                    "resume from them" if done else "no shard had finished, so nothing was kept")
+            print(f"specpilot record: interrupted; {kept}", file=sys.stderr)
             return 130
     print(f"wrote {trace_dir / 'trace.npz'}, {trace_dir / 'trace.json'}, {profile_path}")
     return 0

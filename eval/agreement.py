@@ -33,6 +33,7 @@ from specpilot.drafting.cliargs import add_pair_arguments, non_negative_float, o
 
 GUARD_CHOICES = ("on", "off", "auto")
 AGREEMENT_MAX_DEPTH = 12  # the default tree's deepest draft: prompts need room for it beside the budget
+AGREEMENT_MAX_SIZE = 64  # the default tree's largest verification
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -88,6 +89,7 @@ def agreement_report(pair, prompts: list, *, reference=None, near_tie: float | N
     or texts). near_tie: the guard's width (None: the dtype's default, 0: off); tree / depth / size: the static
     configuration decoded with (default: W4 tree, FixedController's CPU or GPU default)."""
     from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
+    from specpilot.drafting.control import fits_tree
     from specpilot.drafting.cycle import run_generation
     from specpilot.drafting.pair import half_support
     from specpilot.policies import FixedController
@@ -95,11 +97,13 @@ def agreement_report(pair, prompts: list, *, reference=None, near_tie: float | N
     reference = pair if reference is None else reference
     if reference.dtype != torch.float32:
         raise ValueError(f"the reference pair must be fp32 (got {reference.dtype}): it is the unrounded yardstick")
-    base = tree or TreeConfig(width=8 if pair.device.type == "cuda" else 4, max_depth=AGREEMENT_MAX_DEPTH, max_size=64)
+    base = tree or TreeConfig(width=8 if pair.device.type == "cuda" else 4, max_depth=AGREEMENT_MAX_DEPTH,
+                               max_size=AGREEMENT_MAX_SIZE)
     tree = TreeConfig(width=base.width, max_depth=base.max_depth, max_size=base.max_size,
                       sampled_children=base.sampled_children, near_tie=near_tie if near_tie is not None
                       else base.near_tie)
     controller = FixedController(depth, size, device=str(pair.device))
+    fits_tree(controller, tree)  # a depth or size beyond the tree: refused, not capped while reported as asked
     decoder = SpeculativeDecoder(pair, tree)
     units = tree.near_tie_units(pair.dtype)
     dtype_name = str(pair.dtype).removeprefix("torch.")
@@ -243,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specpilot.drafting.cliargs import load_pair
-    from specpilot.drafting.files import atomic_write_json
+    from specpilot.drafting.files import atomic_write_json, check_outputs
     from specpilot.drafting.types import NEAR_TIE_ON
     from specpilot.drafting.checks import check_prompt_lengths
     from specpilot.eval.suites import BUNDLED_SUITES, choose_suite, load_suite
@@ -252,6 +256,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--near-tie sets the guard's width, which applies only with --guard on (got --guard "
                          f"{args.guard}): add --guard on, or drop --near-tie")
     _check_support(args)
+    for option, value, most in (("--depth", args.depth, AGREEMENT_MAX_DEPTH),
+                                ("--size", args.size, AGREEMENT_MAX_SIZE)):
+        if value is not None and value > most:
+            raise ValueError(f"{option} {value} is beyond the agreement's tree (depth up to {AGREEMENT_MAX_DEPTH}, "
+                             f"size up to {AGREEMENT_MAX_SIZE}): give {option} {most} or less")
+    out = Path(args.out)
+    check_outputs({out / "agreement.json": "file"}, what="--out",
+                  fix="move it away, or give another --out (nothing was measured)")
     suite = choose_suite(args.suite, getattr(args, "target", None))
     prompts = load_suite(suite["name"])
     if args.task:
@@ -276,7 +288,6 @@ def run(args: argparse.Namespace) -> int:
     report = agreement_report(pair, prompts, reference=reference, near_tie=near_tie, depth=args.depth,
                               size=args.size, max_new_tokens=args.max_new_tokens, progress=say)
     report["suite"], report["suite_chosen_by"] = suite["name"], suite["chosen_by"]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "agreement.json", report, indent=1)
     print(describe(report))

@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from specpilot.drafting.cliargs import (add_pair_arguments, add_stop_arguments, float_list, given_options, int_list,
-                                        name_list, non_negative_float, non_negative_int, output_dir, positive_float,
-                                        positive_int, probability, say, seed)
+from specpilot.drafting.cliargs import (add_pair_arguments, add_stop_arguments, batch_sizes, float_list,
+                                        given_options, name_list, non_negative_float, non_negative_int, output_dir,
+                                        positive_float, positive_int, probability, run_folder, say, seed)
 from specpilot.drafting.checks import check_prompt_lengths, prompt_room
 from specpilot.eval.suites import CHAT_TEMPLATE_MODES
 # the names of specpilot.eval.methods.METHODS, written out so that parsing arguments never imports torch
@@ -41,11 +41,6 @@ def _rounds(text: str) -> int | str:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of rounds or \"auto\", got {text!r}")
     return value
-
-
-def _batch_sizes(text: str) -> list[int]:
-    """"1,2,4" -> [1, 2, 4]: distinct batch sizes >= 1, ascending."""
-    return sorted(set(int_list(1)(text)))
 
 
 def _decide(text: str) -> tuple[str, str]:
@@ -101,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed warm-up runs per method")
     parser.add_argument("--concurrency", type=positive_int, default=1,
                         help="also run N streams at once and report speedup/latency under that load")
-    parser.add_argument("--batch-sizes", type=_batch_sizes, default=None,
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=None,
                         help="comma list of batch sizes (e.g. 1,2,4,8,16): decode the prompts in batches of each "
                              "size with every method vs batched ar, at each of --temperatures (sampled: "
                              "per-sequence seeds) (default: none, one sequence at a time)")
@@ -109,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", default=None,
                         help="grid-search result JSON (enables methods `grid`, and `batch_table` when it has a "
                              "per_batch_size table; default: none)")
-    parser.add_argument("--run", dest="run_dir", default=None,
+    parser.add_argument("--run", dest="run_dir", type=run_folder, default=None,
                         help="trained run dir (enables `ltd`, `depth_only`, `size_only`, and `ltd_guarded` when "
                              "it has a batch guard (train --batch-sizes); its tree is used; default: none)")
     parser.add_argument("--out", type=output_dir, default="eval_out",
@@ -165,6 +160,7 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
                              "or drop them")
     if {"--repeats", "--rounds"} <= given_options(args):  # both set args.rounds: the later one would silently win
         raise ValueError("--repeats is the old name of --rounds: give one of them")
+    _check_round_options(args)
     ending = [o for o, given in (("--stop", args.stop), ("--stop-token-id", args.stop_token_id),
                                  ("--ignore-eos", args.ignore_eos)) if given]
     if ending and args.replay_dir:
@@ -187,9 +183,38 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),
                   grid=args.grid, run_dir=args.run_dir)
     _report_logger(args, None).check_folders()  # a file where OUT/tb goes: said now, not after measuring
+    check_report_files(args.out, args.temperatures)
     prompts, suite["chat_template"] = with_chat_template(prompts, load_tokenizer(getattr(args, "target", None)),
                                                          args.chat_template)
     return EvalPlan(prompts, args.methods, args.sampled_methods, tree, tuple(args.decide), suite)
+
+
+def _check_round_options(args: argparse.Namespace) -> None:
+    """Options the round plan would take and ignore, or a deciding pair that decides nothing: refused."""
+    given = given_options(args)
+    if args.rounds != "auto":
+        auto_only = [o for o in ("--min-rounds", "--max-rounds", "--target-half-width") if o in given]
+        if auto_only:
+            verb = "applies" if len(auto_only) == 1 else "apply"
+            raise ValueError(f"{', '.join(auto_only)} {verb} only with --rounds auto, but --rounds {args.rounds} "
+                             "runs that many rounds: drop them, or use --rounds auto")
+    elif args.min_rounds > args.max_rounds:
+        raise ValueError(f"--min-rounds {args.min_rounds} exceeds --max-rounds {args.max_rounds}: raise "
+                         "--max-rounds, or lower --min-rounds")
+    method, baseline = args.decide
+    if method == baseline:
+        raise ValueError(f"--decide {method},{baseline} compares a method with itself: name two different methods")
+    if "--decide" in given and args.methods is not None:
+        running = {"ar", *args.methods, *(args.sampled_methods or [])}  # `ar` always runs
+        missing = [m for m in (method, baseline) if m not in running]
+        if missing:
+            raise ValueError(f"--decide names {' and '.join(missing)}, which --methods {','.join(args.methods)} does "
+                             f"not run: add {'it' if len(missing) == 1 else 'them'} to --methods, or decide on two "
+                             "methods that run")
+    if args.sampled_methods is not None and not any(t > 0 for t in args.temperatures):
+        raise ValueError(f"--sampled-methods names the methods run at temperatures > 0, but --temperatures "
+                         f"{','.join(f'{t:g}' for t in args.temperatures)} is greedy only: add a temperature > 0, "
+                         "or drop --sampled-methods")
 
 
 def check_replay_dir(replay_dir, identity: dict, *, tree=None, max_new_tokens: int | None = None,
@@ -364,6 +389,20 @@ def run_batches(args: argparse.Namespace, plan: EvalPlan) -> int:
 # folder reused from an earlier evaluation never shows its stale plots
 PLOT_PATTERNS = ("forest_speedup_T*.png", "forest_groups_T*.png", "decisions_T*.png", "time_split_T*.png",
                  "choices_T*.png")
+
+
+def check_report_files(out: str, temperatures) -> None:
+    """report.json, report.md and the plots of each temperature can be written in `out`: a folder of one of their
+    names is refused before anything is measured, not found when the report is written at the end."""
+    from pathlib import Path
+
+    from specpilot.drafting.files import check_outputs
+
+    out = Path(out)
+    files = [out / "report.json", out / "report.md"]
+    files += [out / pattern.replace("*", f"{t:g}") for t in temperatures for pattern in PLOT_PATTERNS]
+    check_outputs({path: "file" for path in files}, what="--out",
+                  fix="move it away, or give another --out (nothing was measured)")
 
 
 def clear_outputs(out: str) -> None:

@@ -142,8 +142,10 @@ CASES = {
     "train no traces": (lambda p: ["train", "size", "--run", str(p["root"] / "t")], ["no trace at"]),
     "train run is a file": (lambda p: ["train", "size", "--run", p["file"]], ["--run", "not a folder"]),
     "export missing run": (lambda p: ["export", "--run", str(p["root"] / "nope"), "--out", str(p["root"] / "x")],
-                           ["policies.json", "not found"]),
-    "export out is a file": (lambda p: ["export", "--run", "x", "--out", p["file"]], ["--out", "not a folder"]),
+                           ["--run", "nope: no such run folder"]),
+    "export run is a file": (lambda p: ["export", "--run", p["file"], "--out", str(p["root"] / "x")],
+                             ["--run", "is a file, not a run folder"]),
+    "export out is a file": (lambda p: ["export", "--out", p["file"], "--run", "x"], ["--out", "not a folder"]),
     "models build without out": (lambda p: ["models", "build"], ["--out is required"]),
     "models build threads 0": (lambda p: ["models", "build", "--threads", "0"], ["--threads"]),
     "models build threads past the pool": (lambda p: ["models", "build", "--threads", "99999"], ["--threads", "1024"]),
@@ -153,7 +155,7 @@ CASES = {
                           ["--stage", "folder name"]),
     "eval decide one method": (lambda p: ["eval", "--decide", "ltd"], ["--decide", "METHOD,BASELINE"]),
     "eval min rounds above max": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--min-rounds", "5",
-                                             "--max-rounds", "3"], ["min_rounds=5 exceeds max_rounds=3"]),
+                                             "--max-rounds", "3"], ["--min-rounds 5 exceeds --max-rounds 3"]),
     "eval grid without a result": (lambda p: ["eval", "--out", str(p["root"] / "e"), "--methods", "grid"],
                                       ["grid needs a grid-search result"]),
     "train gamma above 1": (lambda p: ["train", "size", "--run", str(p["root"] / "t"), "--gamma", "1.5"],
@@ -395,4 +397,4 @@ def test_an_interrupted_record_says_how_to_resume(paths, tmp_path, monkeypatch, 
     code, err = run_cli(["record", "--suite", "train", "--limit", "1", "--target", paths["target"], "--draft",
                          paths["draft"], "--out", str(tmp_path / "t")], capsys)
     assert code == 130
-    assert "interrupted; 0 finished shard(s) kept" in err and "run the same command again to resume" in err
+    assert "interrupted; no shard had finished, so nothing was kept" in err

@@ -230,7 +230,7 @@ def test_cli_refuses_a_read_only_out_before_loading_anything(tmp_path, monkeypat
     ro = _read_only_folder(tmp_path)
     for argv in (["record", "--out", str(ro / "trace")], ["eval", "--out", str(ro / "eval")],
                  ["grid", "--traces", "x", "--out", str(ro / "grid.json")],
-                 ["export", "--run", "x", "--out", str(ro / "export")],
+                 ["export", "--out", str(ro / "export"), "--run", "x"],
                  ["train", "size", "--run", str(ro / "run")], ["demo", "--out", str(ro / "demo")],
                  ["models", "build", "--out", str(ro / "pair")],
                  ["eval", "--out", str(tmp_path / "ok"), "--replay-dir", str(ro / "replay")]):

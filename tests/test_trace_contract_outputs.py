@@ -62,7 +62,8 @@ def test_export_refuses_an_out_whose_parent_is_unwritable(tmp_path, read_only, c
     out = tmp_path / "pe" / "x"
     out.mkdir(parents=True)
     read_only(tmp_path / "pe")
-    code = main(["export", "--run", str(tmp_path / "no-run"), "--out", str(out)])
+    (tmp_path / "empty-run").mkdir()
+    code = main(["export", "--out", str(out), "--run", str(tmp_path / "empty-run")])
     err = capsys.readouterr().err
     assert code == 2 and f"parent {tmp_path / 'pe'}: cannot write in {tmp_path / 'pe'}" in err
     assert "Errno" not in err and len(err.strip().splitlines()) == 1

@@ -31,9 +31,9 @@ from pathlib import Path
 
 from specpilot.artifacts.grid import GRID_FILE
 from specpilot.artifacts.run import RunManifest
-from specpilot.drafting.cliargs import (add_pair_arguments, float_in, int_list, load_pair, name_list,
-                                        non_negative_float, options_config, output_dir, positive_float, positive_int,
-                                        seed, stage_name)
+from specpilot.drafting.cliargs import (add_pair_arguments, batch_sizes, float_in, given_options, int_list,
+                                        load_pair, name_list, non_negative_float, options_config, output_dir,
+                                        positive_float, positive_int, seed, stage_name)
 from specpilot.train.scale.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
@@ -98,7 +98,7 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
                       help="start from this policy zip, e.g. fine-tune a replay policy (default: a fresh policy)")
     add_cluster_arguments(p)  # --ray/--workers: live environments on Ray workers, one per worker
     b = p.add_argument_group("batch-aware policies (replay backend)")
-    b.add_argument("--batch-sizes", type=int_list(1), default=None,
+    b.add_argument("--batch-sizes", type=batch_sizes, default=None,
                    help="train over batches of these sizes, e.g. 1,2,4,8,16: each episode replays a batch of a drawn "
                         "size, rewarded on batch throughput; the policies observe the batch size; with --bc, stage 1 "
                         "clones the per-batch oracle (default: single sequences)")
@@ -192,6 +192,7 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
                          "training uses the traces' recorded pair)")
     if args.static is not None and args.grid is not None:
         raise ValueError("--static and --grid both fix the static partner config: give one")
+    _check_ignored_options(cmd, args)
     traces = TaskTraces.resolve(args.traces or run_dir / "traces")
     _check_tree_values(args, traces)
     grid = args.grid if args.grid is not None else (run_dir / GRID_FILE if (run_dir / GRID_FILE).is_file()
@@ -204,6 +205,39 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
     _check_start_arch(cmd, args, run_dir)
     _check_outputs(cmd, args, run_dir)
     return traces, args.static if args.static is not None else args.grid
+
+
+SB3_MAX_SEED = 2 ** 32 - 1  # SB3's set_random_seed seeds numpy's global generator, which takes 32 bits
+
+
+def _check_ignored_options(cmd: str, args: argparse.Namespace) -> None:
+    """Options this command would take and then ignore (or fail on only after creating the run): refused."""
+    given = given_options(args)
+
+    def typed(option: str, default) -> bool:  # given, or set to other than its default (an abbreviated option)
+        return option in given or getattr(args, option[2:].replace("-", "_"), default) != default
+
+    last_seed = args.seed + getattr(args, "seeds", 1) - 1  # --seeds N trains seeds seed .. seed + N - 1
+    if last_seed > SB3_MAX_SEED:
+        raise ValueError(f"--seed {args.seed}: training seeds SB3, which takes 0..{SB3_MAX_SEED} (2^32 - 1)"
+                         f"{f' for each of the seeds up to {last_seed}' if last_seed != args.seed else ''}; give a "
+                         "smaller seed")
+    if args.init_from is not None and cmd not in ("size", "depth"):
+        raise ValueError(f"--init-from starts one stage from a policy zip (`specpilot train size` or `train depth`); "
+                         f"`train {cmd}` starts its stages from {'stage 1' if cmd == 'coadapt' else 'scratch'} and "
+                         "would ignore it: drop it, or train that stage on its own")
+    if args.batch_profile is not None and not args.batch_sizes:
+        raise ValueError("--batch-profile gives the latencies of --batch-sizes training, but no --batch-sizes was "
+                         "given: add --batch-sizes, or drop --batch-profile")
+    if cmd != "all":
+        return
+    unused = [o for o, d in (("--bc-iters", 8), ("--bc-epochs", 30)) if typed(o, d)]
+    if unused and not args.bc:
+        raise ValueError(f"{' and '.join(unused)} set(s) the behaviour cloning of --bc, which was not given: add "
+                         "--bc, or drop them")
+    if typed("--seed-workers", 1) and args.seeds <= 1:
+        raise ValueError("--seed-workers trains several --seeds at once, but one seed was asked for: add --seeds N, "
+                         "or drop --seed-workers")
 
 
 def _check_outputs(cmd: str, args: argparse.Namespace, run_dir: Path) -> None:

@@ -6,8 +6,8 @@ import argparse
 
 
 def grid_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import (add_pair_arguments, int_list as ints, non_negative_int, output_file,
-                                            positive_int)
+    from specpilot.drafting.cliargs import (add_pair_arguments, batch_sizes, int_list as ints, non_negative_int,
+                                            output_file, positive_int)
 
     parser.add_argument("--traces", nargs="+", required=True,
                         help="trace dir(s) of the training task, one per beam width (or RUN/traces with train/)")
@@ -27,7 +27,7 @@ def grid_arguments(parser: argparse.ArgumentParser) -> None:
                              "are never used for selection)")
     parser.add_argument("--val-limit", type=positive_int, default=None,
                         help="use only the first N validation prompts (default: all)")
-    parser.add_argument("--batch-sizes", type=ints(1), default=None,
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=None,
                         help="also find the best static config per batch size in batch replay, e.g. 1,2,4,8,16 "
                              "(grid.json per_batch_size; export turns it into the engines' per-batch-size tables; "
                              "default: none)")
@@ -38,9 +38,9 @@ def grid_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def export_arguments(parser: argparse.ArgumentParser) -> None:
-    from specpilot.drafting.cliargs import add_pair_arguments, output_dir, positive_int
+    from specpilot.drafting.cliargs import add_pair_arguments, output_dir, positive_int, run_folder
 
-    parser.add_argument("--run", required=True, help="training run directory (holds policies.json)")
+    parser.add_argument("--run", required=True, type=run_folder, help="training run directory (holds policies.json)")
     parser.add_argument("--out", required=True, type=output_dir,
                         help="output folder for decoder.json, weights and engine configs (checked before exporting)")
     parser.add_argument("--onnx", action="store_true", help="also write ONNX actors (needs the optional onnx extra)")
