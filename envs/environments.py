@@ -65,7 +65,7 @@ def as_depth_controller(partner: Any, device: str | None = None) -> Controller:
     if isinstance(partner, Controller):
         return partner
     if isinstance(partner, (tuple, list)) and len(partner) == 2:
-        return RandomDepthController(int(partner[0]), int(partner[1]), device=device)
+        return RandomDepthController(partner[0], partner[1], device=device)  # checked there, not truncated
     if isinstance(partner, (int, np.integer)) and not isinstance(partner, bool):
         return FixedController(depth=int(partner), device=device)
     raise TypeError(f"depth_controller must be None, an int depth, a (low, high) pair or a Controller; got {partner!r}")

@@ -350,6 +350,7 @@ def test_record_task_writes_trace_and_measured_profile(pair_prompts, tmp_path):
     ("specpilot/ReplayDepth-v0", dict(size_controller=999), ValueError, "size 999 is larger than the tree's"),
     ("specpilot/ReplaySize-v0", dict(depth_controller=(0, 99)), ValueError, "random depths up to 99"),
     ("specpilot/ReplaySize-v0", dict(depth_controller=50), ValueError, "depth 50 is deeper than the tree's"),
+    ("specpilot/ReplaySize-v0", dict(depth_controller=(1.9, 3.2)), TypeError, "low must be an integer"),
 ])
 def test_replay_env_arguments_the_tree_or_rewards_cannot_take_are_refused(recorded, env_id, kwargs, error, fragment):
     trace_dir, _, _ = recorded
