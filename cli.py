@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     label = getattr(args, "_label", f"specpilot {args.command}")
     if not args.debug:
         _quiet_third_party()
+        _warnings_as_notes(label)
     try:
         if args.global_threads is not None:
             import torch
@@ -134,6 +135,25 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{label}: {one_line(err)}", file=sys.stderr)
         return 2
+
+
+def _warnings_as_notes(label: str) -> None:
+    """A UserWarning (the library's way of saying something the caller should know, e.g. a suite field it does not
+    read) is printed as one `LABEL: note: ...` line, as the commands' own notes are, not as Python's two-line warning
+    with a source line; other categories keep Python's format. --debug keeps Python's format for all."""
+    import warnings
+
+    from specpilot.drafting.errors import one_line
+
+    python_format = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category is UserWarning:
+            print(f"{label}: note: {one_line(message)}", file=sys.stderr if file is None else file)
+        else:
+            python_format(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 def _quiet_third_party() -> None:

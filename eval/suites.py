@@ -133,13 +133,19 @@ def _loads(text: str, where: str, form: str):
 JSONL_FORM = "each line must be one JSON object like {\"id\": \"q1\", \"prompt\": \"...\"}"
 
 
-def _prompt_from_json(obj, where: str, default_id: str, stem: str, *, strict: bool) -> Prompt:
+SUITE_FIELDS = ("prompt", "id", "task", "language", "split")
+
+
+def _prompt_from_json(obj, where: str, default_id: str, stem: str, *, strict: bool,
+                      unread: set[str] | None = None) -> Prompt:
     """One suite entry: an object with a "prompt" field (optional id, task, language, split), or, in a user suite,
-    a bare string (the prompt itself)."""
+    a bare string (the prompt itself). unread: collects the entry's other field names."""
     if isinstance(obj, str) and not strict:
         obj = {"prompt": obj}
     if not isinstance(obj, dict):
         raise SuiteError(f"{where}: expected a JSON object with a \"prompt\" field, got {type(obj).__name__}")
+    if unread is not None:
+        unread.update(k for k in obj if k not in SUITE_FIELDS)
     required = REQUIRED_BUNDLED_FIELDS if strict else ("prompt",)
     missing = [k for k in required if k not in obj]
     if missing:
@@ -162,13 +168,30 @@ def _prompt_from_json(obj, where: str, default_id: str, stem: str, *, strict: bo
 def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
     """strict=True (bundled suites) demands every field; user suites need only `prompt`."""
     prompts: list[Prompt] = []
+    unread: set[str] = set()
     for lineno, line in enumerate(read_lines(path), start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         prompts.append(_prompt_from_json(_loads(line, where, JSONL_FORM), where, f"{path.stem}-{lineno}",
-                                         path.stem, strict=strict))
+                                         path.stem, strict=strict, unread=None if strict else unread))
+    _note_unread(path, unread)
     return prompts
+
+
+def _note_unread(path: Path, unread: set[str]) -> None:
+    """A user suite's fields other than SUITE_FIELDS are kept out of decoding (HumanEval's `test` and
+    `canonical_solution` rightly so): said once, with the field a misspelt name most likely meant."""
+    if not unread:
+        return
+    import difflib
+    import warnings
+
+    meant = {k: difflib.get_close_matches(k.lower(), SUITE_FIELDS, n=1, cutoff=0.75) for k in sorted(unread)}
+    typos = [f"{k!r} (did you mean {m[0]!r}?)" for k, m in meant.items() if m]
+    warnings.warn(f"{path}: field(s) {', '.join(sorted(unread))} are not read (a suite reads "
+                  f"{', '.join(SUITE_FIELDS)})" + (f"; {', '.join(typos)}" if typos else ""), UserWarning,
+                  stacklevel=4)
 
 
 def _parse_json(path: Path) -> list[Prompt]:
@@ -181,8 +204,11 @@ def _parse_json(path: Path) -> list[Prompt]:
         return _parse_jsonl(path, strict=False)  # JSON lines (or one object) under a .json name
     items = _loads(text, str(path), "a .json suite is one array like [{\"id\": \"q1\", \"prompt\": \"...\"}, ...] "
                    "(or write JSON lines to a .jsonl file)")
-    return [_prompt_from_json(obj, f"{path}: item {i}", f"{path.stem}-{i}", path.stem, strict=False)
-            for i, obj in enumerate(items, start=1)]
+    unread: set[str] = set()
+    prompts = [_prompt_from_json(obj, f"{path}: item {i}", f"{path.stem}-{i}", path.stem, strict=False,
+                                 unread=unread) for i, obj in enumerate(items, start=1)]
+    _note_unread(path, unread)
+    return prompts
 
 
 def _parse_text(path: Path) -> list[Prompt]:

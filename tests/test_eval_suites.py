@@ -176,3 +176,30 @@ def test_a_text_suite_line_of_escaped_newlines_only_is_an_empty_prompt(tmp_path)
     path.write_text("def f(x):\\n    return\n\\n\\n\n")
     with pytest.raises(SuiteError, match="mine.txt:2: empty prompt"):
         load_suite(path)
+
+
+def test_fields_a_suite_does_not_read_are_named_once_with_a_likely_typo(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"id": "a", "prompt": "def f(x):", "langauge": "python", "test": "assert f(1)"}\n'
+                    '{"id": "b", "prompt": "def g():", "test": "assert g()"}\n')
+    with pytest.warns(UserWarning, match=r"field\(s\) langauge, test are not read .*'langauge' \(did you mean "
+                                         r"'language'\?\)") as caught:
+        prompts = load_suite(path)
+    assert len(caught) == 1 and [p.language for p in prompts] == ["unknown", "unknown"]
+    array = tmp_path / "mine.json"
+    array.write_text('[{"prompt": "def f(x):", "entry_point": "f"}]')
+    with pytest.warns(UserWarning, match="field\\(s\\) entry_point are not read"):
+        load_suite(array)
+
+
+def test_the_cli_prints_a_library_warning_as_one_note_line(tmp_path, capsys):
+    from specpilot.cli import main
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "def f(x):", "tset": 1}\n')
+    # the suite loads (its note), then --chat-template on is refused: the embedded tokenizer has no template
+    code = main(["eval", "--suite", str(path), "--chat-template", "on", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 2, err
+    assert err[0].startswith("specpilot eval: note: ") and "field(s) tset are not read" in err[0]
+    assert "did you mean 'test'" not in err[0] and "--chat-template on" in err[1]
