@@ -180,6 +180,17 @@ class DemoState:
             return None
         return entry
 
+    def started_with(self, stage: str) -> str | None:
+        """The settings key the stage last started with (None: never recorded)."""
+        started = self.data.get(STARTED_ENTRY)
+        return started.get(stage) if isinstance(started, dict) else None
+
+    def start(self, stage: str, key: str) -> None:
+        """Record that `stage` starts with settings `key`: an interrupted start resumes only with the same key."""
+        started = self.data.get(STARTED_ENTRY)
+        self.data[STARTED_ENTRY] = {**(started if isinstance(started, dict) else {}), stage: key}
+        atomic_write_json(self.path, self.data, default=str)
+
     def finish(self, stage: str, key: str, result: dict, seconds: float) -> None:
         self.data[stage] = {"key": key, "result": result, "seconds": round(seconds, 1)}
         atomic_write_json(self.path, self.data, default=str)
@@ -196,6 +207,24 @@ class DemoState:
 
 
 DTYPE_ENTRY = "dtype"  # demo_state.json: {"dtype", "reason"} the run's stages were made in
+STARTED_ENTRY = "started"  # demo_state.json: {stage: the settings key it last started with}
+# what the record and grid stages write (and the demo's own state): everything else in the run folder is training's
+# or a later stage's, set aside when training starts over (`set_aside_stale_training`)
+BEFORE_TRAINING = ("traces", GRID_FILE, "grid.png", PROFILE_CHECK, "demo_state.json", "stale")
+
+
+def set_aside_stale_training(run_dir: Path) -> Path | None:
+    """Move what an earlier training (and the stages after it) left in `run_dir` to RUN/stale/train-<time>/ and
+    return that folder (None when there was nothing): kept, not deleted."""
+    stale = [p for p in run_dir.iterdir()
+             if p.name not in BEFORE_TRAINING and not p.name.startswith(("grid.", ".grid."))]
+    if not stale:
+        return None
+    folder = run_dir / "stale" / time.strftime("train-%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in stale:
+        os.replace(path, folder / path.name)
+    return folder
 
 
 def _kept_dtype(state: DemoState, device: str | None) -> dict | None:
@@ -281,6 +310,11 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     results: dict[str, dict] = {}
     reused: list[str] = []
 
+    from specpilot.drafting.errors import one_line
+    from specpilot.train.rl.ppo import ResumeSettingsError
+    from specpilot.train.rl.stages import BudgetPassedError
+
+    stale_training_errors = (ResumeSettingsError, BudgetPassedError)  # a resume refused: other settings, less budget
     stages = tqdm(STAGES, desc="specpilot demo", unit="stage")
     for stage in stages:
         stages.set_postfix_str(stage)
@@ -297,10 +331,24 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
             tqdm.write(f"[{stage}] reused from {state.path}")
             continue
         state.invalidate_after(stage)
+        resumable = state.started_with(stage) == key  # an interrupted start of these very settings
+        state.start(stage, key)
         t0 = time.perf_counter()
-        results[stage] = STAGE_FUNCTIONS[stage](run_dir=run_dir, pair=pair, tree=tree, budget=budget, seed=seed,
-                                                train=train, val=val, heldout=heldout, wandb=wandb,
-                                                executor=executor, suite=heldout_suite)
+        run_stage = partial(STAGE_FUNCTIONS[stage], run_dir=run_dir, pair=pair, tree=tree, budget=budget, seed=seed,
+                            train=train, val=val, heldout=heldout, wandb=wandb, executor=executor,
+                            suite=heldout_suite)
+        try:
+            results[stage] = run_stage()
+        except stale_training_errors as err:
+            # training resumes its stages from checkpoints and refuses other settings (it never mixes two runs'
+            # steps); the demo's own earlier training under other settings (a --quick run's folder reused by a
+            # full one, a re-run grid that chose another static config) is set aside and training starts over
+            moved = set_aside_stale_training(run_dir) if stage == "train" and not resumable else None
+            if moved is None:
+                raise
+            tqdm.write(f"[train] the earlier training used other settings ({one_line(err)}); its files moved to "
+                       f"{moved}, training starts over")
+            results[stage] = run_stage()
         timings[stage] = time.perf_counter() - t0
         state.finish(stage, key, results[stage], timings[stage])
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")

@@ -72,7 +72,7 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
     again = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,
                      wandb="disabled")
     state = json.loads((run / "demo_state.json").read_text())
-    assert set(state) == {"record", "grid", "train", "eval", "export", "dtype"}
+    assert set(state) == {"record", "grid", "train", "eval", "export", "dtype", "started"}
     assert again["methods"].keys() == summary["methods"].keys()
     out = capsys.readouterr().out
     assert out.count("] reused from") == 5 and again["reused_stages"] == ["record", "grid", "train", "eval", "export"]
@@ -95,6 +95,16 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert "[export] finished before, but" in out and "[train] reused" in out and "[eval] reused" in out
     assert json.loads((run / "export" / "decoder.json").read_text())["policies"]
+    # training under other settings than the folder's earlier training (a --quick folder reused by a full run):
+    # its checkpoints would refuse the resume, so they move aside (kept) and training starts over
+    other = dataclasses.replace(changed, n_steps=64, batch_size=32)
+    run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=other,
+             wandb="disabled")
+    out = capsys.readouterr().out
+    assert "[train] the earlier training used other settings (cannot resume stage" in out
+    [moved] = list((run / "stale").iterdir())
+    assert (moved / "seed0").is_dir() and (run / "seed0").is_dir() and (run / "export" / "decoder.json").is_file()
+    assert (run / "grid.json").is_file() and (run / "traces" / "train").is_dir()
 
 
 def test_full_demo_trains_three_seeds_and_quick_one():
