@@ -238,6 +238,13 @@ def _kept_dtype(state: DemoState, device: str | None) -> dict | None:
     return kept if half_support(DTYPES[kept["dtype"]], check_device(device))[0] == "native" else None
 
 
+def _pair_key(identity: dict) -> dict:
+    """The pair as the stages' settings key sees it: its content hashes stand for the model paths (a moved checkout
+    or run folder reuses its stages), and the dtype's reason is left out (it may quote timings)."""
+    return {k: v for k, v in identity.items() if k != "dtype_reason"
+            and not (k in ("target", "draft") and identity.get(f"{k}_hash"))}
+
+
 def _key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -305,7 +312,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
                              options=(), bundled=bundled)
     state.keep_dtype(identity["dtype"], kept["reason"] if kept else identity["dtype_reason"])
     budget_fields = asdict(budget)
-    key = _key({k: v for k, v in identity.items() if k != "dtype_reason"}, seed)  # the reason may quote timings
+    key = _key(_pair_key(identity), seed)
     timings: dict[str, float] = {}
     results: dict[str, dict] = {}
     reused: list[str] = []

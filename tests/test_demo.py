@@ -105,6 +105,13 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
     [moved] = list((run / "stale").iterdir())
     assert (moved / "seed0").is_dir() and (run / "seed0").is_dir() and (run / "export" / "decoder.json").is_file()
     assert (run / "grid.json").is_file() and (run / "traces" / "train").is_dir()
+    # the same models from another folder (a moved checkout): the stages' keys hold content hashes, not paths
+    import shutil
+
+    moved_pair = shutil.copytree(saved_pair, tmp_path / "moved_pair")
+    again = run_demo(run, target=str(moved_pair / "target"), draft=str(moved_pair / "draft"), budget=other,
+                     wandb="disabled")
+    assert again["reused_stages"] == ["record", "grid", "train", "eval", "export"]
 
 
 def test_full_demo_trains_three_seeds_and_quick_one():
