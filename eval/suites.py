@@ -32,7 +32,7 @@ every prompt, `off` none. The report says how many prompts were templated.
 
 Users add their own suite by path: a `.jsonl` file whose objects have at least a `prompt` field (`id`, `task`,
 `language`, `split` are optional; a bare JSON string is a prompt too), a `.json` file holding one array of such
-objects or strings, or a plain-text file (`.txt`, or no extension) with one prompt per line (blank lines skipped;
+objects or strings (or {"prompts": [...]}), or a plain-text file (`.txt`, or no extension) with one prompt per line (blank lines skipped;
 a literal `\\n` inside a line stands for a newline, so multi-line prompts fit on one line; a prompt that holds a
 backslash followed by n, as code with "\\\\n" strings does, needs .jsonl or .json). Any other extension
 (.yaml, .py, a table) is refused rather than read line by line as text.
@@ -197,14 +197,19 @@ def _note_unread(path: Path, unread: set[str]) -> None:
 
 def _parse_json(path: Path) -> list[Prompt]:
     """A .json user suite: one JSON array of prompt objects (or of prompt strings), the form most prompt sets are
-    shared in; a .json file holding JSON lines instead is read as .jsonl."""
-    lines = read_lines(path)
-    text = "\n".join(lines)
-    first = text.lstrip()[:1]
-    if first != "[":
-        return _parse_jsonl(path, strict=False)  # JSON lines (or one object) under a .json name
-    items = _loads(text, str(path), "a .json suite is one array like [{\"id\": \"q1\", \"prompt\": \"...\"}, ...] "
+    shared in, or one object ({"prompt": ...}, or {"prompts": [...]}); a .json file holding JSON lines is read as
+    .jsonl."""
+    text = "\n".join(read_lines(path))
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # JSON lines under a .json name (its errors are named line by line)
+        if text.lstrip()[:1] == "[":  # an array that does not parse: say so as one document
+            _loads(text, str(path), "a .json suite is one array like [{\"id\": \"q1\", \"prompt\": \"...\"}, ...] "
                    "(or write JSON lines to a .jsonl file)")
+        return _parse_jsonl(path, strict=False)
+    if isinstance(data, dict) and isinstance(data.get("prompts"), list) and "prompt" not in data:
+        data = data["prompts"]
+    items = data if isinstance(data, list) else [data]
     unread: set[str] = set()
     prompts = [_prompt_from_json(obj, f"{path}: item {i}", f"{path.stem}-{i}", path.stem, strict=False,
                                  unread=unread) for i, obj in enumerate(items, start=1)]

@@ -123,6 +123,7 @@ def test_a_table_is_refused_not_read_as_text(tmp_path, suffix):
     ("mine.json", '[{"id": "a", "prompt": "def f(x):"},\n {"prompt": "def g():", "task": "t"}]\n'),
     ("mine.json", '[\n  "def f(x):",\n  "def g():"\n]'),
     ("mine.json", '{"id": "a", "prompt": "def f(x):"}\n{"prompt": "def g():"}\n'),  # JSON lines named .json
+    ("mine.json", '{\n  "prompts": [\n    {"prompt": "def f(x):"},\n    "def g():"\n  ]\n}\n'),
     ("mine.jsonl", '"def f(x):"\n{"prompt": "def g():"}\n'),  # a bare string line is a prompt
     ("mine.ndjson", '{"prompt": "def f(x):"}\n{"prompt": "def g():"}\n'),
     ("mine", "def f(x):\ndef g():\n"),  # no extension: plain text
