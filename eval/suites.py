@@ -32,10 +32,11 @@ every prompt, `off` none. The report says how many prompts were templated.
 
 Users add their own suite by path: a `.jsonl` file whose objects have at least a `prompt` field (`id`, `task`,
 `language`, `split` are optional; a bare JSON string is a prompt too), a `.json` file holding one array of such
-objects or strings (or {"prompts": [...]}), or a plain-text file (`.txt`, or no extension) with one prompt per line (blank lines skipped;
-a literal `\\n` inside a line stands for a newline, so multi-line prompts fit on one line; a prompt that holds a
-backslash followed by n, as code with "\\\\n" strings does, needs .jsonl or .json). Any other extension
-(.yaml, .py, a table) is refused rather than read line by line as text.
+objects or strings (or {"prompts": [...]}), or a plain-text file (`.txt`, or no extension) with one prompt per
+line (blank lines skipped; a literal `\\n` inside a line stands for a newline, so multi-line prompts fit on one
+line; a prompt that holds a backslash followed by n, as code with "\\\\n" strings does, needs .jsonl or .json).
+Any other extension (.yaml, .py, a table) is refused rather than read line by line as text. Fields a user suite
+has beyond these are named in a warning (a misspelt one with the field it likely meant) and not read.
 """
 from __future__ import annotations
 
