@@ -277,7 +277,10 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     from specpilot.drafting.executor import LocalExecutor
     from specpilot.drafting.pair import load_tokenizer
     from specpilot.drafting.checks import check_prompt_lengths
+    from specpilot.drafting.errors import one_line
     from specpilot.eval.suites import BUNDLED_SUITES, choose_suite, load_suite, with_chat_template
+    from specpilot.train.rl.ppo import ResumeSettingsError
+    from specpilot.train.rl.stages import BudgetPassedError
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
     run_dir = Path(out)
@@ -316,10 +319,6 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
     timings: dict[str, float] = {}
     results: dict[str, dict] = {}
     reused: list[str] = []
-
-    from specpilot.drafting.errors import one_line
-    from specpilot.train.rl.ppo import ResumeSettingsError
-    from specpilot.train.rl.stages import BudgetPassedError
 
     stale_training_errors = (ResumeSettingsError, BudgetPassedError)  # a resume refused: other settings, less budget
     stages = tqdm(STAGES, desc="specpilot demo", unit="stage")
