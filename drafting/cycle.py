@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any, Generator, Protocol, runtime_checkable
 
+import numpy as np
+
 from specpilot.drafting.types import CycleRecord, DraftState
 
 SKIP, STOP, SIZE = "skip", "stop", "size"
@@ -76,6 +78,17 @@ def check_size(size: Any, who: str = "the controller") -> int:
     return int(size)
 
 
+def check_answer(answer: Any, controller, method: str) -> bool:
+    """A yes/no answer as a bool: True, False or a numpy bool. Anything else is a TypeError naming the method: bool()
+    would take the string "no" (or a 1-element tensor, or None) for an answer and draft as it never meant."""
+    if answer is True or answer is False:
+        return answer
+    if isinstance(answer, np.bool_):
+        return bool(answer)
+    who = type(getattr(controller, "inner", controller)).__name__  # a duck-typed one's own class, not its wrapper
+    raise TypeError(f"{who}.{method} returned {answer!r} ({type(answer).__name__}); it must return True or False")
+
+
 def cycle_steps(session: Session) -> Generator[Question, Any, CycleRecord]:
     """One cycle as questions (see the module docstring); returns the cycle's CycleRecord."""
     if not session.can_draft or (yield SKIP, session.cycle_state()):
@@ -105,9 +118,9 @@ def run_cycle(session: Session, depth_controller, size_controller=None) -> Cycle
             break
         t0 = clock.now()
         if question == STOP:
-            answer = bool(depth_controller.should_stop(state))
+            answer = check_answer(depth_controller.should_stop(state), depth_controller, "should_stop")
         elif question == SKIP:
-            answer = bool(depth_controller.skip_drafting(state))
+            answer = check_answer(depth_controller.skip_drafting(state), depth_controller, "skip_drafting")
         else:
             answer = size_controller.choose_size(state)
             if isinstance(answer, bool) or not hasattr(answer, "__index__") or int(answer) < 1:

@@ -100,6 +100,8 @@ def probe_observation(spec: ObservationSpec) -> np.ndarray:
 
 def read_config(config_dir: str | Path) -> dict:
     """decoder.json of an export directory (or the file itself), with its format checked."""
+    if not isinstance(config_dir, (str, Path)) or not str(config_dir).strip():
+        raise TypeError(f"config must be the path of an export folder (or its decoder.json), got {config_dir!r}")
     return read_decoder_config(config_dir)
 
 
@@ -224,6 +226,9 @@ def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, de
     lossless, maybe slow)."""
     recorded = meta.get("pair") or {}
     config = meta.get("_path", CONFIG_FILE)
+    if pair is not None and not callable(getattr(pair, "identity", None)):
+        raise TypeError(f"pair must be a ModelPair (specpilot.drafting.ModelPair.from_pretrained(...)) or None (the "
+                        f"pair decoder.json records), got {type(pair).__name__} {pair!r:.60}")
     if pair is None:
         dtype, _ = export_dtype(meta, device, dtype)
         pair = _load_recorded_pair(recorded, config, device, dtype)

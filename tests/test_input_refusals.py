@@ -196,3 +196,66 @@ def test_the_context_refusal_names_the_model_that_limits_it():
     pair.draft.config.max_position_embeddings = 24
     with pytest.raises(ValueError, match=r"the models' context is 24 \(the draft's; the target takes 512\)"):
         check_context(pair, 10, 40, 0)
+
+
+@pytest.mark.parametrize("answer", ["no", None, 1, [True]])
+def test_a_controller_answer_that_is_not_a_bool_is_refused_not_coerced(answer):
+    from tiny import tiny_pair
+
+    from specpilot.drafting import SpeculativeDecoder, TreeConfig
+
+    class Odd:
+        def should_stop(self, state):
+            return answer
+
+        def choose_size(self, state):
+            return 3
+
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.2, eos=None), TreeConfig(width=2, max_depth=4, max_size=8))
+    with pytest.raises(TypeError, match=r"Odd.should_stop returned .* it must return True or False"):
+        decoder.generate([1, 2, 3], controller=Odd(), max_new_tokens=4)
+
+
+def test_a_numpy_bool_answer_is_a_bool():
+    import numpy as np
+    from tiny import tiny_pair
+
+    from specpilot.drafting import SpeculativeDecoder, TreeConfig
+
+    class NumpyStop:
+        def should_stop(self, state):
+            return np.bool_(state.depth >= 2)
+
+        def choose_size(self, state):
+            return 3
+
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.2, eos=None), TreeConfig(width=2, max_depth=4, max_size=8))
+    out = decoder.generate([1, 2, 3], controller=NumpyStop(), max_new_tokens=6)
+    assert len(out.tokens) == 6 and all(c.depth <= 2 for c in out.cycles)
+
+
+@pytest.mark.parametrize("config, kwargs, fragment", [
+    (None, {}, "config must be the path of an export folder"),
+    (5, {}, "config must be the path of an export folder"),
+])
+def test_from_config_names_a_wrong_argument(config, kwargs, fragment):
+    from specpilot.drafting import SpeculativeDecoder
+
+    with pytest.raises(TypeError, match=fragment):
+        SpeculativeDecoder.from_config(config, **kwargs)
+
+
+def test_resolve_pair_refuses_what_is_not_a_pair():
+    from specpilot.policies.exported import resolve_pair
+
+    with pytest.raises(TypeError, match="pair must be a ModelPair"):
+        resolve_pair({"pair": {"name": "x"}}, pair="x")
+
+
+def test_the_exported_tokenizer_folder_is_the_recorded_pair_s(tmp_path):
+    from specpilot.train.export.writer import _tokenizer_folder
+
+    (tmp_path / "pair" / "target").mkdir(parents=True)
+    (tmp_path / "pair" / "tokenizer").mkdir()
+    assert _tokenizer_folder(None, {"name": "specpilot-default", "target": str(tmp_path / "pair" / "target")}) == \
+        str(tmp_path / "pair" / "tokenizer")

@@ -533,10 +533,12 @@ def _tokenizer_folder(pair, identity: dict) -> str | None:
     """Where the target's tokenizer lives when the target folder has none (engines need it: vLLM --tokenizer)."""
     from specpilot.drafting.pair import DEFAULT_PAIR_DIR, TOKENIZER_FILES
 
-    folder = getattr(getattr(pair, "tokenizer", None), "name_or_path", None)
+    target = Path(str(identity.get("target", "")))
+    beside = target.parent / "tokenizer"  # the embedded pair's layout: the same installation as the recorded target
+    folder = str(beside) if (target.name and beside.is_dir()) else None
+    folder = folder or getattr(getattr(pair, "tokenizer", None), "name_or_path", None)
     if folder is None and str(identity.get("name", "")).startswith("specpilot-default"):
         folder = str(DEFAULT_PAIR_DIR / "tokenizer")
-    target = Path(str(identity.get("target", "")))
     if folder and not any((target / name).exists() for name in TOKENIZER_FILES):
         return str(Path(folder).resolve()) if Path(folder).exists() else str(folder)
     return None
