@@ -60,7 +60,13 @@ def batch_inputs(pair, prompts, max_new_tokens, *, lookahead: int) -> tuple[list
                              "others do not: a padded batch would decode its padding as prompt text. Pass the "
                              "tokenizer's output with its attention_mask (generate_batch(tokenizer(texts, "
                              "padding=True, return_tensors='pt'))) or a list of unpadded prompts")
-    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts must be a list of prompts, got one string: pass [text] for a batch of one, or call "
+                        "generate(text)")
+    if not hasattr(prompts, "__len__"):
+        raise TypeError(f"prompts must be a non-empty list of prompts (strings or token-id lists), got "
+                        f"{type(prompts).__name__}")
+    if len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of prompts (strings or token-id lists)")
     if isinstance(prompts, (AbstractSet, Mapping)):  # outputs come back in the prompts' order: it must have one
         raise TypeError(f"prompts must be a list or tuple (outputs come back in its order), got a "

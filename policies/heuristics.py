@@ -215,9 +215,7 @@ class GammaTuneController(_SizedController):
                              "not exceed the long one")
         self.gamma_min = gamma_min if gamma_min is not None else max(1, min(base // 2, gamma_max or base))
         self.gamma_max = gamma_max if gamma_max is not None else max(self.gamma_min, math.ceil(1.5 * base))
-        if not 0.0 < rate <= 1.0:
-            raise ValueError(f"rate must be in (0, 1], got {rate}")
-        self.rate = float(rate)
+        self.rate = check_float("gammatune rate (an EMA weight)", rate, minimum=0.0, maximum=1.0, open_low=True)
         self.switch_at = check_float("switch_at (an acceptance rate)", switch_at, minimum=0.0, maximum=1.0)
         self.ema = self.switch_at
 

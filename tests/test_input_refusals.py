@@ -259,3 +259,18 @@ def test_the_exported_tokenizer_folder_is_the_recorded_pair_s(tmp_path):
     (tmp_path / "pair" / "tokenizer").mkdir()
     assert _tokenizer_folder(None, {"name": "specpilot-default", "target": str(tmp_path / "pair" / "target")}) == \
         str(tmp_path / "pair" / "tokenizer")
+
+
+@pytest.mark.parametrize("prompts, error, fragment", [
+    ("def f():", TypeError, "got one string: pass \\[text\\] for a batch of one, or call generate"),
+    (None, TypeError, "got NoneType"),
+    ([], ValueError, "non-empty list"),
+])
+def test_generate_batch_names_what_is_not_a_batch(prompts, error, fragment):
+    from tiny import tiny_pair
+
+    from specpilot.drafting import SpeculativeDecoder, TreeConfig
+
+    decoder = SpeculativeDecoder(tiny_pair(noise=0.2, eos=None), TreeConfig(width=2, max_depth=4, max_size=8))
+    with pytest.raises(error, match=fragment):
+        decoder.generate_batch(prompts, max_new_tokens=4)
