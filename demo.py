@@ -238,6 +238,19 @@ def _kept_dtype(state: DemoState, device: str | None) -> dict | None:
     return kept if half_support(DTYPES[kept["dtype"]], check_device(device))[0] == "native" else None
 
 
+def demo_dtype(out: str | Path, *, target=None, draft=None, eagle=None, device=None) -> str:
+    """The dtype `run_demo` decodes in (the one a resumed run keeps, else "auto" measured here: the measurement is
+    cached per process, so run_demo's own load chooses the same), for Ray workers that must decode in it too."""
+    from specpilot.drafting import ModelPair
+
+    run_dir = Path(out)
+    kept = _kept_dtype(DemoState(run_dir), device) if (run_dir / "demo_state.json").is_file() else None
+    if kept:
+        return kept["dtype"]
+    pair = ModelPair.from_pretrained(target, draft, device=device, dtype="auto", **({"eagle": eagle} if eagle else {}))
+    return str(pair.dtype).removeprefix("torch.")
+
+
 def _pair_key(identity: dict) -> dict:
     """The pair as the stages' settings key sees it: its content hashes stand for the model paths (a moved checkout
     or run folder reuses its stages), and the dtype's reason is left out (it may quote timings)."""
@@ -645,7 +658,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "ray", None):  # a ClusterError is reported in one line by the command's handler
         from specpilot.train.scale.cluster_cli import open_pool
 
-        with open_pool(args) as pool:
+        args.dtype = demo_dtype(args.out, target=args.target, draft=args.draft, eagle=args.eagle, device=args.device)
+        with open_pool(args) as pool:  # the workers decode in the dtype the run is made in, as the driver does
             run(executor=pool)
     else:
         run()

@@ -274,3 +274,85 @@ def test_generate_batch_names_what_is_not_a_batch(prompts, error, fragment):
     decoder = SpeculativeDecoder(tiny_pair(noise=0.2, eos=None), TreeConfig(width=2, max_depth=4, max_size=8))
     with pytest.raises(error, match=fragment):
         decoder.generate_batch(prompts, max_new_tokens=4)
+
+
+def test_a_quick_build_never_replaces_a_full_one(tmp_path, capsys):
+    import json
+
+    full = tmp_path / "pair"
+    full.mkdir()
+    (full / "metrics.json").write_text(json.dumps({"quick": False}))
+    code, err = run_cli(["models", "build", "--quick", "--out", str(full)], capsys)
+    assert_one_line(code, err, "holds a full build", "would replace its models")
+    assert json.loads((full / "metrics.json").read_text()) == {"quick": False}
+
+
+def test_models_build_refuses_two_different_thread_counts(tmp_path, capsys):
+    code, err = run_cli(["--threads", "1", "models", "build", "--quick", "--out", str(tmp_path / "p"), "--threads",
+                         "2"], capsys)
+    assert_one_line(code, err, "`specpilot --threads 1` and `models build --threads 2` disagree")
+
+
+@pytest.mark.parametrize("argv", [["record", "--out", "r"], ["eval", "--out", "e"], ["demo", "--out", "d"],
+                                  ["train", "size", "--run", "t"]])
+def test_workers_without_ray_is_refused(argv, tmp_path, capsys, monkeypatch, no_model_loads):
+    monkeypatch.chdir(tmp_path)
+    code, err = run_cli([*argv, "--workers", "2"], capsys)
+    assert_one_line(code, err, "--workers sets how many Ray workers", "add --ray local")
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_global_threads_reach_every_ray_worker(monkeypatch):
+    import argparse
+
+    import specpilot.train.scale.cluster as cluster
+    from specpilot.train.scale.cluster_cli import open_pool
+
+    seen = {}
+
+    class Pool:
+        workers = [{"device": "cpu", "host": "h"}]
+
+        def __init__(self, spec, workers):
+            seen.update(threads=spec.threads, workers=workers)
+
+        def __len__(self):
+            return 1
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(cluster, "connect", lambda address: {"CPU": 4})
+    monkeypatch.setattr(cluster, "WorkerPool", Pool)
+    monkeypatch.setattr(cluster, "shutdown", lambda: None)
+    args = argparse.Namespace(ray="local", workers=None, global_threads=2)
+    with open_pool(args, say=lambda msg: seen.setdefault("said", msg)):
+        pass
+    assert seen["threads"] == 2 and seen["workers"] == 2  # 4 CPUs // 2 threads
+    assert seen["said"].startswith("ray local: 1 worker (")
+
+
+def test_train_ray_refusal_names_the_command_not_the_backend(tmp_path, capsys):
+    code, err = run_cli(["train", "all", "--run", str(tmp_path / "r"), "--backend", "live", "--ray", "local"], capsys)
+    assert_one_line(code, err, "`train all` runs its stages in this process")
+
+
+def test_demo_ray_workers_get_the_dtype_the_run_decodes_in(saved_pair, tmp_path):
+    import json
+
+    from specpilot.demo import demo_dtype
+
+    pair = dict(target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), device="cpu")
+    measured = demo_dtype(tmp_path / "new", **pair)
+    assert measured in ("float32", "bfloat16")
+    run = tmp_path / "run"
+    run.mkdir()
+    kept = "bfloat16" if measured == "float32" else "float32"
+    (run / "demo_state.json").write_text(json.dumps({"dtype": {"dtype": kept, "reason": "r"},
+                                                     "record": {"key": "k", "result": {}, "seconds": 1}}))
+    expected = kept
+    from specpilot.drafting.pair import DTYPES, half_support
+
+    if half_support(DTYPES[kept], "cpu")[0] != "native":  # a run kept in a dtype this CPU only emulates: measured
+        expected = measured
+    assert demo_dtype(run, **pair) == expected

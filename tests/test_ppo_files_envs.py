@@ -75,6 +75,19 @@ def test_a_resume_is_checked_against_a_worker_count_before_any_env_is_built(tmp_
     assert CountingEnv.steps == 0
 
 
+def test_a_finished_stage_resumed_past_its_budget_is_checked_too(tmp_path):
+    from specpilot.artifacts.run import FINISHED, RunManifest
+    from specpilot.train.rl.ppo import check_stages_envs
+
+    train_interrupted(tmp_path, None)  # one environment
+    done = read_progress(tmp_path / "stage")["timesteps_done"]
+    RunManifest.update(tmp_path, stages={"stage": {"status": FINISHED, "timesteps_done": done}})
+    check_stages_envs(tmp_path, ["stage"], 2, steps=done)  # its budget met: the resume skips it
+    check_stages_envs(tmp_path, ["stage"], 2)
+    with pytest.raises(ResumeSettingsError, match="no --ray"):  # a raised budget continues it: checked
+        check_stages_envs(tmp_path, ["stage"], 2, steps=done + 256)
+
+
 def test_the_cli_refuses_a_ray_resume_with_another_worker_count_before_starting_the_pool(tmp_path, monkeypatch,
                                                                                           capsys):
     import specpilot.train.cli as train_cli

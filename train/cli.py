@@ -183,9 +183,13 @@ def _check(cmd: str, args: argparse.Namespace, run_dir: Path):
     from specpilot.train.rl.traces import TaskTraces
 
     ray = getattr(args, "ray", None)
-    if ray and (args.backend != "live" or cmd not in ("size", "depth", "coadapt")):
-        raise ValueError("--ray moves live environments (--backend live, stages size/depth/coadapt) onto Ray "
-                         "workers; replay training runs in this process: drop --ray, or add --backend live")
+    if ray and cmd not in ("size", "depth", "coadapt"):
+        raise ValueError(f"--ray moves the live environments of one stage (`train size`, `depth` or `coadapt` with "
+                         f"--backend live) onto Ray workers; `train {cmd}` runs its stages in this process: drop "
+                         "--ray, or train the live stage on its own")
+    if ray and args.backend != "live":
+        raise ValueError("--ray moves live environments (--backend live) onto Ray workers; replay training runs in "
+                         "this process: drop --ray, or add --backend live")
     given = ", ".join(f"--{k}" for k in PAIR_OPTIONS if getattr(args, k, None) is not None)
     if args.backend != "live" and given:
         raise ValueError(f"{given} load(s) the pair of the live backend: add --backend live, or drop it (replay "
@@ -328,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         from specpilot.train.rl.ppo import check_stages_envs
 
         stages = ([stage for _, stage in coadapt_stages(args.rounds)] if cmd == "coadapt" else [args.stage])
-        check_stages_envs(run_dir, stages, args.workers)
+        check_stages_envs(run_dir, stages, args.workers, steps=args.steps)
     pair = load_pair(args) if args.backend == "live" and not ray else None
     from specpilot.train.rl.ppo import StageExistsError
 

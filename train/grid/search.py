@@ -647,8 +647,14 @@ def run(args: argparse.Namespace) -> int:
         prompts = [p.prompt for p in chosen]
     pair = None
     batch_sizes = getattr(args, "batch_sizes", None)
-    if batch_sizes and args.live_top == 0 and getattr(args, "batch_profile", None) is None and any(
-            max(batch_sizes) > max(load_profile(None, t).batch_sizes or [1]) for t in loaded):
+    unmeasured = bool(batch_sizes) and getattr(args, "batch_profile", None) is None and any(
+        max(batch_sizes) > max(load_profile(None, t).batch_sizes or [1]) for t in loaded)
+    if unmeasured and getattr(args, "ray", None):  # said now, not after the live phase ran on the workers
+        raise ValueError(f"--batch-sizes up to {max(batch_sizes)} go beyond the traces' latency profiles, and with "
+                         "--ray no pair runs here to measure them where the workers decode: give --batch-profile "
+                         "FILE (a profile measured at those batch sizes on the workers' hardware, e.g. by this "
+                         "command without --ray there), or run without --ray")
+    if unmeasured and args.live_top == 0:
         from specpilot.drafting.cliargs import load_pair
 
         pair = load_pair(args)  # the traces' profiles lack these batch sizes: measured now with the pair

@@ -596,7 +596,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed, default=0, help="seed of the corpus split and of training")
     parser.add_argument("--device", type=device, default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=thread_count, default=None,
-                        help="torch CPU threads (default: 2, or 1 on 1 core)")
+                        help="torch CPU threads (default: `specpilot --threads`, else 2, or 1 on 1 core; --quick: "
+                             "1)")
     parser.add_argument("--quick", action="store_true", help="tiny pair in about a minute (smoke test)")
     stage = parser.add_mutually_exclusive_group()
     stage.add_argument("--target-only", action="store_true", help="stop after the tokenizer and target")
@@ -606,6 +607,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stage.add_argument("--eagle-only", action="store_true",
                        help="keep tokenizer, target and draft in --out; train and measure only the EAGLE-3 head")
     parser.add_argument("--eagle", action="store_true", help="also train the EAGLE-3 head (out/eagle)")
+
+
+def _full_build_in(folder: Path) -> bool:
+    """True when `folder` holds a full (not --quick) build: its metrics.json says "quick": false."""
+    try:
+        return json.loads((folder / "metrics.json").read_text(encoding="utf-8")).get("quick") is False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _refuse_default_out(shipped) -> None:
@@ -623,6 +632,14 @@ def run(args: argparse.Namespace) -> int:
     if args.target_only and args.eagle:
         raise ValueError("--eagle trains the head on the target and the draft's stages, which --target-only stops "
                          "before: drop one of them (--eagle-only trains the head later)")
+    global_threads = getattr(args, "global_threads", None)
+    if global_threads is not None and args.threads is not None and global_threads != args.threads:
+        raise ValueError(f"`specpilot --threads {global_threads}` and `models build --threads {args.threads}` "
+                         "disagree: give one of them")
+    threads = args.threads if args.threads is not None else global_threads
+    if args.quick and args.out and _full_build_in(Path(args.out)) and not (args.draft_only or args.eagle_only):
+        raise ValueError(f"{args.out} holds a full build (metrics.json says quick: false): a --quick build would "
+                         "replace its models with a tiny smoke-test pair; give another --out, or move it away first")
     if args.quick:
         out = args.out or tempfile.mkdtemp(prefix="specpilot_pair_")
         budget = BuildBudget.quick()
@@ -633,7 +650,7 @@ def run(args: argparse.Namespace) -> int:
                              draft_tokens=args.draft_tokens or default.draft_tokens)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     metrics = build_pair(out, budget=budget, seed=args.seed, device=args.device, quick=args.quick,
-                         threads=args.threads, target_only=args.target_only, reuse_target=args.draft_only,
+                         threads=threads, target_only=args.target_only, reuse_target=args.draft_only,
                          eagle=args.eagle, eagle_only=args.eagle_only)
     print(json.dumps({"out": str(out), "goals": metrics["goals"]}))
     return 0

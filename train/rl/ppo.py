@@ -532,11 +532,11 @@ def check_resume_envs(ckpt_dir: Path, progress: dict, n_envs: int) -> None:
         "stage was trained, or use a new stage name / run directory (nothing was changed)")
 
 
-def check_stages_envs(run_dir: str | Path, stages: list[str], n_envs: int) -> None:
+def check_stages_envs(run_dir: str | Path, stages: list[str], n_envs: int, steps: int | None = None) -> None:
     """`check_resume_envs` for each of `stages` that a resume would continue (a checkpoint, and not finished in the
-    run's manifest), before any environment is built: the CLI asks it before starting a Ray pool of n_envs workers,
-    so a resume with another worker count is refused in a second rather than after the pool has loaded the models.
-    Damaged records are left to the resume itself, which names them."""
+    run's manifest, or finished short of a raised budget `steps`), before any environment is built: the CLI asks it
+    before starting a Ray pool of n_envs workers, so a resume with another worker count is refused in a second
+    rather than after the pool has loaded the models. Damaged records are left to the resume itself."""
     run_dir = Path(run_dir)
     try:
         manifest = RunManifest.load(run_dir)
@@ -545,12 +545,15 @@ def check_stages_envs(run_dir: str | Path, stages: list[str], n_envs: int) -> No
         statuses = {}
     for name in stages:
         stage_dir = run_dir / name
-        if not (stage_dir / CHECKPOINTS_DIR).is_dir() or (name in statuses and statuses[name].finished):
+        if not (stage_dir / CHECKPOINTS_DIR).is_dir():
             continue
         try:
             progress = read_progress(stage_dir)
         except CheckpointError:
             continue
+        finished = name in statuses and statuses[name].finished
+        if progress is not None and finished and (steps is None or int(progress["timesteps_done"]) >= steps):
+            continue  # skipped by the resume: its budget is met
         if progress is not None:
             check_resume_envs(stage_dir / CHECKPOINTS_DIR, progress, n_envs)
 

@@ -45,7 +45,8 @@ def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = N
     from specpilot.train.scale.cluster import ClusterError, PairSpec, WorkerPool, connect, import_ray, shutdown
 
     say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    threads = max(1, int(getattr(args, "threads", None) or 1))
+    # `specpilot --threads N` (stored as global_threads): each worker's torch threads, as the README's examples set it
+    threads = max(1, int(getattr(args, "global_threads", None) or getattr(args, "threads", None) or 1))
     owned = not import_ray().is_initialized()  # a Ray this process already uses stays up after the command
     if args.workers is not None and args.workers < 1:
         raise ClusterError(f"--workers must be >= 1, got {args.workers}")
@@ -54,8 +55,8 @@ def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = N
     spec = PairSpec(getattr(args, "target", None), getattr(args, "draft", None), getattr(args, "eagle", None),
                     getattr(args, "device", None), getattr(args, "dtype", None), threads)
     pool = WorkerPool(spec, workers=workers)
-    say(f"ray {args.ray}: {len(pool)} workers ({', '.join(w['device'] + '@' + w['host'] for w in pool.workers)}), "
-        f"{threads} thread(s) each")
+    say(f"ray {args.ray}: {len(pool)} worker{'s' if len(pool) != 1 else ''} "
+        f"({', '.join(w['device'] + '@' + w['host'] for w in pool.workers)}), {threads} thread(s) each")
     try:
         yield pool
     finally:
@@ -82,6 +83,10 @@ def with_cluster(command: str, run: Callable[[argparse.Namespace], int]) -> Call
     def handler(args: argparse.Namespace) -> int:
         from specpilot.train.scale.cluster import ClusterError
 
+        if getattr(args, "workers", None) is not None and getattr(args, "ray", None) is None:
+            print(f"specpilot {command}: --workers sets how many Ray workers run the command; without --ray it "
+                  "would be ignored: add --ray local (or a cluster address), or drop --workers", file=sys.stderr)
+            return 2
         try:
             return run(args)
         except ClusterError as err:
