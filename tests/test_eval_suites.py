@@ -68,7 +68,13 @@ def test_split_filter(tmp_path):
         load_suite(path, split="c")
 
 
-@pytest.mark.parametrize("content, message", [
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.json", '[{"prompt": "x"}, 3]', r"bad\.json: item 2: expected a JSON object"),
+    ("bad.json", '[{"prompt": "x"}, {"id": 1}]', r"bad\.json: item 2: missing field\(s\) prompt"),
+    ("bad.json", '[{"prompt": "x"},', r"bad\.json: invalid JSON .*one array like"),
+    ("bad.json", "[]", r"no prompts found"),
+    ("bad.json", '[{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]', r"duplicate id\(s\) a"),
+] + [("bad.jsonl", *case) for case in [
     ('{"prompt": "ok"}\n{"prompt": "oops",\n', r"bad\.jsonl:2: invalid JSON"),
     ('{"id": "x"}\n', r"bad\.jsonl:1: missing field\(s\) prompt"),
     ('{"prompt": "   "}\n', r"bad\.jsonl:1: empty prompt"),
@@ -77,9 +83,9 @@ def test_split_filter(tmp_path):
     ("\n\n", r"no prompts found"),
     ('{"prompt": "ok"}\n{"prompt": "a\\ud800b"}\n', r"bad\.jsonl:2: field \"prompt\" holds a lone surrogate"),
     ('{"id": "\\udfff", "prompt": "x"}\n', r"bad\.jsonl:1: field \"id\" holds a lone surrogate"),
-])
-def test_bad_jsonl_rejected_with_file_and_line(tmp_path, content, message):
-    path = tmp_path / "bad.jsonl"
+]])
+def test_bad_suites_rejected_with_file_and_line_or_item(tmp_path, name, content, message):
+    path = tmp_path / name
     path.write_text(content)
     with pytest.raises(SuiteError, match=message):
         load_suite(path)
@@ -133,20 +139,6 @@ def test_user_suite_forms(tmp_path, name, content):
     path = tmp_path / name
     path.write_text(content)
     assert [p.prompt for p in load_suite(path)] == ["def f(x):", "def g():"]
-
-
-@pytest.mark.parametrize("content, match", [
-    ('[{"prompt": "x"}, 3]', r"mine\.json: item 2: expected a JSON object"),
-    ('[{"prompt": "x"}, {"id": 1}]', r"mine\.json: item 2: missing field\(s\) prompt"),
-    ('[{"prompt": "x"},', r"mine\.json: invalid JSON .*one array like"),
-    ("[]", r"no prompts found"),
-    ('[{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]', r"duplicate id\(s\) a"),
-])
-def test_bad_json_array_suite_rejected_with_item(tmp_path, content, match):
-    path = tmp_path / "mine.json"
-    path.write_text(content)
-    with pytest.raises(SuiteError, match=match):
-        load_suite(path)
 
 
 @pytest.mark.parametrize("name, match", [
