@@ -391,13 +391,25 @@ def _model_summary(model, train: dict | None, held: dict[str, torch.Tensor], *, 
 BUILD_MARKERS = ("metrics.json", "corpus_manifest.json")  # written by a build (the second as soon as the target is)
 
 
-def check_build_folder(out: Path) -> None:
+def check_build_folder(out: Path, *, quick: bool = False) -> None:
     """A full build writes tokenizer/, target/ and draft/ into `out` and removes a stale eagle/: `out` must be new,
-    empty, or an earlier build's folder (it holds metrics.json or corpus_manifest.json), never someone's models."""
+    empty, or an earlier build's folder (it holds metrics.json or corpus_manifest.json), never someone's models;
+    and a quick build never replaces a full one (its metrics.json says "quick": false)."""
     if out.is_dir() and any(out.iterdir()) and not any((out / name).is_file() for name in BUILD_MARKERS):
         raise ValueError(f"{out} holds files but is not an earlier `specpilot models build` folder (no "
                          f"{' or '.join(BUILD_MARKERS)}): a build overwrites target/, draft/ and tokenizer/ there "
                          "and removes eagle/, so give a new or empty folder")
+    if quick and _full_build_in(out):
+        raise ValueError(f"{out} holds a full build (metrics.json says quick: false): a --quick build would "
+                         "replace its models with a tiny smoke-test pair; give another --out, or move it away first")
+
+
+def _full_build_in(folder: Path) -> bool:
+    """True when `folder` holds a full (not --quick) build: its metrics.json says "quick": false."""
+    try:
+        return json.loads((folder / "metrics.json").read_text(encoding="utf-8")).get("quick") is False
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: int = 0, device: str | None = None,
@@ -413,7 +425,7 @@ def build_pair(out_dir: str | Path, *, budget: BuildBudget | None = None, seed: 
     eagle_budget: the head's specpilot.train.models.build_eagle.EagleBudget (default: its defaults, or quick())."""
     out = Path(out_dir)
     if not (reuse_target or eagle_only):
-        check_build_folder(out)
+        check_build_folder(out, quick=quick)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     budget = budget or (BuildBudget.quick() if quick else BuildBudget())
     # Both cores of the 2-core reference box (tiny --quick models: one; threads only add synchronisation there).
@@ -609,14 +621,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eagle", action="store_true", help="also train the EAGLE-3 head (out/eagle)")
 
 
-def _full_build_in(folder: Path) -> bool:
-    """True when `folder` holds a full (not --quick) build: its metrics.json says "quick": false."""
-    try:
-        return json.loads((folder / "metrics.json").read_text(encoding="utf-8")).get("quick") is False
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _refuse_default_out(shipped) -> None:
     raise ValueError(f"--out is required: give the folder to build into (--out {shipped} rebuilds the pair shipped "
                      "in the package, overwriting it)")
@@ -637,9 +641,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"`specpilot --threads {global_threads}` and `models build --threads {args.threads}` "
                          "disagree: give one of them")
     threads = args.threads if args.threads is not None else global_threads
-    if args.quick and args.out and _full_build_in(Path(args.out)) and not (args.draft_only or args.eagle_only):
-        raise ValueError(f"{args.out} holds a full build (metrics.json says quick: false): a --quick build would "
-                         "replace its models with a tiny smoke-test pair; give another --out, or move it away first")
     if args.quick:
         out = args.out or tempfile.mkdtemp(prefix="specpilot_pair_")
         budget = BuildBudget.quick()
