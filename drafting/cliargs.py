@@ -176,14 +176,18 @@ def int_list(minimum: int = 0) -> Callable[[str], list[int]]:
     return parse
 
 
+def _refuse_repeats(values: list, text: str) -> list:
+    """`values` parsed from `text`, or ArgumentTypeError naming those given more than once."""
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{', '.join(f'{v:g}' for v in repeated)} given more than once in {text!r}")
+    return list(values)
+
+
 def batch_sizes(text: str) -> list[int]:
     """"1,2,4" -> [1, 2, 4]: batch sizes >= 1, ascending; one given twice is refused, as --temperatures refuses a
     repeated value (each size is one measurement and one table row)."""
-    values = int_list(1)(text)
-    repeated = sorted({v for v in values if values.count(v) > 1})
-    if repeated:
-        raise argparse.ArgumentTypeError(f"{', '.join(map(str, repeated))} given more than once in {text!r}")
-    return sorted(values)
+    return sorted(_refuse_repeats(int_list(1)(text), text))
 
 
 def float_list(item: Callable[[str], float] = non_negative_float) -> Callable[[str], tuple[float, ...]]:
@@ -191,11 +195,7 @@ def float_list(item: Callable[[str], float] = non_negative_float) -> Callable[[s
     inner = _comma_list(item, "numbers")
 
     def parse(text: str) -> tuple[float, ...]:
-        values = tuple(inner(text))
-        repeated = sorted({f"{v:g}" for v in values if values.count(v) > 1})
-        if repeated:
-            raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once in {text!r}")
-        return values
+        return tuple(_refuse_repeats(inner(text), text))
 
     parse.__name__ = "float_list"
     return parse

@@ -167,11 +167,12 @@ def _prompt_from_json(obj, where: str, default_id: str, stem: str, *, strict: bo
                   language=str(obj.get("language", "unknown")), split=str(obj.get("split", "custom")), prompt=text)
 
 
-def _parse_jsonl(path: Path, *, strict: bool) -> list[Prompt]:
-    """strict=True (bundled suites) demands every field; user suites need only `prompt`."""
+def _parse_jsonl(path: Path, *, strict: bool, lines: list[str] | None = None) -> list[Prompt]:
+    """strict=True (bundled suites) demands every field; user suites need only `prompt`. lines: the file's, when
+    already read."""
     prompts: list[Prompt] = []
     unread: set[str] = set()
-    for lineno, line in enumerate(read_lines(path), start=1):
+    for lineno, line in enumerate(read_lines(path) if lines is None else lines, start=1):
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
@@ -200,14 +201,15 @@ def _parse_json(path: Path) -> list[Prompt]:
     """A .json user suite: one JSON array of prompt objects (or of prompt strings), the form most prompt sets are
     shared in, or one object ({"prompt": ...}, or {"prompts": [...]}); a .json file holding JSON lines is read as
     .jsonl."""
-    text = "\n".join(read_lines(path))
+    lines = read_lines(path)
+    text = "\n".join(lines)
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):  # JSON lines under a .json name (its errors are named line by line)
         if text.lstrip()[:1] == "[":  # an array that does not parse: say so as one document
             _loads(text, str(path), "a .json suite is one array like [{\"id\": \"q1\", \"prompt\": \"...\"}, ...] "
                    "(or write JSON lines to a .jsonl file)")
-        return _parse_jsonl(path, strict=False)
+        return _parse_jsonl(path, strict=False, lines=lines)
     if isinstance(data, dict) and isinstance(data.get("prompts"), list) and "prompt" not in data:
         data = data["prompts"]
     items = data if isinstance(data, list) else [data]

@@ -39,6 +39,8 @@ from specpilot.train.scale.cluster_cli import add_cluster_arguments, open_pool
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
 REWARDS = ("throughput", "acceptance", "time", "dinkelbach")
 PAIR_OPTIONS = ("target", "draft", "eagle", "device", "dtype")
+# `train all` defaults, named once: the parser's, and what tells a value given (even abbreviated) from the default
+DEFAULT_BC_ITERS, DEFAULT_BC_EPOCHS, DEFAULT_SEED_WORKERS = 8, 30, 1
 
 
 def _static(text: str) -> tuple[int, int]:
@@ -149,16 +151,17 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--seeds", type=positive_int, default=1,
                        help="train N seeds of the pipeline in RUN/seed<k>/ and deploy the best on validation "
                             "(RUN/seeds.json: each seed's ltd-vs-static ratio and their median/IQM; default 1)")
-        p.add_argument("--seed-workers", type=positive_int, default=1,
+        p.add_argument("--seed-workers", type=positive_int, default=DEFAULT_SEED_WORKERS,
                        help="with --seeds: train this many seeds at once, each in its own process with torch "
                             "threads // N threads (replay backend; its small networks gain little from a second "
                             "thread, so on 2 cores 2 workers nearly halve the time) (default: 1, one after another)")
         p.add_argument("--bc", action="store_true",
                        help="stage 1 = behaviour cloning from the replay oracle with DAgger relabelling (instead of "
                             "PPO from scratch; --size-steps/--depth-steps unused); co-adaptation fine-tunes with PPO")
-        p.add_argument("--bc-iters", type=positive_int, default=8, help="DAgger iterations of --bc (default 8)")
-        p.add_argument("--bc-epochs", type=positive_int, default=30,
-                       help="supervised epochs per DAgger iteration of --bc (default 30)")
+        p.add_argument("--bc-iters", type=positive_int, default=DEFAULT_BC_ITERS,
+                       help=f"DAgger iterations of --bc (default {DEFAULT_BC_ITERS})")
+        p.add_argument("--bc-epochs", type=positive_int, default=DEFAULT_BC_EPOCHS,
+                       help=f"supervised epochs per DAgger iteration of --bc (default {DEFAULT_BC_EPOCHS})")
 
 
 def _options(args, static, pair, cluster=None):
@@ -235,11 +238,11 @@ def _check_ignored_options(cmd: str, args: argparse.Namespace) -> None:
                          "given: add --batch-sizes, or drop --batch-profile")
     if cmd != "all":
         return
-    unused = [o for o, d in (("--bc-iters", 8), ("--bc-epochs", 30)) if typed(o, d)]
+    unused = [o for o, d in (("--bc-iters", DEFAULT_BC_ITERS), ("--bc-epochs", DEFAULT_BC_EPOCHS)) if typed(o, d)]
     if unused and not args.bc:
         raise ValueError(f"{' and '.join(unused)} set(s) the behaviour cloning of --bc, which was not given: add "
                          "--bc, or drop them")
-    if typed("--seed-workers", 1) and args.seeds <= 1:
+    if typed("--seed-workers", DEFAULT_SEED_WORKERS) and args.seeds <= 1:
         raise ValueError("--seed-workers trains several --seeds at once, but one seed was asked for: add --seeds N, "
                          "or drop --seed-workers")
 
