@@ -250,6 +250,77 @@ def test_an_unreachable_address_is_one_clear_error_before_ray_starts():
         _check_reachable("no-port-here")
 
 
+@pytest.mark.parametrize("server", ["http", "silent"])
+def test_a_listening_server_that_is_not_ray_is_refused_before_ray_starts(server):
+    """Something listens but does not speak gRPC (an HTTP/1 server, or one that never answers): one clear error in
+    seconds; ray.init would retry such an address for about 15 minutes, printing Ray's client errors."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from specpilot.train.scale.cluster import ClusterError, _check_reachable
+
+    if server == "http":
+        srv = HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        port, stop = srv.server_address[1], srv.shutdown
+    else:
+        srv = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog) and never writes
+        port, stop = srv.getsockname()[1], srv.close
+    try:
+        with pytest.raises(ClusterError, match="not a Ray cluster"):
+            _check_reachable(f"127.0.0.1:{port}", timeout_s=0.5)
+    finally:
+        stop()
+
+
+def test_the_gcs_of_a_running_ray_passes_the_address_check(ray_pool):
+    import ray
+
+    from specpilot.train.scale.cluster import _check_reachable
+
+    _check_reachable(ray.get_runtime_context().gcs_address)  # Ray's GCS answers the HTTP/2 preface as gRPC does
+
+
+@pytest.mark.parametrize("preset", [False, True])
+def test_worker_lines_reach_a_log_file_each_as_printed_and_without_colour_codes(preset):
+    """Output to a file: no ANSI codes, no "[repeated 2x across cluster]" folding of the workers' progress lines;
+    what the user's environment sets wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_DEDUP_LOGS", "RAY_COLOR_PREFIX")}
+    if preset:
+        env.update(RAY_DEDUP_LOGS="1", RAY_COLOR_PREFIX="1")
+    code = ("import os; from specpilot.train.scale.cluster import import_ray; import_ray(); "
+            "print(os.environ['RAY_DEDUP_LOGS'], os.environ['RAY_COLOR_PREFIX'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == (["1", "1"] if preset else ["0", "0"])
+
+
+def test_ctrl_c_while_ray_starts_is_held_until_it_has_started_then_cleans_up():
+    """One Ctrl-C inside `interrupts_held` waits for the block (a half-started Ray orphans its agents), runs the
+    clean-up, then raises KeyboardInterrupt; a second Ctrl-C interrupts at once; the handler is restored."""
+    import os
+    import signal
+
+    from specpilot.train.scale.cluster import interrupts_held
+
+    before, done = signal.getsignal(signal.SIGINT), []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held("the test block has run", then=lambda: done.append("cleaned")):
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("block finished")
+    assert done == ["block finished", "cleaned"] and signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held("never", then=lambda: done.append("not run")):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("not reached")
+    assert done == ["block finished", "cleaned"] and signal.getsignal(signal.SIGINT) is before
+
+
 def test_a_worker_answers_whether_transformers_can_assist_with_its_pair(ray_pool):
     from specpilot.eval.methods import assisted_refusal_on
 

@@ -20,11 +20,13 @@ The orchestrators (`specpilot.envs.record.record_task`, `specpilot.train.grid.se
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from specpilot.drafting.executor import ShardOutcome, ShardTask, describe_worker
 
@@ -38,7 +40,12 @@ class ClusterError(RuntimeError):
 
 
 def import_ray():
-    """The `ray` module, or a ClusterError saying how to install it."""
+    """The `ray` module, or a ClusterError saying how to install it. Unless the environment says otherwise, workers'
+    lines reach the driver each as printed (Ray would fold the workers' progress lines into "[repeated 2x across
+    cluster]", read at import) and without colour codes when the output is not a terminal (a log file)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         import ray
     except ImportError as err:
@@ -54,13 +61,14 @@ def connect(address: str = LOCAL, *, num_cpus: int | None = None, num_gpus: int 
     ray = import_ray()
     if not ray.is_initialized():
         if address not in (LOCAL, "auto"):
-            _check_reachable(address)  # before ray.init, which retries for ~20 s printing client errors
+            _check_reachable(address)  # before ray.init, which retries for minutes printing client errors
         quiet = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=True)
         try:
-            if address == LOCAL:
-                ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **quiet)
-            else:
-                ray.init(address=address, **quiet)
+            with interrupts_held("Ray has started", then=shutdown):  # a half-started Ray orphans its agents
+                if address == LOCAL:
+                    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **quiet)
+                else:
+                    ray.init(address=address, **quiet)
         except ConnectionError as err:
             raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err}): start one with `ray start "
                                "--head` (and `ray start --address HEAD:6379` on the other nodes), or use "
@@ -68,20 +76,77 @@ def connect(address: str = LOCAL, *, num_cpus: int | None = None, num_gpus: int 
     return dict(ray.cluster_resources())
 
 
+@contextmanager
+def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) while the block runs, then run `then` and raise KeyboardInterrupt: Ray interrupted while
+    it starts leaves its agents running, or crashes at exit. A second Ctrl-C interrupts at once. Outside the main
+    thread (where Python delivers no signals), or where SIGINT is ignored, the block just runs."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield  # no signal reaches this thread, or this process ignores Ctrl-C (started in the background): keep it so
+        return
+    held: list[int] = []
+
+    def hold(signum, frame) -> None:
+        if held:
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        held.append(signum)
+        print(f"interrupted: stopping once {until} (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        if then is not None:
+            then()
+        raise KeyboardInterrupt
+
+
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
-    """ClusterError in one line when nothing listens at "host:port" / "ray://host:port"."""
+    """ClusterError in one line when nothing listens at "host:port" / "ray://host:port", or when what listens there
+    does not speak gRPC (Ray's GCS and its client server do): ray.init would retry such an address for ~15 minutes."""
     import socket
 
     hostport = address.split("://", 1)[-1]
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
         raise ClusterError(f"--ray {address!r} is not an address: give local, auto, HOST:PORT or ray://HOST:PORT")
+    how = ("start one with `ray start --head` (and `ray start --address HEAD:6379` on the other nodes), or use "
+           "--ray local")
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
+            answer = _http2_handshake(conn)
     except OSError as err:
-        raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err.strerror or err}): start one with "
-                           "`ray start --head` (and `ray start --address HEAD:6379` on the other nodes), or use "
-                           "--ray local") from None
+        raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err.strerror or err}): {how}") from None
+    if not answer:
+        raise ClusterError(f"something listens at {address!r} but it is not a Ray cluster (it does not answer "
+                           f"gRPC): check the port (`ray start --head` prints the address, 6379 by default), or "
+                           f"{how}")
+
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HTTP2_SETTINGS = 0x4  # frame type a gRPC server sends first after the client's preface (RFC 9113, 3.4)
+
+
+def _http2_handshake(conn) -> bool:
+    """True when the server on `conn` answers the HTTP/2 client preface and an empty SETTINGS frame with a SETTINGS
+    frame, as every gRPC server does; False for anything else (an HTTP/1 server, a closed or silent socket)."""
+    header = b""
+    try:
+        conn.sendall(HTTP2_PREFACE + bytes([0, 0, 0, HTTP2_SETTINGS, 0, 0, 0, 0, 0]))
+        while len(header) < 9:  # a frame header: 3 bytes length, 1 byte type, 1 flags, 4 stream id
+            chunk = conn.recv(9 - len(header))
+            if not chunk:
+                break
+            header += chunk
+    except OSError:  # a timeout (a silent server), or one that resets the connection
+        return False
+    return len(header) == 9 and header[3] == HTTP2_SETTINGS
 
 
 def shutdown() -> None:
@@ -236,7 +301,6 @@ class WorkerPool:
                  ready_timeout_s: float = 600.0, inject_fault: dict | None = None) -> None:
         ray = import_ray()
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
             raise ClusterError("Ray is not connected: call specpilot.train.scale.cluster.connect(address) first")
@@ -255,9 +319,21 @@ class WorkerPool:
                                "lower --workers or --threads, or add nodes")
         self.placement = placement_group([dict(bundle) for _ in range(workers)], strategy=strategy)
         try:
+            self._start(workers, bundle, resources, ready_timeout_s)
+        except BaseException:  # a refusal, a worker that cannot load its pair, Ctrl-C: leave nothing placed
+            self.close()
+            raise
+        self.deaths = [0] * workers
+        self._recovering: dict[Any, tuple[int, int]] = {}  # probe ref -> (worker, tries): restarting actors
+
+    def _start(self, workers: int, bundle: dict, resources: dict, ready_timeout_s: float) -> None:
+        """Wait for the placement group, then start the actors and wait until each has loaded its pair."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        try:
             ray.get(self.placement.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(self.placement)
             raise ClusterError(f"the cluster cannot place {workers} workers of {bundle} within {ready_timeout_s:.0f}s"
                                f" (it has {dict(resources)}): lower --workers or --threads, or add nodes") from None
         actor = ray.remote(PairWorker)
@@ -267,10 +343,7 @@ class WorkerPool:
         try:
             self.workers = ray.get([a.describe.remote() for a in self.actors])
         except ray.exceptions.RayError as err:
-            self.close()
             raise ClusterError(f"a worker could not load its pair {self.spec}: {err}") from err
-        self.deaths = [0] * workers
-        self._recovering: dict[Any, tuple[int, int]] = {}  # probe ref -> (worker, tries): restarting actors
 
     def __len__(self) -> int:
         return len(self.actors)

@@ -50,11 +50,16 @@ def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = N
     owned = not import_ray().is_initialized()  # a Ray this process already uses stays up after the command
     if args.workers is not None and args.workers < 1:
         raise ClusterError(f"--workers must be >= 1, got {args.workers}")
-    resources = connect(args.ray)
-    workers = args.workers or default_workers(resources, threads)
-    spec = PairSpec(getattr(args, "target", None), getattr(args, "draft", None), getattr(args, "eagle", None),
-                    getattr(args, "device", None), getattr(args, "dtype", None), threads)
-    pool = WorkerPool(spec, workers=workers)
+    try:
+        resources = connect(args.ray)
+        workers = args.workers or default_workers(resources, threads)
+        spec = PairSpec(getattr(args, "target", None), getattr(args, "draft", None), getattr(args, "eagle", None),
+                        getattr(args, "device", None), getattr(args, "dtype", None), threads)
+        pool = WorkerPool(spec, workers=workers)
+    except BaseException:  # refused, a worker failed to load, Ctrl-C: the Ray this command started stops with it
+        if owned:
+            shutdown()
+        raise
     say(f"ray {args.ray}: {len(pool)} worker{'s' if len(pool) != 1 else ''} "
         f"({', '.join(w['device'] + '@' + w['host'] for w in pool.workers)}), {threads} thread(s) each")
     try:
