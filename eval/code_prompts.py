@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from specpilot.eval.suites import Prompt, SuiteError, load_suite
+from specpilot.eval.suites import Prompt, SuiteError, TABLE_SUFFIXES, load_suite, split_lines
 
 FORMS = ("signature", "body")
 SHARED_LINE_CHARS = 30  # a line this long shared with an excluded suite counts as overlap
@@ -69,7 +69,7 @@ def read_source(path: Path) -> str | None:
 
 def _long_lines(text: str) -> set[str]:
     """The stripped lines of `text` long enough to count as overlap when shared (>= SHARED_LINE_CHARS)."""
-    return {s for s in (line.strip() for line in text.splitlines()) if len(s) >= SHARED_LINE_CHARS}
+    return {s for s in (line.strip() for line in split_lines(text)) if len(s) >= SHARED_LINE_CHARS}
 
 
 def _overlap_keys(suites: Iterable[str | Path]) -> tuple[set[str], set[str]]:
@@ -130,7 +130,7 @@ def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: 
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # the last two: nesting the parser cannot hold
         return []
-    lines = source.splitlines()
+    lines = split_lines(source)  # the lines ast numbers: a form feed or U+2028 inside a line does not end it
     out = []
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
@@ -144,7 +144,7 @@ def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: 
         if form not in forms:
             continue
         text = _prompt_text(lines, node, form)
-        if "\t" in text or not min_chars <= len(text) <= max_chars:
+        if not min_chars <= len(text) <= max_chars:
             continue
         out.append((f"{origin}:{node.name}", form, text))
     return out
@@ -236,8 +236,10 @@ def check_suite_path(out: str | Path) -> Path:
     other name would read back as plain text, one raw JSON line per prompt (ValueError)."""
     out = Path(out)
     if out.suffix.lower() not in (".jsonl", ".json"):
+        read_as = ("are refused as tables" if out.suffix.lower() in TABLE_SUFFIXES else
+                   "are read back as plain text, one prompt per line")
         raise ValueError(f"{out}: a suite is written as JSON lines, so its name must end in .jsonl (suites named "
-                         f"{out.suffix or 'without a suffix'} are read back as plain text, one prompt per line)")
+                         f"{out.suffix or 'without a suffix'} {read_as})")
     return out
 
 

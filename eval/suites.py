@@ -101,12 +101,23 @@ def read_lines(path: Path) -> list[str]:
         text = data.decode(encoding)
     except UnicodeDecodeError as err:
         if b"\x00" in data:  # UTF-16 without a BOM or binary: say so rather than name one odd byte
-            _refuse_nul(path, data.decode(encoding, errors="replace").splitlines())
+            _refuse_nul(path, split_lines(data.decode(encoding, errors="replace")))
         raise SuiteError(f"{path}: not UTF-8 text (byte {err.start}: {data[err.start:err.start + 1]!r}); save it as "
                          "UTF-8 (or UTF-16 with a byte-order mark)") from None
-    lines = text.splitlines()
+    lines = split_lines(text)
     _refuse_nul(path, lines)
     return lines
+
+
+LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+def split_lines(text: str) -> list[str]:
+    """`text` cut at LF, CRLF and CR only, as `str.splitlines` minus its other breaks: U+2028, U+0085, a form feed
+    and the like are characters inside a line (JSON holds them raw in strings; Python's parser counts only these
+    three), so a suite or source line stays whole. A final line break ends the last line, as in splitlines."""
+    lines = LINE_BREAK.split(text)
+    return lines[:-1] if lines and lines[-1] == "" else lines
 
 
 def _check_encodable(value, where: str, key: str) -> None:
@@ -126,7 +137,8 @@ def _loads(text: str, where: str, form: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise SuiteError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); {form}") from err
+        at = "" if err.msg.endswith(" at") else " at"  # json's "Unterminated string starting at"
+        raise SuiteError(f"{where}: invalid JSON ({err.msg}{at} column {err.colno}); {form}") from err
     except (ValueError, RecursionError) as err:  # json's own limits: an integer of 4300+ digits, deep nesting
         raise SuiteError(f"{where}: JSON this loader cannot read ({type(err).__name__}: "
                          f"{str(err).split(';')[0] if str(err) else 'nested too deeply'}); {form}") from None

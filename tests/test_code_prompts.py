@@ -247,3 +247,31 @@ def test_a_source_file_that_is_not_python_is_refused(tmp_path):
     (tmp_path / "readme.txt").write_text("def f(x):\n    '''Not code.'''\n")
     with pytest.raises(SuiteError, match="readme.txt is not a Python file"):
         extract_code_prompts([tmp_path / "readme.txt"])
+
+
+def test_prompts_are_cut_on_the_lines_python_counts():
+    """A form feed (a page break) or a U+2028 in a comment does not end a line for Python's parser, so it must not
+    for the cut either: each function gives its own text, body statement included. Tab-indented code gives prompts
+    like any other."""
+    import random
+
+    source = ('def first_function(a, b):\n    """Add two numbers together and return the sum of them."""\n'
+              '    total = a + b\n    return total\n\x0c\n'
+              'def second_function(text):\n    """Return the text reversed, with surrounding whitespace removed."""\n'
+              '    cleaned = text.strip()\n    return cleaned[::-1]\n# a comment \u2028 with a line separator\n'
+              'class Tabbed:\n\tdef third_function(self, items):\n'
+              '\t\t"""Return the number of distinct items in the given iterable."""\n\t\treturn len(set(items))\n')
+    got = prompts_from_source(source, origin="m", rng=random.Random(0), forms=("body",), min_chars=20)
+    assert [text for _, _, text in got] == [
+        'def first_function(a, b):\n    """Add two numbers together and return the sum of them."""\n    total = a + b',
+        'def second_function(text):\n    """Return the text reversed, with surrounding whitespace removed."""\n'
+        '    cleaned = text.strip()',
+        'def third_function(self, items):\n\t"""Return the number of distinct items in the given iterable."""\n'
+        '\treturn len(set(items))']
+
+
+def test_a_suite_named_as_a_table_is_refused_saying_tables_are_refused(tmp_path):
+    from specpilot.eval.code_prompts import check_suite_path
+
+    with pytest.raises(ValueError, match=r"suites named \.csv are refused as tables"):
+        check_suite_path(tmp_path / "x.csv")

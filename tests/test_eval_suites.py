@@ -76,6 +76,7 @@ def test_split_filter(tmp_path):
     ("bad.json", '[{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}]', r"duplicate id\(s\) a"),
 ] + [("bad.jsonl", *case) for case in [
     ('{"prompt": "ok"}\n{"prompt": "oops",\n', r"bad\.jsonl:2: invalid JSON"),
+    ('{"prompt": "oops}\n', r"bad\.jsonl:1: invalid JSON \(Unterminated string starting at column 12\)"),
     ('{"id": "x"}\n', r"bad\.jsonl:1: missing field\(s\) prompt"),
     ('{"prompt": "   "}\n', r"bad\.jsonl:1: empty prompt"),
     ('["a list"]\n', r"bad\.jsonl:1: expected a JSON object"),
@@ -139,6 +140,23 @@ def test_user_suite_forms(tmp_path, name, content):
     path = tmp_path / name
     path.write_text(content)
     assert [p.prompt for p in load_suite(path)] == ["def f(x):", "def g():"]
+
+
+@pytest.mark.parametrize("name", ["mine.jsonl", "mine.json", "mine.txt"])
+def test_only_lf_crlf_and_cr_end_a_suite_line(tmp_path, name):
+    """U+2028, U+2029, U+0085 and a form feed are characters inside a line (json.dumps(..., ensure_ascii=False)
+    writes the first three raw in strings): str.splitlines would cut the line there, refusing valid JSON or
+    splitting a text prompt in two."""
+    texts = ["x = 1\u2028y", "c\u0085d \u2029", "a = 1\x0cb = 2", "tail"]
+    if name.endswith(".txt"):
+        content = "\r\n".join(texts[:3]) + "\r" + texts[3] + "\n"
+    elif name.endswith(".jsonl"):
+        content = "".join(json.dumps({"prompt": t}, ensure_ascii=False) + "\n" for t in texts)
+    else:
+        content = json.dumps(texts, ensure_ascii=False, indent=1)
+    path = tmp_path / name
+    path.write_bytes(content.encode())
+    assert [p.prompt for p in load_suite(path)] == texts
 
 
 @pytest.mark.parametrize("name, match", [
