@@ -19,8 +19,9 @@ prose prompts of `heldout`, whose outputs are mostly "#\n#\n..." at 95-97% repea
 prompts of `heldout_code`, whose flagged outputs visibly loop, e.g. `"text", "text", "text"`;
 `benchmarks/degeneracy_check.py` reproduces the counts): an output of at least MIN_TOKENS tokens is
 *degenerate* when `repeated_ngram_share >= MAX_REPEATED_SHARE` or `compression_ratio <= MIN_COMPRESSION_RATIO`.
-Shorter outputs (the target stopped early) are never flagged: too little text to judge. A *group* (task x
-language, and a task over all its languages) is degenerate when at least GROUP_SHARE of its measured prompts are.
+Shorter outputs (the target stopped early) are not judged, never flagged, and stay in the verdicts; reports count
+them apart ("too short to judge"), so "not degenerate" is said only of judged outputs. A *group* (task x language,
+and a task over all its languages) is degenerate when at least GROUP_SHARE of its judged prompts are.
 
 Everything here is pure Python on token lists and strings; `specpilot.eval.runner` feeds it and
 `specpilot.eval.report` / `specpilot.eval.summary` print it.
@@ -95,7 +96,8 @@ def degeneracy_report(outputs: dict[str, Sequence[int]], prompts: Iterable, *,
     outputs: prompt id -> the target's greedy new tokens (prompts without one are not measured); prompts: objects
     with `id`, `task`, `language` (`specpilot.eval.suites.Prompt`); decode: token ids -> text (e.g.
     `ModelPair.decode`; None or a None result: measure the ids). Returns a JSON-able dict:
-    {"rule", "n_prompts", "n_measured", "flagged": [prompt ids], "prompts": {id: measures}, "groups": [...]}."""
+    {"rule", "n_prompts", "n_measured", "n_judged", "too_short": [prompt ids: fewer than MIN_TOKENS new tokens,
+    not judged], "flagged": [prompt ids], "prompts": {id: measures}, "groups": [...]}."""
     per: dict[str, dict] = {}
     groups: dict[tuple[str, str], list[str]] = {}
     n_prompts = 0
@@ -115,12 +117,26 @@ def degeneracy_report(outputs: dict[str, Sequence[int]], prompts: Iterable, *,
     group_rows = []
     for (task, language), ids in sorted(groups.items()):
         measured = [i for i in ids if i in per]
-        flagged = [i for i in measured if per[i]["degenerate"]]
+        judged = [i for i in measured if per[i]["n_tokens"] >= MIN_TOKENS]
+        flagged = [i for i in judged if per[i]["degenerate"]]
         group_rows.append({"task": task, "language": language, "n_prompts": len(ids), "n_measured": len(measured),
-                           "n_flagged": len(flagged),
-                           "degenerate": bool(measured) and len(flagged) >= GROUP_SHARE * len(measured)})
-    return {"rule": rule_text(), "n_prompts": n_prompts, "n_measured": len(per),
-            "flagged": [i for i, m in per.items() if m["degenerate"]], "prompts": per, "groups": group_rows}
+                           "n_judged": len(judged), "n_flagged": len(flagged),
+                           "degenerate": bool(judged) and len(flagged) >= GROUP_SHARE * len(judged)})
+    too_short = [i for i, m in per.items() if m["n_tokens"] < MIN_TOKENS]
+    return {"rule": rule_text(), "n_prompts": n_prompts, "n_measured": len(per), "n_judged": len(per) - len(too_short),
+            "too_short": too_short, "flagged": [i for i, m in per.items() if m["degenerate"]], "prompts": per,
+            "groups": group_rows}
+
+
+def judged_count(degeneracy: dict) -> int:
+    """Prompts whose output the rule judged (a report written before `n_judged` existed: every measured one)."""
+    return int(degeneracy.get("n_judged", degeneracy.get("n_measured", 0)))
+
+
+def too_short_note(degeneracy: dict) -> str:
+    """"; N too short to judge (< MIN_TOKENS new tokens, kept in the verdicts)", or "" when there are none."""
+    n = len(degeneracy.get("too_short") or [])
+    return f"; {n} too short to judge (< {MIN_TOKENS} new tokens, kept in the verdicts)" if n else ""
 
 
 def rule_text() -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 from specpilot.drafting.cliargs import dtype_label
 from specpilot.drafting.files import atomic_write_text
 from specpilot.eval.compare import describe, interval_verdict
+from specpilot.eval.degeneracy import judged_count, too_short_note
 from specpilot.eval.exactness import ROUNDING, differing_cell, greedy_identity
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
 from specpilot.eval.suites import chat_template_note
@@ -179,13 +180,14 @@ def _excluded_note(degeneracy: dict | None) -> list[str]:
     """The line under the verdicts saying how many prompts the degeneracy rule left out of them."""
     if not degeneracy:
         return []
-    n, k = degeneracy.get("n_measured", 0), len(degeneracy.get("flagged", []))
+    n, k = judged_count(degeneracy), len(degeneracy.get("flagged", []))
+    short = too_short_note(degeneracy)
     if not k:
-        return [f"No prompt left out: the target's greedy output is not degenerate on any of {n} measured prompts.",
-                ""]
-    return [f"**{k} of {n} prompts left out** of the verdicts and the speedup summary: the target's greedy output "
-            "on them is degenerate (loops or junk; see \"Degenerate output\" below, where their numbers are shown "
-            "apart).", ""]
+        return [f"No prompt left out: the target's greedy output is not degenerate on any of {n} judged prompts"
+                f"{short}.", ""]
+    return [f"**{k} of {n} judged prompts left out** of the verdicts and the speedup summary: the target's greedy "
+            "output on them is degenerate (loops or junk; see \"Degenerate output\" below, where their numbers are "
+            f"shown apart){short}.", ""]
 
 
 def _degeneracy_lines(degeneracy: dict | None) -> list[str]:
@@ -195,11 +197,12 @@ def _degeneracy_lines(degeneracy: dict | None) -> list[str]:
     flagged = degeneracy.get("flagged", [])
     lines = ["## Degenerate output (left out of the verdicts)", "",
              f"Rule: {degeneracy['rule']}. Measured on the target's own greedy output (the `ar` runs at T=0) of "
-             f"{degeneracy['n_measured']} of {degeneracy['n_prompts']} prompts: {len(flagged)} flagged.", "",
-             "| task | language | prompts | flagged | group degenerate |", "|---|---|---|---|---|"]
+             f"{degeneracy['n_measured']} of {degeneracy['n_prompts']} prompts, {judged_count(degeneracy)} judged: "
+             f"{len(flagged)} flagged{too_short_note(degeneracy)}.", "",
+             "| task | language | prompts | judged | flagged | group degenerate |", "|---|---|---|---|---|---|"]
     for g in degeneracy.get("groups", []):
-        lines.append(f"| {g['task']} | {g['language']} | {g['n_measured']} | {g['n_flagged']} | "
-                     f"{'YES' if g['degenerate'] else 'no'} |")
+        lines.append(f"| {g['task']} | {g['language']} | {g['n_measured']} | {g.get('n_judged', g['n_measured'])} | "
+                     f"{g['n_flagged']} | {'YES' if g['degenerate'] else 'no'} |")
     if flagged:
         lines += ["", "| prompt | repeated 4-grams | compression | distinct tokens | reason | output starts |",
                   "|---|---|---|---|---|---|"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from specpilot.eval.degeneracy import judged_count, too_short_note
 from specpilot.eval.compare import describe
 from specpilot.eval.exactness import ROUNDING, difference_cause, dtype_name, identity_line
 from specpilot.eval.report import dtype_line, flagged_by_group, measurement_label, report_identity
@@ -41,7 +42,8 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
         # computed, not read: a report written before the block existed is explained the same way
         "greedy_identity": report_identity(report),
         "suite": (report.get("meta") or {}).get("suite"),
-        "degeneracy": {"n_measured": degeneracy.get("n_measured"), "n_flagged": len(degeneracy.get("flagged", [])),
+        "degeneracy": {"n_measured": degeneracy.get("n_measured"), "n_judged": judged_count(degeneracy),
+                       "too_short": too_short_note(degeneracy), "n_flagged": len(degeneracy.get("flagged", [])),
                        "groups": [f"{g['task']}/{g['language']}" for g in degeneracy.get("groups", [])
                                   if g["degenerate"] and g["language"] != "all"],
                        "comparisons": [c for c in degeneracy.get("comparisons") or []
@@ -117,7 +119,7 @@ def report_metrics(report: dict) -> dict:
                          "oracle": replay.get("oracle") if isinstance(replay.get("oracle"), dict) else None}
     degeneracy = report.get("degeneracy")
     if degeneracy:
-        out["degeneracy"] = {"n_measured": degeneracy.get("n_measured"),
+        out["degeneracy"] = {"n_measured": degeneracy.get("n_measured"), "n_judged": judged_count(degeneracy),
                              "n_flagged": len(degeneracy.get("flagged") or [])}
     identity = report.get("greedy_identity")
     if identity:  # why greedy output differs from ar's: half-precision rounding (expected) or a bug (fp32)
@@ -212,9 +214,10 @@ def _suite_lines(summary: dict) -> list[str]:
     d = summary.get("degeneracy")
     if d:
         groups = f"; degenerate groups: {', '.join(d['groups'])}" if d["groups"] else ""
-        lines.append(f"degenerate output: {d['n_flagged']} of {d['n_measured']} prompts left out of the verdicts and "
-                     f"speedups{groups}" if d["n_flagged"] else
-                     f"degenerate output: none of {d['n_measured']} prompts (all in the verdicts)")
+        judged = d.get("n_judged", d["n_measured"])
+        lines.append(f"degenerate output: {d['n_flagged']} of {judged} judged prompts left out of the verdicts and "
+                     f"speedups{groups}{d.get('too_short', '')}" if d["n_flagged"] else
+                     f"degenerate output: none of {judged} judged prompts (all in the verdicts){d.get('too_short', '')}")
         lines += [f"  on those prompts only (not a verdict): {describe(c)}" for c in d.get("comparisons") or []]
         if d["n_flagged"] and d["n_flagged"] == d["n_measured"]:
             lines.append("no verdict: the target's greedy output is degenerate on every prompt (pick a suite that "

@@ -93,6 +93,33 @@ def test_report_flags_prompts_and_groups():
     assert not groups["code"]["degenerate"] and groups["code"]["n_measured"] == 2
 
 
+def test_outputs_too_short_to_judge_are_counted_apart_not_called_clean(tmp_path):
+    """An output under MIN_TOKENS (a small budget, an early stop) is not judged: the report says so instead of
+    "not degenerate on any of N measured prompts", and a group's share is taken over its judged prompts."""
+    from specpilot.eval.report import _degeneracy_lines, _excluded_note
+    from specpilot.eval.summary import _suite_lines
+
+    outputs = {"prose-0": [1, 2] * 4, "prose-1": [3, 4, 5] * 12, "prose-2": list(range(8)),
+               "code-0": list(range(40)), "code-1": list(range(50, 58))}
+    rep = degeneracy_report(outputs, _prompts())
+    assert rep["too_short"] == ["prose-0", "prose-2", "code-1"] and rep["n_judged"] == 2 and rep["n_measured"] == 5
+    groups = {g["task"]: g for g in rep["groups"]}
+    assert groups["prose"]["n_judged"] == 1 and groups["prose"]["degenerate"]  # prose-1 loops: 1 of 1 judged
+    assert "left out** of the verdicts" in _excluded_note(rep)[0]
+    assert "3 too short to judge (< 16 new tokens, kept in the verdicts)" in _excluded_note(rep)[0]
+    clean = degeneracy_report({"code-0": list(range(40)), "code-1": [1, 2]}, _prompts())
+    assert _excluded_note(clean)[0] == ("No prompt left out: the target's greedy output is not degenerate on any of "
+                                        "1 judged prompts; 1 too short to judge (< 16 new tokens, kept in the "
+                                        "verdicts).")
+    assert "2 of 6 prompts, 1 judged: 0 flagged; 1 too short" in "\n".join(_degeneracy_lines(clean))
+    from specpilot.eval.summary import summarise_report
+
+    line = next(x for x in _suite_lines(summarise_report({"meta": {}, "degeneracy": clean}))
+                if x.startswith("degenerate output"))
+    assert line == ("degenerate output: none of 1 judged prompts (all in the verdicts); 1 too short to judge "
+                    "(< 16 new tokens, kept in the verdicts)")
+
+
 def test_greedy_outputs_are_ar_at_temperature_zero_from_the_first_round():
     recs = [RunRecord("p", "ar", [9], 1.0, repeat=1), RunRecord("p", "ar", [1, 2], 1.0, repeat=0),
             RunRecord("p", "ltd", [5], 1.0), RunRecord("q", "ar", [3], 1.0, temperature=1.0)]
@@ -120,7 +147,7 @@ def test_flagged_prompts_leave_the_verdicts_and_are_shown_apart(tmp_path):
     summary = {s["method"]: s for s in result.summary}
     assert summary["ltd"]["n_prompts"] == 3 and summary["ltd"]["identical_to_ar"] is True
     md = open(write_report([], {}, tmp_path, plots=False, analysis=result.analysis())["md"]).read()
-    assert "3 of 6 prompts left out" in md and "## Degenerate output" in md and "prose-0" in md
+    assert "3 of 6 judged prompts left out" in md and "## Degenerate output" in md and "prose-0" in md
 
 
 def test_every_prompt_flagged_leaves_no_headline(tmp_path):
@@ -136,8 +163,8 @@ def test_every_prompt_flagged_leaves_no_headline(tmp_path):
     report = {"meta": result.meta, **result.analysis()}
     lines = format_summary_lines(summarise_report(report))
     assert lines[0] == "suite: heldout (--suite)"
-    assert "degenerate output: 3 of 3 prompts left out of the verdicts and speedups; degenerate groups: prose/en" \
-        in lines
+    assert "degenerate output: 3 of 3 judged prompts left out of the verdicts and speedups; degenerate groups: " \
+        "prose/en" in lines
     assert any(line.startswith("  on those prompts only (not a verdict): ltd vs grid") for line in lines)
     assert any(line.startswith("no verdict:") for line in lines)
 
