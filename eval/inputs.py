@@ -142,10 +142,14 @@ def check_inputs_pair(identity: dict, *, run_dir: str | Path | None = None, grid
 
 
 def load_run_policies(run_dir: str | Path) -> None:
-    """Load the run's policy zips once (PolicyLoadError naming a missing or corrupted file), before measuring."""
+    """Load the run's policy zips once, the deployed ones and those trained at each sampling temperature
+    (RUN/sampled/T<t>/), so a missing or corrupted file is a PolicyLoadError naming it before measuring."""
+    from specpilot.artifacts.run import sampled_indexes
     from specpilot.policies.ppo import load_run_controllers
 
     load_run_controllers(run_dir, device="cpu")
+    for _, folder in sampled_indexes(run_dir):
+        load_run_controllers(folder, device="cpu")
 
 
 def requested_methods(methods: list[str] | None, sampled: list[str] | None, *, grid, run_dir) -> list[str]:

@@ -95,6 +95,15 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert "[export] finished before, but" in out and "[train] reused" in out and "[eval] reused" in out
     assert json.loads((run / "export" / "decoder.json").read_text())["policies"]
+    # the policies trained at T=1 are outputs of the train stage too: a damaged one is found, as eval would find it
+    from specpilot.demo import damaged_outputs
+
+    sampled_zip = run / "sampled" / "T1" / "size.zip"
+    whole = sampled_zip.read_bytes()
+    sampled_zip.write_bytes(whole[:1000])
+    assert str(sampled_zip) in damaged_outputs("train", run)
+    sampled_zip.write_bytes(whole)
+    assert damaged_outputs("train", run) is None
     # training under other settings than the folder's earlier training (a --quick folder reused by a full run):
     # its checkpoints would refuse the resume, so they move aside (kept) and training starts over
     other = dataclasses.replace(changed, n_steps=64, batch_size=32)
