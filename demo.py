@@ -278,6 +278,24 @@ def _limit(items: list, n: int) -> list:
     return picked
 
 
+# the run folder's fixed outputs, checked before any work (`check_demo_outputs`)
+DEMO_OUTPUTS = {"traces": "dir", "traces/train": "dir", "traces/validation": "dir", "traces/heldout": "dir",
+                GRID_FILE: "file", "grid.png": "file", PROFILE_CHECK: "file", "demo_state.json": "file",
+                "manifest.json": "file", "policies.json": "file", "seeds.json": "file", "summary.json": "file",
+                "eval": "dir", "eval/report.json": "file", "eval/report.md": "file", "export": "dir",
+                "export/decoder.json": "file"}
+
+
+def check_demo_outputs(run_dir: Path) -> None:
+    """OutputPathError, before any work, when a file the demo writes is a folder there (or a folder a file), or the
+    run folder cannot be written: found at its stage, it cost every stage before (grid.json made a folder by
+    mistake was found after the profile check had run and rewritten profile_check.json)."""
+    from specpilot.drafting.files import check_outputs
+
+    check_outputs({run_dir: "dir", **{run_dir / name: kind for name, kind in DEMO_OUTPUTS.items()}},
+                  fix="move it away, or give another --out", what="--out")
+
+
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
              draft: str | None = None, eagle: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
              wandb: str | None = None, device: str | None = None, executor=None, suite: str | None = None,
@@ -297,6 +315,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
 
     budget = budget or (DemoBudget.quick() if quick else DemoBudget())
     run_dir = Path(out)
+    check_demo_outputs(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     state = DemoState(run_dir)
     started = time.perf_counter()

@@ -155,6 +155,17 @@ def test_demo_refuses_prompts_too_long_for_the_context_before_any_stage(saved_pa
     assert not (tmp_path / "run" / "traces").exists() and not (tmp_path / "run" / "demo_state.json").exists()
 
 
+@pytest.mark.parametrize("name", ["grid.json", "eval/report.json", "summary.json"])
+def test_demo_refuses_a_folder_where_it_writes_a_file_before_any_work(tmp_path, capsys, name):
+    from test_cli_errors import assert_one_line, run_cli
+
+    (tmp_path / "run" / name).mkdir(parents=True)
+    code, err = run_cli(["demo", "--quick", "--out", str(tmp_path / "run"), "--wandb", "disabled"], capsys)
+    assert_one_line(code, err, f"{tmp_path / 'run' / name} is a folder, where this command writes a file",
+                    "give another --out")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [name.split("/")[0]]
+
+
 @pytest.mark.parametrize("options, advice", [
     (("--max-new-tokens", "--truncate-prompts"), "shorten them, lower --max-new-tokens, or add --truncate-prompts"),
     (("--max-new-tokens",), "shorten them, or lower --max-new-tokens"),
