@@ -51,7 +51,8 @@ BUNDLED_SUITES = ("train", "validation", "heldout", "heldout_code")
 REQUIRED_BUNDLED_FIELDS = ("id", "task", "language", "split", "prompt")
 # a target whose name (hub id or folder, case-insensitive) has a word starting with "code" (CodeLlama,
 # Qwen2.5-Coder, granite-3b-code-base, codegen) or names one of these families is a code model ("decoder" is not)
-CODE_MODEL_NAME = re.compile(r"(?<![a-z])code|starcoder|santacoder|wizardcoder")
+CODE_MODEL_NAME = re.compile(r"(?<![a-z])code|starcoder|santacoder|wizardcoder|magicoder|incoder"
+                             r"|(?<![a-z])phi-1(?![._\d])")  # phi-1 (Python only), not phi-1.5 / phi-1_5
 
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
@@ -305,9 +306,13 @@ def load_suite(name_or_path: str | Path, split: str | None = None) -> list[Promp
 
 
 def is_code_model(target: str | Path | None) -> bool:
-    """True for the embedded pair (target None: its target saw only the CPython standard library) and for a
-    target whose name matches CODE_MODEL_NAME (e.g. "bigcode/starcoder2-3b", "Qwen/Qwen2.5-Coder-0.5B")."""
-    if target is None:
+    """True for the embedded pair (target None or "embedded": its target saw only the CPython standard library),
+    for a target folder of a pair `specpilot models build` made (the embedded one given by its path included: the
+    build's corpus_manifest.json sits beside target/), and for a target whose name matches CODE_MODEL_NAME (e.g.
+    "bigcode/starcoder2-3b", "Qwen/Qwen2.5-Coder-0.5B")."""
+    if target is None or str(target) == "embedded":
+        return True
+    if (Path(str(target)).expanduser().parent / "corpus_manifest.json").is_file():
         return True
     return CODE_MODEL_NAME.search(str(target).lower()) is not None
 
@@ -325,9 +330,11 @@ def choose_suite(suite: str | Path | None, target: str | Path | None) -> dict:
     if suite is not None:
         return {"name": str(suite), "chosen_by": "--suite"}
     name = default_heldout_suite(target)
-    what = ("the embedded pair, a code model: its target saw only the standard library" if target is None else
-            f"target {target}, " + ("a code model by its name" if name == "heldout_code" else
-                                    "a general-purpose model: its name marks no code model"))
+    built = target is not None and (Path(str(target)).expanduser().parent / "corpus_manifest.json").is_file()
+    what = ("the embedded pair, a code model: its target saw only the standard library" if target in (None, "embedded")
+            else f"target {target}, a code model: a pair `specpilot models build` made, trained on Python source"
+            if built else f"target {target}, " + ("a code model by its name" if name == "heldout_code" else
+                                                  "a general-purpose model: its name marks no code model"))
     return {"name": name, "chosen_by": f"default for {what}"}
 
 

@@ -215,9 +215,10 @@ def _suite_lines(summary: dict) -> list[str]:
     if d:
         groups = f"; degenerate groups: {', '.join(d['groups'])}" if d["groups"] else ""
         judged = d.get("n_judged", d["n_measured"])
+        short = d.get("too_short", "")
         lines.append(f"degenerate output: {d['n_flagged']} of {judged} judged prompts left out of the verdicts and "
-                     f"speedups{groups}{d.get('too_short', '')}" if d["n_flagged"] else
-                     f"degenerate output: none of {judged} judged prompts (all in the verdicts){d.get('too_short', '')}")
+                     f"speedups{groups}{short}" if d["n_flagged"] else
+                     f"degenerate output: none of {judged} judged prompts (all in the verdicts){short}")
         lines += [f"  on those prompts only (not a verdict): {describe(c)}" for c in d.get("comparisons") or []]
         if d["n_flagged"] and d["n_flagged"] == d["n_measured"]:
             lines.append("no verdict: the target's greedy output is degenerate on every prompt (pick a suite that "

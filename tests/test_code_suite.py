@@ -50,12 +50,30 @@ def test_code_suite_shares_no_prompt_or_long_line_with_train_and_validation():
     ("Qwen/Qwen3-0.6B", "heldout"),
     ("meta-llama/Llama-3.2-1B", "heldout"),
     ("/models/my-decoder", "heldout"),                        # "decoder" is no code model
+    ("ise-uiuc/Magicoder-S-DS-6.7B", "heldout_code"),
+    ("facebook/incoder-1B", "heldout_code"),
+    ("microsoft/phi-1", "heldout_code"),
+    ("microsoft/phi-1_5", "heldout"),
+    ("embedded", "heldout_code"),
 ])
 def test_default_suite_matches_the_pair(target, suite):
     assert default_heldout_suite(target) == suite
     assert is_code_model(target) == (suite == "heldout_code")
     chosen = choose_suite(None, target)
     assert chosen["name"] == suite and chosen["chosen_by"].startswith("default for")
+
+
+def test_a_pair_models_build_made_is_a_code_model_by_its_folder(tmp_path):
+    """The embedded target given by its path, or any pair `specpilot models build` wrote (corpus_manifest.json beside
+    target/), is trained on Python source: it gets the code suite whatever its folder is called."""
+    from specpilot.drafting.pair import DEFAULT_PAIR_DIR
+
+    assert choose_suite(None, str(DEFAULT_PAIR_DIR / "target"))["name"] == "heldout_code"
+    (tmp_path / "mine" / "target").mkdir(parents=True)
+    assert choose_suite(None, str(tmp_path / "mine" / "target"))["name"] == "heldout"
+    (tmp_path / "mine" / "corpus_manifest.json").write_text("{}")
+    chosen = choose_suite(None, str(tmp_path / "mine" / "target"))
+    assert chosen["name"] == "heldout_code" and "specpilot models build" in chosen["chosen_by"]
 
 
 def test_suite_flag_overrides_the_default():
