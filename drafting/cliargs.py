@@ -390,7 +390,8 @@ def load_pair(args: argparse.Namespace):
     draft, eagle = getattr(args, "draft", None), getattr(args, "eagle", None)
     extra = {"eagle": eagle} if eagle is not None else {}
     return ModelPair.from_pretrained(getattr(args, "target", None), draft, device=getattr(args, "device", None),
-                                     dtype=getattr(args, "dtype", None), **extra)
+                                     dtype=getattr(args, "dtype", None),
+                                     dtype_source=getattr(args, "dtype_source", None), **extra)
 
 
 def dtype_label(dtype, reason: str | None) -> str:

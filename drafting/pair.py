@@ -748,16 +748,20 @@ class ModelPair:
         tokenizer: str | Path | None = None,
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
+        dtype_source: str | None = None,
     ) -> "ModelPair":
         """Load a target and one drafter: `draft` (a causal LM: hub id or path) or `eagle` (an EAGLE-3 head folder
         in the released layout). With no arguments: the embedded target with its default embedded drafter
-        (`DEFAULT_DRAFTER`); draft="embedded" / eagle="embedded" pick the embedded one explicitly."""
+        (`DEFAULT_DRAFTER`); draft="embedded" / eagle="embedded" pick the embedded one explicitly. `dtype_source`:
+        where an explicit `dtype` came from, for `dtype_reason` (default "asked for"; e.g. a run's recorded dtype)."""
         if draft is not None and eagle is not None:
             raise ValueError("give draft= (a separate LM) or eagle= (an EAGLE-3 head), not both")
         check_transformers()  # before any weights load
         device = check_device(device)
         asked = dtype
         dtype, dtype_reason = resolve_dtype(dtype, device)
+        if dtype_source:  # an explicit dtype someone else chose (a run's contract, decoder.json): say whose
+            dtype_reason = dtype_reason.replace(": asked for", f": {dtype_source}", 1)
         embedded = target is None
         if embedded:
             root = DEFAULT_PAIR_DIR

@@ -142,7 +142,7 @@ class EvalPlan:
 def prepare(args: argparse.Namespace) -> EvalPlan:
     """Everything that can be checked without a model, before anything is measured (see the module docstring)."""
     from specpilot.envs.profile import LatencyProfile
-    from specpilot.eval.inputs import check_methods, requested_methods, resolve_tree, run_dtype
+    from specpilot.eval.inputs import RUN_DTYPE_SOURCE, check_methods, requested_methods, resolve_tree, run_dtype
     from specpilot.eval.rounds import RoundPlan
     from specpilot.drafting.pair import load_tokenizer
     from specpilot.eval.suites import choose_suite, load_suite, with_chat_template
@@ -177,7 +177,10 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
         check_batch_options(args)
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
     if hasattr(args, "dtype"):  # the run's dtype unless one is asked for (the costs its policies were tuned for)
+        asked = args.dtype
         args.dtype, note = run_dtype(args.run_dir, getattr(args, "device", None), args.dtype)
+        if asked is None and args.dtype is not None:  # the pair's dtype_reason says so, not "asked for"
+            args.dtype_source = RUN_DTYPE_SOURCE
         if note:
             say(f"note: {note}")
     check_methods(requested_methods(args.methods, args.sampled_methods, grid=args.grid, run_dir=args.run_dir),

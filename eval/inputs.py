@@ -70,6 +70,9 @@ def resolve_tree(run_dir: str | Path | None, *, width: int | None = None, max_de
     return TreeConfig(width=contract["width"], max_depth=contract["max_depth"], max_size=size)
 
 
+RUN_DTYPE_SOURCE = "the run's dtype (its traces and profile were measured in it)"
+
+
 def run_dtype(run_dir: str | Path | None, device: str | None, dtype=None) -> tuple[object, str | None]:
     """(dtype to load the pair in, note or None) for evaluating a run: `dtype` when asked for, else the dtype the
     run's traces and profile were measured in (its contract) when this device runs it natively, else the device's

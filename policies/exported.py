@@ -168,7 +168,7 @@ def _pair_mismatch(recorded: dict, actual: dict) -> list[str]:
             for key in ("target_hash", "draft_hash") if recorded.get(key) != actual.get(key)]
 
 
-def _load_recorded_pair(recorded: dict, config: str, device: str | None, dtype):
+def _load_recorded_pair(recorded: dict, config: str, device: str | None, dtype, dtype_source: str | None = None):
     """The pair decoder.json's `pair` section names: the embedded target with the recorded drafter kind, or the
     recorded target and drafter (draft LM or EAGLE-3 head) paths when they exist here."""
     from specpilot.drafting.pair import ModelPair
@@ -181,13 +181,18 @@ def _load_recorded_pair(recorded: dict, config: str, device: str | None, dtype):
     target, source = recorded.get("target"), recorded.get("draft")
     local = str(source) if source and Path(str(source)).exists() else None
     if str(recorded.get("name", "")).startswith("specpilot-default"):
-        return ModelPair.from_pretrained(device=device, dtype=dtype, **{option: local or "embedded"})
+        return ModelPair.from_pretrained(device=device, dtype=dtype, dtype_source=dtype_source,
+                                         **{option: local or "embedded"})
     if target and local and Path(str(target)).exists():
-        return ModelPair.from_pretrained(target, device=device, dtype=dtype, **{option: local})
+        return ModelPair.from_pretrained(target, device=device, dtype=dtype, dtype_source=dtype_source,
+                                         **{option: local})
     raise ExportedConfigError(
         f"{config} names the pair {recorded.get('name')!r} (target {target!r}, {option} {source!r}), which cannot "
         f"be loaded from here (paths are local to the exporting machine): pass pair=ModelPair.from_pretrained("
         f"target=..., {option}=...) (CLI: --target/--{option})")
+
+
+EXPORT_DTYPE_SOURCE = "recorded in decoder.json (the policies were tuned in it)"
 
 
 def export_dtype(meta: dict, device: str | None = None, dtype=None) -> tuple[object, str | None]:
@@ -219,7 +224,7 @@ def export_dtype(meta: dict, device: str | None = None, dtype=None) -> tuple[obj
 
 
 def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, device: str | None = None,
-                 dtype=None):
+                 dtype=None, dtype_source: str | None = None):
     """The ModelPair to decode with: `pair` when given, else the pair decoder.json names (the embedded target with
     the recorded drafter, or local target / draft-or-EAGLE-head paths that exist). Its content hashes must equal the
     recorded ones unless `allow_pair_mismatch=True` (policies then steer a pair they were not trained for: still
@@ -230,8 +235,10 @@ def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, de
         raise TypeError(f"pair must be a ModelPair (specpilot.drafting.ModelPair.from_pretrained(...)) or None (the "
                         f"pair decoder.json records), got {type(pair).__name__} {pair!r:.60}")
     if pair is None:
+        asked = dtype
         dtype, _ = export_dtype(meta, device, dtype)
-        pair = _load_recorded_pair(recorded, config, device, dtype)
+        pair = _load_recorded_pair(recorded, config, device, dtype, dtype_source or
+                                   (EXPORT_DTYPE_SOURCE if asked is None and dtype is not None else None))
     if recorded and not allow_pair_mismatch:
         diffs = _pair_mismatch(recorded, pair.identity())
         if diffs:
@@ -292,8 +299,10 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
 
     model_pair = None
     if pair is not None or load_pair:
+        asked = dtype
         dtype, why = export_dtype(meta, device, dtype) if pair is None else (dtype, None)
-        model_pair = resolve_pair(meta, pair, allow_pair_mismatch=allow_pair_mismatch, device=device, dtype=dtype)
+        model_pair = resolve_pair(meta, pair, allow_pair_mismatch=allow_pair_mismatch, device=device, dtype=dtype,
+                                  dtype_source=EXPORT_DTYPE_SOURCE if asked is None and dtype is not None else None)
         meta["dtype_note"] = _dtype_note(meta, model_pair, why)
     fb = policies.get("fallback") or {}
     fb_device = str(model_pair.device) if model_pair is not None else None

@@ -387,3 +387,17 @@ def test_cuda_checks_ask_the_pairs_own_gpu(monkeypatch):
     assert pair_mod.half_support(torch.bfloat16, "cuda:0")[0] == "none"
     assert pair_mod.default_dtype("cuda:1") == torch.bfloat16 and pair_mod.default_dtype("cuda:0") == torch.float16
     assert current == [0]
+
+
+def test_a_dtype_chosen_by_a_run_or_an_export_is_not_called_asked_for(saved_pair):
+    """eval --run and an exported decoder load the pair in the recorded dtype: its reason says whose choice it was."""
+    from specpilot.eval.inputs import RUN_DTYPE_SOURCE
+    from specpilot.policies.exported import EXPORT_DTYPE_SOURCE
+
+    for source in (RUN_DTYPE_SOURCE, EXPORT_DTYPE_SOURCE):
+        pair = ModelPair.from_pretrained(str(saved_pair / "target"), str(saved_pair / "draft"), device="cpu",
+                                         dtype="float32", dtype_source=source)
+        assert pair.dtype_reason.startswith(f"float32: {source}")
+    asked = ModelPair.from_pretrained(str(saved_pair / "target"), str(saved_pair / "draft"), device="cpu",
+                                      dtype="float32")
+    assert asked.dtype_reason.startswith("float32: asked for")

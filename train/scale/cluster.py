@@ -168,6 +168,7 @@ class PairSpec:
     device: str | None = None
     dtype: str | None = None
     threads: int = 1
+    dtype_source: str | None = None  # where an explicit dtype came from (ModelPair.from_pretrained's dtype_source)
 
     def __post_init__(self) -> None:
         if self.target is not None and self.draft is None and self.eagle is None:
@@ -190,7 +191,8 @@ class PairSpec:
         torch.set_num_threads(int(self.threads))
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         extra = {"eagle": self.eagle} if self.eagle is not None else {}
-        return ModelPair.from_pretrained(self.target, self.draft, device=device, dtype=self.dtype, **extra)
+        return ModelPair.from_pretrained(self.target, self.draft, device=device, dtype=self.dtype,
+                                         dtype_source=self.dtype_source, **extra)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -54,7 +54,8 @@ def open_pool(args: argparse.Namespace, *, say: Callable[[str], None] | None = N
         resources = connect(args.ray)
         workers = args.workers or default_workers(resources, threads)
         spec = PairSpec(getattr(args, "target", None), getattr(args, "draft", None), getattr(args, "eagle", None),
-                        getattr(args, "device", None), getattr(args, "dtype", None), threads)
+                        getattr(args, "device", None), getattr(args, "dtype", None), threads,
+                        getattr(args, "dtype_source", None))
         pool = WorkerPool(spec, workers=workers)
     except BaseException:  # refused, a worker failed to load, Ctrl-C: the Ray this command started stops with it
         if owned:
