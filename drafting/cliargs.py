@@ -229,8 +229,9 @@ def _valid_utf8(text: str) -> str:
 
 
 def utf8_text(text: str) -> str:
-    """Text that is valid UTF-8 and not empty or blank."""
-    if not _valid_utf8(text).strip():
+    """Text that is valid UTF-8 and not empty. Whitespace alone is text like any other (an indentation a code model
+    continues, as vLLM and transformers take it)."""
+    if not _valid_utf8(text):
         raise argparse.ArgumentTypeError("expected non-empty text, got an empty string")
     return text
 

@@ -29,6 +29,14 @@ def test_generate_compare_from_saved_pair(saved_pair, capsys):
     assert "tok/s" in out and "identical to target-only" in out
 
 
+@pytest.mark.parametrize("prompt", ["    ", "\n\n"])
+def test_generate_takes_a_prompt_of_whitespace_only(saved_pair, capsys, prompt):
+    """Indentation alone is a prompt a code model continues (vLLM takes it): decoded, and exact, not refused."""
+    assert main(["generate", "--prompt", prompt, "--target", str(saved_pair / "target"), "--draft",
+                 str(saved_pair / "draft"), "--width", "2", "--max-new-tokens", "8", "--compare"]) == 0
+    assert "identical to target-only" in capsys.readouterr().out
+
+
 def test_generate_takes_what_target_only_decoding_takes(saved_pair, capsys):
     """A prompt that leaves room for the new tokens but not for a full-depth draft is decoded (its last cycles draft
     shallower), not refused; one token more is refused, naming the context."""

@@ -69,7 +69,7 @@ CASES = {
     "unknown device": (lambda p: ["generate", "--prompt", "x", "--device", "gpu"], ["--device", "cpu, cuda"]),
     "unknown dtype": (lambda p: ["generate", "--prompt", "x", "--dtype", "int8"], ["--dtype", "float32"]),
     "invalid utf-8 prompt": (lambda p: ["generate", "--prompt", "ab\udcff\udcfe"], ["--prompt", "UTF-8"]),
-    "empty prompt": (lambda p: ["generate", "--prompt", " "], ["--prompt", "empty"]),
+    "empty prompt": (lambda p: ["generate", "--prompt", ""], ["--prompt", "empty"]),
     "threads 0": (lambda p: ["--threads", "0", "generate", "--prompt", "x"], ["--threads"]),
     "temperature twice": (lambda p: ["eval", "--temperatures", "0,1,0"], ["--temperatures", "0 given more than once"]),
     "repeats and rounds": (lambda p: ["eval", "--repeats=3", "--rounds", "2"], ["--repeats", "--rounds"]),
