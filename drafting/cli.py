@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="verification size: drafted candidates verified per cycle (default: 12 on CPU, 60 on "
                              "CUDA)")
     parser.add_argument("--width", type=positive_int, default=None,
-                        help="tree width W, 1 = a chain (default: 8, the width `record`, `eval` and the trained "
-                             "policies use, so a static run here measures the tree they measured)")
+                        help="tree width W, 1 = a chain (default: 8, the width `record` and `eval` use by default, "
+                             "so a static run here measures the tree they measure; the demo's policies use 4)")
     parser.add_argument("--max-depth", type=positive_int, default=None,
                         help="deepest tree (default: 12, raised to --depth when that is deeper; a smaller "
                              "one also caps the default --depth)")

@@ -14,21 +14,30 @@ Every type raises argparse.ArgumentTypeError with a message that names the accep
 from __future__ import annotations
 
 import argparse
+import copy
 import re
 import sys
 from typing import Callable
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Argparse's defaults formatter, minus a second "(default: ...)" where the help text already states it."""
+    """Argparse's defaults formatter, minus a second "(default: ...)" where the help text already states it
+    ("default:" or "(default"; a help text that merely says "default", as in "the dtype's default", still gets its
+    value), and with list defaults written as the comma lists the options take ("0,1", not "(0.0, 1.0)")."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if action.required:  # nothing to default to
             return text if "required" in text.lower() else f"{text} (required)"
-        if "default" in text.lower():
+        if "default:" in text.lower() or "(default" in text.lower():
             return text
         return super()._get_help_string(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if isinstance(action.default, (list, tuple)) and action.default:
+            action = copy.copy(action)
+            action.default = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in action.default)
+        return super()._expand_help(action)
 
 
 GLOBAL_OPTIONS = ("--threads", "--debug")  # `specpilot`'s own options (cli.build_parser), given before the command

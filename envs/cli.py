@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder for trace.npz, trace.json and profile.json (checked before recording)")
     add_pair_arguments(parser)
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="generation budget per prompt")
-    parser.add_argument("--width", type=positive_int, default=8, help="tree beam width W (TreeConfig's default)")
+    parser.add_argument("--width", type=positive_int, default=8, help="tree beam width W")
     parser.add_argument("--max-depth", type=positive_int, default=12, help="deepest tree recorded")
     parser.add_argument("--max-size", type=positive_int, default=None,
                         help="largest verification size (default: the largest default size action for the device)")

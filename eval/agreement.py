@@ -206,6 +206,8 @@ def describe(report: dict) -> str:
 # -- the command ---------------------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specpilot.drafting.types import NEAR_TIE_ON
+
     add_pair_arguments(parser)
     parser.add_argument("--suite", default=None,
                         help="bundled suite (train, validation, heldout, heldout_code) or a path to a "
@@ -217,7 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--guard", choices=GUARD_CHOICES, default="auto",
                         help="the near-tie guard: on, off, or auto (the dtype's default)")
     parser.add_argument("--near-tie", type=non_negative_float, default=None,
-                        help="the guard's width in rounding scales when on (default: TreeConfig's NEAR_TIE_ON)")
+                        help="the guard's width in rounding scales when on (default: TreeConfig's NEAR_TIE_ON, "
+                             f"{NEAR_TIE_ON:g})")
     parser.add_argument("--depth", type=positive_int, default=None, help="static draft depth (default: 4 on CPU)")
     parser.add_argument("--size", type=positive_int, default=None, help="static verification size (default: 12 "
                                                                         "on CPU)")

@@ -75,10 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=_rounds, default="auto",
                         help="rounds over all prompts: N, or auto (default): until the --decide pair's 95%% interval "
                              "is within --target-half-width, they made the same decisions, or --time-budget is spent")
-    parser.add_argument("--min-rounds", type=positive_int, default=2, help="fewest rounds with --rounds auto")
+    parser.add_argument("--min-rounds", type=positive_int, default=2,
+                        help="fewest rounds with --rounds auto, run even past --time-budget; with nothing to decide "
+                             "(every prompt's output degenerate, or a deciding method missing) the rounds stop after "
+                             "--full-rounds")
     parser.add_argument("--max-rounds", type=positive_int, default=20, help="most rounds with --rounds auto")
     parser.add_argument("--time-budget", type=positive_float, default=None,
-                        help="seconds for the whole evaluation (default: none); another round starts only if it fits")
+                        help="seconds for the whole evaluation (default: none); after --min-rounds, another round "
+                             "starts only if it fits")
     parser.add_argument("--target-half-width", type=positive_float, default=0.015,
                         help="stop when the deciding interval is within +- this fraction")
     parser.add_argument("--decide", type=_decide, default=("ltd", "grid"),

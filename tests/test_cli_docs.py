@@ -49,8 +49,10 @@ def test_every_option_has_help_that_shows_its_default(name):
         assert action.help and action.help.strip(), f"{name} {action.option_strings or action.dest}: no help text"
         shown = formatter._get_help_string(action)
         if action.option_strings:
+            text = shown.lower()  # a default stated as one ("(default ...", "default: ..."), not "the dtype's default"
+            ok = "required" in text if action.required else ("(default" in text or "default:" in text)
             said = "required" if action.required else "default"
-            assert said in shown.lower(), f"{name} {action.option_strings}: help does not show the {said}"
+            assert ok, f"{name} {action.option_strings}: help does not show the {said}"
 
 
 def test_help_renders_defaults(capsys):
@@ -59,6 +61,11 @@ def test_help_renders_defaults(capsys):
     out = capsys.readouterr().out
     flat = " ".join(out.split())  # help text wraps with the terminal's width
     assert "(default: 128)" in flat and "(default: the held-out suite that matches the pair" in flat
+    assert "(default: 0,1)" in flat  # a list default as the comma list the option takes, not "(0.0, 1.0)"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["agreement", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "auto (the dtype's default) (default: auto)" in flat and "NEAR_TIE_ON, 2)" in flat
 
 
 def readme_demo_paths() -> list[str]:
