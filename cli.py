@@ -99,6 +99,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# what an interrupted command kept, for the commands that do not say it themselves (record and train do)
+INTERRUPT_HINTS = {
+    "demo": "finished stages are kept: run the same command again to resume (an interrupted recording or training "
+            "resumes where it stopped)",
+    "eval": "the report is written at the end, so nothing was kept: run the command again",
+    "grid": "grid.json is written at the end, so nothing was kept: run the command again",
+    "agreement": "agreement.json is written at the end, so nothing was kept: run the command again",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -120,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if args.debug:
             raise
-        print(f"{label}: interrupted", file=sys.stderr)
+        hint = INTERRUPT_HINTS.get(args.command)
+        print(f"{label}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return INTERRUPTED
     except BrokenPipeError:  # the reader of stdout left (`specpilot generate ... | head`): stop quietly, as a shell
         # tool killed by SIGPIPE does; stdout goes to devnull so the interpreter's last flush cannot fail again

@@ -398,3 +398,33 @@ def test_an_interrupted_record_says_how_to_resume(paths, tmp_path, monkeypatch, 
                          paths["draft"], "--out", str(tmp_path / "t")], capsys)
     assert code == 130
     assert "interrupted; no shard had finished, so nothing was kept" in err
+
+
+@pytest.mark.parametrize("command, kept", [("demo", "run the same command again to resume"),
+                                           ("eval", "nothing was kept"), ("generate", None)])
+def test_ctrl_c_says_what_the_command_kept(monkeypatch, capsys, command, kept):
+    """A demo interrupted keeps its finished stages and resumes; eval keeps nothing (its report is written at the
+    end): the one line says which, so the user knows whether a rerun starts over."""
+    import specpilot.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda argv=None: _with_handler(parser(argv), interrupted))
+    argv = {"demo": ["demo", "--quick"], "eval": ["eval"], "generate": ["generate", "--prompt", "x"]}[command]
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"specpilot {command}: interrupted") and "\n" not in err
+    assert (kept in err) if kept else err == f"specpilot {command}: interrupted"
+
+
+def _with_handler(parser, handler):
+    """`parser` whose every command runs `handler`."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(_handler=handler)
+    return parser
