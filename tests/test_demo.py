@@ -100,10 +100,22 @@ def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch
 
     sampled_zip = run / "sampled" / "T1" / "size.zip"
     whole = sampled_zip.read_bytes()
+    verdict = json.loads((run / "sampled" / "T1" / "policies.json").read_text())["off_switch"]
     sampled_zip.write_bytes(whole[:1000])
     assert str(sampled_zip) in damaged_outputs("train", run)
-    sampled_zip.write_bytes(whole)
-    assert damaged_outputs("train", run) is None
+    # the train stage runs again: its finished training stages are reused, the zip is restored from them, and the
+    # T=1 off-switch verdict measured for these very policies stands (measuring again could flip it with the load)
+    import specpilot.train.rl.sampled as sampled_module
+
+    measure_off_switch = sampled_module.check_off_switch
+    monkeypatch.setattr(sampled_module, "check_off_switch", lambda *a, **k: pytest.fail("off-switch re-measured"))
+    run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=changed,
+             wandb="disabled")
+    out = capsys.readouterr().out
+    assert "[train] finished before, but" in out and "[grid] reused" in out
+    assert sampled_zip.read_bytes() == whole and damaged_outputs("train", run) is None
+    assert json.loads((run / "sampled" / "T1" / "policies.json").read_text())["off_switch"] == verdict
+    monkeypatch.setattr(sampled_module, "check_off_switch", measure_off_switch)
     # training under other settings than the folder's earlier training (a --quick folder reused by a full run):
     # its checkpoints would refuse the resume, so they move aside (kept) and training starts over
     other = dataclasses.replace(changed, n_steps=64, batch_size=32)

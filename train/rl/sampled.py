@@ -13,7 +13,9 @@ steps (the paired 95% interval lies above 1), the index records `off_switch` and
 draft at that temperature: speculation that does not pay switches itself off, as serving engines do per batch size,
 instead of costing the user a few percent. Else, when the static config measured faster than the policies (ratio
 below 1: at T > 0 the fine-tuned policies often settle on the static config's own choice and then only add their
-decision time), the index records the static config and loaders give it under the policies' names.
+decision time), the index records the static config and loaders give it under the policies' names. The verdict
+records what it was measured for (the policy zips' digest, seed, units, static config): a rerun whose training came out
+the same (an interrupted demo's train stage, run again) keeps it instead of measuring again under another load.
 """
 from __future__ import annotations
 
@@ -60,16 +62,47 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
                                      size_actions=final.size.size_actions,
                                      init_from=final.resolve("size", run_dir), seed_offset=1),
                            run_dir, traces, options, log)
-    index = write_index(sampled_dir(run_dir, temperature), depth, size, static, copy=True)
+    folder = sampled_dir(run_dir, temperature)
+    earlier = _earlier_verdict(folder)
+    index = write_index(folder, depth, size, static, copy=True)
     if guard_repeats > 0 and options.pair is not None:
         from specpilot.envs.replay import load_trace
 
         val = load_trace(traces.validation)  # its prompts, tree and length: the setting the policies were made for
-        check_off_switch(index, options.pair, [val.prompt(i) for i in range(val.num_prompts)],
+        prompts = [val.prompt(i) for i in range(val.num_prompts)]
+        same = dict(temperature=temperature, units=guard_repeats * len(prompts), seed=options.seed,
+                    policies=policies_digest(folder), static_measured=[int(v) for v in static])
+        if earlier is not None and all(earlier.get(k) == v for k, v in same.items()):
+            # a rerun (an interrupted demo's train stage) whose policies came out the same: the verdict measured for
+            # them stands; measuring again would let the machine's load flip the deployed choice
+            updated = PoliciesIndex.load(index)
+            updated.off_switch = earlier
+            updated.save(index)
+            return index
+        check_off_switch(index, options.pair, prompts,
                          tree=TreeConfig(width=val.width, max_depth=val.max_depth, max_size=val.max_size),
                          temperature=temperature, repeats=guard_repeats, seed=options.seed,
                          max_new_tokens=val.max_new_tokens, static=static)
     return index
+
+
+def policies_digest(folder: Path) -> str:
+    """sha256 over the policy zips of an index folder (depth.zip, size.zip): which policies a verdict was made for."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("depth.zip", "size.zip"):
+        path = Path(folder) / name
+        digest.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))
+    return digest.hexdigest()
+
+
+def _earlier_verdict(folder: Path) -> dict | None:
+    """The off-switch verdict of an index already in `folder` (None: none, or unreadable)."""
+    try:
+        return PoliciesIndex.load(folder / "policies.json").off_switch or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int = 2,
@@ -98,7 +131,10 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
                "vs_static": vs_static and {"config": [int(static[0]), int(static[1])], "ratio": vs_static["ratio"],
                                            "ci": vs_static["ci"]},
                "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1; then the "
-                       "static config instead of the policies when it measured faster (ratio below 1)"}
+                       "static config instead of the policies when it measured faster (ratio below 1)",
+               # what it was measured for: a rerun with the same policies and settings keeps it (train_sampled)
+               "seed": seed, "policies": policies_digest(index.parent),
+               "static_measured": [int(v) for v in static] if static is not None else None}
     updated = PoliciesIndex.load(index)
     updated.off_switch = verdict
     updated.save(index)
