@@ -606,9 +606,7 @@ def format_summary(summary: dict) -> str:
                             for k, v in summary["stage_s"].items())
     lines = ["", f"specpilot demo — {summary['run_dir']} ({summary['wall_s']:.0f}s"
              + (" this start" if reused else "") + f": {stage_times})"]
-    if summary.get("label"):
-        lines.append(str(summary["label"]))
-    lines += format_summary_lines(summary)
+    lines += format_summary_lines(summary)  # its first line, "measured on: LABEL", says what was measured
     best = summary.get("grid_best")
     if best:
         live = (f", live {best['live_tokens_per_s']:.1f} tok/s ({best['live_speedup']:.2f}x AR)"

@@ -444,15 +444,17 @@ class SpeculativeDecoder:
         return session.outputs()
 
     @classmethod
-    def from_config(cls, config_dir, pair: ModelPair | None = None, **kwargs) -> "SpeculativeDecoder":
+    def from_config(cls, config_dir, pair: ModelPair | None = None, *, allow_pair_mismatch: bool = False,
+                    device: str | None = None, dtype=None) -> "SpeculativeDecoder":
         """A decoder from an exported directory (`specpilot export`) whose generate() decides with its exported
         policies (`decoder.default_controller`) unless given another controller. pair=None loads the pair decoder.json
         names, in the dtype the run was measured in when this device runs it natively (`decoder.dtype_note` says
-        why not otherwise); keyword arguments (allow_pair_mismatch, device, dtype) go to
-        `specpilot.policies.exported.load_exported`."""
+        why not otherwise); allow_pair_mismatch, device and dtype as `specpilot.policies.exported.load_exported`
+        takes them."""
         from specpilot.policies.exported import load_exported
 
-        controller, tree, meta = load_exported(config_dir, pair=pair, **kwargs)
+        controller, tree, meta = load_exported(config_dir, pair=pair, allow_pair_mismatch=allow_pair_mismatch,
+                                               device=device, dtype=dtype)
         decoder = cls(meta["model_pair"], tree)
         decoder.default_controller = controller
         # the pair loads in the dtype the policies were tuned in where it can; when it cannot, why (else None)
