@@ -192,8 +192,31 @@ class DemoState:
         atomic_write_json(self.path, self.data, default=str)
 
     def finish(self, stage: str, key: str, result: dict, seconds: float) -> None:
+        """Record the finished stage; its seconds include those of interrupted starts it resumed (`interrupted`)."""
+        partial = self.data.pop(PARTIAL_ENTRY, None)
+        earlier = partial.get(stage) if isinstance(partial, dict) else None
+        if isinstance(earlier, dict) and earlier.get("key") == key and isinstance(earlier.get("seconds"), (int, float)):
+            seconds += earlier["seconds"]
+        if isinstance(partial, dict):
+            partial.pop(stage, None)
+            if partial:
+                self.data[PARTIAL_ENTRY] = partial
         self.data[stage] = {"key": key, "result": result, "seconds": round(seconds, 1)}
         atomic_write_json(self.path, self.data, default=str)
+
+    def interrupted(self, stage: str, key: str, seconds: float) -> None:
+        """Add the seconds an interrupted start of `stage` ran (Ctrl-C, an error) to what it will report when a
+        resumed start finishes it (a process killed outright records nothing)."""
+        partial = self.data.get(PARTIAL_ENTRY)
+        partial = partial if isinstance(partial, dict) else {}
+        earlier = partial.get(stage)
+        if isinstance(earlier, dict) and earlier.get("key") == key and isinstance(earlier.get("seconds"), (int, float)):
+            seconds += earlier["seconds"]
+        self.data[PARTIAL_ENTRY] = {**partial, stage: {"key": key, "seconds": round(seconds, 1)}}
+        try:
+            atomic_write_json(self.path, self.data, default=str)
+        except OSError:  # the interrupt itself is what the user must see
+            pass
 
     def invalidate_after(self, stage: str) -> None:
         for later in STAGES[STAGES.index(stage) + 1:]:
@@ -208,6 +231,7 @@ class DemoState:
 
 DTYPE_ENTRY = "dtype"  # demo_state.json: {"dtype", "reason"} the run's stages were made in
 STARTED_ENTRY = "started"  # demo_state.json: {stage: the settings key it last started with}
+PARTIAL_ENTRY = "interrupted"  # demo_state.json: {stage: {"key", "seconds"}} run by interrupted starts
 # what the record and grid stages write (and the demo's own state): everything else in the run folder is training's
 # or a later stage's, set aside when training starts over (`set_aside_stale_training`)
 BEFORE_TRAINING = ("traces", GRID_FILE, "grid.png", PROFILE_CHECK, "demo_state.json", "stale")
@@ -376,7 +400,11 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
                             train=train, val=val, heldout=heldout, wandb=wandb, executor=executor,
                             suite=heldout_suite)
         try:
-            results[stage] = run_stage()
+            try:
+                results[stage] = run_stage()
+            except BaseException:  # Ctrl-C or an error: the resumed start's time will include this one's
+                state.interrupted(stage, key, time.perf_counter() - t0)
+                raise
         except stale_training_errors as err:
             # training resumes its stages from checkpoints and refuses other settings (it never mixes two runs'
             # steps); the demo's own earlier training under other settings (a --quick run's folder reused by a

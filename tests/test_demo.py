@@ -204,3 +204,19 @@ def test_a_bundled_suite_too_long_names_the_context_the_models_need():
                                          "holds at least 111 tokens"):
         check_prompt_lengths([prompt], {"x": 100}, context=64, max_new_tokens=8, max_depth=4, truncate=False,
                              options=(), bundled="train")
+
+
+def test_a_resumed_stage_reports_the_time_of_its_interrupted_starts_too(tmp_path):
+    from specpilot.demo import DemoState
+
+    state = DemoState(tmp_path)
+    state.start("train", "k1")
+    state.interrupted("train", "k1", 30.0)   # Ctrl-C after 30 s
+    state.interrupted("train", "k1", 12.0)   # and again after 12 s of the second start
+    state.interrupted("grid", "other", 5.0)
+    state.finish("train", "k1", {}, 20.0)
+    again = DemoState(tmp_path)
+    assert again.done("train", "k1")["seconds"] == 62.0
+    state.interrupted("eval", "k2", 9.0)
+    state.finish("eval", "k3", {}, 4.0)      # other settings: that start's time is not this run's
+    assert DemoState(tmp_path).done("eval", "k3")["seconds"] == 4.0
