@@ -104,7 +104,7 @@ INTERRUPT_HINTS = {
     "demo": "finished stages are kept: run the same command again to resume (an interrupted recording or training "
             "resumes where it stopped)",
     "eval": "the report is written at the end, so nothing was kept: run the command again",
-    "grid": "grid.json is written at the end, so nothing was kept: run the command again",
+    "grid": "the result (--out) is written at the end, so nothing was kept: run the command again",
     "agreement": "agreement.json is written at the end, so nothing was kept: run the command again",
 }
 

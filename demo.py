@@ -191,8 +191,9 @@ class DemoState:
         self.data[STARTED_ENTRY] = {**(started if isinstance(started, dict) else {}), stage: key}
         atomic_write_json(self.path, self.data, default=str)
 
-    def finish(self, stage: str, key: str, result: dict, seconds: float) -> None:
-        """Record the finished stage; its seconds include those of interrupted starts it resumed (`interrupted`)."""
+    def finish(self, stage: str, key: str, result: dict, seconds: float) -> float:
+        """Record the finished stage and return its seconds, those of the interrupted starts it resumed included
+        (`interrupted`)."""
         partial = self.data.pop(PARTIAL_ENTRY, None)
         earlier = partial.get(stage) if isinstance(partial, dict) else None
         if isinstance(earlier, dict) and earlier.get("key") == key and isinstance(earlier.get("seconds"), (int, float)):
@@ -203,6 +204,7 @@ class DemoState:
                 self.data[PARTIAL_ENTRY] = partial
         self.data[stage] = {"key": key, "result": result, "seconds": round(seconds, 1)}
         atomic_write_json(self.path, self.data, default=str)
+        return seconds
 
     def interrupted(self, stage: str, key: str, seconds: float) -> None:
         """Add the seconds an interrupted start of `stage` ran (Ctrl-C, an error) to what it will report when a
@@ -402,8 +404,9 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
         try:
             try:
                 results[stage] = run_stage()
-            except BaseException:  # Ctrl-C or an error: the resumed start's time will include this one's
-                state.interrupted(stage, key, time.perf_counter() - t0)
+            except BaseException as err:  # Ctrl-C or an error: the resumed start's time will include this one's
+                if not isinstance(err, stale_training_errors):  # (retried below in this start, on the same clock)
+                    state.interrupted(stage, key, time.perf_counter() - t0)
                 raise
         except stale_training_errors as err:
             # training resumes its stages from checkpoints and refuses other settings (it never mixes two runs'
@@ -415,8 +418,7 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
             tqdm.write(f"[train] the earlier training used other settings ({one_line(err)}); its files moved to "
                        f"{moved}, training starts over")
             results[stage] = run_stage()
-        timings[stage] = time.perf_counter() - t0
-        state.finish(stage, key, results[stage], timings[stage])
+        timings[stage] = state.finish(stage, key, results[stage], time.perf_counter() - t0)
         tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
     summary = summarise(run_dir, results, timings, time.perf_counter() - started, identity, budget, reused=reused)
     atomic_write_json(run_dir / "summary.json", summary, default=str)

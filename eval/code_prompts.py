@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from specpilot.eval.suites import Prompt, SuiteError, TABLE_SUFFIXES, load_suite, split_lines
+from specpilot.eval.suites import TABLE_SUFFIXES, Prompt, SuiteError, load_suite, split_lines
 
 FORMS = ("signature", "body")
 SHARED_LINE_CHARS = 30  # a line this long shared with an excluded suite counts as overlap

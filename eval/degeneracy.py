@@ -96,8 +96,8 @@ def degeneracy_report(outputs: dict[str, Sequence[int]], prompts: Iterable, *,
     outputs: prompt id -> the target's greedy new tokens (prompts without one are not measured); prompts: objects
     with `id`, `task`, `language` (`specpilot.eval.suites.Prompt`); decode: token ids -> text (e.g.
     `ModelPair.decode`; None or a None result: measure the ids). Returns a JSON-able dict:
-    {"rule", "n_prompts", "n_measured", "n_judged", "too_short": [prompt ids: fewer than MIN_TOKENS new tokens,
-    not judged], "flagged": [prompt ids], "prompts": {id: measures}, "groups": [...]}."""
+    {"rule", "n_prompts", "n_measured", "n_judged", "n_too_short", "too_short": [prompt ids: fewer than MIN_TOKENS
+    new tokens, not judged], "flagged": [prompt ids], "prompts": {id: measures}, "groups": [...]}."""
     per: dict[str, dict] = {}
     groups: dict[tuple[str, str], list[str]] = {}
     n_prompts = 0
@@ -124,8 +124,8 @@ def degeneracy_report(outputs: dict[str, Sequence[int]], prompts: Iterable, *,
                            "degenerate": bool(judged) and len(flagged) >= GROUP_SHARE * len(judged)})
     too_short = [i for i, m in per.items() if m["n_tokens"] < MIN_TOKENS]
     return {"rule": rule_text(), "n_prompts": n_prompts, "n_measured": len(per), "n_judged": len(per) - len(too_short),
-            "too_short": too_short, "flagged": [i for i, m in per.items() if m["degenerate"]], "prompts": per,
-            "groups": group_rows}
+            "n_too_short": len(too_short), "too_short": too_short,
+            "flagged": [i for i, m in per.items() if m["degenerate"]], "prompts": per, "groups": group_rows}
 
 
 def judged_count(degeneracy: dict) -> int:
@@ -133,10 +133,20 @@ def judged_count(degeneracy: dict) -> int:
     return int(degeneracy.get("n_judged", degeneracy.get("n_measured", 0)))
 
 
-def too_short_note(degeneracy: dict) -> str:
-    """"; N too short to judge (< MIN_TOKENS new tokens, kept in the verdicts)", or "" when there are none."""
-    n = len(degeneracy.get("too_short") or [])
+def too_short_count(degeneracy: dict) -> int:
+    """Prompts whose output was too short to judge (0 in a report written before they were counted)."""
+    return int(degeneracy.get("n_too_short", len(degeneracy.get("too_short") or [])))
+
+
+def too_short_note(n: int) -> str:
+    """"; N too short to judge (< MIN_TOKENS new tokens, kept in the verdicts)", or "" when N is 0."""
     return f"; {n} too short to judge (< {MIN_TOKENS} new tokens, kept in the verdicts)" if n else ""
+
+
+def nothing_judged(n_short: int) -> str:
+    """The line for a report whose every output was too short to judge."""
+    return (f"no output long enough to judge: all {n_short} are under {MIN_TOKENS} new tokens (kept in the "
+            "verdicts)")
 
 
 def rule_text() -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from specpilot.drafting.cliargs import dtype_label
 from specpilot.drafting.files import atomic_write_text
 from specpilot.eval.compare import describe, interval_verdict
-from specpilot.eval.degeneracy import judged_count, too_short_note
+from specpilot.eval.degeneracy import judged_count, nothing_judged, too_short_count, too_short_note
 from specpilot.eval.exactness import ROUNDING, differing_cell, greedy_identity
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
 from specpilot.eval.suites import chat_template_note
@@ -181,7 +181,9 @@ def _excluded_note(degeneracy: dict | None) -> list[str]:
     if not degeneracy:
         return []
     n, k = judged_count(degeneracy), len(degeneracy.get("flagged", []))
-    short = too_short_note(degeneracy)
+    short = too_short_note(too_short_count(degeneracy))
+    if not n and too_short_count(degeneracy):
+        return [f"No prompt left out: {nothing_judged(too_short_count(degeneracy))}.", ""]
     if not k:
         return [f"No prompt left out: the target's greedy output is not degenerate on any of {n} judged prompts"
                 f"{short}.", ""]
@@ -198,7 +200,7 @@ def _degeneracy_lines(degeneracy: dict | None) -> list[str]:
     lines = ["## Degenerate output (left out of the verdicts)", "",
              f"Rule: {degeneracy['rule']}. Measured on the target's own greedy output (the `ar` runs at T=0) of "
              f"{degeneracy['n_measured']} of {degeneracy['n_prompts']} prompts, {judged_count(degeneracy)} judged: "
-             f"{len(flagged)} flagged{too_short_note(degeneracy)}.", "",
+             f"{len(flagged)} flagged{too_short_note(too_short_count(degeneracy))}.", "",
              "| task | language | prompts | judged | flagged | group degenerate |", "|---|---|---|---|---|---|"]
     for g in degeneracy.get("groups", []):
         lines.append(f"| {g['task']} | {g['language']} | {g['n_measured']} | {g.get('n_judged', g['n_measured'])} | "

@@ -312,9 +312,16 @@ def is_code_model(target: str | Path | None) -> bool:
     "bigcode/starcoder2-3b", "Qwen/Qwen2.5-Coder-0.5B")."""
     if target is None or str(target) == "embedded":
         return True
-    if (Path(str(target)).expanduser().parent / "corpus_manifest.json").is_file():
+    if _built_pair_target(target):
         return True
     return CODE_MODEL_NAME.search(str(target).lower()) is not None
+
+
+def _built_pair_target(target: str | Path) -> bool:
+    """A target folder of a pair `specpilot models build` wrote: corpus_manifest.json beside it (a hub id is no
+    folder, so a manifest in the working directory does not make "gpt2" one)."""
+    folder = Path(str(target)).expanduser()
+    return folder.is_dir() and (folder.parent / "corpus_manifest.json").is_file()
 
 
 def default_heldout_suite(target: str | Path | None) -> str:
@@ -330,7 +337,7 @@ def choose_suite(suite: str | Path | None, target: str | Path | None) -> dict:
     if suite is not None:
         return {"name": str(suite), "chosen_by": "--suite"}
     name = default_heldout_suite(target)
-    built = target is not None and (Path(str(target)).expanduser().parent / "corpus_manifest.json").is_file()
+    built = target is not None and _built_pair_target(target)
     what = ("the embedded pair, a code model: its target saw only the standard library" if target in (None, "embedded")
             else f"target {target}, a code model: a pair `specpilot models build` made, trained on Python source"
             if built else f"target {target}, " + ("a code model by its name" if name == "heldout_code" else

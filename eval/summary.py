@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from specpilot.eval.degeneracy import judged_count, too_short_note
 from specpilot.eval.compare import describe
+from specpilot.eval.degeneracy import judged_count, nothing_judged, too_short_count, too_short_note
 from specpilot.eval.exactness import ROUNDING, difference_cause, dtype_name, identity_line
 from specpilot.eval.report import dtype_line, flagged_by_group, measurement_label, report_identity
 from specpilot.eval.suites import chat_template_note
@@ -43,7 +43,7 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
         "greedy_identity": report_identity(report),
         "suite": (report.get("meta") or {}).get("suite"),
         "degeneracy": {"n_measured": degeneracy.get("n_measured"), "n_judged": judged_count(degeneracy),
-                       "too_short": too_short_note(degeneracy), "n_flagged": len(degeneracy.get("flagged", [])),
+                       "n_too_short": too_short_count(degeneracy), "n_flagged": len(degeneracy.get("flagged", [])),
                        "groups": [f"{g['task']}/{g['language']}" for g in degeneracy.get("groups", [])
                                   if g["degenerate"] and g["language"] != "all"],
                        "comparisons": [c for c in degeneracy.get("comparisons") or []
@@ -120,6 +120,7 @@ def report_metrics(report: dict) -> dict:
     degeneracy = report.get("degeneracy")
     if degeneracy:
         out["degeneracy"] = {"n_measured": degeneracy.get("n_measured"), "n_judged": judged_count(degeneracy),
+                             "n_too_short": too_short_count(degeneracy),
                              "n_flagged": len(degeneracy.get("flagged") or [])}
     identity = report.get("greedy_identity")
     if identity:  # why greedy output differs from ar's: half-precision rounding (expected) or a bug (fp32)
@@ -214,10 +215,11 @@ def _suite_lines(summary: dict) -> list[str]:
     d = summary.get("degeneracy")
     if d:
         groups = f"; degenerate groups: {', '.join(d['groups'])}" if d["groups"] else ""
-        judged = d.get("n_judged", d["n_measured"])
-        short = d.get("too_short", "")
+        judged, n_short = d.get("n_judged", d["n_measured"]), d.get("n_too_short", 0)
+        short = too_short_note(n_short)
         lines.append(f"degenerate output: {d['n_flagged']} of {judged} judged prompts left out of the verdicts and "
                      f"speedups{groups}{short}" if d["n_flagged"] else
+                     f"degenerate output: {nothing_judged(n_short)}" if not judged and n_short else
                      f"degenerate output: none of {judged} judged prompts (all in the verdicts){short}")
         lines += [f"  on those prompts only (not a verdict): {describe(c)}" for c in d.get("comparisons") or []]
         if d["n_flagged"] and d["n_flagged"] == d["n_measured"]:

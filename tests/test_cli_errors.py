@@ -401,7 +401,8 @@ def test_an_interrupted_record_says_how_to_resume(paths, tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("command, kept", [("demo", "run the same command again to resume"),
-                                           ("eval", "nothing was kept"), ("generate", None)])
+                                           ("eval", "nothing was kept"), ("grid", "nothing was kept"),
+                                           ("agreement", "nothing was kept"), ("generate", None)])
 def test_ctrl_c_says_what_the_command_kept(monkeypatch, capsys, command, kept):
     """A demo interrupted keeps its finished stages and resumes; eval keeps nothing (its report is written at the
     end): the one line says which, so the user knows whether a rerun starts over."""
@@ -412,7 +413,8 @@ def test_ctrl_c_says_what_the_command_kept(monkeypatch, capsys, command, kept):
 
     parser = cli.build_parser
     monkeypatch.setattr(cli, "build_parser", lambda argv=None: _with_handler(parser(argv), interrupted))
-    argv = {"demo": ["demo", "--quick"], "eval": ["eval"], "generate": ["generate", "--prompt", "x"]}[command]
+    argv = {"demo": ["demo", "--quick"], "eval": ["eval"], "generate": ["generate", "--prompt", "x"],
+            "grid": ["grid", "--traces", "t", "--out", "g.json"], "agreement": ["agreement", "--out", "a"]}[command]
     assert cli.main(argv) == 130
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"specpilot {command}: interrupted") and "\n" not in err

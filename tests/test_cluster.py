@@ -319,6 +319,30 @@ def test_ctrl_c_while_ray_starts_is_held_until_it_has_started_then_cleans_up():
             os.kill(os.getpid(), signal.SIGINT)
             done.append("not reached")
     assert done == ["block finished", "cleaned"] and signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt) as info:  # Ctrl-C held, then the block fails (ray.init cannot connect)
+        with interrupts_held("never", then=lambda: done.append("cleaned again")):
+            os.kill(os.getpid(), signal.SIGINT)
+            raise ConnectionError("no cluster")
+    assert isinstance(info.value.__cause__, ConnectionError) and done[-1] == "cleaned again"
+    with pytest.raises(ConnectionError):  # no Ctrl-C: the block's own error, and no clean-up
+        with interrupts_held("never", then=lambda: done.append("not run")):
+            raise ConnectionError("no cluster")
+    assert done[-1] == "cleaned again" and signal.getsignal(signal.SIGINT) is before
+
+
+def test_with_ray_use_tls_only_the_connection_is_checked(monkeypatch):
+    """A TLS cluster answers only a TLS handshake, never the plain-text gRPC probe: with RAY_USE_TLS the probe is
+    skipped (nothing listening is still refused)."""
+    import socket
+
+    from specpilot.train.scale.cluster import ClusterError, _check_reachable
+
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        _check_reachable(f"127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5)
+        port = silent.getsockname()[1]
+    with pytest.raises(ClusterError, match="cannot reach a Ray cluster"):
+        _check_reachable(f"127.0.0.1:{port}", timeout_s=0.5)
 
 
 def test_a_worker_answers_whether_transformers_can_assist_with_its_pair(ray_pool):

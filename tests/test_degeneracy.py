@@ -102,7 +102,8 @@ def test_outputs_too_short_to_judge_are_counted_apart_not_called_clean(tmp_path)
     outputs = {"prose-0": [1, 2] * 4, "prose-1": [3, 4, 5] * 12, "prose-2": list(range(8)),
                "code-0": list(range(40)), "code-1": list(range(50, 58))}
     rep = degeneracy_report(outputs, _prompts())
-    assert rep["too_short"] == ["prose-0", "prose-2", "code-1"] and rep["n_judged"] == 2 and rep["n_measured"] == 5
+    assert rep["too_short"] == ["prose-0", "prose-2", "code-1"] and rep["n_too_short"] == 3
+    assert rep["n_judged"] == 2 and rep["n_measured"] == 5
     groups = {g["task"]: g for g in rep["groups"]}
     assert groups["prose"]["n_judged"] == 1 and groups["prose"]["degenerate"]  # prose-1 loops: 1 of 1 judged
     assert "left out** of the verdicts" in _excluded_note(rep)[0]
@@ -118,6 +119,12 @@ def test_outputs_too_short_to_judge_are_counted_apart_not_called_clean(tmp_path)
                 if x.startswith("degenerate output"))
     assert line == ("degenerate output: none of 1 judged prompts (all in the verdicts); 1 too short to judge "
                     "(< 16 new tokens, kept in the verdicts)")
+    short_only = degeneracy_report({"code-0": [1, 2], "code-1": [3]}, _prompts())
+    assert _excluded_note(short_only)[0] == ("No prompt left out: no output long enough to judge: all 2 are under 16 "
+                                             "new tokens (kept in the verdicts).")
+    line = next(x for x in _suite_lines(summarise_report({"meta": {}, "degeneracy": short_only}))
+                if x.startswith("degenerate output"))
+    assert line.endswith("all 2 are under 16 new tokens (kept in the verdicts)")
 
 
 def test_greedy_outputs_are_ar_at_temperature_zero_from_the_first_round():

@@ -214,7 +214,7 @@ def test_a_resumed_stage_reports_the_time_of_its_interrupted_starts_too(tmp_path
     state.interrupted("train", "k1", 30.0)   # Ctrl-C after 30 s
     state.interrupted("train", "k1", 12.0)   # and again after 12 s of the second start
     state.interrupted("grid", "other", 5.0)
-    state.finish("train", "k1", {}, 20.0)
+    assert state.finish("train", "k1", {}, 20.0) == 62.0  # what the summary and the "done in" line show
     again = DemoState(tmp_path)
     assert again.done("train", "k1")["seconds"] == 62.0
     state.interrupted("eval", "k2", 9.0)

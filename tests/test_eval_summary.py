@@ -107,7 +107,7 @@ def test_report_metrics_names_every_number_a_run_summary_keeps():
     assert metrics["T=0"]["comparisons"]["ltd_vs_grid"]["ratio_high"] == 1.07
     assert metrics["T=0"]["B=4"]["methods"]["ltd"]["speedup_low"] == 1.0
     assert metrics["replay"]["oracle"]["gain_share"]["ltd"] == 0.6
-    assert metrics["degeneracy"] == {"n_measured": 30, "n_judged": 30, "n_flagged": 1}
+    assert metrics["degeneracy"] == {"n_measured": 30, "n_judged": 30, "n_too_short": 0, "n_flagged": 1}
     assert metrics["greedy_identity"] == {"cause": "rounding", "expected": True, "n_differing": 2}
     assert metrics["dtype_reason"].startswith("auto: bfloat16")
     assert (metrics["suite"], metrics["hardware"], metrics["dtype"], metrics["max_new_tokens"]) == \

@@ -150,7 +150,7 @@ def _stage_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--rounds", type=positive_int, default=3, help="co-adaptation stages")
         p.add_argument("--seeds", type=positive_int, default=1,
                        help="train N seeds of the pipeline in RUN/seed<k>/ and deploy the best on validation "
-                            "(RUN/seeds.json: each seed's ltd-vs-static ratio and their median/IQM; default 1)")
+                            "(RUN/seeds.json: each seed's ltd-vs-static ratio and their median/IQM)")
         p.add_argument("--seed-workers", type=positive_int, default=DEFAULT_SEED_WORKERS,
                        help="with --seeds: train this many seeds at once, each in its own process with torch "
                             "threads // N threads (replay backend; its small networks gain little from a second "

@@ -14,7 +14,8 @@ draft at that temperature: speculation that does not pay switches itself off, as
 instead of costing the user a few percent. Else, when the static config measured faster than the policies (ratio
 below 1: at T > 0 the fine-tuned policies often settle on the static config's own choice and then only add their
 decision time), the index records the static config and loaders give it under the policies' names. The verdict
-records what it was measured for (the policy zips' digest, seed, units, static config): a rerun whose training came out
+records what it was measured for (the policy zips' digest, seed, units, static config, pair, device kind, dtype,
+prompts, tree and length): a rerun whose training came out
 the same (an interrupted demo's train stage, run again) keeps it instead of measuring again under another load.
 """
 from __future__ import annotations
@@ -70,8 +71,10 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
 
         val = load_trace(traces.validation)  # its prompts, tree and length: the setting the policies were made for
         prompts = [val.prompt(i) for i in range(val.num_prompts)]
+        tree = TreeConfig(width=val.width, max_depth=val.max_depth, max_size=val.max_size)
         same = dict(temperature=temperature, units=guard_repeats * len(prompts), seed=options.seed,
-                    policies=policies_digest(folder), static_measured=[int(v) for v in static])
+                    policies=policies_digest(folder), static_measured=[int(v) for v in static],
+                    measured_for=_measured_for(options.pair, prompts, tree, val.max_new_tokens))
         if earlier is not None and all(earlier.get(k) == v for k, v in same.items()):
             # a rerun (an interrupted demo's train stage) whose policies came out the same: the verdict measured for
             # them stands; measuring again would let the machine's load flip the deployed choice
@@ -79,11 +82,22 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
             updated.off_switch = earlier
             updated.save(index)
             return index
-        check_off_switch(index, options.pair, prompts,
-                         tree=TreeConfig(width=val.width, max_depth=val.max_depth, max_size=val.max_size),
-                         temperature=temperature, repeats=guard_repeats, seed=options.seed,
-                         max_new_tokens=val.max_new_tokens, static=static)
+        check_off_switch(index, options.pair, prompts, tree=tree, temperature=temperature, repeats=guard_repeats,
+                         seed=options.seed, max_new_tokens=val.max_new_tokens, static=static)
     return index
+
+
+def _measured_for(pair, prompts, tree: TreeConfig, max_new_tokens: int) -> dict:
+    """What else an off-switch measurement depends on: the pair (content hashes), its device kind and dtype, the
+    prompts, the tree and the length."""
+    import hashlib
+    import json
+
+    identity = pair.identity()
+    return {"pair": [identity["target_hash"], identity["draft_hash"]], "device": pair.device.type,
+            "dtype": str(pair.dtype).removeprefix("torch."), "tree": [tree.width, tree.max_depth, tree.max_size],
+            "max_new_tokens": int(max_new_tokens),
+            "prompts": hashlib.sha256(json.dumps(prompts, default=str).encode()).hexdigest()[:16]}
 
 
 def policies_digest(folder: Path) -> str:
@@ -134,7 +148,8 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
                        "static config instead of the policies when it measured faster (ratio below 1)",
                # what it was measured for: a rerun with the same policies and settings keeps it (train_sampled)
                "seed": seed, "policies": policies_digest(index.parent),
-               "static_measured": [int(v) for v in static] if static is not None else None}
+               "static_measured": [int(v) for v in static] if static is not None else None,
+               "measured_for": _measured_for(pair, prompts, tree, max_new_tokens)}
     updated = PoliciesIndex.load(index)
     updated.off_switch = verdict
     updated.save(index)

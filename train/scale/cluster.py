@@ -99,6 +99,16 @@ def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> It
     previous = signal.signal(signal.SIGINT, hold)
     try:
         yield
+    except Exception as err:  # the block failed too: the held Ctrl-C is still what the user asked for
+        signal.signal(signal.SIGINT, previous)
+        if not held:
+            raise
+        if then is not None:
+            try:
+                then()
+            except Exception:  # noqa: BLE001 - the interrupt is the news; a failed clean-up must not hide it
+                pass
+        raise KeyboardInterrupt from err
     finally:
         signal.signal(signal.SIGINT, previous)
     if held:
@@ -109,7 +119,8 @@ def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> It
 
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
     """ClusterError in one line when nothing listens at "host:port" / "ray://host:port", or when what listens there
-    does not speak gRPC (Ray's GCS and its client server do): ray.init would retry such an address for ~15 minutes."""
+    does not speak gRPC (Ray's GCS and its client server do): ray.init would retry such an address for ~15 minutes.
+    With RAY_USE_TLS set only the connection is checked (the gRPC probe is plain text)."""
     import socket
 
     hostport = address.split("://", 1)[-1]
@@ -118,9 +129,10 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
         raise ClusterError(f"--ray {address!r} is not an address: give local, auto, HOST:PORT or ray://HOST:PORT")
     how = ("start one with `ray start --head` (and `ray start --address HEAD:6379` on the other nodes), or use "
            "--ray local")
+    tls = os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true", "yes")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as conn:
-            answer = _http2_handshake(conn)
+            answer = tls or _http2_handshake(conn)  # a TLS cluster answers only a TLS handshake: Ray's own to make
     except OSError as err:
         raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err.strerror or err}): {how}") from None
     if not answer:
