@@ -330,6 +330,33 @@ def test_ctrl_c_while_ray_starts_is_held_until_it_has_started_then_cleans_up():
     assert done[-1] == "cleaned again" and signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.parametrize("token, mode, expected", [
+    ("file", None, "token"),        # `ray start`'s token on this node: sent, as Ray sends it to join `auto`
+    ("env", None, "token"),
+    (None, None, None),             # no token anywhere: Ray's own default
+    ("file", "disabled", "disabled"),  # the user's choice stands
+])
+def test_a_found_auth_token_is_used_to_join_a_cluster_by_address(tmp_path, monkeypatch, token, mode, expected):
+    import os
+    import sys
+
+    from specpilot.train.scale.cluster import use_found_token
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env["HOME"] = str(tmp_path)
+    monkeypatch.setattr(os, "environ", env)  # this process's Ray (other tests') keeps its own variables
+    if mode is not None:
+        env["RAY_AUTH_MODE"] = mode
+    if token == "file":
+        (tmp_path / ".ray").mkdir()
+        (tmp_path / ".ray" / "auth_token").write_text("x" * 64)
+    elif token == "env":
+        env["RAY_AUTH_TOKEN"] = "x" * 64
+    monkeypatch.delitem(sys.modules, "ray", raising=False)  # as before Ray is imported (the only time it is read)
+    use_found_token()
+    assert env.get("RAY_AUTH_MODE") == expected
+
+
 def test_with_ray_use_tls_only_the_connection_is_checked(monkeypatch):
     """A TLS cluster answers only a TLS handshake, never the plain-text gRPC probe: with RAY_USE_TLS the probe is
     skipped (nothing listening is still refused)."""

@@ -46,6 +46,7 @@ def import_ray():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if not (sys.stdout.isatty() and sys.stderr.isatty()):
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    use_found_token()  # read by Ray's core when it loads
     try:
         import ray
     except ImportError as err:
@@ -70,6 +71,12 @@ def connect(address: str = LOCAL, *, num_cpus: int | None = None, num_gpus: int 
                 else:
                     ray.init(address=address, **quiet)
         except ConnectionError as err:
+            if address not in (LOCAL, "auto"):  # something answered gRPC there (_check_reachable), and refused us
+                raise ClusterError(f"a Ray cluster answers at {address!r} but this process could not join it ({err}):"
+                                   " with token authentication (the default of `ray start` in recent Ray) give its "
+                                   "token (RAY_AUTH_TOKEN, or ~/.ray/auth_token as on the head node), or run with "
+                                   "--ray auto on a node of the cluster; else check the Ray version and the port"
+                                   ) from err
             raise ClusterError(f"cannot reach a Ray cluster at {address!r} ({err}): start one with `ray start "
                                "--head` (and `ray start --address HEAD:6379` on the other nodes), or use "
                                "--ray local") from err
@@ -115,6 +122,18 @@ def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> It
         if then is not None:
             then()
         raise KeyboardInterrupt
+
+
+def use_found_token() -> None:
+    """Join a cluster by address with the token Ray would use to join it as `auto` (set before Ray is imported): a
+    cluster from `ray start` asks for one (token authentication, on by default in recent Ray), and Ray sends it only
+    when RAY_AUTH_MODE=token, which it sets by itself for `auto` and `local` alone. Nothing changes when
+    RAY_AUTH_MODE is set or no token is found (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token)."""
+    if "RAY_AUTH_MODE" in os.environ or "ray" in sys.modules:  # a loaded Ray keeps the mode it read: changing the
+        return                                                # variable now would start servers it cannot join
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or \
+            (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
