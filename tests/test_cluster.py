@@ -299,7 +299,18 @@ def test_worker_lines_reach_a_log_file_each_as_printed_and_without_colour_codes(
     assert out.split() == (["1", "1"] if preset else ["0", "0"])
 
 
-def test_ctrl_c_while_ray_starts_is_held_until_it_has_started_then_cleans_up():
+@pytest.fixture
+def ctrl_c_interrupts():
+    """SIGINT raising KeyboardInterrupt, as in a terminal, whatever this test run inherited (a shell starts
+    background jobs with SIGINT ignored); restored after."""
+    import signal
+
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
+def test_ctrl_c_while_ray_starts_is_held_until_it_has_started_then_cleans_up(ctrl_c_interrupts):
     """One Ctrl-C inside `interrupts_held` waits for the block (a half-started Ray orphans its agents), runs the
     clean-up, then raises KeyboardInterrupt; a second Ctrl-C interrupts at once; the handler is restored."""
     import os
@@ -355,6 +366,18 @@ def test_a_found_auth_token_is_used_to_join_a_cluster_by_address(tmp_path, monke
     monkeypatch.delitem(sys.modules, "ray", raising=False)  # as before Ray is imported (the only time it is read)
     use_found_token()
     assert env.get("RAY_AUTH_MODE") == expected
+
+
+def test_a_process_that_ignores_ctrl_c_keeps_ignoring_it_while_ray_starts(ctrl_c_interrupts):
+    import os
+    import signal
+
+    from specpilot.train.scale.cluster import interrupts_held
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # started in the background by a shell
+    with interrupts_held("never", then=lambda: pytest.fail("nothing to clean up")):
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_with_ray_use_tls_only_the_connection_is_checked(monkeypatch):
