@@ -12,7 +12,6 @@ the export stay in this process.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specpilot.artifacts.common import json_digest
 from specpilot.artifacts.grid import GRID_FILE, GridResult
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES, profile_path
 from specpilot.artifacts.report import read_report
@@ -194,11 +194,9 @@ class DemoState:
     def finish(self, stage: str, key: str, result: dict, seconds: float) -> float:
         """Record the finished stage and return its seconds, those of the interrupted starts it resumed included
         (`interrupted`)."""
+        seconds += self._interrupted_seconds(stage, key)
         partial = self.data.pop(PARTIAL_ENTRY, None)
-        earlier = partial.get(stage) if isinstance(partial, dict) else None
-        if isinstance(earlier, dict) and earlier.get("key") == key and isinstance(earlier.get("seconds"), (int, float)):
-            seconds += earlier["seconds"]
-        if isinstance(partial, dict):
+        if isinstance(partial, dict):  # the other stages' interrupted starts stay recorded
             partial.pop(stage, None)
             if partial:
                 self.data[PARTIAL_ENTRY] = partial
@@ -210,15 +208,21 @@ class DemoState:
         """Add the seconds an interrupted start of `stage` ran (Ctrl-C, an error) to what it will report when a
         resumed start finishes it (a process killed outright records nothing)."""
         partial = self.data.get(PARTIAL_ENTRY)
-        partial = partial if isinstance(partial, dict) else {}
-        earlier = partial.get(stage)
-        if isinstance(earlier, dict) and earlier.get("key") == key and isinstance(earlier.get("seconds"), (int, float)):
-            seconds += earlier["seconds"]
-        self.data[PARTIAL_ENTRY] = {**partial, stage: {"key": key, "seconds": round(seconds, 1)}}
+        seconds += self._interrupted_seconds(stage, key)
+        self.data[PARTIAL_ENTRY] = {**(partial if isinstance(partial, dict) else {}),
+                                    stage: {"key": key, "seconds": round(seconds, 1)}}
         try:
             atomic_write_json(self.path, self.data, default=str)
         except OSError:  # the interrupt itself is what the user must see
             pass
+
+    def _interrupted_seconds(self, stage: str, key: str) -> float:
+        """The seconds interrupted starts of `stage` under settings `key` ran (0 when none were recorded)."""
+        partial = self.data.get(PARTIAL_ENTRY)
+        earlier = partial.get(stage) if isinstance(partial, dict) else None
+        if isinstance(earlier, dict) and earlier.get("key") == key and isinstance(earlier.get("seconds"), (int, float)):
+            return float(earlier["seconds"])
+        return 0.0
 
     def invalidate_after(self, stage: str) -> None:
         for later in STAGES[STAGES.index(stage) + 1:]:
@@ -285,7 +289,7 @@ def _pair_key(identity: dict) -> dict:
 
 
 def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json_digest(parts)
 
 
 def _limit(items: list, n: int) -> list:

@@ -5,12 +5,20 @@ fields). A file with a newer version than this specpilot knows is refused with t
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import atomic_write_json, read_json
 
 VERSION_KEY = "format_version"
+
+
+def json_digest(value) -> str:
+    """A short content hash of a JSON-able value (keys sorted, other objects as their str): the settings keys that
+    decide whether stored work (shards, demo stages, verdicts) may be reused, and digests of prompt lists."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def load_object(path: str | Path, *, what: str, fix: str, version: int, key: str = VERSION_KEY) -> dict:

@@ -15,6 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
+from specpilot.artifacts.common import json_digest
 from specpilot.artifacts.trace import AR_FILE
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import read_json
@@ -139,7 +140,7 @@ def pair_content(identity: dict, dtype: str | None = None) -> dict:
 
 def plan_key(**parts) -> str:
     """A short hash of everything a recording's shards depend on (a shard of another plan is never reused)."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json_digest(parts)
 
 
 def plan_fields(**parts) -> dict:

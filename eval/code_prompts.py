@@ -94,12 +94,12 @@ def _prompt_text(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef,
                      for line in block).rstrip()
 
 
-def _parses(source: str) -> bool:
+def _parse(source: str) -> ast.Module | None:
+    """The module's syntax tree, or None when it does not parse."""
     try:
-        ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
-    return True
+        return ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the last two: nesting the parser cannot hold
+        return None
 
 
 def _text_name(name: str) -> str:
@@ -126,10 +126,15 @@ def prompts_from_source(source: str, *, origin: str, rng: random.Random, forms: 
     """(id, form, prompt) for each public function with a docstring in one file's `source` (the form drawn
     from `forms` by `rng`); a file that does not parse gives none. A `body` prompt needs a statement within 3
     lines of the docstring; functions without one give a `signature` prompt."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the last two: nesting the parser cannot hold
-        return []
+    tree = _parse(source)
+    return [] if tree is None else _prompts_in(tree, source, origin=origin, rng=rng, forms=forms, min_doc=min_doc,
+                                               max_doc=max_doc, min_chars=min_chars, max_chars=max_chars)
+
+
+def _prompts_in(tree: ast.Module, source: str, *, origin: str, rng: random.Random, forms: Sequence[str] = FORMS,
+                min_doc: int = 20, max_doc: int = 500, min_chars: int = 60,
+                max_chars: int = 900) -> list[tuple[str, str, str]]:
+    """`prompts_from_source` for a source already parsed into `tree`."""
     lines = split_lines(source)  # the lines ast numbers: a form feed or U+2028 inside a line does not end it
     out = []
     for node in ast.walk(tree):
@@ -191,10 +196,11 @@ def extract_code_prompts(paths: Sequence[str | Path], *, limit: int | None = Non
             continue
         origin = _text_name(f.stem if f.parent == Path(folder) else f"{Path(folder).name}/{f.stem}")
         taken = 0
-        found = prompts_from_source(source, origin=origin, rng=rng, forms=forms)
-        if not found and not _parses(source):
+        tree = _parse(source)
+        if tree is None:
             unparsable += 1
-        for pid, form, text in found:
+            continue
+        for pid, form, text in _prompts_in(tree, source, origin=origin, rng=rng, forms=forms):
             name = pid.rsplit(":", 1)[-1]
             if name in avoid_names or _long_lines(text) & avoid_lines:
                 excluded += 1

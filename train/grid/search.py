@@ -24,14 +24,13 @@ tokens/s over live autoregressive tokens/s on the same prompts. `specpilot eval 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from specpilot.artifacts.common import json_digest
 from specpilot.artifacts.contract import check_pair
 from specpilot.artifacts.grid import save_grid
 from specpilot.artifacts.trace import ARRAYS_FILE, is_trace
@@ -109,7 +108,7 @@ def _prompts_digest(prompts) -> str | None:
     """A short digest of a trace's prompts (their texts and token counts): equal digests, equal prompts."""
     if not isinstance(prompts, list):
         return None
-    return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
+    return json_digest(prompts)
 
 
 def check_comparable(sources: list[dict]) -> None:

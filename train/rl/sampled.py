@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specpilot.drafting.control import FixedController
+from specpilot.artifacts.common import json_digest
 from specpilot.artifacts.grid import GRID_FILE, GridResult
 from specpilot.artifacts.policies import PoliciesIndex
 from specpilot.artifacts.run import sampled_dir  # noqa: F401 (re-exported: RUN/sampled/T<t>)
@@ -72,32 +73,38 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
         val = load_trace(traces.validation)  # its prompts, tree and length: the setting the policies were made for
         prompts = [val.prompt(i) for i in range(val.num_prompts)]
         tree = TreeConfig(width=val.width, max_depth=val.max_depth, max_size=val.max_size)
-        same = dict(temperature=temperature, units=guard_repeats * len(prompts), seed=options.seed,
-                    policies=policies_digest(folder), static_measured=[int(v) for v in static],
-                    measured_for=_measured_for(options.pair, prompts, tree, val.max_new_tokens))
-        if earlier is not None and all(earlier.get(k) == v for k, v in same.items()):
+        basis = verdict_basis(folder, options.pair, prompts, tree=tree, temperature=temperature,
+                              repeats=guard_repeats, seed=options.seed, max_new_tokens=val.max_new_tokens,
+                              static=static)
+        if earlier is not None and all(earlier.get(k) == v for k, v in basis.items()):
             # a rerun (an interrupted demo's train stage) whose policies came out the same: the verdict measured for
             # them stands; measuring again would let the machine's load flip the deployed choice
-            updated = PoliciesIndex.load(index)
-            updated.off_switch = earlier
-            updated.save(index)
+            _save_verdict(index, earlier)
             return index
         check_off_switch(index, options.pair, prompts, tree=tree, temperature=temperature, repeats=guard_repeats,
                          seed=options.seed, max_new_tokens=val.max_new_tokens, static=static)
     return index
 
 
-def _measured_for(pair, prompts, tree: TreeConfig, max_new_tokens: int) -> dict:
-    """What else an off-switch measurement depends on: the pair (content hashes), its device kind and dtype, the
-    prompts, the tree and the length."""
-    import hashlib
-    import json
-
+def verdict_basis(folder: Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int, seed: int,
+                  max_new_tokens: int, static: tuple[int, int] | None) -> dict:
+    """What an off-switch verdict was measured for, recorded in it: the policies (their zips' digest), the
+    temperature, units, seed and static config, the pair (content hashes) with its device kind and dtype, the
+    prompts, the tree and the length. A rerun with the same basis keeps the verdict (`train_sampled`)."""
     identity = pair.identity()
-    return {"pair": [identity["target_hash"], identity["draft_hash"]], "device": pair.device.type,
-            "dtype": str(pair.dtype).removeprefix("torch."), "tree": [tree.width, tree.max_depth, tree.max_size],
-            "max_new_tokens": int(max_new_tokens),
-            "prompts": hashlib.sha256(json.dumps(prompts, default=str).encode()).hexdigest()[:16]}
+    return {"temperature": temperature, "units": repeats * len(prompts), "seed": seed,
+            "policies": policies_digest(folder),
+            "static_measured": [int(v) for v in static] if static is not None else None,
+            "measured_for": {"pair": [identity["target_hash"], identity["draft_hash"]], "device": pair.device.type,
+                             "dtype": str(pair.dtype).removeprefix("torch."),
+                             "tree": [tree.width, tree.max_depth, tree.max_size],
+                             "max_new_tokens": int(max_new_tokens), "prompts": json_digest(prompts)}}
+
+
+def _save_verdict(index: Path, verdict: dict) -> None:
+    updated = PoliciesIndex.load(index)
+    updated.off_switch = verdict
+    updated.save(index)
 
 
 def policies_digest(folder: Path) -> str:
@@ -140,17 +147,13 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
     plain_steps = not low > 1.0
     use_static = not plain_steps and vs_static is not None and vs_static["ratio"] < 1.0
     verdict = {"plain_steps": plain_steps, "ratio": res["ltd"]["vs_baseline"]["ratio"],
-               "ci": res["ltd"]["vs_baseline"]["ci"], "temperature": temperature, "units": repeats * len(prompts),
+               "ci": res["ltd"]["vs_baseline"]["ci"],
                "static": [int(static[0]), int(static[1])] if use_static else None,
                "vs_static": vs_static and {"config": [int(static[0]), int(static[1])], "ratio": vs_static["ratio"],
                                            "ci": vs_static["ci"]},
                "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1; then the "
                        "static config instead of the policies when it measured faster (ratio below 1)",
-               # what it was measured for: a rerun with the same policies and settings keeps it (train_sampled)
-               "seed": seed, "policies": policies_digest(index.parent),
-               "static_measured": [int(v) for v in static] if static is not None else None,
-               "measured_for": _measured_for(pair, prompts, tree, max_new_tokens)}
-    updated = PoliciesIndex.load(index)
-    updated.off_switch = verdict
-    updated.save(index)
+               **verdict_basis(index.parent, pair, prompts, tree=tree, temperature=temperature, repeats=repeats,
+                               seed=seed, max_new_tokens=max_new_tokens, static=static)}
+    _save_verdict(index, verdict)
     return verdict

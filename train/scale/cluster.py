@@ -104,24 +104,23 @@ def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> It
         print(f"interrupted: stopping once {until} (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
 
     previous = signal.signal(signal.SIGINT, hold)
+    failed = None
     try:
         yield
-    except Exception as err:  # the block failed too: the held Ctrl-C is still what the user asked for
-        signal.signal(signal.SIGINT, previous)
+    except Exception as err:  # the block failed too: a held Ctrl-C is still what the user asked for
         if not held:
             raise
-        if then is not None:
-            try:
-                then()
-            except Exception:  # noqa: BLE001 - the interrupt is the news; a failed clean-up must not hide it
-                pass
-        raise KeyboardInterrupt from err
+        failed = err
     finally:
         signal.signal(signal.SIGINT, previous)
     if held:
         if then is not None:
-            then()
-        raise KeyboardInterrupt
+            try:
+                then()
+            except Exception:  # noqa: BLE001 - after a failed block the interrupt is the news, not the clean-up
+                if failed is None:
+                    raise
+        raise KeyboardInterrupt from failed
 
 
 def use_found_token() -> None:
