@@ -26,6 +26,7 @@ from specpilot.artifacts.grid import GRID_FILE, GridResult
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES, profile_path
 from specpilot.artifacts.report import read_report
 from specpilot.drafting.files import atomic_write_json, read_json
+from specpilot.drafting.folder_lock import holds_output
 
 PROFILE_CHECK = "profile_check.json"  # the demo's check of the profile behind the grid search and training
 
@@ -326,6 +327,7 @@ def check_demo_outputs(run_dir: Path) -> None:
                   fix="move it away, or give another --out", what="--out")
 
 
+@holds_output("out", what="--out")
 def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str | None = None,
              draft: str | None = None, eagle: str | None = None, budget: DemoBudget | None = None, seed: int = 0,
              wandb: str | None = None, device: str | None = None, executor=None, suite: str | None = None,

@@ -48,6 +48,7 @@ def check_room(pair, prompts: list[str], *, max_new_tokens: int, max_depth: int)
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.drafting.executor import LocalExecutor
+    from specpilot.drafting.folder_lock import output_lock
     from specpilot.drafting.types import TreeConfig
     from specpilot.envs.record import check_recording_writable, record_task
     from specpilot.policies.observation import default_size_actions
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                          "recorded: give --profile-prompts "
                          f"{len(prompts)} or less{', or a larger --limit' if args.limit else ''}")
     check_recording_writable(args.out)  # before the models load (record_task checks the shard folders again)
-    with open_executor(args) as executor:
+    with output_lock(args.out, what="--out"), open_executor(args) as executor:
         max_size = args.max_size or max(max(default_size_actions(executor.device)), TreeConfig().max_size)
         tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
         if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= vocabulary) before hours of work

@@ -51,6 +51,7 @@ from specpilot.artifacts.trace import (ARRAYS_FILE, HEADER_FILE, RECORD_AGAIN, T
                                        TraceHeader)
 from specpilot.drafting.executor import ShardTask, as_executor, shard_ranges
 from specpilot.drafting.files import atomic_path, atomic_write_json, atomic_write_text, check_writable, read_json
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.envs import shards as sh
 from specpilot.envs.profile import share_of
 
@@ -351,6 +352,7 @@ def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progr
     return Trace(header, arrays)
 
 
+@holds_output("out_dir", what="trace folder (--out)")
 def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_tokens: int = 128,
                 profile_prompts: int | None = None, profile_cycles: int = 0, seed: int = 0, progress: bool = False,
                 executor=None, ar: bool = False, shard_size: int | None = None) -> tuple[Path, Path]:

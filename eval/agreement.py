@@ -251,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
 
     from specpilot.drafting.cliargs import load_pair
     from specpilot.drafting.files import atomic_write_json, check_outputs
+    from specpilot.drafting.folder_lock import check_not_in_use
     from specpilot.drafting.types import NEAR_TIE_ON
     from specpilot.drafting.checks import check_prompt_lengths
     from specpilot.eval.suites import BUNDLED_SUITES, choose_suite, load_suite
@@ -265,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{option} {value} is beyond the agreement's tree (depth up to {AGREEMENT_MAX_DEPTH}, "
                              f"size up to {AGREEMENT_MAX_SIZE}): give {option} {most} or less")
     out = Path(args.out)
+    check_not_in_use(out / "agreement.json", what="--out")
     check_outputs({out / "agreement.json": "file"}, what="--out",
                   fix="move it away, or give another --out (nothing was measured)")
     suite = choose_suite(args.suite, getattr(args, "target", None))

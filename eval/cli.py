@@ -259,6 +259,7 @@ def check_batch_options(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.drafting.executor import LocalExecutor, prompt_lengths
+    from specpilot.drafting.folder_lock import output_lock
     from specpilot.drafting.stopping import check_stop_token_ids
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.inputs import EvalInputError, check_inputs_pair, check_methods
@@ -267,8 +268,9 @@ def run(args: argparse.Namespace) -> int:
 
     plan = prepare(args)
     if args.batch_sizes:
-        return run_batches(args, plan)
-    with open_executor(args) as executor:
+        with output_lock(args.out, what="--out"):
+            return run_batches(args, plan)
+    with output_lock(args.out, what="--out"), open_executor(args) as executor:
         if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= its vocabulary)
             SpeculativeDecoder(executor.pair, plan.tree)
         identity = executor.workers[0]["pair"]

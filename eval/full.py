@@ -22,6 +22,7 @@ from pathlib import Path
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.artifacts.profile import profile_path as profile_file
 from specpilot.drafting.executor import Executor, ShardTask, as_executor
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.stopping import stopping_options
 from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import DECIDE
@@ -35,6 +36,7 @@ from specpilot.policies import FixedController
 REPORT_RESERVE_S = 15.0  # seconds kept from the budget for replay, the checks and the report
 
 
+@holds_output("out_dir", what="report folder")
 def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor | None = None, tree: TreeConfig,
                     out_dir: str | Path, trace_dir: str | Path | None = None,
                     check_profiles: dict[str, str | Path] | None = None, replay: bool = True,

@@ -339,8 +339,10 @@ def run(args: argparse.Namespace) -> int:
     pair = load_pair(args) if args.backend == "live" and not ray else None
     from specpilot.train.rl.ppo import StageExistsError
 
+    from specpilot.drafting.folder_lock import output_lock
+
     try:
-        with open_pool(args) if ray else nullcontext() as pool:
+        with output_lock(run_dir, what="--run"), open_pool(args) if ray else nullcontext() as pool:
             return _run_stage(cmd, args, run_dir, traces, _options(args, static, pair, pool))
     except StageExistsError as err:
         raise _stage_exists(err, args) from None

@@ -46,6 +46,7 @@ from specpilot.artifacts.run import (BEST_JSON, CHECKPOINTS_DIR, MANIFEST_FILE, 
 from specpilot.artifacts.trace import TraceHeader, is_trace
 from specpilot.drafting.control import FixedController, default_static_config
 from specpilot.drafting.files import atomic_path, check_writable
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.types import TreeConfig
 from specpilot.policies.actor import Actor
 from specpilot.policies.engine_configs import write_engine_configs
@@ -306,6 +307,7 @@ def _measure(exported, sb3_controller, sb3: dict, actors: dict, specs: dict, tre
     return recorder, {"choices_source": source, "latency_us": latency, "agreement": agree}
 
 
+@holds_output("out_dir", what="export folder", kind="file")
 def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: bool = False,
                trace: str | Path | None = None, grid: str | Path | None = None, measure_live: bool = True,
                num_prompts: int = 4, max_new_tokens: int = 48, num_random: int = 10_000, seed: int = 0,
@@ -571,9 +573,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.cliargs import load_pair, pair_given
+    from specpilot.drafting.folder_lock import check_not_in_use
 
     if args.default_pair and args.target is not None:
         raise ValueError("--default-pair and --target name two different pairs: give one")
+    check_not_in_use(args.out, what="--out")  # before the pair loads
     pair = load_pair(args) if pair_given(args) or args.default_pair else None
     meta = export_run(args.run, args.out, pair=pair, onnx=args.onnx, trace=args.trace, grid=args.grid,
                       num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)

@@ -37,6 +37,7 @@ from specpilot.artifacts.trace import ARRAYS_FILE, is_trace
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.executor import as_executor
 from specpilot.drafting.files import atomic_path, check_writable
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.batch_replay import batch_static_sweep, best_per_batch_size
 from specpilot.envs.oracle import replay_oracle
@@ -358,6 +359,7 @@ def pick_sampled(rows: list[dict]) -> dict:
     return plain
 
 
+@holds_output("out", what="grid result", kind="file")
 def grid_search(
     traces: str | Path | Trace | Sequence[str | Path | Trace],
     *,
@@ -620,9 +622,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
+    from specpilot.drafting.cliargs import given_options
+    from specpilot.drafting.folder_lock import check_not_in_use
     from specpilot.train.scale.cluster_cli import open_executor
 
-    from specpilot.drafting.cliargs import given_options
+    check_not_in_use(args.out, what="--out")  # in a folder another run is writing: said before the sweep
 
     live_only = [o for o in ("--val-suite", "--val-limit", "--live-repeats") if o in given_options(args)]
     if args.live_top == 0 and live_only:

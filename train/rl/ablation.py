@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.files import atomic_write_json
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.rl.stages import (REWARD_MODES, TaskTraces, TrainOptions, run_logger, static_config, train_depth,
                                     train_size)
@@ -26,6 +27,7 @@ def _policy_row(path: Path, res, kind: str, static: tuple[int, int], val_model: 
     return {k: ev[k] for k in _REPORTED}
 
 
+@holds_output("run_dir", what="run folder")
 def reward_ablation(run_dir: str | Path, traces: TaskTraces | str | Path, *, kind: str = "size",
                     rewards: Sequence[str] = REWARD_MODES, steps: int = 10_000, options: TrainOptions | None = None,
                     wandb: str | None = None, logger=None, out: str | Path | None = None) -> dict:

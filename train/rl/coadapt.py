@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from specpilot.drafting.control import FixedController
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.train.rl.stages import (StageResult, StageSpec, TaskTraces, TrainOptions, load_partner, run_logger,
                                     run_relative, stage_result, static_config, train_stage)
 
@@ -49,6 +50,7 @@ def write_stage1_index(run_dir: str | Path, depth: StageResult | None, size: Sta
     return write_index(run_dir / "stage1", depth, size, static_config(run_dir, static), copy=True)
 
 
+@holds_output("run_dir", what="run folder")
 def coadapt(run_dir: str | Path, traces: TaskTraces | str | Path, *, rounds: int = 3,
             steps: int | Sequence[int] = 10_000, size_stage: str = "size_s1", depth_stage: str = "depth_s1",
             options: TrainOptions | None = None, wandb: str | None = None, logger=None) -> dict:

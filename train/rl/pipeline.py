@@ -26,6 +26,7 @@ from typing import Sequence
 from specpilot.artifacts.policies import POLICIES_FILE
 from specpilot.artifacts.run import MANIFEST_FILE
 from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.rl.ablation import reward_ablation  # noqa: F401 (part of the pipeline's API)
 from specpilot.train.rl.coadapt import coadapt, coadapt_stages, write_index, write_stage1_index
@@ -35,6 +36,7 @@ from specpilot.train.rl.traces import record_traces  # noqa: F401
 from specpilot.train.rl.validation import evaluate_replay, replay_ar
 
 
+@holds_output("run_dir", what="run folder")
 def run_pipeline(run_dir: str | Path, traces: TaskTraces | str | Path, *, size_steps: int = 20_000,
                  depth_steps: int = 40_000, coadapt_steps: int | Sequence[int] = 10_000, rounds: int = 3,
                  size_actions: Sequence[int] | None = None, depth_range: tuple[int, int] | None = None,

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from specpilot.drafting.control import FixedController
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.rl.stages import TaskTraces, TrainOptions, static_config
 
@@ -148,6 +149,7 @@ def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTrace
             raise
 
 
+@holds_output("run_dir", what="run folder")
 def run_seeds(run_dir: str | Path, traces: TaskTraces | str | Path, *, seeds: int = 3,
               options: TrainOptions | None = None, workers: int = 1, progress=None, **pipeline) -> dict:
     """`seeds` full pipelines (seed = options.seed + k) in RUN/seed<k>/, the best on validation deployed (see the

@@ -22,6 +22,7 @@ from specpilot.artifacts.grid import GRID_FILE, GridResult
 from specpilot.artifacts.run import BEST_ZIP, MANIFEST_FILE, RunManifest, read_best
 from specpilot.artifacts.trace import TraceHeader
 from specpilot.drafting.control import Controller, FixedController
+from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_FEATURES, ObservationSpec, default_size_actions
@@ -719,6 +720,7 @@ def run_logger(run_dir, logger, wandb: str | None, config: dict):
         log.close()
 
 
+@holds_output("run_dir", what="run folder")
 def train_size(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: int = 20_000,
                depth_partner: Any = None, depth_range: tuple[int, int] | None = None,
                size_actions: Sequence[int] | None = None, stage: str = "size_s1",
@@ -747,6 +749,7 @@ def train_size(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: i
         return train_stage(spec, run_dir, traces, options, log)
 
 
+@holds_output("run_dir", what="run folder")
 def train_depth(run_dir: str | Path, traces: TaskTraces | str | Path, *, steps: int = 40_000,
                 size_partner: Any = None, stage: str = "depth_s1", init_from: str | Path | None = None,
                 options: TrainOptions | None = None, wandb: str | None = None, logger=None) -> StageResult:
