@@ -415,3 +415,27 @@ def test_resume_false_starts_a_new_wandb_run_each_time(tmp_path):
             ids.append(run_logger.wandb_run.id)
     assert ids[0] != ids[1]
     assert json.loads((tmp_path / "wandb" / "run_ids.json").read_text()) == {"eval": ids[1]}
+
+
+def test_an_interrupt_while_wandb_starts_leaves_no_orphan_run(tmp_path, monkeypatch):
+    """The run id is kept before wandb starts: Ctrl-C inside wandb.init (its offline folder already made) and the
+    rerun continues that id instead of starting a second run beside it."""
+    import wandb
+
+    real, seen = wandb.init, []
+
+    def interrupted(**kwargs):
+        seen.append(kwargs["id"])
+        (tmp_path / "wandb" / f"offline-run-x-{kwargs['id']}").mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(wandb, "init", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with RunLogger(tmp_path, {"command": "train size"}, mode="offline") as run_logger:
+            run_logger.log({"s/val/score": 1.0}, step=1)
+    monkeypatch.setattr(wandb, "init", real)
+    with RunLogger(tmp_path, {"command": "train size"}, mode="offline") as run_logger:
+        run_logger.log({"s/val/score": 1.0}, step=2)
+        rerun = run_logger.wandb_run.id
+    assert len(seen[0]) == 8 and rerun == seen[0]
+    assert json.loads((tmp_path / "wandb" / "run_ids.json").read_text()) == {"train size": seen[0]}

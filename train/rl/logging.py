@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -26,6 +27,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter, Logger, TensorBoardOutputFormat
 
 from specpilot.drafting.errors import one_line
+from specpilot.drafting.files import atomic_write_json
 
 WANDB_MODES = ("online", "offline", "disabled")
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
@@ -42,6 +44,14 @@ def resolve_wandb_mode(mode: str | None = None) -> str:
 
 
 ONLINE_INIT_TIMEOUT_S = 30.0  # wandb's default waits 90 s for an unreachable server before giving up
+RUN_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"  # wandb's own ids: 8 characters of these
+
+
+def new_run_id() -> str:
+    """A fresh wandb run id, made here so it can be kept before wandb starts."""
+    return "".join(secrets.choice(RUN_ID_ALPHABET) for _ in range(8))
+
+
 RUN_IDS_FILE = "run_ids.json"  # RUN/wandb/run_ids.json: {command or stage: wandb run id}, so a resume continues it
 
 
@@ -114,6 +124,11 @@ class RunLogger:
         ids = self._saved_ids()
         saved = None if os.environ.get("WANDB_RUN_ID") or not self.resume else ids.get(key)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if saved is None and not os.environ.get("WANDB_RUN_ID"):
+            # the id is chosen and kept before wandb starts: a run interrupted while wandb starts (its folder made,
+            # its id not yet returned) is continued by the rerun, not left as an orphan beside a new one
+            saved = new_run_id()
+            self._keep_id(ids, key, saved)
 
         def start(mode: str):
             settings = wandb.Settings(silent=True, console="off", init_timeout=ONLINE_INIT_TIMEOUT_S)
@@ -143,13 +158,16 @@ class RunLogger:
         except Exception:  # noqa: BLE001 - a convenience of the charts, never worth failing a run
             pass
         if ids.get(key) != run.id:
-            ids[key] = run.id
-            try:
-                self._ids_path().parent.mkdir(parents=True, exist_ok=True)
-                self._ids_path().write_text(json.dumps(ids, indent=1))
-            except OSError as err:
-                warnings.warn(f"could not keep the wandb run id ({err}): a resume will start a new run", stacklevel=4)
+            self._keep_id(ids, key, run.id)
         return run
+
+    def _keep_id(self, ids: dict, key: str, run_id: str) -> None:
+        ids[key] = run_id
+        try:
+            self._ids_path().parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self._ids_path(), ids)
+        except OSError as err:
+            warnings.warn(f"could not keep the wandb run id ({err}): a resume will start a new run", stacklevel=5)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Scalars become scalars, sequences become histograms (TensorBoard) / wandb.Histogram."""
