@@ -48,6 +48,29 @@ def _probe(folder: Path, label: str) -> None:
                               "location") from None
 
 
+# Linux's FS_IOC_GETFLAGS and the inode flags that forbid replacing a file, for root too (`chattr +i` / `+a`)
+_GETFLAGS, _IMMUTABLE, _APPEND_ONLY = 0x80086601, 0x10, 0x20
+
+
+def _unreplaceable(path: Path) -> str | None:
+    """"immutable" / "append-only" when `path`'s inode flags forbid replacing it (os.replace would fail with EPERM
+    only when the results are written, after the work), else None (also where the filesystem keeps no flags)."""
+    try:
+        import fcntl
+        import struct
+
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (ImportError, OSError):
+        return None
+    try:
+        flags = struct.unpack("i", fcntl.ioctl(fd, _GETFLAGS, struct.pack("i", 0)))[0]
+    except OSError:  # ENOTTY: no inode flags on this filesystem
+        return None
+    finally:
+        os.close(fd)
+    return "immutable" if flags & _IMMUTABLE else "append-only" if flags & _APPEND_ONLY else None
+
+
 def check_writable(path: str | Path, *, kind: str = "dir", what: str | None = None) -> Path:
     """`path` as a Path when it can take output of `kind` ("dir": a folder, created later if missing; "file": a
     file, replaced if it exists); else OutputPathError naming `what` (e.g. "--out") and the path. Creates nothing."""
@@ -60,6 +83,9 @@ def check_writable(path: str | Path, *, kind: str = "dir", what: str | None = No
                               "missing)")
     if kind == "file" and path.is_dir():
         raise OutputPathError(f"{label} is a folder: give a file path")
+    if kind == "file" and path.is_file() and (flag := _unreplaceable(path)):
+        raise OutputPathError(f"{label} is marked {flag} (chattr +{flag[0]}; `lsattr` shows it), so it cannot be "
+                              f"replaced: clear the flag (chattr -{flag[0]}), or choose another location")
     folder = path if kind == "dir" else path.parent
     existing = _nearest_existing(folder)
     if not existing.is_dir():

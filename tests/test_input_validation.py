@@ -196,6 +196,27 @@ def test_check_writable_refuses_read_only_folders(tmp_path):
             check_writable(path, kind=kind, what="--out")
 
 
+@pytest.mark.parametrize("flag", ["i", "a"])
+def test_check_writable_refuses_a_file_that_cannot_be_replaced(tmp_path, flag):
+    """An immutable or append-only demo_state.json / report.json: refused before the work, not found by the
+    os.replace that writes the results at its end (EPERM, for root too)."""
+    import shutil
+    import subprocess
+
+    existing = tmp_path / "demo_state.json"
+    existing.write_text("{}")
+    if shutil.which("chattr") is None or subprocess.run(["chattr", f"+{flag}", str(existing)],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("chattr is not available or not permitted here")
+    try:
+        name = {"i": "immutable", "a": "append-only"}[flag]
+        with pytest.raises(OutputPathError, match=f"is marked {name} \\(chattr \\+{flag}.*chattr -{flag}"):
+            check_writable(existing, kind="file", what="--out")
+    finally:
+        subprocess.run(["chattr", f"-{flag}", str(existing)], check=True)
+    assert check_writable(existing, kind="file") == existing
+
+
 def test_check_writable_refuses_files_for_folders_and_back(tmp_path):
     existing = tmp_path / "report.json"
     existing.write_text("{}")
