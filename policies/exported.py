@@ -195,6 +195,11 @@ def _load_recorded_pair(recorded: dict, config: str, device: str | None, dtype, 
 EXPORT_DTYPE_SOURCE = "recorded in decoder.json (the policies were tuned in it)"
 
 
+def export_dtype_source(asked, dtype) -> str | None:
+    """The pair's dtype_source: the export's when its recorded dtype was taken (none was asked for), else None."""
+    return EXPORT_DTYPE_SOURCE if asked is None and dtype is not None else None
+
+
 def export_dtype(meta: dict, device: str | None = None, dtype=None) -> tuple[object, str | None]:
     """(dtype to load the recorded pair in, note or None). The policies chose depths and sizes for the costs of the
     dtype (and device kind) the run was measured in (decoder.json "dtype", "device"): a bf16 run loaded in fp32
@@ -237,8 +242,7 @@ def resolve_pair(meta: dict, pair=None, *, allow_pair_mismatch: bool = False, de
     if pair is None:
         asked = dtype
         dtype, _ = export_dtype(meta, device, dtype)
-        pair = _load_recorded_pair(recorded, config, device, dtype, dtype_source or
-                                   (EXPORT_DTYPE_SOURCE if asked is None and dtype is not None else None))
+        pair = _load_recorded_pair(recorded, config, device, dtype, dtype_source or export_dtype_source(asked, dtype))
     if recorded and not allow_pair_mismatch:
         diffs = _pair_mismatch(recorded, pair.identity())
         if diffs:
@@ -302,7 +306,7 @@ def load_exported(config_dir: str | Path, pair=None, *, load_pair: bool = True, 
         asked = dtype
         dtype, why = export_dtype(meta, device, dtype) if pair is None else (dtype, None)
         model_pair = resolve_pair(meta, pair, allow_pair_mismatch=allow_pair_mismatch, device=device, dtype=dtype,
-                                  dtype_source=EXPORT_DTYPE_SOURCE if asked is None and dtype is not None else None)
+                                  dtype_source=export_dtype_source(asked, dtype))
         meta["dtype_note"] = _dtype_note(meta, model_pair, why)
     fb = policies.get("fallback") or {}
     fb_device = str(model_pair.device) if model_pair is not None else None
