@@ -39,6 +39,11 @@ class DependencyError(RuntimeError):
     pip command that fixes it."""
 
 
+class NotEnoughMemoryError(MemoryError):
+    """The machine (or a limit such as `ulimit -v`) gave too little memory to map or load a file that is intact:
+    not the file's fault, so the message does not send the user to rebuild it."""
+
+
 class NonFiniteLogitsError(ValueError):
     """A model's logits are inf or nan: float16's range (to 65504) overflowed, most often. Running in bfloat16 or
     float32 is the fix, so it is the user's choice to change, not a bug."""
@@ -83,7 +88,8 @@ def is_user_error(err: BaseException) -> bool:
         return True
     if type(err).__name__ == "SafetensorError" and "I/O error" in str(err):  # a full disk or a lost mount while
         return True                                                            # writing weights: not a bug
-    return isinstance(err, (ValueError, TypeError)) and raised_in_package(err)
+    # a warning of ours (a note) made an error by -W error / PYTHONWARNINGS=error: the note is the message
+    return isinstance(err, (ValueError, TypeError, Warning)) and raised_in_package(err)
 
 
 def one_line(err: BaseException) -> str:

@@ -13,6 +13,7 @@ with errors that name the file.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from specpilot.drafting.errors import InputFileError, OutputPathError
+from specpilot.drafting.errors import InputFileError, NotEnoughMemoryError, OutputPathError
 
 # The embedded pair (`specpilot.drafting.pair.DEFAULT_PAIR_DIR`, named here too because pair.py imports torch and
 # this module must stay light): its damaged files are rebuilt, not copied again.
@@ -78,6 +79,45 @@ def check_writable(path: str | Path, *, kind: str = "dir", what: str | None = No
         raise ValueError(f"kind must be 'dir' or 'file', got {kind!r}")
     path = Path(path).expanduser()
     label = f"{what} {path}" if what else str(path)
+    try:
+        _check_writable(path, kind, label)
+    except OutputPathError:
+        raise
+    except OSError as err:  # a name too long, a folder on the way this user may not enter
+        where = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+        raise OutputPathError(f"{label}: {err.strerror or err}{where}; choose another location") from None
+    return path
+
+
+def path_text_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be handed on as UTF-8 text (TensorBoard, matplotlib and the reports take paths as text and
+    write them as UTF-8), or None: bytes that are not UTF-8 (they reach Python as lone surrogates), or a non-ASCII
+    path under a locale that stores paths in another encoding (TensorBoard would write to a different name)."""
+    import sys
+
+    text = str(path)
+    raw = os.fsencode(text)  # the name's bytes on disk
+    try:
+        utf8 = text.encode("utf-8")
+    except UnicodeEncodeError:
+        utf8 = None
+    if raw == utf8:
+        return None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "its name holds bytes that are not UTF-8 text; rename it"
+    return (f"this process reads file names as {sys.getfilesystemencoding()} (its locale), not UTF-8; use an ASCII "
+            "name, or a UTF-8 locale (e.g. LC_ALL=C.UTF-8)")
+
+
+def _check_writable(path: Path, kind: str, label: str) -> None:
+    for candidate in (path, *path.parents):  # exists() is False for these, so they would pass as "created later"
+        if candidate.is_symlink() and not candidate.exists():
+            raise OutputPathError(f"{label}: {candidate} is a symbolic link that leads nowhere (to a missing path, "
+                                  "or round a loop): remove it, or point it at a folder")
+    if (problem := path_text_problem(path)) is not None:
+        raise OutputPathError(f"{what_path(label)} cannot be used: {problem}")
     if kind == "dir" and path.exists() and not path.is_dir():
         raise OutputPathError(f"{label} is an existing file, not a folder: give a folder path (it is created if "
                               "missing)")
@@ -91,7 +131,11 @@ def check_writable(path: str | Path, *, kind: str = "dir", what: str | None = No
     if not existing.is_dir():
         raise OutputPathError(f"{label}: {existing} is a file, so no folder can be created below it")
     _probe(existing, label)
-    return path
+
+
+def what_path(label: str) -> str:
+    # a label with undecodable bytes is shown escaped: the message itself must print
+    return label.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def check_outputs(outputs: dict[Path, str], *, fix: str, what: str = "output") -> None:
@@ -116,8 +160,11 @@ def _temporary_sibling(path: Path) -> Path:
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write to; on success it replaces `path` in one step (os.replace),
-    on an exception (or Ctrl-C) it is deleted and `path` is left as it was."""
+    on an exception (or Ctrl-C) it is deleted and `path` is left as it was. A symbolic link is written through (its
+    target is replaced, as a shell's `>` does), not replaced by a file."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary_sibling(path)
     try:
@@ -134,7 +181,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
     with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding=encoding)
+        # a path of undecodable bytes quoted in a report (a suite's file name) is written back as those bytes
+        tmp.write_text(text, encoding=encoding, errors="surrogateescape")
     return Path(path)
 
 
@@ -172,8 +220,18 @@ def model_files_fix(folder: str | Path) -> str:
             "(the embedded pair: `specpilot models build`)")
 
 
-def _damaged(path: Path, what: str, fix: str, err: BaseException) -> InputFileError:
+def out_of_memory(err: BaseException) -> bool:
+    # safetensors reports a failed mmap as an I/O error carrying the OS's text: ENOMEM is about memory, not the file
+    return isinstance(err, MemoryError) or getattr(err, "errno", None) == errno.ENOMEM \
+        or "Cannot allocate memory" in str(err)
+
+
+def _damaged(path: Path, what: str, fix: str, err: BaseException) -> InputFileError | NotEnoughMemoryError:
     detail = " ".join(str(err).split()) or f"{type(err).__name__}: the file ends too early"
+    if out_of_memory(err):
+        return NotEnoughMemoryError(f"{path}: not enough memory to map the {what}'s weights file ({detail}); the "
+                                    "file itself is not at fault: free memory, or raise the process's limit "
+                                    "(`ulimit -v`)")
     return InputFileError(f"{path}: the {what}'s weights file is damaged or incomplete (truncated, empty or "
                           f"garbage: {detail}); {fix}")
 
@@ -185,7 +243,7 @@ def _unreadable_weights() -> tuple[type[BaseException], ...]:
 
     from safetensors import SafetensorError
 
-    return SafetensorError, OSError, EOFError, RuntimeError, pickle.UnpicklingError
+    return SafetensorError, OSError, EOFError, RuntimeError, pickle.UnpicklingError, MemoryError
 
 
 def load_weights(path: str | Path, *, what: str, fix: str) -> dict:
@@ -230,7 +288,7 @@ def damaged_weights(folder: str | Path, *, what: str, fix: str) -> InputFileErro
         for file in files:
             try:
                 _check_weights(file, what=what, fix=fix)
-            except InputFileError as err:
+            except (InputFileError, NotEnoughMemoryError) as err:
                 return err
         if files:
             return None
