@@ -5,7 +5,10 @@
   TypeError raised by its validation, OSError about paths) prints ONE line, `specpilot <command>: <message>`, on
   stderr and exits with code 2; bad arguments are refused by the parser the same way before anything runs;
 - Ctrl-C prints one line and exits with 130 (`specpilot train` adds where its checkpoint is and the exact
-  `--resume` command);
+  `--resume` command); SIGTERM (`kill`, `timeout`, a scheduler preempting the job) stops a command the same way
+  and exits with 143; a second SIGTERM ends it at once;
+- text that stdout / stderr cannot encode (an ASCII or Latin-1 locale) is printed escaped, never lost to a
+  UnicodeEncodeError after the work;
 - anything else is a bug and keeps its traceback; `specpilot --debug COMMAND ...` shows tracebacks for bad input
   too.
 
@@ -42,6 +45,8 @@ ARGUMENTS: dict[str, str] = {
     "export": "specpilot.train.cli_args:export_arguments",
 }
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+TERMINATED = 143  # the shell's code for a process ended by SIGTERM
+_terminated: list[bool] = []  # set when SIGTERM stopped the command (its exit code is TERMINATED)
 BROKEN_PIPE = 141  # the shell's code for a process ended by SIGPIPE (its reader closed the pipe)
 
 
@@ -109,10 +114,49 @@ INTERRUPT_HINTS = {
 }
 
 
+def _terminate_as_interrupt():
+    """SIGTERM stops the command as Ctrl-C does (KeyboardInterrupt): training saves its checkpoint, the demo keeps
+    its finished stages, temporary files are removed, Ray is shut down. Once: a second SIGTERM ends the process at
+    once. A process that ignores SIGTERM, or has its own handler, keeps it. Returns what restores the handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _terminated.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _printable_stdio() -> None:
+    """stdout / stderr escape what their encoding cannot write (a generated Greek letter under LANG=C with
+    PYTHONUTF8=0, or PYTHONIOENCODING=ascii) instead of failing with UnicodeEncodeError after the work."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a closed or detached stream
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _printable_stdio()
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except OSError as err:  # a path option's check met the machine (a name too long, a folder it may not enter)
+        from specpilot.drafting.errors import one_line
+
+        print(f"specpilot: {one_line(err)}", file=sys.stderr)
+        return 2
     if not getattr(args, "command", None):
         parser.print_help()
         return 0
@@ -121,18 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.debug:
         _quiet_third_party()
         _warnings_as_notes(label)
+    _terminated.clear()
+    restore_sigterm = _terminate_as_interrupt()
     try:
         if args.global_threads is not None:
             import torch
 
             torch.set_num_threads(args.global_threads)
-        return int(args._handler(args) or 0)
+        code = int(args._handler(args) or 0)
+        return TERMINATED if _terminated and code == INTERRUPTED else code  # a command that said it itself
     except KeyboardInterrupt:
         if args.debug:
             raise
         hint = INTERRUPT_HINTS.get(args.command)
-        print(f"{label}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
-        return INTERRUPTED
+        how = " (SIGTERM)" if _terminated else ""
+        print(f"{label}: interrupted{how}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return TERMINATED if _terminated else INTERRUPTED
     except BrokenPipeError:  # the reader of stdout left (`specpilot generate ... | head`): stop quietly, as a shell
         # tool killed by SIGPIPE does; stdout goes to devnull so the interpreter's last flush cannot fail again
         import os
@@ -146,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{label}: {one_line(err)}", file=sys.stderr)
         return 2
+    finally:
+        restore_sigterm()
 
 
 def _warnings_as_notes(label: str) -> None:

@@ -134,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.generation_defaults import generation_config_note, mark_noted
 
     check_sampling_options(args)
+    if sys.stdout is None:  # started with stdout closed (`>&-`): the text would go nowhere, and exit 0
+        from specpilot.drafting.errors import OutputPathError
+
+        raise OutputPathError("stdout is closed, and the generated text is printed there: give the command a stdout "
+                              "(`> out.txt` to keep the text in a file)")
     decoder, controller = _decoder(args)
     pair = decoder.pair
     given = {flag.removeprefix("--").replace("-", "_") for flag in given_options(args)}

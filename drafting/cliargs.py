@@ -118,15 +118,30 @@ def thread_count(text: str) -> int:
     """--threads: 1..MAX_THREADS (the cores are those of the machine that runs the work: on Ray, the workers')."""
     value = positive_int(text)
     if value > MAX_THREADS:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text!r} (this machine has "
-                                         f"{_cores()} CPU cores; more threads than cores only wait for each other)")
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text!r} (this process may "
+                                         f"use {usable_cores()} CPU cores; more threads than cores only wait for each "
+                                         "other)")
     return value
 
 
-def _cores() -> int:
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity (`taskset`, a scheduler's cpuset) and a cgroup v2 CPU
+    quota (a container's --cpus) bound it, where os.cpu_count() counts every core of the machine."""
+    import math
     import os
+    from pathlib import Path
 
-    return os.cpu_count() or 1
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text(encoding="ascii").split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
+    return max(1, cores)
 
 
 def float_in(low: float | None = None, high: float | None = None, *, open_low: bool = False,
@@ -227,27 +242,34 @@ def name_list(choices, what: str) -> Callable[[str], list[str]]:
 # -- text, devices, paths -------------------------------------------------------------------------------------------
 
 def _valid_utf8(text: str) -> str:
-    """`text` when it is valid UTF-8 (invalid bytes in argv arrive as lone surrogates)."""
+    """`text` when it is valid UTF-8 (invalid bytes in argv arrive as lone surrogates). Under a locale that is not
+    UTF-8 (LC_ALL=C with PYTHONUTF8=0) Python decodes argv as ASCII, so UTF-8 text arrives as surrogates too: its
+    bytes are decoded again as UTF-8 and the text returned."""
+    import os
+
     from specpilot.drafting.pair import check_text
 
     try:
         check_text("the text", text)
     except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err).replace("the text ", "", 1)) from None
+        try:
+            return os.fsencode(text).decode("utf-8")
+        except UnicodeDecodeError:
+            raise argparse.ArgumentTypeError(str(err).replace("the text ", "", 1)) from None
     return text
 
 
 def utf8_text(text: str) -> str:
     """Text that is valid UTF-8 and not empty. Whitespace alone is text like any other (an indentation a code model
     continues, as vLLM and transformers take it)."""
-    if not _valid_utf8(text):
+    if not (text := _valid_utf8(text)):
         raise argparse.ArgumentTypeError("expected non-empty text, got an empty string")
     return text
 
 
 def stop_text(text: str) -> str:
     """A stop string: valid UTF-8 and not empty; whitespace is a stop string like any other ("\n\n")."""
-    if not _valid_utf8(text):
+    if not (text := _valid_utf8(text)):
         raise argparse.ArgumentTypeError("expected a non-empty stop string, got an empty string")
     return text
 
@@ -312,10 +334,10 @@ def _output(kind: str) -> Callable[[str], str]:
         if not text.strip():
             raise argparse.ArgumentTypeError("expected a path, got an empty string")
         try:
-            check_writable(text, kind=kind)
+            path = check_writable(text, kind=kind)
         except OutputPathError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-        return text
+        return str(path)  # "~/runs" quoted past the shell: the folder checked is the folder written
 
     parse.__name__ = f"output_{kind}"
     return parse
@@ -329,13 +351,17 @@ def run_folder(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a run folder, got an empty string")
     path = Path(text).expanduser()
-    if path.is_file():
+    try:
+        is_file, exists = path.is_file(), path.exists()
+    except OSError as err:  # a name too long, a folder this user may not enter
+        raise argparse.ArgumentTypeError(f"{text}: {err.strerror or err}") from None
+    if is_file:
         hint = f" (give its folder, {path.parent})" if path.name == "policies.json" else ""
         raise argparse.ArgumentTypeError(f"{text} is a file, not a run folder{hint}")
-    if not path.exists():
+    if not exists:
         raise argparse.ArgumentTypeError(f"{text}: no such run folder (train one with `specpilot train all --run "
                                          f"{text}` or `specpilot demo --out {text}`)")
-    return text
+    return str(path)
 
 
 output_dir = _output("dir")    # a folder that can be created/written (checked before any work starts)
@@ -412,4 +438,10 @@ def dtype_label(dtype, reason: str | None) -> str:
 
 
 def say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A note on stderr. Notes inform, so a stderr that cannot take them (closed, /dev/full) never stops the work."""
+    if sys.stderr is None:  # closed at start: print(file=None) would write the note to stdout
+        return
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass

@@ -87,17 +87,33 @@ def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipel
         _training_seed = False
 
 
+SIGTERM_GRACE_S = 2.0  # see _seed_worker_signals
+
+
 def _seed_worker_signals() -> None:
     """A seed worker's initializer: it ignores SIGINT and takes SIGTERM as its Ctrl-C, once. The main process
     forwards an interrupt as one SIGTERM to each worker (`_stop_workers`), so a worker is interrupted exactly once
     (train_policy saves its checkpoint) whether the terminal's Ctrl-C reached the whole process group or `kill -INT`
-    reached the main process only; a second SIGINT in the group cannot cut the checkpoint's save short."""
+    reached the main process only; a second SIGINT in the group cannot cut the checkpoint's save short. A SIGTERM
+    sent to the whole group (a scheduler preempting the job) reaches a worker twice, from the group and forwarded by
+    the main process, within moments: a second one in the first SIGTERM_GRACE_S seconds is that echo and is ignored;
+    a later one ends the worker at once."""
+    import os
     import signal
+    import time
+
+    first: list[float] = []
 
     def interrupt(signum, frame):
         if not _training_seed:  # idle between seeds: the pool's shutdown ends it cleanly
             return
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the worker at once
+        if first:
+            if time.monotonic() - first[0] < SIGTERM_GRACE_S:
+                return
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the worker at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        first.append(time.monotonic())
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
