@@ -25,6 +25,7 @@ from specpilot.artifacts.common import json_digest
 from specpilot.artifacts.grid import GRID_FILE, GridResult
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES, profile_path
 from specpilot.artifacts.report import read_report
+from specpilot.drafting.cliargs import usable_cores
 from specpilot.drafting.files import atomic_write_json, read_json
 from specpilot.drafting.folder_lock import holds_output
 
@@ -507,7 +508,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
                            bc_iters=budget.bc_iters, bc_epochs=budget.bc_epochs)
     # budget.seeds whole pipelines in replay (RUN/seed<k>/, seed + k), the best on validation deployed to
     # RUN/policies.json; RUN/seeds.json has every seed's validation ratio over the grid's best
-    workers = budget.seed_workers or min(budget.seeds, os.cpu_count() or 1)
+    workers = budget.seed_workers or min(budget.seeds, usable_cores())
     out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, workers=workers,
                     progress=lambda msg: tqdm.write(f"  {msg}"), size_steps=budget.size_steps,
                     depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,

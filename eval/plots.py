@@ -21,11 +21,24 @@ from specpilot.drafting.files import atomic_path
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot drawing to files (Agg). MPLBACKEND is set first: matplotlib validates it on import, so an
+    unusable value in the environment (MPLBACKEND=garbage) would fail a grid or an evaluation after its work."""
+    import os
+    import sys
+
+    if "matplotlib" not in sys.modules:
+        os.environ["MPLBACKEND"] = "Agg"
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def figure_text(text: str) -> str:
+    """`text` as a figure can draw it: a suite path of bytes that are not UTF-8 (lone surrogates) is shown with
+    replacement characters (matplotlib refuses such strings)."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _finite(x) -> bool:
@@ -45,12 +58,12 @@ def _save(fig, path: Path) -> str:
     fig.tight_layout()
     with atomic_path(path) as tmp:  # no half-written PNG after a crash
         fig.savefig(tmp, dpi=110)
-    _plt().close(fig)
+    pyplot().close(fig)
     return str(path)
 
 
 def forest_speedup(summary: list[dict], replay: dict | None, temperature: float, label: str, path: Path) -> str:
-    plt = _plt()
+    plt = pyplot()
     rows = sorted([s for s in summary if s["temperature"] == temperature and s["method"] != "ar"],
                   key=lambda s: s["speedup"] if _finite(s["speedup"]) else -1)
     fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * max(1, len(rows))))
@@ -77,7 +90,7 @@ def forest_speedup(summary: list[dict], replay: dict | None, temperature: float,
 
 def forest_groups(groups: list[dict], replay_groups: list[dict], temperature: float, label: str,
                   path: Path) -> str | None:
-    plt = _plt()
+    plt = pyplot()
     rows = [g for g in groups if g["temperature"] == temperature]
     if not rows:
         return None
@@ -115,7 +128,7 @@ def _group_kind(group: dict) -> str:
 
 
 def decision_histograms(decisions: dict, temperature: float, label: str, path: Path) -> str | None:
-    plt = _plt()
+    plt = pyplot()
     methods = sorted(decisions)
     if not methods:
         return None
@@ -143,7 +156,7 @@ def decision_histograms(decisions: dict, temperature: float, label: str, path: P
 def time_split(rows: list[dict], temperature: float, label: str, path: Path) -> str | None:
     """Draft / verify / policy / other fraction of wall time, pooled over groups (weighted by time); only our
     decoder's methods (transformers' generate exposes no draft/verify split)."""
-    plt = _plt()
+    plt = pyplot()
     methods = list(dict.fromkeys(r["method"] for r in rows if r.get("choices")))
     if not methods:
         return None
@@ -169,7 +182,7 @@ def time_split(rows: list[dict], temperature: float, label: str, path: Path) -> 
 
 def choices(rows: list[dict], temperature: float, meta_label: str, path: Path) -> str | None:
     """Depth x size choices coloured by mean accepted length (cell text: cycles), one panel per method."""
-    plt = _plt()
+    plt = pyplot()
     chosen = list(dict.fromkeys(r["method"] for r in rows if r.get("choices")))
     if not chosen:
         return None
@@ -202,6 +215,7 @@ def choices(rows: list[dict], temperature: float, meta_label: str, path: Path) -
 
 def write_plots(results: list[dict], analysis: dict, label: str, out_dir: Path) -> list[str]:
     """Every plot of the module docstring for every temperature; returns the paths written."""
+    label = figure_text(label)
     wrapped = "\n".join(textwrap.wrap(label, 120))
     base = [r for r in results if r.get("concurrency", 1) == 1]
     written: list[str | None] = []

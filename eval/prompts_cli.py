@@ -3,6 +3,7 @@ eval/code_prompts.py); record it with `specpilot record --suite FILE` to train o
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections import Counter
 
 from specpilot.drafting.cliargs import output_file, positive_int, say, seed
@@ -49,5 +50,5 @@ def run(args: argparse.Namespace) -> int:
     out = write_suite(prompts, args.out)
     forms_used = Counter(p.task for p in prompts)
     print(f"wrote {len(prompts)} prompts to {out} ({', '.join(f'{k} {v}' for k, v in sorted(forms_used.items()))}); "
-          f"record them with `specpilot record --suite {out} --out DIR`")
+          f"record them with `specpilot record --suite {shlex.quote(str(out))} --out DIR`")  # a command to paste
     return 0

@@ -490,18 +490,18 @@ def grid_search(
     }
     if out is not None:
         out = Path(out)
+        save_grid(out, result)  # first: the sweep is never lost to its figure
         if heatmap:
             result["meta"]["heatmap"] = str(plot_heatmap(result, out.with_suffix(".png")).name)
-        save_grid(out, result)
+            save_grid(out, result)
     return result
 
 
 def plot_heatmap(result: dict, path: str | Path) -> Path:
     """Replay tokens/s over depth x size, one panel per width; the chosen best cell is outlined."""
-    import matplotlib
+    from specpilot.eval.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     path = Path(path)
     widths = sorted({r["width"] for r in result["table"]})

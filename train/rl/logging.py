@@ -19,6 +19,7 @@ import os
 import secrets
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,13 @@ CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s"
 
 def resolve_wandb_mode(mode: str | None = None) -> str:
     """The argument if given, else $WANDB_MODE, else "offline"."""
+    source = "" if mode else " (from $WANDB_MODE)" if os.environ.get("WANDB_MODE") else ""
     mode = mode or os.environ.get("WANDB_MODE") or "offline"
     if mode == "dryrun":  # wandb's old name for offline
         mode = "offline"
     if mode not in WANDB_MODES:
-        raise ValueError(f"wandb mode must be one of {WANDB_MODES}, got {mode!r}")
+        raise ValueError(f"wandb mode must be one of {WANDB_MODES}, got {mode!r}{source}"
+                         + ("; set WANDB_MODE to one of them, or unset it" if source else ""))
     return mode
 
 
@@ -50,6 +53,31 @@ RUN_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"  # wandb's own ids: 8 c
 def new_run_id() -> str:
     """A fresh wandb run id, made here so it can be kept before wandb starts."""
     return "".join(secrets.choice(RUN_ID_ALPHABET) for _ in range(8))
+
+
+@contextmanager
+def _usable_cache(fallback: Path):
+    """wandb's service process keeps its logs in the user's cache folder ($XDG_CACHE_HOME, else ~/.cache) and, when
+    it cannot (HOME unset, a read-only home), prints its own log lines on stderr instead, about 20 per run. Where
+    that folder cannot be written, the service is started with `fallback` as its cache, only while wandb starts
+    (other libraries keep reading the user's)."""
+    base = os.environ.get("XDG_CACHE_HOME") or (os.path.join(os.environ["HOME"], ".cache")
+                                                if os.environ.get("HOME") else None)
+    existing = Path(base) if base else None
+    while existing is not None and not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing is not None and os.access(existing, os.W_OK):
+        yield
+        return
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(fallback)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = previous
 
 
 RUN_IDS_FILE = "run_ids.json"  # RUN/wandb/run_ids.json: {command or stage: wandb run id}, so a resume continues it
@@ -137,7 +165,8 @@ class RunLogger:
                               allow_val_change=True, reinit="create_new", settings=settings)
 
         try:
-            run = start(self.mode)
+            with _usable_cache(self.run_dir / "wandb" / ".cache"):
+                run = start(self.mode)
         except Exception as err:  # logging must never kill a training run
             if self.mode != "online":
                 warnings.warn(f"wandb could not start in {self.mode} mode ({err}); logging to TensorBoard only",
