@@ -69,6 +69,13 @@ def _holder(lock: Path) -> str:
         return "a process that is starting"
 
 
+def _command() -> str:
+    """This process's command line as typed: `specpilot ...` for the console script and `python -m specpilot`."""
+    if Path(sys.argv[0]).name in ("specpilot", "__main__.py"):
+        return " ".join(["specpilot", *sys.argv[1:]])
+    return " ".join(sys.argv) or "python"
+
+
 def _try_lock(fd: int) -> bool | None:
     """True: locked; False: another process holds it; None: this filesystem has no flock."""
     for attempt in range(_BUSY_TRIES):
@@ -149,9 +156,7 @@ def output_lock(folder: str | Path, *, what: str = "--out") -> Iterator[Path]:
             pass
         os.close(fd)
     os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "command": " ".join(["specpilot", *sys.argv[1:]])
-                             if Path(sys.argv[0]).name == "specpilot" else " ".join(sys.argv) or "python",
-                             "started": time.time()}).encode())
+    os.write(fd, json.dumps({"pid": os.getpid(), "command": _command(), "started": time.time()}).encode())
     _held[real] = fd
     inherited = os.environ.get(HELD_ENV)
     os.environ[HELD_ENV] = os.pathsep.join(str(p) for p in (*_inherited(), real))

@@ -47,3 +47,19 @@ def test_workers_ignore_sigint_and_stop_once_when_the_main_process_is_interrupte
             with pytest.raises(KeyboardInterrupt):
                 future.result(timeout=60)
     assert len(list(tmp_path.glob("interrupted-*"))) == 2
+
+
+def test_a_sigterm_to_the_whole_group_interrupts_each_worker_once(tmp_path):
+    """A scheduler's SIGTERM reaches the workers from the group and again forwarded by the main process: the echo
+    inside the grace period is ignored, so the checkpoint's save is not cut short by a second signal."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=context, initializer=seeds._seed_worker_signals) as pool:
+        futures = [pool.submit(train_until_interrupted, str(tmp_path)) for _ in range(2)]
+        assert len(wait_for(tmp_path, "started", 2)) == 2
+        for pid in list(pool._processes):
+            os.kill(pid, signal.SIGTERM)  # the group's SIGTERM
+        seeds._stop_workers(pool)  # the main process forwards its own at once
+        for future in futures:
+            with pytest.raises(KeyboardInterrupt):  # interrupted, not killed (BrokenProcessPool)
+                future.result(timeout=60)
+    assert len(list(tmp_path.glob("interrupted-*"))) == 2
