@@ -60,7 +60,8 @@ def main(argv=None) -> None:
     o = replay_oracle(model, sizes=actions)
     print(f"  oracle {o['oracle']['tokens_per_s']:.1f} tok/s, greedy oracle {o['greedy_oracle']['tokens_per_s']:.1f}, "
           f"best static d={o['best_static']['depth']} V={o['best_static']['size']} "
-          f"{o['best_static']['tokens_per_s']:.1f}")
+          f"{o['best_static']['tokens_per_s']:.1f}, each prompt at its own best static "
+          f"{o['per_prompt_static']['tokens_per_s']:.1f}")
 
 
 if __name__ == "__main__":

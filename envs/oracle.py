@@ -173,6 +173,9 @@ def replay_oracle(trace, profile=None, depths: list[int] | None = None, sizes: l
                      maximising throughput = minimising time, as the token count is fixed
       greedy_oracle  per-cycle greedy: each cycle picks the (d, V) with the best emitted/time of that cycle alone
       best_static    the best fixed (d, V) over `depths` x `sizes` (a grid search under replay)
+      per_prompt_static  each prompt with its own best fixed (d, V), chosen in hindsight: the most a policy that
+                     only recognises the kind of prompt (one config per prompt) could gain over best_static; the
+                     oracle's gain beyond it is the within-prompt, cycle-by-cycle part
     Choices range over `depths` (default 0..max_depth: a plain target step is one of every policy's actions, and
     the ceiling must cover it, or a pair whose drafter rarely helps reports a ceiling below its controllers) and
     `sizes` (default 1..max_size).
@@ -185,15 +188,19 @@ def replay_oracle(trace, profile=None, depths: list[int] | None = None, sizes: l
     grid = (len(depths), len(sizes))
     best_tokens, best_time, best_cycles = 0, 0.0, 0
     static_tokens, static_time, static_cycles = np.zeros(grid), np.zeros(grid), np.zeros(grid, dtype=np.int64)
+    own = np.zeros(3)  # tokens, time, cycles of each prompt at its own best static cell
     for i in indices:
         emitted, verify = cell_tables(model, i, depths, sizes)
         time_i, cycles_i = _hindsight(model, emitted, verify, depths)
         best_tokens, best_time, best_cycles = best_tokens + emitted.shape[0], best_time + time_i, best_cycles + cycles_i
         tok, tim, cyc = _static_sweep(model, emitted, verify, depths)
         static_tokens, static_time, static_cycles = static_tokens + tok, static_time + tim, static_cycles + cyc
+        cell = np.unravel_index(int(np.argmax(tok / np.maximum(tim, 1e-12))), grid)
+        own += (tok[cell], tim[cell], cyc[cell])
     static = [{"depth": int(depths[a]), "size": int(sizes[b]),
                **summary(static_tokens[a, b], static_time[a, b], static_cycles[a, b])}
               for a in range(grid[0]) for b in range(grid[1])]
     return {"oracle": summary(best_tokens, best_time, best_cycles),
             "greedy_oracle": _greedy_oracle(model, indices, depths, sizes),
-            "best_static": max(static, key=lambda r: r["tokens_per_s"]), "static": static}
+            "best_static": max(static, key=lambda r: r["tokens_per_s"]), "static": static,
+            "per_prompt_static": summary(*own)}

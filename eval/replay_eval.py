@@ -188,6 +188,7 @@ def replay_evaluation(result, trace, profile, *, prompts: Sequence, seed: int = 
                        "greedy_oracle_speedup": oracle["greedy_oracle"]["tokens_per_s"] / ar_tps,
                        "best_static": {"depth": oracle["best_static"]["depth"], "size": oracle["best_static"]["size"],
                                        "speedup": oracle["best_static"]["tokens_per_s"] / ar_tps},
+                       "per_prompt_static_speedup": oracle["per_prompt_static"]["tokens_per_s"] / ar_tps,
                        "share": {m["method"]: m["tokens_per_s"] / oracle["oracle"]["tokens_per_s"]
                                  for m in methods},
                        "gain_share": {m["method"]: gain_share(m["tokens_per_s"], oracle["oracle"]["tokens_per_s"],

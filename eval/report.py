@@ -325,9 +325,13 @@ def _replay_lines(replay: dict | None) -> list[str]:
     o = replay.get("oracle")
     if o:
         bs = o["best_static"]
+        own = o.get("per_prompt_static_speedup")  # (older reports lack it)
         lines += ["", f"Hindsight oracle on these traces: {o['speedup']:.2f}x over ar (per-cycle greedy oracle "
                   f"{o['greedy_oracle_speedup']:.2f}x); best static config under replay d={bs['depth']}, "
-                  f"V={bs['size']}: {bs['speedup']:.2f}x."]
+                  f"V={bs['size']}: {bs['speedup']:.2f}x"
+                  + (f"; each prompt at its own best static config (chosen in hindsight): {own:.2f}x, the most "
+                     "that telling kinds of prompts apart can gain, the rest of the oracle's gain is within prompts"
+                     if own is not None else "") + "."]
     if replay.get("comparisons"):
         lines += ["", "Under replay (no timing noise; intervals over prompts):", ""]
         lines += [f"- {describe({**c, 'n_units': c['n_units']})}" for c in replay["comparisons"]]

@@ -187,7 +187,9 @@ def _replay_lines(replay: dict | None) -> list[str]:
     captured = ", ".join(f"{name} {100 * gains[name]:.0f}%" for name in ("ltd", "grid") if _ok(gains.get(name)))
     lines = [f"replay of the held-out traces (exact tau, modelled time, {deciding}): " + ", ".join(cells)
              + (f"; hindsight oracle {oracle['speedup']:.2f}x" if _ok(oracle.get("speedup")) else "")
-             + (f" (share of its gain over AR: {captured})" if captured else "")]
+             + (f" (share of its gain over AR: {captured})" if captured else "")
+             + (f"; each prompt at its own best static config {oracle['per_prompt_static_speedup']:.2f}x"
+                if _ok(oracle.get("per_prompt_static_speedup")) else "")]
     if _ok(oracle.get("speedup")) and oracle["speedup"] < 1:
         lines.append("  the hindsight oracle is below AR: the latency profile's plain step costs more than AR measured "
                      "now (see the cost check), so these replay numbers are no ceiling: re-measure the profile")

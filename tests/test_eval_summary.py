@@ -75,6 +75,9 @@ def test_the_replay_line_gives_the_share_of_the_oracles_gain():
                          "gain_share": {"ltd": 0.6, "grid": 0.5333}}}
     text = "\n".join(format_summary_lines(summarise_report({**REPORT, "replay": replay})))
     assert "hindsight oracle 2.50x (share of its gain over AR: ltd 60%, grid 53%)" in text
+    per_prompt = {**replay, "oracle": {**replay["oracle"], "per_prompt_static_speedup": 1.95}}
+    assert "grid 53%); each prompt at its own best static config 1.95x" in \
+        "\n".join(format_summary_lines(summarise_report({**REPORT, "replay": per_prompt})))
     older = {**replay, "oracle": {"speedup": 2.5, "share": {"ltd": 0.76}}}  # a report from before gain_share
     assert "hindsight oracle 2.50x\n" in "\n".join(format_summary_lines(summarise_report({**REPORT, "replay": older})))
 

@@ -75,6 +75,21 @@ def test_every_static_cell_equals_its_replay_through_run_cycle(model):
     assert result["oracle"]["time_s"] <= result["greedy_oracle"]["time_s"] + 1e-12
 
 
+def test_each_prompt_at_its_own_best_static_cell(model):
+    """per_prompt_static: the best replay_static cell of every prompt, summed; between the best single cell and
+    the oracle."""
+    result = replay_oracle(model, depths=DEPTHS, sizes=SIZES)
+    tokens = time_s = 0.0
+    for i in range(model.num_prompts):
+        cells = [replay_static(model, depth=d, size=v, prompts=[i]) for d in DEPTHS for v in SIZES]
+        best = max(cells, key=lambda r: r["tokens_per_s"])
+        tokens, time_s = tokens + best["tokens"], time_s + best["time_s"]
+    own = result["per_prompt_static"]
+    assert own["tokens"] == tokens and own["time_s"] == pytest.approx(time_s, rel=1e-12)
+    assert result["best_static"]["tokens_per_s"] <= own["tokens_per_s"] + 1e-9
+    assert own["tokens_per_s"] <= result["oracle"]["tokens_per_s"] + 1e-9
+
+
 def test_plain_steps_cost_one_target_step_per_token(model):
     plain = replay_controller(model, controller=FixedController(0))
     tables = [model.tables(i) for i in range(model.num_prompts)]
