@@ -1,18 +1,21 @@
-"""One writer per output folder: two specpilot runs given the same --out (two terminals, a job started twice) would
-interleave their stages, shards and reports in it. The first holds the folder; the second is refused at once, in one
-line naming the first (its pid, command and start time), before it loads a model or writes a file.
+"""One writer per output: two specpilot runs given the same --out (two terminals, a job started twice) would
+interleave their stages, shards and reports. The first holds the output; a second is refused at once, in one line
+naming the first (its pid, command and start time), before it loads a model or writes a file.
 
-    output_lock(folder, what="--out")     context manager: hold FOLDER/.specpilot.lock (an fcntl.flock) while
-                                          writing there; the lock file is removed on release (and the folder too
-                                          when the lock made it and nothing else was written in it)
-    check_not_in_use(path, what="--out")  FolderInUseError when another process holds `path` or a folder above it
-    holds_output(param, what=...)         decorator: the function's `param` folder is held while it runs (a file
-                                          output: only checked, as atomic writes keep a file whole)
+    output_lock(path, what="--out", kind="dir")  context manager: hold a folder (FOLDER/.specpilot.lock) or a file
+                                          (.NAME.specpilot.lock beside it) while writing it; released, the lock file
+                                          is removed, and so are the folders the lock made if nothing else was
+                                          written in them
+    check_not_in_use(path, what=..., kind=...)   FolderInUseError when another process holds `path`, a folder above
+                                          it, or (a folder) anything below it
+    holds_output(param, what=..., kind=...)      decorator: the function's `param` path is held while it runs
+    held_folders() / grant(held)          a worker process this one starts (spawned seed trainers) is granted the
+                                          folders it holds, explicitly: other children are not, and a grant lapses
+                                          when the granting process no longer holds the folder (it died)
 
-The kernel releases a flock when its process ends, however it ends (Ctrl-C, kill -9, a crash), so no stale lock ever
-needs deleting by hand. Holding is per process and re-entrant: the demo holds its run folder and its stages write
-inside it. Processes this one starts (spawned seed trainers) inherit the folders it holds (SPECPILOT_HELD_FOLDERS).
-Where flock is missing (Windows) or refused by the filesystem, writing goes on unlocked, as before.
+A flock goes with its process however it ends (Ctrl-C, kill -9, a crash), so no stale lock ever needs deleting by
+hand. Holding is re-entrant: the demo holds its run folder and its stages write inside it. Where flock is missing
+(Windows) or refused by the filesystem, writing goes on unlocked, as before.
 """
 from __future__ import annotations
 
@@ -34,13 +37,15 @@ except ImportError:  # not on POSIX: no locking
     fcntl = None
 
 LOCK_FILE = ".specpilot.lock"
-HELD_ENV = "SPECPILOT_HELD_FOLDERS"  # folders held by this process's parent (os.pathsep-separated)
-_held: dict[Path, int] = {}  # folder -> the lock file descriptor, for the folders this process holds
+LOCK_SUFFIX = ".specpilot.lock"  # a file output's lock: .NAME.specpilot.lock beside it
+_SCAN_DEPTH, _SCAN_FOLDERS = 3, 5000  # how far below a folder held locks are looked for (run folders nest 2 deep)
 _BUSY_TRIES = 5  # a prober's momentary lock (check_not_in_use of another process) is not a holder: retry briefly
+_held: dict[Path, tuple[Path, str, int]] = {}  # lock file -> (path held, kind, descriptor), this process's holds
+_granted: dict[Path, int] = {}  # folder -> pid of the process that holds it and granted it to this worker
 
 
 class FolderInUseError(OutputPathError):
-    """Another live process is writing the output folder (or a folder above it)."""
+    """Another live specpilot process is writing the output (or a folder above it, or something inside it)."""
 
 
 def _real(path: str | Path) -> Path:
@@ -48,25 +53,10 @@ def _real(path: str | Path) -> Path:
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
-def _inherited() -> list[Path]:
-    return [Path(p) for p in os.environ.get(HELD_ENV, "").split(os.pathsep) if p]
-
-
-def _held_here(folder: Path) -> Path | None:
-    """The folder held by this process (or its parent) that contains `folder` (or is it), if any."""
-    for held in (*_held, *_inherited()):
-        if folder == held or held in folder.parents:
-            return held
-    return None
-
-
-def _holder(lock: Path) -> str:
-    try:
-        info = json.loads(lock.read_text(encoding="utf-8"))
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["started"])))
-        return f"pid {int(info['pid'])}: `{info['command']}`, since {since}"
-    except (OSError, ValueError, KeyError, TypeError):  # written a moment ago, not yet filled in
-        return "a process that is starting"
+def _lock_of(real: Path, kind: str) -> Path:
+    # a file's lock, and that of a folder replaced as a whole (an export: staged beside it, then renamed in), lies
+    # beside it: inside, the rename would take it away
+    return real / LOCK_FILE if kind == "dir" else real.parent / f".{real.name}{LOCK_SUFFIX}"
 
 
 def _command() -> str:
@@ -74,6 +64,23 @@ def _command() -> str:
     if Path(sys.argv[0]).name in ("specpilot", "__main__.py"):
         return " ".join(["specpilot", *sys.argv[1:]])
     return " ".join(sys.argv) or "python"
+
+
+def _info(lock: Path) -> dict:
+    try:
+        info = json.loads(lock.read_text(encoding="utf-8"))
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):  # written a moment ago, not yet filled in
+        return {}
+
+
+def _holder(lock: Path) -> str:
+    info = _info(lock)
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["started"])))
+        return f"pid {int(info['pid'])}: `{info['command']}`, since {since}"
+    except (KeyError, TypeError, ValueError):
+        return "a process that is starting"
 
 
 def _try_lock(fd: int) -> bool | None:
@@ -90,6 +97,8 @@ def _try_lock(fd: int) -> bool | None:
 
 
 def _locked_by_other(lock: Path) -> bool:
+    if lock in _held:
+        return False
     try:
         fd = os.open(lock, os.O_RDONLY)
     except OSError:  # no lock file (the usual case), or unreadable: nobody we can see holds it
@@ -103,52 +112,131 @@ def _locked_by_other(lock: Path) -> bool:
         os.close(fd)
 
 
-def _refusal(path: Path, folder: Path, what: str, lock: Path) -> FolderInUseError:
+def _granted_alive(folder: Path) -> bool:
+    """`folder` was granted by a process that still holds it (a dead granter's flock is gone)."""
+    pid = _granted.get(folder)
+    lock = folder / LOCK_FILE
+    return pid is not None and _info(lock).get("pid") == pid and _locked_by_other(lock)
+
+
+def _inside_mine(real: Path) -> bool:
+    """`real` is a path this process holds, or lies in a folder it holds (or was granted by a live holder)."""
+    for path, kind, _ in _held.values():
+        if real == path or (kind == "dir" and path in real.parents):
+            return True
+    return any((real == folder or folder in real.parents) and _granted_alive(folder) for folder in list(_granted))
+
+
+def _refusal(path: str | Path, real: Path, lock: Path, what: str) -> FolderInUseError:
     label = f"{what} {path}" if what else str(path)
-    where = "is" if folder == path else f"is inside {folder}, which is"
+    held = lock.parent if lock.name == LOCK_FILE else lock.parent / lock.name[1:-len(LOCK_SUFFIX)]
+    if held == real:
+        where = "is"
+    elif held in real.parents:
+        where = f"is inside {held}, which is"
+    else:
+        where = f"holds {held}, which is"
     return FolderInUseError(f"{label} {where} being written by another specpilot run ({_holder(lock)}): wait for it "
-                            f"to end, or give another {what or 'folder'}")
+                            f"to end, or give another {what or 'path'}")
 
 
-def check_not_in_use(path: str | Path, *, what: str = "--out") -> None:
-    """FolderInUseError when another process holds `path` (a folder or a file) or a folder above it, up to a folder
-    this process holds (its own writes)."""
+def _held_below(real: Path) -> Path | None:
+    """A lock file below the folder `real` (to _SCAN_DEPTH levels) that another process holds, if any."""
+    if not real.is_dir():
+        return None
+    stack, folders = [(real, 0)], 0
+    while stack:
+        folder, depth = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name.endswith(LOCK_SUFFIX) and entry.name.startswith("."):
+                lock = Path(entry.path)
+                if not (folder == real and entry.name == LOCK_FILE) and _locked_by_other(lock) \
+                        and not (entry.name == LOCK_FILE and _granted_alive(folder)):
+                    return lock
+            elif depth < _SCAN_DEPTH and entry.is_dir(follow_symlinks=False):
+                folders += 1
+                if folders > _SCAN_FOLDERS:  # not a run folder (a home folder given as --out): stop looking
+                    return None
+                stack.append((Path(entry.path), depth + 1))
+    return None
+
+
+def check_not_in_use(path: str | Path, *, what: str = "--out", kind: str = "dir") -> None:
+    """FolderInUseError when another process holds `path` (a folder, or a file with kind="file"), a folder above
+    it (up to one this process holds: its own writes), or, for a folder, anything inside it."""
     if fcntl is None:
         return
     real = _real(path)
-    for folder in (real, *real.parents):
-        if folder in _held or folder in _inherited():
+    own = _lock_of(real, kind)
+    if _locked_by_other(own) and not (kind == "dir" and _granted_alive(real)):
+        raise _refusal(path, real, own, what)
+    for folder in real.parents:
+        if (folder / LOCK_FILE) in _held or _granted_alive(folder):
+            break
+        if _locked_by_other(folder / LOCK_FILE):
+            raise _refusal(path, real, folder / LOCK_FILE, what)
+    if kind != "file" and (below := _held_below(real)) is not None:
+        raise _refusal(path, real, below, what)
+
+
+def _missing_top(folder: Path) -> Path | None:
+    """The topmost folder of `folder`'s path that does not exist yet (what making `folder` creates), if any."""
+    top = None
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            break
+        top = candidate
+    return top
+
+
+def _remove_made(folder: Path, top: Path | None) -> None:
+    """Remove `folder` and its parents up to `top` (the folders a lock made) while they are empty."""
+    if top is None:
+        return
+    for candidate in (folder, *folder.parents):
+        try:
+            candidate.rmdir()  # only an empty folder goes
+        except OSError:
             return
-        lock = folder / LOCK_FILE
-        if _locked_by_other(lock):
-            raise _refusal(Path(path), folder, what, lock)
+        if candidate == top:
+            return
 
 
 @contextmanager
-def output_lock(folder: str | Path, *, what: str = "--out") -> Iterator[Path]:
-    """Hold `folder` (created if missing) for the block; FolderInUseError, before anything is written, when another
-    process holds it or a folder above it. Re-entrant in this process."""
+def output_lock(path: str | Path, *, what: str = "--out", kind: str = "dir") -> Iterator[Path]:
+    """Hold `path` for the block: kind "dir" a folder (created if missing), "file" a file, "swapped" a folder that
+    is replaced as a whole. FolderInUseError, before anything is written, when another process holds it, a folder
+    above it, or something inside it. Re-entrant."""
     from specpilot.drafting.files import check_writable
 
-    real = _real(folder)
-    check_not_in_use(folder, what=what)
-    if fcntl is None or _held_here(real) is not None:
-        yield Path(folder)
+    if kind not in ("dir", "file", "swapped"):
+        raise ValueError(f"kind must be 'dir', 'file' or 'swapped', got {kind!r}")
+    check_writable(path, kind="file" if kind == "file" else "dir", what=what)
+    check_not_in_use(path, what=what, kind=kind)
+    real = _real(path)
+    if fcntl is None or _inside_mine(real):
+        yield Path(path)
         return
-    check_writable(folder, kind="dir", what=what)
-    made = not real.exists()
-    real.mkdir(parents=True, exist_ok=True)
-    lock = real / LOCK_FILE
+    lock = _lock_of(real, kind)
+    top = _missing_top(lock.parent)
     while True:  # the file locked must still be the one at `lock` (a holder removes it when it lets go)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # its folder was removed meanwhile by a holder letting go: make it again
+            continue
         taken = _try_lock(fd)
         if taken is None:  # no flock here: write unlocked, as before
             os.close(fd)
-            yield Path(folder)
+            yield Path(path)
             return
         if taken is False:
             os.close(fd)
-            raise _refusal(Path(folder), real, what, lock)
+            raise _refusal(path, real, lock, what)
         try:
             if os.fstat(fd).st_ino == os.stat(lock).st_ino:
                 break
@@ -157,30 +245,35 @@ def output_lock(folder: str | Path, *, what: str = "--out") -> Iterator[Path]:
         os.close(fd)
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "command": _command(), "started": time.time()}).encode())
-    _held[real] = fd
-    inherited = os.environ.get(HELD_ENV)
-    os.environ[HELD_ENV] = os.pathsep.join(str(p) for p in (*_inherited(), real))
+    _held[lock] = (real, kind, fd)
     try:
-        yield Path(folder)
+        yield Path(path)
     finally:
-        del _held[real]
-        if inherited is None:
-            os.environ.pop(HELD_ENV, None)
-        else:
-            os.environ[HELD_ENV] = inherited
+        del _held[lock]
         try:
             lock.unlink(missing_ok=True)  # removed while still held: a waiting opener re-checks the inode above
-            if made and not any(real.iterdir()):  # refused or failed before writing: leave no empty folder
-                real.rmdir()
+            _remove_made(lock.parent, top)  # refused or failed before writing: no empty folders left behind
         except OSError:
             pass
         finally:
             os.close(fd)  # closing releases the flock
 
 
+def held_folders() -> dict[str, int]:
+    """The folders this process holds (or was granted), for `grant` in a worker process it starts."""
+    mine = {str(path): os.getpid() for path, kind, _ in _held.values() if kind == "dir"}
+    return {**{str(folder): pid for folder, pid in _granted.items()}, **mine}
+
+
+def grant(held: dict[str, int]) -> None:
+    """In a worker process: write inside the folders its parent holds (`held_folders()` there), as long as the
+    parent holds them."""
+    _granted.update({Path(folder): int(pid) for folder, pid in held.items()})
+
+
 def holds_output(param: str, *, what: str = "--out", kind: str = "dir"):
-    """Decorator: while the function runs, its argument `param` (a folder; None: nothing) is held (`output_lock`);
-    with kind="file" the file's folder is only checked (`check_not_in_use`)."""
+    """Decorator: while the function runs, its argument `param` (a folder, or a file with kind="file"; None:
+    nothing) is held (`output_lock`)."""
     def wrap(fn):
         signature = inspect.signature(fn)
 
@@ -191,10 +284,7 @@ def holds_output(param: str, *, what: str = "--out", kind: str = "dir"):
             path = bound.arguments.get(param)
             if path is None:
                 return fn(*args, **kwargs)
-            if kind == "file":
-                check_not_in_use(path, what=what)
-                return fn(*args, **kwargs)
-            with output_lock(path, what=what):
+            with output_lock(path, what=what, kind=kind):
                 return fn(*args, **kwargs)
 
         return inner

@@ -249,12 +249,8 @@ def _check_support(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from specpilot.drafting.cliargs import load_pair
-    from specpilot.drafting.files import atomic_write_json, check_outputs
-    from specpilot.drafting.folder_lock import check_not_in_use
-    from specpilot.drafting.types import NEAR_TIE_ON
-    from specpilot.drafting.checks import check_prompt_lengths
-    from specpilot.eval.suites import BUNDLED_SUITES, choose_suite, load_suite
+    from specpilot.drafting.files import check_outputs
+    from specpilot.drafting.folder_lock import output_lock
 
     if args.near_tie is not None and args.guard != "on":
         raise ValueError(f"--near-tie sets the guard's width, which applies only with --guard on (got --guard "
@@ -266,9 +262,19 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{option} {value} is beyond the agreement's tree (depth up to {AGREEMENT_MAX_DEPTH}, "
                              f"size up to {AGREEMENT_MAX_SIZE}): give {option} {most} or less")
     out = Path(args.out)
-    check_not_in_use(out / "agreement.json", what="--out")
     check_outputs({out / "agreement.json": "file"}, what="--out",
                   fix="move it away, or give another --out (nothing was measured)")
+    with output_lock(out, what="--out"):  # one agreement run at a time in a folder
+        return _measure(args, out)
+
+
+def _measure(args: argparse.Namespace, out) -> int:
+    from specpilot.drafting.cliargs import load_pair
+    from specpilot.drafting.checks import check_prompt_lengths
+    from specpilot.drafting.files import atomic_write_json
+    from specpilot.drafting.types import NEAR_TIE_ON
+    from specpilot.eval.suites import BUNDLED_SUITES, choose_suite, load_suite
+
     suite = choose_suite(args.suite, getattr(args, "target", None))
     prompts = load_suite(suite["name"])
     if args.task:

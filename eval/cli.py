@@ -257,6 +257,8 @@ def check_batch_options(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from contextlib import nullcontext
+
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.drafting.executor import LocalExecutor, prompt_lengths
     from specpilot.drafting.folder_lock import output_lock
@@ -270,7 +272,9 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_sizes:
         with output_lock(args.out, what="--out"):
             return run_batches(args, plan)
-    with output_lock(args.out, what="--out"), open_executor(args) as executor:
+    with output_lock(args.out, what="--out"), \
+            output_lock(args.replay_dir, what="--replay-dir") if args.replay_dir else nullcontext(), \
+            open_executor(args) as executor:
         if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= its vocabulary)
             SpeculativeDecoder(executor.pair, plan.tree)
         identity = executor.workers[0]["pair"]

@@ -30,9 +30,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specpilot.eval.code_prompts import check_suite_path, extract_code_prompts, write_suite
+    from specpilot.drafting.folder_lock import output_lock
+    from specpilot.eval.code_prompts import check_suite_path
 
     check_suite_path(args.out)  # before reading any source
+    with output_lock(args.out, what="--out", kind="file"):  # two runs writing one suite file: the second refused
+        return _write(args)
+
+
+def _write(args: argparse.Namespace) -> int:
+    from specpilot.eval.code_prompts import extract_code_prompts, write_suite
+
     if not args.split.strip():
         raise ValueError("--split must name a split (for example train or validation), got an empty string")
     forms = [f.strip() for f in args.forms.split(",") if f.strip()]

@@ -13,28 +13,33 @@ from pathlib import Path
 import pytest
 
 from specpilot.cli import main
-from specpilot.drafting.folder_lock import (HELD_ENV, LOCK_FILE, FolderInUseError, check_not_in_use, holds_output,
-                                            output_lock)
+from specpilot.drafting.folder_lock import (LOCK_FILE, FolderInUseError, check_not_in_use, grant, held_folders,
+                                            holds_output, output_lock)
 
 HOLDER = """
 import sys, time
 from pathlib import Path
 from specpilot.drafting.folder_lock import output_lock
-with output_lock(sys.argv[1]):
+with output_lock(sys.argv[1], kind=sys.argv[3] if len(sys.argv) > 3 else "dir"):
     Path(sys.argv[2]).write_text("held")
     time.sleep(60)
 """
 
 
-@pytest.fixture
-def held(tmp_path):
-    """A folder held by another process (its pid), released (killed) after the test."""
-    folder, ready = tmp_path / "run", tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), str(ready)])
+def start_holder(path: Path, ready: Path, kind: str = "dir") -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(ready), kind])
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the holder did not start"
         time.sleep(0.05)
+    return proc
+
+
+@pytest.fixture
+def held(tmp_path):
+    """A folder held by another process (its pid), released (killed) after the test."""
+    folder = tmp_path / "run"
+    proc = start_holder(folder, tmp_path / "ready")
     yield folder, proc
     proc.kill()
     proc.wait()
@@ -67,30 +72,88 @@ def test_the_lock_goes_with_its_process_even_on_kill_9(held):
 
 
 def test_holding_is_reentrant_and_leaves_nothing_behind(tmp_path):
-    folder = tmp_path / "new" / "run"
+    folder = tmp_path / "new" / "deeper" / "run"
     with output_lock(folder):
         assert (folder / LOCK_FILE).is_file()
-        assert str(folder) in os.environ[HELD_ENV].split(os.pathsep)
-        with output_lock(folder), output_lock(folder / "eval"):  # a stage writing inside its own run
-            check_not_in_use(folder / "eval" / "report.json")
-    assert not folder.exists()  # made by the lock and left empty (a refused or failed run): removed
-    assert HELD_ENV not in os.environ
+        assert held_folders() == {str(folder.resolve()): os.getpid()}
+        with output_lock(folder), output_lock(folder / "eval"), output_lock(folder / "grid.json", kind="file"):
+            check_not_in_use(folder / "eval" / "report.json", kind="file")
+    assert not (tmp_path / "new").exists()  # made by the lock and left empty (a refused or failed run): removed
+    assert held_folders() == {}
     folder.mkdir(parents=True)
     with output_lock(folder):
         (folder / "result.json").write_text("{}")
     assert sorted(p.name for p in folder.iterdir()) == ["result.json"]
 
 
-def _child_holds(path: str) -> str:
+def test_holding_a_folder_inside_refuses_a_run_on_the_folder_above(tmp_path):
+    """`eval --out RUN/eval` running, then `demo --out RUN`: the demo would reuse or replace the eval's report."""
+    proc = start_holder(tmp_path / "run" / "eval", tmp_path / "ready")
+    try:
+        with pytest.raises(FolderInUseError, match="run holds .*run/eval, which is being written by another"):
+            with output_lock(tmp_path / "run"):
+                pass
+        with output_lock(tmp_path / "run" / "traces"):  # a sibling is free
+            pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_file_is_held_beside_itself_and_its_siblings_stay_free(tmp_path):
+    proc = start_holder(tmp_path / "runs" / "grid.json", tmp_path / "ready", kind="file")
+    try:
+        assert (tmp_path / "runs" / ".grid.json.specpilot.lock").is_file()
+        with pytest.raises(FolderInUseError, match="grid.json is being written by another specpilot run"):
+            with output_lock(tmp_path / "runs" / "grid.json", kind="file"):
+                pass
+        with output_lock(tmp_path / "runs" / "other.json", kind="file"):
+            pass
+        with pytest.raises(FolderInUseError, match="holds .*grid.json"):  # the folder: something inside is written
+            with output_lock(tmp_path / "runs"):
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _granted_child_holds(held: dict, path: str) -> str:
+    grant(held)
     with output_lock(Path(path) / "seed1"):
         return "ok"
 
 
-def test_a_spawned_worker_writes_inside_its_parents_folder(tmp_path):
-    # `train all --seeds N --seed-workers K` trains each seed in a spawned process inside the run the parent holds
+def _ungranted_child_holds(path: str) -> str:
+    try:
+        with output_lock(Path(path) / "seed1"):
+            return "ok"
+    except FolderInUseError:
+        return "refused"
+
+
+def test_a_worker_writes_inside_its_parents_folder_only_when_granted(tmp_path):
+    # `train all --seeds N --seed-workers K` trains each seed in a spawned process inside the run the parent holds;
+    # any other child (a notebook starting `specpilot record --out RUN`) is refused like any other process
     with output_lock(tmp_path / "run"):
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            assert pool.apply(_child_holds, (str(tmp_path / "run"),)) == "ok"
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(1) as pool:
+            assert pool.apply(_granted_child_holds, (held_folders(), str(tmp_path / "run"))) == "ok"
+        with context.Pool(1) as pool:
+            assert pool.apply(_ungranted_child_holds, (str(tmp_path / "run"),)) == "refused"
+
+
+def test_a_grant_lapses_when_the_granting_process_is_gone(held):
+    folder, proc = held
+    grant({str(folder.resolve()): proc.pid + 1})  # not the pid that holds it
+    with pytest.raises(FolderInUseError):
+        with output_lock(folder / "seed0"):
+            pass
+
+
+def test_an_orphaned_seed_worker_exits():
+    code = "from specpilot.train.rl import seeds; import time; seeds._watch_parent(-1, 0.01); time.sleep(30)"
+    result = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert result.returncode == 1  # os._exit(1) from the watch, long before the sleep ends
 
 
 def test_a_symlink_to_a_held_folder_is_the_same_folder(held, tmp_path):
@@ -118,7 +181,9 @@ def test_holds_output_decorator(held, kind):
 
 
 @pytest.mark.parametrize("argv", [["record", "--suite", "train", "--limit", "1", "--out", "{}"],
-                                  ["eval", "--limit", "1", "--out", "{}/eval"]])
+                                  ["eval", "--limit", "1", "--out", "{}/eval"],
+                                  ["eval", "--limit", "1", "--replay-dir", "{}/rd", "--out", "{}/../ev"],
+                                  ["prompts", "--from", "{}/..", "--out", "{}/p.jsonl"]])
 def test_cli_refuses_in_one_line(held, capsys, argv):
     folder, proc = held
     code = main([a.replace("{}", str(folder)) for a in argv])

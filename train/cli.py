@@ -336,14 +336,14 @@ def run(args: argparse.Namespace) -> int:
 
         stages = ([stage for _, stage in coadapt_stages(args.rounds)] if cmd == "coadapt" else [args.stage])
         check_stages_envs(run_dir, stages, args.workers, steps=args.steps)
-    pair = load_pair(args) if args.backend == "live" and not ray else None
+    from specpilot.drafting.folder_lock import output_lock
     from specpilot.train.rl.ppo import StageExistsError
 
-    from specpilot.drafting.folder_lock import output_lock
-
     try:
-        with output_lock(run_dir, what="--run"), open_pool(args) if ray else nullcontext() as pool:
-            return _run_stage(cmd, args, run_dir, traces, _options(args, static, pair, pool))
+        with output_lock(run_dir, what="--run"):  # before the live backend's models load
+            pair = load_pair(args) if args.backend == "live" and not ray else None
+            with open_pool(args) if ray else nullcontext() as pool:
+                return _run_stage(cmd, args, run_dir, traces, _options(args, static, pair, pool))
     except StageExistsError as err:
         raise _stage_exists(err, args) from None
     except KeyboardInterrupt:

@@ -307,7 +307,7 @@ def _measure(exported, sb3_controller, sb3: dict, actors: dict, specs: dict, tre
     return recorder, {"choices_source": source, "latency_us": latency, "agreement": agree}
 
 
-@holds_output("out_dir", what="export folder", kind="file")
+@holds_output("out_dir", what="export folder", kind="swapped")
 def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: bool = False,
                trace: str | Path | None = None, grid: str | Path | None = None, measure_live: bool = True,
                num_prompts: int = 4, max_new_tokens: int = 48, num_random: int = 10_000, seed: int = 0,
@@ -577,7 +577,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.default_pair and args.target is not None:
         raise ValueError("--default-pair and --target name two different pairs: give one")
-    check_not_in_use(args.out, what="--out")  # before the pair loads
+    check_not_in_use(args.out, what="--out", kind="swapped")  # before the pair loads
     pair = load_pair(args) if pair_given(args) or args.default_pair else None
     meta = export_run(args.run, args.out, pair=pair, onnx=args.onnx, trace=args.trace, grid=args.grid,
                       num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)

@@ -626,7 +626,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.folder_lock import check_not_in_use
     from specpilot.train.scale.cluster_cli import open_executor
 
-    check_not_in_use(args.out, what="--out")  # in a folder another run is writing: said before the sweep
+    check_not_in_use(args.out, what="--out", kind="file")  # held by another run: said before the traces load
 
     live_only = [o for o in ("--val-suite", "--val-limit", "--live-repeats") if o in given_options(args)]
     if args.live_top == 0 and live_only:

@@ -627,6 +627,7 @@ def _refuse_default_out(shipped) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specpilot.drafting.folder_lock import output_lock
     from specpilot.drafting.pair import DEFAULT_PAIR_DIR
 
     given = [o for o, v in (("--target-tokens", args.target_tokens), ("--draft-tokens", args.draft_tokens)) if v]
@@ -650,8 +651,9 @@ def run(args: argparse.Namespace) -> int:
         budget = BuildBudget(target_tokens=args.target_tokens or default.target_tokens,
                              draft_tokens=args.draft_tokens or default.draft_tokens)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    metrics = build_pair(out, budget=budget, seed=args.seed, device=args.device, quick=args.quick,
-                         threads=threads, target_only=args.target_only, reuse_target=args.draft_only,
-                         eagle=args.eagle, eagle_only=args.eagle_only)
+    with output_lock(out, what="--out"):  # two builds into one folder would mix their models
+        metrics = build_pair(out, budget=budget, seed=args.seed, device=args.device, quick=args.quick,
+                             threads=threads, target_only=args.target_only, reuse_target=args.draft_only,
+                             eagle=args.eagle, eagle_only=args.eagle_only)
     print(json.dumps({"out": str(out), "goals": metrics["goals"]}))
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from specpilot.drafting.control import FixedController
-from specpilot.drafting.folder_lock import holds_output
+from specpilot.drafting.folder_lock import grant, held_folders, holds_output
 from specpilot.envs.replay import ReplayModel
 from specpilot.train.rl.stages import TaskTraces, TrainOptions, static_config
 
@@ -120,6 +120,37 @@ def _seed_worker_signals() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+def _watch_parent(parent: int, every_s: float = 0.5) -> None:
+    """A seed worker whose main process died (kill -9) stops as if interrupted: a training seed saves its checkpoint
+    and ends, then the worker exits; an idle one exits at once. Orphans trained on into a run folder that nobody
+    held any more, beside the next run let in."""
+    import os
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        if _training_seed:
+            os.kill(os.getpid(), signal.SIGTERM)  # the worker's Ctrl-C: its stage saves a checkpoint
+            while _training_seed:
+                time.sleep(0.1)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="specpilot-parent-watch", daemon=True).start()
+
+
+def _seed_worker_init(held: dict[str, int]) -> None:
+    """A seed worker's initializer: its signals (`_seed_worker_signals`), the run folder its main process holds
+    (`folder_lock.grant`: it writes its seed's folder inside it), and a watch on the main process."""
+    import os
+
+    _seed_worker_signals()
+    grant(held)
+    _watch_parent(os.getppid())
+
+
 def _stop_workers(pool) -> None:
     """Interrupt every live worker process of `pool` (SIGTERM: their Ctrl-C, see `_seed_worker_signals`)."""
     import os
@@ -144,7 +175,8 @@ def _train_in_processes(jobs: list[tuple[Path, TrainOptions]], traces: TaskTrace
     threads = max(1, torch.get_num_threads() // workers)
     pipeline = {k: v for k, v in pipeline.items() if k != "logger"}  # each worker logs to its own seed folder
     context = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_seed_worker_signals) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_seed_worker_init,
+                             initargs=(held_folders(),)) as pool:
         started = time.monotonic()
         futures = {pool.submit(_train_seed, seed_dir, traces, options, pipeline, threads): (seed_dir, options.seed)
                    for seed_dir, options in jobs}
