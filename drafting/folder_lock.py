@@ -8,6 +8,7 @@ naming the first (its pid, command and start time), before it loads a model or w
                                           written in them
     check_not_in_use(path, what=..., kind=...)   FolderInUseError when another process holds `path`, a folder above
                                           it, or (a folder) anything below it
+    being_written(path)                   who else writes a path a command only reads (for a note), or None
     holds_output(param, what=..., kind=...)      decorator: the function's `param` path is held while it runs
     held_folders() / grant(held)          a worker process this one starts (spawned seed trainers) is granted the
                                           folders it holds, explicitly: other children are not, and a grant lapses
@@ -165,22 +166,35 @@ def _held_below(real: Path) -> Path | None:
     return None
 
 
+def _other_holder(real: Path, kind: str) -> Path | None:
+    """The lock file another process holds on `real`, on a folder above it (up to one this process holds: its own
+    writes) or, for a folder, below it; None when there is none."""
+    own = _lock_of(real, kind)
+    if _locked_by_other(own) and not (kind == "dir" and _granted_alive(real)):
+        return own
+    for folder in real.parents:
+        if (folder / LOCK_FILE) in _held or _granted_alive(folder):
+            break
+        if _locked_by_other(folder / LOCK_FILE):
+            return folder / LOCK_FILE
+    return _held_below(real) if kind != "file" else None
+
+
 def check_not_in_use(path: str | Path, *, what: str = "--out", kind: str = "dir") -> None:
     """FolderInUseError when another process holds `path` (a folder, or a file with kind="file"), a folder above
     it (up to one this process holds: its own writes), or, for a folder, anything inside it."""
     if fcntl is None:
         return
     real = _real(path)
-    own = _lock_of(real, kind)
-    if _locked_by_other(own) and not (kind == "dir" and _granted_alive(real)):
-        raise _refusal(path, real, own, what)
-    for folder in real.parents:
-        if (folder / LOCK_FILE) in _held or _granted_alive(folder):
-            break
-        if _locked_by_other(folder / LOCK_FILE):
-            raise _refusal(path, real, folder / LOCK_FILE, what)
-    if kind != "file" and (below := _held_below(real)) is not None:
-        raise _refusal(path, real, below, what)
+    if (lock := _other_holder(real, kind)) is not None:
+        raise _refusal(path, real, lock, what)
+
+
+def being_written(path: str | Path) -> str | None:
+    """For a command that only reads `path` (eval --run, export --run): who else is writing it now (the run, a
+    folder above it, or something inside it), for a note that what is read may still change; None when nobody."""
+    lock = _other_holder(_real(path), "dir") if fcntl is not None else None
+    return None if lock is None else _holder(lock)
 
 
 def _missing_top(folder: Path) -> Path | None:

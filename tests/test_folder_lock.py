@@ -190,3 +190,11 @@ def test_cli_refuses_in_one_line(held, capsys, argv):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and f"being written by another specpilot run (pid {proc.pid}" in err[0], err
+
+
+def test_a_reader_is_told_who_writes_what_it_reads(held, tmp_path):
+    from specpilot.drafting.folder_lock import being_written
+
+    folder, proc = held
+    assert being_written(folder).startswith(f"pid {proc.pid}: `")
+    assert being_written(folder / "stage1") is not None and being_written(tmp_path / "other") is None
