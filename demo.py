@@ -27,7 +27,7 @@ from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES, profile_path
 from specpilot.artifacts.report import read_report
 from specpilot.drafting.cliargs import usable_cores
 from specpilot.drafting.files import atomic_write_json, read_json
-from specpilot.drafting.folder_lock import holds_output
+from specpilot.drafting.folder_lock import LOCK_SUFFIX, holds_output
 
 PROFILE_CHECK = "profile_check.json"  # the demo's check of the profile behind the grid search and training
 
@@ -249,7 +249,8 @@ def set_aside_stale_training(run_dir: Path) -> Path | None:
     """Move what an earlier training (and the stages after it) left in `run_dir` to RUN/stale/train-<time>/ and
     return that folder (None when there was nothing): kept, not deleted."""
     stale = [p for p in run_dir.iterdir()
-             if p.name not in BEFORE_TRAINING and not p.name.startswith(("grid.", ".grid."))]
+             if p.name not in BEFORE_TRAINING and not p.name.startswith(("grid.", ".grid."))
+             and not p.name.endswith(LOCK_SUFFIX)]  # the run's lock (this demo holds it) stays where it is
     if not stale:
         return None
     folder = run_dir / "stale" / time.strftime("train-%Y%m%d-%H%M%S")

@@ -135,12 +135,22 @@ def usable_cores() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         cores = os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text(encoding="ascii").split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 quota here
-        pass
+    try:  # this process's own cgroup (v2: the "0::" line), and every cgroup above it, may cap its CPU time
+        own = next(line[3:] for line in Path("/proc/self/cgroup").read_text(encoding="ascii").splitlines()
+                   if line.startswith("0::"))
+        group = Path("/sys/fs/cgroup") / own.strip().lstrip("/")
+    except (OSError, StopIteration):  # not Linux, or cgroup v1 only
+        group = None
+    root = Path("/sys/fs/cgroup")
+    for folder in ([group, *group.parents] if group is not None else []):
+        if folder != root and root not in folder.parents:
+            break
+        try:
+            quota, period = (folder / "cpu.max").read_text(encoding="ascii").split()[:2]
+            if quota != "max":
+                cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+        except (OSError, ValueError):  # no limit file at this level
+            continue
     return max(1, cores)
 
 

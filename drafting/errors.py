@@ -11,7 +11,9 @@ A *user error* is an exception the package raises on purpose about what it was g
   passed them something we should have checked) and keep their traceback;
 - `OSError` (a path that does not exist, a folder that cannot be written, a full disk): about the machine and the
   paths given, never about the code;
-- running out of accelerator memory (a smaller model, batch or tree is the fix, not a code change).
+- running out of accelerator memory (a smaller model, batch or tree is the fix, not a code change);
+- one of specpilot's own warnings (a note) made an error by `-W error` / PYTHONWARNINGS=error: the note is the
+  message.
 
 Everything else (AssertionError, IndexError, KeyError, RuntimeError from library internals, ...) is a bug and
 keeps its traceback. Messages of user errors name the argument or file and say what to do.

@@ -96,7 +96,12 @@ def path_text_problem(path: str | Path) -> str | None:
     import sys
 
     text = str(path)
-    raw = os.fsencode(text)  # the name's bytes on disk
+    locale = (f"this process reads file names as {sys.getfilesystemencoding()} (its locale), not UTF-8; use an ASCII "
+              "name, or a UTF-8 locale (e.g. LC_ALL=C.UTF-8)")
+    try:
+        raw = os.fsencode(text)  # the name's bytes on disk
+    except UnicodeEncodeError:  # text this locale cannot store at all (a library caller's "runs/café" under LC_ALL=C)
+        return locale
     try:
         utf8 = text.encode("utf-8")
     except UnicodeEncodeError:
@@ -107,17 +112,18 @@ def path_text_problem(path: str | Path) -> str | None:
         raw.decode("utf-8")
     except UnicodeDecodeError:
         return "its name holds bytes that are not UTF-8 text; rename it"
-    return (f"this process reads file names as {sys.getfilesystemencoding()} (its locale), not UTF-8; use an ASCII "
-            "name, or a UTF-8 locale (e.g. LC_ALL=C.UTF-8)")
+    if sys.getfilesystemencoding().lower().replace("-", "") == "utf8":
+        return "its name holds escaped bytes (lone surrogates), not text; give it as text"
+    return locale
 
 
 def _check_writable(path: Path, kind: str, label: str) -> None:
     for candidate in (path, *path.parents):  # exists() is False for these, so they would pass as "created later"
         if candidate.is_symlink() and not candidate.exists():
             raise OutputPathError(f"{label}: {candidate} is a symbolic link that leads nowhere (to a missing path, "
-                                  "or round a loop): remove it, or point it at a folder")
+                                  "or round a loop): remove it, or point it at something that exists")
     if (problem := path_text_problem(path)) is not None:
-        raise OutputPathError(f"{what_path(label)} cannot be used: {problem}")
+        raise OutputPathError(f"{printable(label)} cannot be used: {problem}")
     if kind == "dir" and path.exists() and not path.is_dir():
         raise OutputPathError(f"{label} is an existing file, not a folder: give a folder path (it is created if "
                               "missing)")
@@ -126,16 +132,18 @@ def _check_writable(path: Path, kind: str, label: str) -> None:
     if kind == "file" and path.is_file() and (flag := _unreplaceable(path)):
         raise OutputPathError(f"{label} is marked {flag} (chattr +{flag[0]}; `lsattr` shows it), so it cannot be "
                               f"replaced: clear the flag (chattr -{flag[0]}), or choose another location")
-    folder = path if kind == "dir" else path.parent
+    # a symlinked file is written through (atomic_path): its target's folder must take the file
+    folder = path if kind == "dir" else (Path(os.path.realpath(path)) if path.is_symlink() else path).parent
     existing = _nearest_existing(folder)
     if not existing.is_dir():
         raise OutputPathError(f"{label}: {existing} is a file, so no folder can be created below it")
     _probe(existing, label)
 
 
-def what_path(label: str) -> str:
-    # a label with undecodable bytes is shown escaped: the message itself must print
-    return label.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+def printable(text: str, errors: str = "backslashreplace") -> str:
+    """`text` with undecodable bytes (lone surrogates) shown escaped (or as U+FFFD with errors="replace"): a message
+    or a figure title must print."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", errors)
 
 
 def check_outputs(outputs: dict[Path, str], *, fix: str, what: str = "output") -> None:
@@ -226,12 +234,16 @@ def out_of_memory(err: BaseException) -> bool:
         or "Cannot allocate memory" in str(err)
 
 
+def not_enough_memory(what: str, err: BaseException) -> NotEnoughMemoryError:
+    """The error for an intact file that could not be mapped or loaded for want of memory (`out_of_memory(err)`)."""
+    return NotEnoughMemoryError(f"not enough memory to load {what} ({' '.join(str(err).split())}); the files are "
+                                "not at fault: free memory, or raise the process's limit (`ulimit -v`)")
+
+
 def _damaged(path: Path, what: str, fix: str, err: BaseException) -> InputFileError | NotEnoughMemoryError:
     detail = " ".join(str(err).split()) or f"{type(err).__name__}: the file ends too early"
     if out_of_memory(err):
-        return NotEnoughMemoryError(f"{path}: not enough memory to map the {what}'s weights file ({detail}); the "
-                                    "file itself is not at fault: free memory, or raise the process's limit "
-                                    "(`ulimit -v`)")
+        return not_enough_memory(f"the {what}'s weights file {path}", err)
     return InputFileError(f"{path}: the {what}'s weights file is damaged or incomplete (truncated, empty or "
                           f"garbage: {detail}); {fix}")
 
@@ -278,10 +290,10 @@ def _check_weights(path: Path, *, what: str, fix: str) -> None:
         raise _damaged(path, what, fix, err) from err
 
 
-def damaged_weights(folder: str | Path, *, what: str, fix: str) -> InputFileError | None:
+def damaged_weights(folder: str | Path, *, what: str, fix: str) -> InputFileError | NotEnoughMemoryError | None:
     """For a model folder that failed to load: the InputFileError naming its first damaged weights file (of the
-    kind a loader reads: safetensors when there are any), or None when they all read (the failure was something
-    else, and its own error should stand)."""
+    kind a loader reads: safetensors when there are any), NotEnoughMemoryError when one could not even be mapped,
+    or None when they all read (the failure was something else, and its own error should stand)."""
     folder = Path(folder)
     for patterns in WEIGHT_PATTERNS:
         files = sorted({f for pattern in patterns for f in folder.glob(pattern) if f.is_file()})

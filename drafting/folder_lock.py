@@ -57,12 +57,22 @@ def _real(path: str | Path) -> Path:
 def _lock_of(real: Path, kind: str) -> Path:
     # a file's lock, and that of a folder replaced as a whole (an export: staged beside it, then renamed in), lies
     # beside it: inside, the rename would take it away
-    return real / LOCK_FILE if kind == "dir" else real.parent / f".{real.name}{LOCK_SUFFIX}"
+    return real / LOCK_FILE if kind == "dir" else _beside(real)
+
+
+def _beside(real: Path) -> Path:
+    return real.parent / f".{real.name}{LOCK_SUFFIX}"
+
+
+def _locks_at(real: Path) -> tuple[Path, Path]:
+    """Both places a hold on `real` can be: inside it (a folder) and beside it (a file, a swapped folder)."""
+    return real / LOCK_FILE, _beside(real)
 
 
 def _command() -> str:
     """This process's command line as typed: `specpilot ...` for the console script and `python -m specpilot`."""
-    if Path(sys.argv[0]).name in ("specpilot", "__main__.py"):
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if Path(sys.argv[0]).name == "specpilot" or getattr(main_spec, "name", None) == "specpilot.__main__":
         return " ".join(["specpilot", *sys.argv[1:]])
     return " ".join(sys.argv) or "python"
 
@@ -85,19 +95,23 @@ def _holder(lock: Path) -> str:
 
 
 def _try_lock(fd: int) -> bool | None:
-    """True: locked; False: another process holds it; None: this filesystem has no flock."""
+    """Take the exclusive lock. True: taken; False: another process holds it; None: this filesystem has no flock.
+    A prober's momentary shared lock (`_locked_by_other`) is no holder: retried briefly."""
     for attempt in range(_BUSY_TRIES):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            time.sleep(0.02 * (attempt + 1))
+            if attempt + 1 < _BUSY_TRIES:
+                time.sleep(0.02 * (attempt + 1))
         except OSError:  # ENOLCK / EOPNOTSUPP (some network filesystems)
             return None
     return False
 
 
 def _locked_by_other(lock: Path) -> bool:
+    """Another process holds `lock`: a shared lock, tried once, is refused only by a holder's exclusive one (probes
+    never block each other, so no retry is needed)."""
     if lock in _held:
         return False
     try:
@@ -105,10 +119,14 @@ def _locked_by_other(lock: Path) -> bool:
     except OSError:  # no lock file (the usual case), or unreadable: nobody we can see holds it
         return False
     try:
-        taken = _try_lock(fd)
-        if taken:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        return taken is False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # held; by this very process when the file was moved away from where it was taken
+        return _info(lock).get("pid") != os.getpid()
+    except OSError:  # no flock on this filesystem
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
     finally:
         os.close(fd)
 
@@ -136,7 +154,7 @@ def _refusal(path: str | Path, real: Path, lock: Path, what: str) -> FolderInUse
     elif held in real.parents:
         where = f"is inside {held}, which is"
     else:
-        where = f"holds {held}, which is"
+        where = f"contains {held}, which is"
     return FolderInUseError(f"{label} {where} being written by another specpilot run ({_holder(lock)}): wait for it "
                             f"to end, or give another {what or 'path'}")
 
@@ -167,16 +185,18 @@ def _held_below(real: Path) -> Path | None:
 
 
 def _other_holder(real: Path, kind: str) -> Path | None:
-    """The lock file another process holds on `real`, on a folder above it (up to one this process holds: its own
-    writes) or, for a folder, below it; None when there is none."""
-    own = _lock_of(real, kind)
-    if _locked_by_other(own) and not (kind == "dir" and _granted_alive(real)):
-        return own
+    """The lock file another process holds on `real` (as a folder or beside it, whatever `kind` this hold is), on
+    a folder above it (up to one this process holds: its own writes) or, unless `real` is a file, below it; None
+    when there is none."""
+    for lock in _locks_at(real):
+        if _locked_by_other(lock) and not (lock.name == LOCK_FILE and _granted_alive(real)):
+            return lock
     for folder in real.parents:
-        if (folder / LOCK_FILE) in _held or _granted_alive(folder):
+        if any(lock in _held for lock in _locks_at(folder)) or _granted_alive(folder):
             break
-        if _locked_by_other(folder / LOCK_FILE):
-            return folder / LOCK_FILE
+        for lock in _locks_at(folder):
+            if _locked_by_other(lock):
+                return lock
     return _held_below(real) if kind != "file" else None
 
 
@@ -220,57 +240,80 @@ def _remove_made(folder: Path, top: Path | None) -> None:
             return
 
 
-@contextmanager
-def output_lock(path: str | Path, *, what: str = "--out", kind: str = "dir") -> Iterator[Path]:
-    """Hold `path` for the block: kind "dir" a folder (created if missing), "file" a file, "swapped" a folder that
-    is replaced as a whole. FolderInUseError, before anything is written, when another process holds it, a folder
-    above it, or something inside it. Re-entrant."""
-    from specpilot.drafting.files import check_writable
-
-    if kind not in ("dir", "file", "swapped"):
-        raise ValueError(f"kind must be 'dir', 'file' or 'swapped', got {kind!r}")
-    check_writable(path, kind="file" if kind == "file" else "dir", what=what)
-    check_not_in_use(path, what=what, kind=kind)
-    real = _real(path)
-    if fcntl is None or _inside_mine(real):
-        yield Path(path)
-        return
-    lock = _lock_of(real, kind)
-    top = _missing_top(lock.parent)
+def _acquire(lock: Path, path: str | Path, real: Path, what: str) -> int | None:
+    """The descriptor holding `lock` (its holder's pid, command and start written in it), None where the filesystem
+    has no flock; FolderInUseError when another process holds it. Nothing is left open on any error."""
     while True:  # the file locked must still be the one at `lock` (a holder removes it when it lets go)
         lock.parent.mkdir(parents=True, exist_ok=True)
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:  # its folder was removed meanwhile by a holder letting go: make it again
             continue
-        taken = _try_lock(fd)
-        if taken is None:  # no flock here: write unlocked, as before
-            os.close(fd)
-            yield Path(path)
-            return
-        if taken is False:
-            os.close(fd)
-            raise _refusal(path, real, lock, what)
+        taken = False
         try:
+            taken = _try_lock(fd)
+            if taken is None:
+                os.close(fd)
+                return None
+            if taken is False:
+                raise _refusal(path, real, lock, what)
             if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                break
-        except FileNotFoundError:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps({"pid": os.getpid(), "command": _command(), "started": time.time()}).encode())
+                return fd
+        except FileNotFoundError:  # removed between the open and the stat: open it again
             pass
+        except BaseException:  # a refusal, a full disk, Ctrl-C: no descriptor (and flock) left behind
+            if taken:  # held a moment: the file is this hold's to remove
+                lock.unlink(missing_ok=True)
+            os.close(fd)
+            raise
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps({"pid": os.getpid(), "command": _command(), "started": time.time()}).encode())
-    _held[lock] = (real, kind, fd)
+
+
+@contextmanager
+def output_lock(path: str | Path, *, what: str = "--out", kind: str = "dir") -> Iterator[Path]:
+    """Hold `path` for the block: kind "dir" a folder (created if missing), "file" a file, "swapped" a folder that
+    is replaced as a whole. FolderInUseError, before anything is written, when another process holds it, a folder
+    above it, or something inside it. Re-entrant: inside what this process holds (or was granted) it holds nothing
+    more, as what it holds was checked when it was taken."""
+    from specpilot.drafting.files import check_writable
+
+    if kind not in ("dir", "file", "swapped"):
+        raise ValueError(f"kind must be 'dir', 'file' or 'swapped', got {kind!r}")
+    real = _real(path)
+    if fcntl is not None and _inside_mine(real):
+        yield Path(path)
+        return
+    check_writable(path, kind="file" if kind == "file" else "dir", what=what)
+    check_not_in_use(path, what=what, kind=kind)
+    if fcntl is None:
+        yield Path(path)
+        return
+    lock = _lock_of(real, kind)
+    top = _missing_top(lock.parent)
+    fd, ours = None, False  # ours: the lock file is this hold's to remove (not another holder's)
     try:
+        fd = _acquire(lock, path, real, what)
+        ours = True  # held, or on a filesystem without flock (where the file guards nothing)
+        if fd is not None:
+            _held[lock] = (real, kind, fd)
+            # checked again now that it is held: of two runs started together on nested paths, each of which
+            # passed the check above before the other held anything, at least one sees the other here
+            if (other := _other_holder(real, kind)) is not None:
+                raise _refusal(path, real, other, what)
         yield Path(path)
     finally:
-        del _held[lock]
+        _held.pop(lock, None)
         try:
-            lock.unlink(missing_ok=True)  # removed while still held: a waiting opener re-checks the inode above
+            if ours:
+                lock.unlink(missing_ok=True)  # removed while still held: a waiting opener re-checks the inode
             _remove_made(lock.parent, top)  # refused or failed before writing: no empty folders left behind
         except OSError:
             pass
         finally:
-            os.close(fd)  # closing releases the flock
+            if fd is not None:
+                os.close(fd)  # closing releases the flock
 
 
 def held_folders() -> dict[str, int]:
@@ -293,7 +336,10 @@ def holds_output(param: str, *, what: str = "--out", kind: str = "dir"):
 
         @functools.wraps(fn)
         def inner(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:  # a wrong call: the function's own call raises Python's usual message
+                return fn(*args, **kwargs)
             bound.apply_defaults()
             path = bound.arguments.get(param)
             if path is None:

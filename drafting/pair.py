@@ -22,8 +22,8 @@ import torch
 from specpilot.drafting.attention import check_tree_attention
 from specpilot.drafting.cache import check_transformers
 from specpilot.drafting.checks import check_int
-from specpilot.drafting.errors import InputFileError, NotEnoughMemoryError
-from specpilot.drafting.files import damaged_weights, model_files_fix, out_of_memory, read_json
+from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.files import damaged_weights, model_files_fix, not_enough_memory, out_of_memory, read_json
 
 DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
 # The embedded drafter `ModelPair.from_pretrained()` uses: the EAGLE-3 head when it is shipped, else the separate
@@ -477,9 +477,7 @@ def _load_lm(source, what: str, dtype):
         # what reading a cut, empty or garbage weights file raises (safetensors, or torch.load for .bin files);
         # translated only when a weights file is found damaged: any other failure keeps its own error
         if out_of_memory(err):  # an mmap refused under `ulimit -v`: the files are not at fault
-            raise NotEnoughMemoryError(f"not enough memory to load the {what} model {str(source)!r} "
-                                       f"({' '.join(str(err).split())}): free memory, or raise the process's limit "
-                                       "(`ulimit -v`)") from err
+            raise not_enough_memory(f"the {what} model {str(source)!r}", err) from err
         damaged = damaged_weights(source, what=f"{what} model", fix=model_files_fix(source)) if local else None
         if damaged is not None:
             raise damaged from err

@@ -145,7 +145,7 @@ class EvalPlan:
 
 def prepare(args: argparse.Namespace) -> EvalPlan:
     """Everything that can be checked without a model, before anything is measured (see the module docstring)."""
-    from specpilot.drafting.folder_lock import being_written
+    from specpilot.drafting.folder_lock import being_written, check_not_in_use
     from specpilot.envs.profile import LatencyProfile
     from specpilot.eval.inputs import RUN_DTYPE_SOURCE, check_methods, requested_methods, resolve_tree, run_dtype
     from specpilot.eval.rounds import RoundPlan
@@ -181,6 +181,9 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     if getattr(args, "batch_sizes", None):
         check_batch_options(args)
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
+    check_not_in_use(args.out, what="--out")  # refused in its one line, before any note
+    if args.replay_dir:
+        check_not_in_use(args.replay_dir, what="--replay-dir")
     if args.run_dir is not None and (writer := being_written(args.run_dir)) is not None:
         say(f"note: --run {args.run_dir} is being written by another specpilot run ({writer}): its policies are read "
             "as they are now and may change after this evaluation")

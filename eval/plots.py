@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specpilot.drafting.files import atomic_path
+from specpilot.drafting.files import atomic_path, printable
 from specpilot.eval.stats import MIN_PROMPTS_TO_CONCLUDE
 
 
@@ -27,18 +27,21 @@ def pyplot():
     import os
     import sys
 
-    if "matplotlib" not in sys.modules:
+    fresh, previous = "matplotlib" not in sys.modules, os.environ.get("MPLBACKEND")
+    if fresh:
         os.environ["MPLBACKEND"] = "Agg"
-    import matplotlib
+    try:
+        import matplotlib
+    finally:  # processes started later (Ray workers, subprocesses) keep the user's setting
+        if fresh and previous is None:
+            os.environ.pop("MPLBACKEND", None)
+        elif fresh:
+            os.environ["MPLBACKEND"] = previous
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
 
 
-def figure_text(text: str) -> str:
-    """`text` as a figure can draw it: a suite path of bytes that are not UTF-8 (lone surrogates) is shown with
-    replacement characters (matplotlib refuses such strings)."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _finite(x) -> bool:
@@ -215,7 +218,7 @@ def choices(rows: list[dict], temperature: float, meta_label: str, path: Path) -
 
 def write_plots(results: list[dict], analysis: dict, label: str, out_dir: Path) -> list[str]:
     """Every plot of the module docstring for every temperature; returns the paths written."""
-    label = figure_text(label)
+    label = printable(label, errors="replace")  # a suite path of undecodable bytes: matplotlib refuses them
     wrapped = "\n".join(textwrap.wrap(label, 120))
     base = [r for r in results if r.get("concurrency", 1) == 1]
     written: list[str | None] = []

@@ -330,7 +330,7 @@ def _replay_lines(replay: dict | None) -> list[str]:
                   f"{o['greedy_oracle_speedup']:.2f}x); best static config under replay d={bs['depth']}, "
                   f"V={bs['size']}: {bs['speedup']:.2f}x"
                   + (f"; each prompt at its own best static config (chosen in hindsight): {own:.2f}x, the most "
-                     "that telling kinds of prompts apart can gain, the rest of the oracle's gain is within prompts"
+                     "that telling kinds of prompts apart can gain; the rest of the oracle's gain is within prompts"
                      if own is not None else "") + "."]
     if replay.get("comparisons"):
         lines += ["", "Under replay (no timing noise; intervals over prompts):", ""]

@@ -399,3 +399,32 @@ def test_a_worker_answers_whether_transformers_can_assist_with_its_pair(ray_pool
     from specpilot.eval.methods import assisted_refusal_on
 
     assert assisted_refusal_on(ray_pool) is None   # same output sizes: hf_assisted may run
+
+
+def test_sigterm_while_ray_starts_is_held_and_the_clis_handler_survives_ray_init(ctrl_c_interrupts):
+    """ray.init installs its own SIGTERM handler (sys.exit(15): no checkpoint, no message): the CLI's is put back
+    after the block, and a SIGTERM held during it interrupts through the CLI's handler once the block is done."""
+    import os
+    import signal
+
+    from specpilot.train.scale.cluster import interrupts_held
+
+    seen = []
+
+    def cli_handler(signum, frame):  # the CLI's: note the signal, then interrupt
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, cli_handler)
+    try:
+        with interrupts_held("never"):
+            signal.signal(signal.SIGTERM, lambda *a: os._exit(15))  # as ray.init does
+        assert signal.getsignal(signal.SIGTERM) is cli_handler
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts_held("the block has run", then=lambda: seen.append("cleaned")):
+                os.kill(os.getpid(), signal.SIGTERM)
+                seen.append("block finished")
+        assert seen == ["block finished", "cleaned", signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is cli_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)

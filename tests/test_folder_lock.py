@@ -90,7 +90,7 @@ def test_holding_a_folder_inside_refuses_a_run_on_the_folder_above(tmp_path):
     """`eval --out RUN/eval` running, then `demo --out RUN`: the demo would reuse or replace the eval's report."""
     proc = start_holder(tmp_path / "run" / "eval", tmp_path / "ready")
     try:
-        with pytest.raises(FolderInUseError, match="run holds .*run/eval, which is being written by another"):
+        with pytest.raises(FolderInUseError, match="run contains .*run/eval, which is being written by another"):
             with output_lock(tmp_path / "run"):
                 pass
         with output_lock(tmp_path / "run" / "traces"):  # a sibling is free
@@ -109,7 +109,7 @@ def test_a_file_is_held_beside_itself_and_its_siblings_stay_free(tmp_path):
                 pass
         with output_lock(tmp_path / "runs" / "other.json", kind="file"):
             pass
-        with pytest.raises(FolderInUseError, match="holds .*grid.json"):  # the folder: something inside is written
+        with pytest.raises(FolderInUseError, match="contains .*grid.json"):  # the folder: something inside is written
             with output_lock(tmp_path / "runs"):
                 pass
     finally:
@@ -198,3 +198,59 @@ def test_a_reader_is_told_who_writes_what_it_reads(held, tmp_path):
     folder, proc = held
     assert being_written(folder).startswith(f"pid {proc.pid}: `")
     assert being_written(folder / "stage1") is not None and being_written(tmp_path / "other") is None
+
+
+@pytest.mark.parametrize("held_as, asked_as", [("swapped", "dir"), ("dir", "swapped")])
+def test_a_folder_held_as_a_whole_and_as_a_folder_conflict(tmp_path, held_as, asked_as):
+    """`export --out X` (X replaced as a whole, locked beside it) against `eval --out X` (locked inside it)."""
+    proc = start_holder(tmp_path / "x", tmp_path / "ready", kind=held_as)
+    try:
+        for path, kind in ((tmp_path / "x", asked_as), (tmp_path / "x" / "eval", "dir"),
+                           (tmp_path / "x" / "grid.json", "file")):
+            with pytest.raises(FolderInUseError, match=f"pid {proc.pid}"):
+                with output_lock(path, kind=kind):
+                    pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_two_runs_that_passed_the_check_together_are_caught_once_held(tmp_path, monkeypatch):
+    """The check runs before the lock is taken: a run on RUN and one on RUN/eval started together can both pass
+    it; checked again once held, at least one sees the other."""
+    from specpilot.drafting import folder_lock
+
+    proc = start_holder(tmp_path / "run" / "eval", tmp_path / "ready")
+    try:
+        monkeypatch.setattr(folder_lock, "check_not_in_use", lambda *a, **k: None)  # passed before the other held
+        with pytest.raises(FolderInUseError, match="contains .*eval"):
+            with output_lock(tmp_path / "run"):
+                pytest.fail("not held")
+        assert not (tmp_path / "run" / LOCK_FILE).exists() and folder_lock._held == {}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_failed_write_of_the_holders_line_leaves_nothing_held(tmp_path, monkeypatch):
+    from specpilot.drafting import folder_lock
+
+    def full_disk(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(folder_lock.os, "write", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        with output_lock(tmp_path / "run"):
+            pass
+    monkeypatch.undo()
+    assert folder_lock._held == {} and not (tmp_path / "run").exists()
+    with output_lock(tmp_path / "run"):  # not refused as "another run": nothing of the failed hold is left
+        pass
+
+
+def test_probing_a_held_lock_does_not_wait(held, monkeypatch):
+    from specpilot.drafting import folder_lock
+
+    folder, _ = held
+    monkeypatch.setattr(folder_lock.time, "sleep", lambda s: pytest.fail("a probe waited"))
+    assert folder_lock._locked_by_other(folder / LOCK_FILE)

@@ -173,3 +173,11 @@ def test_the_wandb_service_keeps_its_logs_off_stderr_without_a_home(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == "" and result.stdout.strip() == "None"
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_a_library_callers_non_ascii_path_under_an_ascii_locale_is_one_clear_error(tmp_path):
+    code = (f"from specpilot.drafting.files import check_writable; check_writable({str(tmp_path)!r} + '/caf\\u00e9')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "utf-8"})
+    assert "OutputPathError" in result.stderr and "reads file names as ascii" in result.stderr
+    assert "UnicodeEncodeError" not in result.stderr

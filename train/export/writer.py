@@ -572,19 +572,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specpilot.drafting.cliargs import load_pair, pair_given
-    from specpilot.drafting.cliargs import say
-    from specpilot.drafting.folder_lock import being_written, check_not_in_use
+    from specpilot.drafting.cliargs import load_pair, pair_given, say
+    from specpilot.drafting.folder_lock import being_written, output_lock
 
     if args.default_pair and args.target is not None:
         raise ValueError("--default-pair and --target name two different pairs: give one")
-    check_not_in_use(args.out, what="--out", kind="swapped")  # before the pair loads
-    if (writer := being_written(args.run)) is not None:
-        say(f"note: --run {args.run} is being written by another specpilot run ({writer}): its policies are exported "
-            "as they are now")
-    pair = load_pair(args) if pair_given(args) or args.default_pair else None
-    meta = export_run(args.run, args.out, pair=pair, onnx=args.onnx, trace=args.trace, grid=args.grid,
-                      num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    with output_lock(args.out, what="--out", kind="swapped"):  # held from before the pair loads
+        if (writer := being_written(args.run)) is not None:
+            say(f"note: --run {args.run} is being written by another specpilot run ({writer}): its policies are "
+                "exported as they are now")
+        pair = load_pair(args) if pair_given(args) or args.default_pair else None
+        meta = export_run(args.run, args.out, pair=pair, onnx=args.onnx, trace=args.trace, grid=args.grid,
+                          num_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
     for line in _summary_lines(meta, Path(args.out)):
         print(line)
     return 0

@@ -620,13 +620,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from specpilot.drafting.folder_lock import output_lock
+
+    with output_lock(args.out, what="--out", kind="file"):  # held from before the traces load to the result
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from contextlib import nullcontext
 
     from specpilot.drafting.cliargs import given_options
-    from specpilot.drafting.folder_lock import check_not_in_use
     from specpilot.train.scale.cluster_cli import open_executor
 
-    check_not_in_use(args.out, what="--out", kind="file")  # held by another run: said before the traces load
 
     live_only = [o for o in ("--val-suite", "--val-limit", "--live-repeats") if o in given_options(args)]
     if args.live_top == 0 and live_only:

@@ -88,6 +88,7 @@ def _train_seed(seed_dir: Path, traces: TaskTraces, options: TrainOptions, pipel
 
 
 SIGTERM_GRACE_S = 2.0  # see _seed_worker_signals
+_interrupted_at: list[float] = []  # in a seed worker: when its first SIGTERM (its Ctrl-C) arrived
 
 
 def _seed_worker_signals() -> None:
@@ -102,18 +103,16 @@ def _seed_worker_signals() -> None:
     import signal
     import time
 
-    first: list[float] = []
-
     def interrupt(signum, frame):
         if not _training_seed:  # idle between seeds: the pool's shutdown ends it cleanly
             return
-        if first:
-            if time.monotonic() - first[0] < SIGTERM_GRACE_S:
+        if _interrupted_at:
+            if time.monotonic() - _interrupted_at[0] < SIGTERM_GRACE_S:
                 return
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the worker at once
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        first.append(time.monotonic())
+        _interrupted_at.append(time.monotonic())
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -132,10 +131,10 @@ def _watch_parent(parent: int, every_s: float = 0.5) -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(every_s)
-        if _training_seed:
+        if _training_seed and not _interrupted_at:  # (an interrupted one is saving its checkpoint already)
             os.kill(os.getpid(), signal.SIGTERM)  # the worker's Ctrl-C: its stage saves a checkpoint
-            while _training_seed:
-                time.sleep(0.1)
+        while _training_seed:
+            time.sleep(0.1)
         os._exit(1)
 
     threading.Thread(target=watch, name="specpilot-parent-watch", daemon=True).start()

@@ -85,25 +85,32 @@ def connect(address: str = LOCAL, *, num_cpus: int | None = None, num_gpus: int 
 
 @contextmanager
 def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) while the block runs, then run `then` and raise KeyboardInterrupt: Ray interrupted while
-    it starts leaves its agents running, or crashes at exit. A second Ctrl-C interrupts at once. Outside the main
-    thread (where Python delivers no signals), or where SIGINT is ignored, the block just runs."""
+    """Hold Ctrl-C (SIGINT), and SIGTERM where a Python handler takes it (the CLI's), while the block runs, then run
+    `then` and interrupt as the held signal's handler does: Ray interrupted while it starts leaves its agents
+    running, or crashes at exit. A second signal interrupts at once. The handlers are put back after the block, so
+    one the block replaced is undone (ray.init installs its own SIGTERM handler, which would exit with code 15,
+    skipping train's checkpoint). Outside the main thread (where Python delivers no signals), or where SIGINT is
+    ignored, the block just runs."""
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield  # no signal reaches this thread, or this process ignores Ctrl-C (started in the background): keep it so
         return
+    signals = [signal.SIGINT] + ([signal.SIGTERM] if callable(signal.getsignal(signal.SIGTERM)) else [])
+    previous = {signum: signal.getsignal(signum) for signum in signals}
     held: list[int] = []
 
     def hold(signum, frame) -> None:
         if held:
-            signal.signal(signal.SIGINT, previous)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
             raise KeyboardInterrupt
         held.append(signum)
         print(f"interrupted: stopping once {until} (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
 
-    previous = signal.signal(signal.SIGINT, hold)
+    for signum in signals:
+        signal.signal(signum, hold)
     failed = None
     try:
         yield
@@ -112,7 +119,8 @@ def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> It
             raise
         failed = err
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if held:
         if then is not None:
             try:
@@ -120,6 +128,9 @@ def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> It
             except Exception:  # noqa: BLE001 - after a failed block the interrupt is the news, not the clean-up
                 if failed is None:
                     raise
+        handler = previous.get(held[0])
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(held[0], None)  # the CLI's SIGTERM handler: it raises KeyboardInterrupt and notes the signal
         raise KeyboardInterrupt from failed
 
 
