@@ -189,8 +189,9 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
     with atomic_path(path) as tmp:
-        # a path of undecodable bytes quoted in a report (a suite's file name) is written back as those bytes
-        tmp.write_text(text, encoding=encoding, errors="surrogateescape")
+        # a path of undecodable bytes quoted in a report (a suite's file name) is written escaped (\udcff): the
+        # file stays UTF-8, which every reader of it expects (a JSON report reads the escape back as it was)
+        tmp.write_text(text, encoding=encoding, errors="backslashreplace")
     return Path(path)
 
 

@@ -428,3 +428,24 @@ def test_sigterm_while_ray_starts_is_held_and_the_clis_handler_survives_ray_init
         assert signal.getsignal(signal.SIGTERM) is cli_handler
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_with_ctrl_c_ignored_the_clis_sigterm_handler_still_survives_ray_init(ctrl_c_interrupts):
+    """A background job (SIGINT ignored) is stopped with SIGTERM: ray.init must not take its handler away."""
+    import os
+    import signal
+
+    from specpilot.train.scale.cluster import interrupts_held
+
+    def cli_handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    before = signal.signal(signal.SIGTERM, cli_handler)
+    try:
+        with interrupts_held("never"):
+            signal.signal(signal.SIGTERM, lambda *a: os._exit(15))  # as ray.init does
+        assert signal.getsignal(signal.SIGTERM) is cli_handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

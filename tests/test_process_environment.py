@@ -95,7 +95,7 @@ def test_writing_through_a_symlinked_output_file_keeps_the_link(tmp_path):
 def test_a_report_quoting_an_undecodable_path_is_written(tmp_path):
     suite = os.fsdecode(b"d\xff/s.jsonl")
     atomic_write_text(tmp_path / "report.md", f"suite {suite}")
-    assert (tmp_path / "report.md").read_bytes() == b"suite d\xff/s.jsonl"
+    assert (tmp_path / "report.md").read_bytes() == b"suite d\\udcff/s.jsonl"  # escaped: the file stays UTF-8
 
 
 def test_out_of_memory_while_mapping_weights_is_not_called_damage(tmp_path):
@@ -181,3 +181,37 @@ def test_a_library_callers_non_ascii_path_under_an_ascii_locale_is_one_clear_err
                             env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "utf-8"})
     assert "OutputPathError" in result.stderr and "reads file names as ascii" in result.stderr
     assert "UnicodeEncodeError" not in result.stderr
+
+
+def test_a_json_report_quoting_an_undecodable_path_reads_back():
+    import tempfile
+
+    from specpilot.drafting.files import atomic_write_json, read_json
+
+    name = os.fsdecode(b"d\xff/s.jsonl")
+    with tempfile.TemporaryDirectory() as folder:
+        atomic_write_json(Path(folder) / "report.json", {"suite": {"name": name}}, ensure_ascii=False)
+        assert read_json(Path(folder) / "report.json", what="report", fix="-")["suite"]["name"] == name
+
+
+def test_a_new_models_build_folder_is_not_refused_for_its_own_lock(tmp_path):
+    from specpilot.drafting.folder_lock import output_lock
+    from specpilot.train.models.build_pair import check_build_folder
+
+    with output_lock(tmp_path / "pair"):
+        check_build_folder(tmp_path / "pair", quick=True)  # holds only its own lock: new
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "model.safetensors").write_text("x")
+    with pytest.raises(ValueError, match="holds files but is not an earlier"):
+        check_build_folder(tmp_path / "theirs")
+
+
+def test_the_wandb_service_cache_is_absolute_for_a_relative_run(tmp_path, monkeypatch):
+    code = ("from specpilot.train.rl.logging import RunLogger\n"
+            "with RunLogger('run', {'command': 'x'}, mode='offline') as log:\n"
+            "    log.log({'a/b': 1.0}, step=1)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == ""

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specpilot.drafting.folder_lock import LOCK_FILE
 from specpilot.train.models.training import (bf16_teacher, generate, latency_summary, log, random_windows, steps_for,
                                            train_loop)
 from specpilot.train.models.optim import use_bf16
@@ -395,7 +396,9 @@ def check_build_folder(out: Path, *, quick: bool = False) -> None:
     """A full build writes tokenizer/, target/ and draft/ into `out` and removes a stale eagle/: `out` must be new,
     empty, or an earlier build's folder (it holds metrics.json or corpus_manifest.json), never someone's models;
     and a quick build never replaces a full one (its metrics.json says "quick": false)."""
-    if out.is_dir() and any(out.iterdir()) and not any((out / name).is_file() for name in BUILD_MARKERS):
+    held = (LOCK_FILE,)  # this build's own lock (`specpilot models build` holds its --out) is not someone's files
+    if out.is_dir() and any(p.name not in held for p in out.iterdir()) and \
+            not any((out / name).is_file() for name in BUILD_MARKERS):
         raise ValueError(f"{out} holds files but is not an earlier `specpilot models build` folder (no "
                          f"{' or '.join(BUILD_MARKERS)}): a build overwrites target/, draft/ and tokenizer/ there "
                          "and removes eagle/, so give a new or empty folder")

@@ -165,7 +165,7 @@ class RunLogger:
                               allow_val_change=True, reinit="create_new", settings=settings)
 
         try:
-            with _usable_cache(self.run_dir / "wandb" / ".cache"):
+            with _usable_cache((self.run_dir / "wandb" / ".cache").absolute()):  # wandb refuses a relative one
                 run = start(self.mode)
         except Exception as err:  # logging must never kill a training run
             if self.mode != "online":

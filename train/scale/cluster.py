@@ -89,15 +89,18 @@ def interrupts_held(until: str, *, then: Callable[[], None] | None = None) -> It
     `then` and interrupt as the held signal's handler does: Ray interrupted while it starts leaves its agents
     running, or crashes at exit. A second signal interrupts at once. The handlers are put back after the block, so
     one the block replaced is undone (ray.init installs its own SIGTERM handler, which would exit with code 15,
-    skipping train's checkpoint). Outside the main thread (where Python delivers no signals), or where SIGINT is
-    ignored, the block just runs."""
+    skipping train's checkpoint). Outside the main thread (where Python delivers no signals) the block just runs;
+    an ignored SIGINT stays ignored."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield  # no signal reaches this thread, or this process ignores Ctrl-C (started in the background): keep it so
+    if threading.current_thread() is not threading.main_thread():
+        yield  # no signal reaches this thread
         return
-    signals = [signal.SIGINT] + ([signal.SIGTERM] if callable(signal.getsignal(signal.SIGTERM)) else [])
+    # a process that ignores Ctrl-C (started in the background by a script) keeps ignoring it; SIGTERM is then the
+    # signal that reaches it, and its handler is held and put back all the same
+    signals = ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else []) + \
+        ([signal.SIGTERM] if callable(signal.getsignal(signal.SIGTERM)) else [])
     previous = {signum: signal.getsignal(signum) for signum in signals}
     held: list[int] = []
 
