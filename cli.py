@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
             torch.set_num_threads(args.global_threads)
         code = int(args._handler(args) or 0)
+        if not _stdout_flushed(label):
+            return 2
         return TERMINATED if _terminated and code == INTERRUPTED else code  # a command that said it itself
     except KeyboardInterrupt:
         if args.debug:
@@ -183,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return TERMINATED if _terminated else INTERRUPTED
     except BrokenPipeError:  # the reader of stdout left (`specpilot generate ... | head`): stop quietly, as a shell
         # tool killed by SIGPIPE does; stdout goes to devnull so the interpreter's last flush cannot fail again
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         return BROKEN_PIPE
     except Exception as err:  # noqa: BLE001 - sorted into bad input (one line) and bugs (re-raised) right here
         from specpilot.drafting.errors import is_user_error, one_line
@@ -196,6 +196,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         restore_sigterm()
+
+
+def _stdout_flushed(label: str) -> bool:
+    """What the command left buffered on stdout is written now, so that a stdout that cannot take it (a full disk
+    behind `> out.txt`, /dev/full) is one line naming stdout; at exit it would be Python's "Exception ignored" and
+    exit 120. A reader that left (BrokenPipeError) is the caller's quiet case."""
+    from specpilot.drafting.errors import one_line
+
+    if sys.stdout is None or sys.stdout.closed:
+        return True
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as err:
+        print(f"{label}: cannot write to stdout: {one_line(err)}; what was printed there is lost", file=sys.stderr)
+        _drop_stdout()
+        return False
+    return True
+
+
+def _drop_stdout() -> None:
+    """Point stdout at devnull, so that the interpreter's last flush of what it could not write cannot fail again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no descriptor (a test's captured stdout): nothing flushes later
+        pass
 
 
 def _warnings_as_notes(label: str) -> None:

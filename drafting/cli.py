@@ -126,6 +126,20 @@ def no_end_note(pair) -> str:
             f"at --max-new-tokens, as generate() does{hint}")
 
 
+def print_text(text, end: str | None = "\n") -> None:
+    """The generated text on stdout, written through at once. A stdout that cannot take it (a full disk behind
+    `> out.txt`, /dev/full) is named: the bare OS error (Errno 28) did not say what failed, and the text is lost."""
+    from specpilot.drafting.errors import OutputPathError
+
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:  # its reader left (`| head`): the CLI stops quietly
+        raise
+    except OSError as err:
+        raise OutputPathError(f"cannot write the generated text to stdout: {err.strerror or err}; give stdout room, "
+                              "or send it elsewhere") from err
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -165,11 +179,15 @@ def run(args: argparse.Namespace) -> int:
     if args.stream:
         from transformers import TextStreamer
 
+        class StdoutStreamer(TextStreamer):  # the text goes where print_text puts it, stdout's failure named
+            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+                print_text(text, end="" if not stream_end else None)
+
         sys.stdout.flush()
-        streamer = TextStreamer(pair.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = StdoutStreamer(pair.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = decoder.generate(args.prompt, controller=controller, streamer=streamer, **sampling)
     if streamer is None:
-        print(out.text if out.text is not None else out.tokens)
+        print_text(out.text if out.text is not None else out.tokens)
     if decoder.dtype_note:
         print(f"note: {decoder.dtype_note}", file=sys.stderr)
     line = (f"[{len(out.tokens)} tokens, {out.tokens_per_s:.1f} tok/s, tau {out.mean_accepted_length:.2f}, "

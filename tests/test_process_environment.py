@@ -128,6 +128,32 @@ def test_generate_with_stdout_closed_says_so():
     assert result.returncode == 2 and "stdout is closed" in result.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_generate_into_a_full_stdout_says_stdout_failed(saved_pair):
+    """A full disk behind `> out.txt` (here /dev/full): one line naming stdout, not a bare Errno 28, and no
+    'Exception ignored' from the interpreter's last flush."""
+    pair = f"--target {saved_pair / 'target'} --draft {saved_pair / 'draft'} --width 2 --max-new-tokens 6"
+    result = subprocess.run(["bash", "-c", f"{sys.executable} -m specpilot generate --prompt 'def f(x):' {pair} "
+                             ">/dev/full"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "generate:" in line]
+    assert len(lines) == 1 and "to stdout" in lines[0] and "No space left" in lines[0]
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_os_error_elsewhere_is_not_blamed_on_stdout(monkeypatch, capsys):
+    """stdout still flushing: the error came from somewhere else and is reported as it is."""
+    from specpilot.drafting import cli as generate_cli
+
+    def full_disk(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/out.json")
+
+    monkeypatch.setattr(generate_cli, "run", full_disk)
+    assert main(["generate", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "stdout" not in err and "/data/out.json" in err
+
+
 def test_an_unusable_mplbackend_does_not_fail_the_figures(tmp_path):
     code = ("from specpilot.eval.plots import pyplot; plt = pyplot(); fig, ax = plt.subplots(); "
             f"fig.savefig({str(tmp_path / 'f.png')!r}); print(plt.get_backend())")
