@@ -204,7 +204,7 @@ def _stdout_flushed(label: str) -> bool:
     exit 120. A reader that left (BrokenPipeError) is the caller's quiet case."""
     from specpilot.drafting.errors import one_line
 
-    if sys.stdout is None or sys.stdout.closed:
+    if sys.stdout is None or getattr(sys.stdout, "closed", False):  # (a stream some library put in its place)
         return True
     try:
         sys.stdout.flush()
