@@ -32,7 +32,8 @@ WEIGHT_PATTERNS = (("model.safetensors", "model-*-of-*.safetensors"),
                    ("pytorch_model.bin", "pytorch_model-*-of-*.bin"))
 
 
-def _nearest_existing(path: Path) -> Path:
+def nearest_existing(path: Path) -> Path:
+    """`path` or the nearest of its parents that exists (what creating `path` would start from)."""
     for candidate in (path, *path.parents):
         if candidate.exists():
             return candidate
@@ -134,7 +135,7 @@ def _check_writable(path: Path, kind: str, label: str) -> None:
                               f"replaced: clear the flag (chattr -{flag[0]}), or choose another location")
     # a symlinked file is written through (atomic_path): its target's folder must take the file
     folder = path if kind == "dir" else (Path(os.path.realpath(path)) if path.is_symlink() else path).parent
-    existing = _nearest_existing(folder)
+    existing = nearest_existing(folder)
     if not existing.is_dir():
         raise OutputPathError(f"{label}: {existing} is a file, so no folder can be created below it")
     _probe(existing, label)

@@ -42,8 +42,6 @@ def pyplot():
     return plt
 
 
-
-
 def _finite(x) -> bool:
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 

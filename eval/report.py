@@ -180,10 +180,10 @@ def _excluded_note(degeneracy: dict | None) -> list[str]:
     """The line under the verdicts saying how many prompts the degeneracy rule left out of them."""
     if not degeneracy:
         return []
-    n, k = judged_count(degeneracy), len(degeneracy.get("flagged", []))
-    short = too_short_note(too_short_count(degeneracy))
-    if not n and too_short_count(degeneracy):
-        return [f"No prompt left out: {nothing_judged(too_short_count(degeneracy))}.", ""]
+    n, k, n_short = judged_count(degeneracy), len(degeneracy.get("flagged", [])), too_short_count(degeneracy)
+    short = too_short_note(n_short)
+    if not n and n_short:
+        return [f"No prompt left out: {nothing_judged(n_short)}.", ""]
     if not k:
         return [f"No prompt left out: the target's greedy output is not degenerate on any of {n} judged prompts"
                 f"{short}.", ""]

@@ -632,7 +632,6 @@ def _run(args: argparse.Namespace) -> int:
     from specpilot.drafting.cliargs import given_options
     from specpilot.train.scale.cluster_cli import open_executor
 
-
     live_only = [o for o in ("--val-suite", "--val-limit", "--live-repeats") if o in given_options(args)]
     if args.live_top == 0 and live_only:
         raise ValueError(f"{', '.join(live_only)} shape(s) the live phase, which --live-top 0 skips: drop "

@@ -28,7 +28,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter, Logger, TensorBoardOutputFormat
 
 from specpilot.drafting.errors import one_line
-from specpilot.drafting.files import atomic_write_json
+from specpilot.drafting.files import atomic_write_json, nearest_existing
 
 WANDB_MODES = ("online", "offline", "disabled")
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
@@ -63,10 +63,7 @@ def _usable_cache(fallback: Path):
     (other libraries keep reading the user's)."""
     base = os.environ.get("XDG_CACHE_HOME") or (os.path.join(os.environ["HOME"], ".cache")
                                                 if os.environ.get("HOME") else None)
-    existing = Path(base) if base else None
-    while existing is not None and not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing is not None and os.access(existing, os.W_OK):
+    if base and os.access(nearest_existing(Path(base)), os.W_OK):
         yield
         return
     previous = os.environ.get("XDG_CACHE_HOME")
