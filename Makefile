@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.specpilot-installed
+# make test runs one pytest worker (pytest-xdist) per core, at most 4: each test uses one torch thread, so one
+# process leaves the other cores idle. TEST_WORKERS=0 runs every test in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; [ "$$n" -lt 2 ] && n=0; echo $$n)
 
 .PHONY: demo test setup clean
 
@@ -26,7 +29,7 @@ demo: setup
 	$(VENV)/bin/specpilot $(SPECPILOT_FLAGS) demo $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -11,6 +11,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a `heavy` test run first (whole modules, so their module fixtures are built once): with
+    `make test`'s parallel workers (pytest-xdist) the short tests then fill in around the long ones, and no worker is
+    left running a long test alone at the end."""
+    heavy_modules = {getattr(item, "module", None) for item in items if item.get_closest_marker("heavy")}
+    items.sort(key=lambda item: getattr(item, "module", None) not in heavy_modules)  # stable: order kept otherwise
+
+
 @pytest.fixture(scope="session")
 def saved_pair(tmp_path_factory):
     """A tiny target/draft pair with a real byte-level BPE tokenizer, saved to disk (target/, draft/)."""

@@ -45,6 +45,7 @@ def _assert_same_tables(a: Trace, b: Trace) -> None:
             np.testing.assert_allclose(a.arrays[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.heavy
 def test_sharded_record_writes_what_a_single_process_record_writes(sharded, local_pair, tmp_path):
     out, summary = sharded
     record_task(local_pair, TREE, PROMPTS, tmp_path, max_new_tokens=12, profile_prompts=4)
@@ -190,6 +191,7 @@ def test_prompt_lengths_are_counted_by_a_worker_so_ray_refuses_what_local_refuse
         check_prompt_lengths(prompts, lengths, context=context, max_new_tokens=6, max_depth=3, truncate=False)
 
 
+@pytest.mark.heavy
 def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path):
     """`specpilot record --ray local --workers 2` in a fresh process (its own local Ray)."""
     pytest.importorskip("ray", reason="Ray is not installed: pip install 'specpilot[ray]'")
@@ -211,6 +213,7 @@ def test_cli_record_with_ray_local_writes_the_merged_files(saved_pair, tmp_path)
     assert "2 workers" in proc.stderr and Trace.load(out).num_prompts == 3
 
 
+@pytest.mark.heavy
 def test_cli_eval_with_ray_local_keeps_every_option(saved_pair, tmp_path):
     """`specpilot eval --ray local --workers 2` runs the same evaluation as without Ray: --rounds 3 runs 3 rounds,
     --replay-dir adds replay and the cost-model check, --decide sets the deciding pair of the verdicts."""

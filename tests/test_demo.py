@@ -13,6 +13,7 @@ TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tok
                   eval_budget_s=5.0, check_rounds=2, sampled_depth_steps=64, sampled_size_steps=64, seeds=2)
 
 
+@pytest.mark.heavy
 def test_demo_every_stage_on_tiny_pair(saved_pair, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     summary = run_demo(run, target=str(saved_pair / "target"), draft=str(saved_pair / "draft"), budget=TINY,

@@ -95,6 +95,7 @@ def test_single_token_prompt_starts_with_a_plain_step(pair):
 
 # the chain (width 1) runs the same acceptance code as the tree with one child per node; the draft-LM chain has
 # its own default-run law test (test_sampling_law.py), so this one's chain case runs with -m slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("width", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_sampled_output_follows_the_target_law(width):
     vocab, steps, n = 6, 2, 2000

@@ -70,6 +70,7 @@ def recorded(ray_pool, local, tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy
 def test_record_writes_the_same_files_with_the_same_keys(recorded):
     a, b = recorded["local"], recorded["ray"]
     assert files(a) == files(b)
@@ -97,6 +98,7 @@ def test_grid_json_has_the_same_keys_on_either_executor(recorded, ray_pool, loca
         assert res["best"]["live_tokens_per_s"] == max(r["tokens_per_s"] for r in res["live"])
 
 
+@pytest.mark.heavy
 def test_report_json_has_the_same_keys_on_either_executor(ray_pool, local, tmp_path):
     reports = {}
     for name, executor in (("local", local), ("ray", ray_pool)):

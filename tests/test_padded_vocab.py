@@ -45,6 +45,7 @@ def test_greedy_is_exact_whichever_model_has_more_rows(target_rows, draft_rows):
                                                      max_new_tokens=24)] == refs
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("target_rows,draft_rows", [(6, 8), (8, 6)])
 def test_sampled_output_follows_the_target_law(target_rows, draft_rows):
     """The target with more rows can emit an id the draft has no row for (the draft then reads its last row): the

@@ -173,6 +173,7 @@ def test_usable_cores_follow_the_affinity(monkeypatch):
     assert usable_cores() == 1
 
 
+@pytest.mark.heavy
 def test_sigterm_stops_a_command_as_ctrl_c_does_and_exits_143(tmp_path):
     """`kill`, `timeout` or a scheduler's preemption: record keeps its finished shards and says how to resume."""
     out = tmp_path / "traces"

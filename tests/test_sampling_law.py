@@ -96,6 +96,7 @@ def _tv_against_target_law(width, depth, size, sampling, *, controller=None, n=3
     return sampled_tv(decoder, prompt, law, controller or FixedController(depth, size), sampling, n)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("width,depth,size,sampling,sampled", [
     (1, 3, 3, (1.0, 0, 1.0), True),     # sampled chain (Leviathan's rule)
     (3, 3, 12, (1.0, 0, 1.0), True),    # sampled children, recursive rejection sampling
@@ -109,11 +110,13 @@ def test_decoder_samples_target_law(width, depth, size, sampling, sampled):
     assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
 
 
+@pytest.mark.heavy
 def test_plain_steps_interleaved_keep_the_target_law():
     tv, bound = _tv_against_target_law(1, 3, 3, (1.0, 0, 1.0), controller=_AlternateSkip(3, 3), steps=3, n=4000)
     assert tv < bound, f"TV {tv:.4f} >= {bound:.4f}"
 
 
+@pytest.mark.heavy
 def test_negative_control_the_naive_rule_fails_the_same_check(monkeypatch):
     """The check can fail: with "resample from p on rejection" the same TV test must reject the decoder."""
     import specpilot.drafting.verify as verify
@@ -160,6 +163,7 @@ def test_recursive_rejection_rule_reproduces_the_target_law_exactly(p, q, k):
     assert _rrs_law(p, q, k) == pytest.approx(p, abs=1e-12)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("k", [1, 3])
 def test_recursive_rejection_implementation_matches_its_law(k):
     """accept_tree_recursive at one node (k children drawn by Gumbel-top-k, as the drafter draws them)."""
@@ -183,6 +187,7 @@ def test_recursive_rejection_implementation_matches_its_law(k):
     assert [c / n for c in counts] == pytest.approx(p.tolist(), abs=0.012)  # 5 sigma at n = 40000
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("width,depth,size,sampling,sampled,n", [
     (3, 3, 9, (1.0, 0, 1.0), True, 2000),  # sampled children: the end token among siblings
     pytest.param(1, 3, 3, (1.0, 0, 1.0), True, 4000, marks=pytest.mark.slow),   # chain

@@ -37,6 +37,7 @@ def _half_tv(width, depth, size, sampling, *, sampled=True, n=2000):
     return tv, bound, rounding_tv
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("width,depth,size,sampling,sampled", [
     (3, 3, 12, (1.0, 0, 1.0), True),     # sampled children, recursive rejection sampling
     pytest.param(2, 3, 8, (0.7, 4, 0.9), False, marks=pytest.mark.slow),  # top-W children, top-k and top-p
