@@ -629,7 +629,8 @@ def _switch_lines(switches: dict | None) -> list[str]:
             continue
         static = v.get("vs_static") or {}
         measured = (f"policies vs plain steps {v['ratio']:.3f}x" + (
-            f", vs static d{static['config'][0]} V{static['config'][1]} {static['ratio']:.3f}x" if static else ""))
+            f", vs static d{static['config'][0]} V{static['config'][1]} {static['ratio']:.3f}x" if static else "")
+            + (f"; static vs plain steps {v['static_vs_plain']['ratio']:.3f}x" if v.get("static_vs_plain") else ""))
         chosen = ("plain target steps" if v.get("plain_steps") else
                   f"the static config d{v['static'][0]} V{v['static'][1]}" if v.get("static") else "the policies")
         lines.append(f"T={t} deployed: {chosen} (validation, live: {measured})")

@@ -179,11 +179,37 @@ def test_off_switch_is_measured_and_loaders_honour_it(traces, tmp_path):
     assert not any(isinstance(c, PlainSteps) for c in load_run_controllers(run).values())
 
 
+@pytest.mark.parametrize("policies_low, policies_vs_static, static_low, expected", [
+    (1.02, 1.01, 1.01, "policies"),  # the policies pay and are no slower than the static config
+    (1.02, None, None, "policies"),  # no drafting static config was measured
+    (1.02, 0.98, 1.05, "static"),  # the policies pay, the static config measured faster
+    (0.99, 0.96, 1.01, "static"),  # the policies do not pay, the static config does (the demo's T=1 case)
+    (0.99, 1.03, 1.01, "static"),  # a paying static config is preferred to policies that do not measurably pay
+    (0.99, 0.96, 0.99, "plain"),  # neither pays
+    (1.00, None, None, "plain"),  # an interval touching 1 does not pay
+    (0.99, None, None, "plain"),
+])
+def test_off_switch_choice(policies_low, policies_vs_static, static_low, expected):
+    from specpilot.train.rl.sampled import off_switch_choice
+
+    assert off_switch_choice(policies_low, policies_vs_static, static_low) == expected
+
+
+def test_a_verdict_of_an_earlier_rule_is_measured_again():
+    from specpilot.train.rl.sampled import OFF_SWITCH_RULE, verdict_stands
+
+    basis = {"rule": OFF_SWITCH_RULE, "temperature": 1.0, "units": 4}
+    assert verdict_stands({**basis, "plain_steps": True}, basis)
+    assert not verdict_stands({**basis, "rule": "draft only when the policies' interval lies above 1"}, basis)
+    assert not verdict_stands({k: v for k, v in basis.items() if k != "rule"}, basis)
+    assert not verdict_stands(None, basis)
+
+
 def test_switch_to_the_static_config_when_it_measured_faster(traces, tmp_path):
     """With a static config, check_off_switch also measures the policies against it; a verdict naming the static
     config (it measured faster, and the policies beat plain steps) loads as that config under the policies' names."""
     from specpilot.policies.ppo import PlainSteps, StaticSteps
-    from specpilot.train.rl.sampled import check_off_switch
+    from specpilot.train.rl.sampled import OFF_SWITCH_RULE, check_off_switch, off_switch_choice
 
     run = tmp_path / "run"
     P.run_pipeline(run, traces, size_steps=64, depth_steps=64, coadapt_steps=64, rounds=0, **_kw())
@@ -191,8 +217,10 @@ def test_switch_to_the_static_config_when_it_measured_faster(traces, tmp_path):
     verdict = check_off_switch(run / "policies.json", pair, [[1, 2, 3], [4, 5, 6]], tree=TREE, temperature=1.0,
                                repeats=2, max_new_tokens=8, static=(2, 3))
     assert verdict["vs_static"]["config"] == [2, 3] and len(verdict["vs_static"]["ci"]) == 2
-    expected = None if verdict["plain_steps"] or verdict["vs_static"]["ratio"] >= 1.0 else [2, 3]
-    assert verdict["static"] == expected
+    assert verdict["static_vs_plain"]["config"] == [2, 3] and len(verdict["static_vs_plain"]["ci"]) == 2
+    choice = off_switch_choice(verdict["ci"][0], verdict["vs_static"]["ratio"], verdict["static_vs_plain"]["ci"][0])
+    assert verdict["static"] == ([2, 3] if choice == "static" else None)
+    assert verdict["plain_steps"] == (choice == "plain") and verdict["rule"] == OFF_SWITCH_RULE
     index = json.loads((run / "policies.json").read_text())
     index["off_switch"].update(plain_steps=False, static=[2, 3])
     (run / "policies.json").write_text(json.dumps(index))

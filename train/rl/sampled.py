@@ -8,15 +8,17 @@ depth policy. No replay validation exists at T > 0, so each stage keeps its fina
 RUN/sampled/T<t>/policies.json, which evaluation uses at that temperature.
 
 The off-switch: the fine-tuned policies are then measured live on the validation prompts at T against plain target
-steps (depth 0) and against the grid's static config at T, interleaved. Unless they are measurably faster than plain
-steps (the paired 95% interval lies above 1), the index records `off_switch` and loaders give controllers that never
-draft at that temperature: speculation that does not pay switches itself off, as serving engines do per batch size,
-instead of costing the user a few percent. Else, when the static config measured faster than the policies (ratio
-below 1: at T > 0 the fine-tuned policies often settle on the static config's own choice and then only add their
-decision time), the index records the static config and loaders give it under the policies' names. The verdict
-records what it was measured for (the policy zips' digest, seed, units, static config, pair, device kind, dtype,
-prompts, tree and length): a rerun whose training came out
-the same (an interrupted demo's train stage, run again) keeps it instead of measuring again under another load.
+steps (depth 0) and against the grid's static config at T, interleaved (`off_switch_choice`). The policies are kept
+when they are measurably faster than plain steps (the paired 95% interval lies above 1) and the static config did not
+measure faster than them (at T > 0 the fine-tuned policies often settle on the static config's own choice and then
+only add their decision time; else the static config is recorded). When the policies do not pay, the static config
+is recorded if it is itself measurably faster than plain steps (the grid's choice pays where the policies do not);
+else the index records plain steps and loaders give controllers that never draft at that temperature: speculation
+that does not pay switches itself off, as serving engines do per batch size, instead of costing the user a few
+percent. Loaders give the recorded config under the policies' names. The verdict records the rule and what it was
+measured for (the policy zips' digest, seed, units, static config, pair, device kind, dtype, prompts, tree and
+length): a rerun whose training came out the same (an interrupted demo's train stage, run again) keeps it instead of
+measuring again under another load; a verdict of an earlier rule is measured again.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
         basis = verdict_basis(folder, options.pair, prompts, tree=tree, temperature=temperature,
                               repeats=guard_repeats, seed=options.seed, max_new_tokens=val.max_new_tokens,
                               static=static)
-        if earlier is not None and all(earlier.get(k) == v for k, v in basis.items()):
+        if verdict_stands(earlier, basis):
             # a rerun (an interrupted demo's train stage) whose policies came out the same: the verdict measured for
             # them stands; measuring again would let the machine's load flip the deployed choice
             _save_verdict(index, earlier)
@@ -88,17 +90,22 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
 
 def verdict_basis(folder: Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int, seed: int,
                   max_new_tokens: int, static: tuple[int, int] | None) -> dict:
-    """What an off-switch verdict was measured for, recorded in it: the policies (their zips' digest), the
-    temperature, units, seed and static config, the pair (content hashes) with its device kind and dtype, the
-    prompts, the tree and the length. A rerun with the same basis keeps the verdict (`train_sampled`)."""
+    """What an off-switch verdict was measured for, recorded in it: the rule that decides it, the policies (their
+    zips' digest), the temperature, units, seed and static config, the pair (content hashes) with its device kind
+    and dtype, the prompts, the tree and the length. A rerun with the same basis keeps the verdict (`train_sampled`)."""
     identity = pair.identity()
-    return {"temperature": temperature, "units": repeats * len(prompts), "seed": seed,
+    return {"rule": OFF_SWITCH_RULE, "temperature": temperature, "units": repeats * len(prompts), "seed": seed,
             "policies": policies_digest(folder),
             "static_measured": [int(v) for v in static] if static is not None else None,
             "measured_for": {"pair": [identity["target_hash"], identity["draft_hash"]], "device": pair.device.type,
                              "dtype": str(pair.dtype).removeprefix("torch."),
                              "tree": [tree.width, tree.max_depth, tree.max_size],
                              "max_new_tokens": int(max_new_tokens), "prompts": json_digest(prompts)}}
+
+
+def verdict_stands(earlier: dict | None, basis: dict) -> bool:
+    """Whether an earlier verdict was decided by today's rule for exactly `basis` (`verdict_basis`): then it is kept."""
+    return earlier is not None and all(earlier.get(k) == v for k, v in basis.items())
 
 
 def _save_verdict(index: Path, verdict: dict) -> None:
@@ -126,11 +133,30 @@ def _earlier_verdict(folder: Path) -> dict | None:
         return None
 
 
+OFF_SWITCH_RULE = ("the policies when their paired 95% interval over plain steps lies above 1, unless the static "
+                   "config measured faster (ratio below 1), then the static config; else the static config when its "
+                   "own interval over plain steps lies above 1; else plain steps")
+
+
+def off_switch_choice(policies_low: float, policies_vs_static: float | None, static_low: float | None) -> str:
+    """What a temperature's controllers become (`OFF_SWITCH_RULE`): "policies", "static" or "plain".
+
+    policies_low / static_low: the lower ends of the policies' and the static config's paired 95% intervals over
+    plain steps (static_low None: no drafting static config was measured); policies_vs_static: the policies' ratio
+    over the static config. The static config is the grid's at that temperature (its greedy one where the grid does
+    not draft at T), measured in the same interleaved rounds: when the policies do not pay but it does, deploying
+    plain steps would leave the run slower than a config it measured."""
+    if policies_low > 1.0:
+        return "static" if policies_vs_static is not None and policies_vs_static < 1.0 else "policies"
+    return "static" if static_low is not None and static_low > 1.0 else "plain"
+
+
 def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int = 2,
                      seed: int = 0, max_new_tokens: int = 64, static: tuple[int, int] | None = None) -> dict:
     """Measure the index's "ltd" controller against plain target steps (and the static (depth, size) config, when
-    given and drafting) live at `temperature` and write the verdict into the index (`off_switch`: {"plain_steps":
-    bool, "static": [depth, size] | None, "ratio", "ci", "vs_static", ...}); returns it."""
+    given and drafting) live at `temperature`, choose with `off_switch_choice` and write the verdict into the index
+    (`off_switch`: {"plain_steps": bool, "static": [depth, size] | None, "ratio", "ci", "vs_static",
+    "static_vs_plain", "rule", ...}); returns it."""
     from specpilot.eval.runner import measure_controllers
     from specpilot.policies.ppo import load_run_controllers
 
@@ -142,17 +168,17 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
     res = measure_controllers(pair, controllers, prompts, tree=tree, max_new_tokens=max_new_tokens, repeats=repeats,
                               temperature=temperature, seed=seed, baseline="plain",
                               also_vs=["static"] if "static" in controllers else [])
-    low = res["ltd"]["vs_baseline"]["ci"][0]
     vs_static = res["ltd"]["vs"].get("static")
-    plain_steps = not low > 1.0
-    use_static = not plain_steps and vs_static is not None and vs_static["ratio"] < 1.0
-    verdict = {"plain_steps": plain_steps, "ratio": res["ltd"]["vs_baseline"]["ratio"],
+    static_vs_plain = res["static"]["vs_baseline"] if "static" in controllers else None
+    choice = off_switch_choice(res["ltd"]["vs_baseline"]["ci"][0], vs_static and vs_static["ratio"],
+                               static_vs_plain and static_vs_plain["ci"][0])
+    config = [int(static[0]), int(static[1])] if static is not None else None
+    verdict = {"plain_steps": choice == "plain", "ratio": res["ltd"]["vs_baseline"]["ratio"],
                "ci": res["ltd"]["vs_baseline"]["ci"],
-               "static": [int(static[0]), int(static[1])] if use_static else None,
-               "vs_static": vs_static and {"config": [int(static[0]), int(static[1])], "ratio": vs_static["ratio"],
-                                           "ci": vs_static["ci"]},
-               "rule": "draft only when the policies' paired 95% interval over plain steps lies above 1; then the "
-                       "static config instead of the policies when it measured faster (ratio below 1)",
+               "static": config if choice == "static" else None,
+               "vs_static": vs_static and {"config": config, "ratio": vs_static["ratio"], "ci": vs_static["ci"]},
+               "static_vs_plain": static_vs_plain and {"config": config, "ratio": static_vs_plain["ratio"],
+                                                       "ci": static_vs_plain["ci"]},
                **verdict_basis(index.parent, pair, prompts, tree=tree, temperature=temperature, repeats=repeats,
                                seed=seed, max_new_tokens=max_new_tokens, static=static)}
     _save_verdict(index, verdict)
