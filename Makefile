@@ -5,9 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.specpilot-installed
-# make test runs one pytest worker (pytest-xdist) per core, at most 4: each test uses one torch thread, so one
-# process leaves the other cores idle. TEST_WORKERS=0 runs every test in one process.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 4 ] && n=4; [ "$$n" -lt 2 ] && n=0; echo $$n)
+# make test runs one pytest worker (pytest-xdist) per usable core, at most 4: each test uses one torch thread, so
+# one process leaves the other cores idle. Cores as specpilot counts them (affinity and a cgroup CPU quota, where
+# nproc sees only the affinity; read after setup, without torch). TEST_WORKERS=0 runs every test in one process.
+TEST_WORKERS ?=
+CORES_FOR_TESTS := from specpilot.drafting.cliargs import usable_cores; n = min(usable_cores(), 4); print(n if n >= 2 else 0)
 
 .PHONY: demo test setup clean
 
@@ -29,7 +31,8 @@ demo: setup
 	$(VENV)/bin/specpilot $(SPECPILOT_FLAGS) demo $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
+	n="$(TEST_WORKERS)"; [ -n "$$n" ] || n=$$($(PY) -c "$(CORES_FOR_TESTS)"); \
+	$(PY) -m pytest -q -n $$n --dist worksteal $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
