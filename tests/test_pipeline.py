@@ -179,20 +179,41 @@ def test_off_switch_is_measured_and_loaders_honour_it(traces, tmp_path):
     assert not any(isinstance(c, PlainSteps) for c in load_run_controllers(run).values())
 
 
-@pytest.mark.parametrize("policies_low, policies_vs_static, static_low, expected", [
-    (1.02, 1.01, 1.01, "policies"),  # the policies pay and are no slower than the static config
-    (1.02, None, None, "policies"),  # no drafting static config was measured
-    (1.02, 0.98, 1.05, "static"),  # the policies pay, the static config measured faster
-    (0.99, 0.96, 1.01, "static"),  # the policies do not pay, the static config does (the demo's T=1 case)
-    (0.99, 1.03, 1.01, "static"),  # a paying static config is preferred to policies that do not measurably pay
-    (0.99, 0.96, 0.99, "plain"),  # neither pays
-    (1.00, None, None, "plain"),  # an interval touching 1 does not pay
-    (0.99, None, None, "plain"),
+@pytest.mark.parametrize("policies_low, policies_vs_static, static_ci, grid_choice, expected", [
+    (1.02, 1.01, (1.01, 1.04), False, "policies"),  # the policies pay and are no slower than the static config
+    (1.02, None, None, False, "policies"),  # no drafting static config was measured
+    (1.02, 0.98, (1.05, 1.09), True, "static"),  # the policies pay, the static config measured faster
+    (0.99, 0.96, (1.01, 1.06), False, "static"),  # the policies do not pay, a static config does
+    (0.99, 1.03, (1.01, 1.03), False, "static"),  # a paying static config before policies that do not measurably pay
+    (0.99, 0.96, (0.99, 1.05), False, "plain"),  # neither pays, and the grid does not draft at T
+    (0.99, 0.96, (0.99, 1.05), True, "static"),  # the grid's choice at T (the demo's T=1 d1 V1), not found slower
+    (0.99, 1.20, (0.75, 0.81), True, "plain"),  # the grid's choice at T, found slower than plain steps now
+    (0.99, 1.20, (0.75, 0.81), False, "plain"),  # the greedy config at T=1 (d3 V12: 0.78x of plain steps)
+    (1.00, None, None, False, "plain"),  # an interval touching 1 does not pay
+    (0.99, None, None, True, "plain"),
 ])
-def test_off_switch_choice(policies_low, policies_vs_static, static_low, expected):
+def test_off_switch_choice(policies_low, policies_vs_static, static_ci, grid_choice, expected):
     from specpilot.train.rl.sampled import off_switch_choice
 
-    assert off_switch_choice(policies_low, policies_vs_static, static_low) == expected
+    assert off_switch_choice(policies_low, policies_vs_static, static_ci, grid_choice) == expected
+
+
+@pytest.mark.parametrize("at_t1, grid_choice, static", [
+    ({"width": 4, "depth": 1, "size": 1}, (1, 1), (1, 1)),  # the grid drafts at T=1: its config there
+    ({"width": 4, "depth": 0, "size": 0}, None, (3, 8)),  # plain steps at T=1: the greedy config is measured
+    (None, None, (3, 8)),  # no live phase at T=1
+])
+def test_the_static_config_measured_at_a_temperature(tmp_path, at_t1, grid_choice, static):
+    from specpilot.train.rl.sampled import _grid_choice_at, _static_at
+
+    grid = {"best": {"width": 4, "depth": 3, "size": 8, "source": "replay"},
+            "best_drafting": {"width": 4, "depth": 3, "size": 8},
+            "best_by_temperature": {"1": at_t1} if at_t1 else {},
+            "meta": {"traces": [{"trace": "t", "width": 4, "max_depth": 6}], "pair": None}}
+    (tmp_path / "grid.json").write_text(json.dumps(grid))
+    options = P.TrainOptions(static=tmp_path / "grid.json")
+    assert _grid_choice_at(tmp_path, 1.0, options) == grid_choice
+    assert tuple(_static_at(tmp_path, 1.0, options)) == static
 
 
 def test_a_verdict_of_an_earlier_rule_is_measured_again():
@@ -218,7 +239,8 @@ def test_switch_to_the_static_config_when_it_measured_faster(traces, tmp_path):
                                repeats=2, max_new_tokens=8, static=(2, 3))
     assert verdict["vs_static"]["config"] == [2, 3] and len(verdict["vs_static"]["ci"]) == 2
     assert verdict["static_vs_plain"]["config"] == [2, 3] and len(verdict["static_vs_plain"]["ci"]) == 2
-    choice = off_switch_choice(verdict["ci"][0], verdict["vs_static"]["ratio"], verdict["static_vs_plain"]["ci"][0])
+    choice = off_switch_choice(verdict["ci"][0], verdict["vs_static"]["ratio"], verdict["static_vs_plain"]["ci"])
+    assert verdict["static_is_grid_choice"] is False
     assert verdict["static"] == ([2, 3] if choice == "static" else None)
     assert verdict["plain_steps"] == (choice == "plain") and verdict["rule"] == OFF_SWITCH_RULE
     index = json.loads((run / "policies.json").read_text())

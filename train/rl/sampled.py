@@ -11,9 +11,10 @@ The off-switch: the fine-tuned policies are then measured live on the validation
 steps (depth 0) and against the grid's static config at T, interleaved (`off_switch_choice`). The policies are kept
 when they are measurably faster than plain steps (the paired 95% interval lies above 1) and the static config did not
 measure faster than them (at T > 0 the fine-tuned policies often settle on the static config's own choice and then
-only add their decision time; else the static config is recorded). When the policies do not pay, the static config
-is recorded if it is itself measurably faster than plain steps (the grid's choice pays where the policies do not);
-else the index records plain steps and loaders give controllers that never draft at that temperature: speculation
+only add their decision time; else the static config is recorded). When the policies do not pay, they give way to what the grid
+deploys at T: its config there (which measured faster than plain steps when the grid chose it) unless this
+measurement finds it slower than plain steps, a static config the grid did not choose at T only when it measures
+faster; else the index records plain steps and loaders give controllers that never draft at that temperature: speculation
 that does not pay switches itself off, as serving engines do per batch size, instead of costing the user a few
 percent. Loaders give the recorded config under the policies' names. The verdict records the rule and what it was
 measured for (the policy zips' digest, seed, units, static config, pair, device kind, dtype, prompts, tree and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 from specpilot.drafting.control import FixedController
 from specpilot.artifacts.common import json_digest
@@ -37,13 +39,18 @@ from specpilot.train.rl.stages import (StageSpec, TaskTraces, TrainOptions, load
                                     train_stage)
 
 
-def _static_at(run_dir: Path, temperature: float, options: TrainOptions) -> tuple[int, int]:
-    """The grid's drafting config at `temperature` (best_by_temperature, when it drafts), else the greedy one."""
+def _grid_choice_at(run_dir: Path, temperature: float, options: TrainOptions) -> tuple[int, int] | None:
+    """The grid's drafting config at `temperature` (best_by_temperature), None when it does not draft there (or
+    no grid records that temperature). The grid drafts at T > 0 only with a cell that measured faster than plain
+    steps (`train.grid.search.pick_sampled`)."""
     grid = Path(options.static) if isinstance(options.static, (str, Path)) else run_dir / GRID_FILE
     cell = GridResult.load(grid).at_temperature(temperature) if grid.is_file() else None
-    if cell and int(cell["depth"]) >= 1:
-        return int(cell["depth"]), int(cell["size"])
-    return static_config(run_dir, options.static)
+    return (int(cell["depth"]), int(cell["size"])) if cell and int(cell["depth"]) >= 1 else None
+
+
+def _static_at(run_dir: Path, temperature: float, options: TrainOptions) -> tuple[int, int]:
+    """The grid's drafting config at `temperature` (`_grid_choice_at`), else the greedy one."""
+    return _grid_choice_at(run_dir, temperature, options) or static_config(run_dir, options.static)
 
 
 def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperature: float, *, depth_steps: int,
@@ -56,6 +63,7 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
     options = replace(options, backend="live", temperature=float(temperature))
     final = PoliciesIndex.load(run_dir)
     static = _static_at(run_dir, temperature, options)
+    grid_drafts = _grid_choice_at(run_dir, temperature, options) is not None
     tag = f"T{temperature:g}"
     with run_logger(run_dir, None, wandb, {"stage": f"sampled_{tag}", "temperature": temperature}) as log:
         size_partner = as_size_controller(static[1])
@@ -77,26 +85,29 @@ def train_sampled(run_dir: str | Path, traces: TaskTraces | str | Path, temperat
         tree = TreeConfig(width=val.width, max_depth=val.max_depth, max_size=val.max_size)
         basis = verdict_basis(folder, options.pair, prompts, tree=tree, temperature=temperature,
                               repeats=guard_repeats, seed=options.seed, max_new_tokens=val.max_new_tokens,
-                              static=static)
+                              static=static, static_is_grid_choice=grid_drafts)
         if verdict_stands(earlier, basis):
             # a rerun (an interrupted demo's train stage) whose policies came out the same: the verdict measured for
             # them stands; measuring again would let the machine's load flip the deployed choice
             _save_verdict(index, earlier)
             return index
         check_off_switch(index, options.pair, prompts, tree=tree, temperature=temperature, repeats=guard_repeats,
-                         seed=options.seed, max_new_tokens=val.max_new_tokens, static=static)
+                         seed=options.seed, max_new_tokens=val.max_new_tokens, static=static,
+                         static_is_grid_choice=grid_drafts)
     return index
 
 
 def verdict_basis(folder: Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int, seed: int,
-                  max_new_tokens: int, static: tuple[int, int] | None) -> dict:
+                  max_new_tokens: int, static: tuple[int, int] | None, static_is_grid_choice: bool = False) -> dict:
     """What an off-switch verdict was measured for, recorded in it: the rule that decides it, the policies (their
-    zips' digest), the temperature, units, seed and static config, the pair (content hashes) with its device kind
+    zips' digest), the temperature, units, seed and static config (and whether the grid chose it at that
+    temperature), the pair (content hashes) with its device kind
     and dtype, the prompts, the tree and the length. A rerun with the same basis keeps the verdict (`train_sampled`)."""
     identity = pair.identity()
     return {"rule": OFF_SWITCH_RULE, "temperature": temperature, "units": repeats * len(prompts), "seed": seed,
             "policies": policies_digest(folder),
             "static_measured": [int(v) for v in static] if static is not None else None,
+            "static_is_grid_choice": bool(static_is_grid_choice),
             "measured_for": {"pair": [identity["target_hash"], identity["draft_hash"]], "device": pair.device.type,
                              "dtype": str(pair.dtype).removeprefix("torch."),
                              "tree": [tree.width, tree.max_depth, tree.max_size],
@@ -134,27 +145,36 @@ def _earlier_verdict(folder: Path) -> dict | None:
 
 
 OFF_SWITCH_RULE = ("the policies when their paired 95% interval over plain steps lies above 1, unless the static "
-                   "config measured faster (ratio below 1), then the static config; else the static config when its "
-                   "own interval over plain steps lies above 1; else plain steps")
+                   "config measured faster (ratio below 1), then the static config; else the grid's own config at "
+                   "the temperature unless its interval over plain steps lies below 1, or another static config "
+                   "only when its interval lies above 1; else plain steps")
 
 
-def off_switch_choice(policies_low: float, policies_vs_static: float | None, static_low: float | None) -> str:
+def off_switch_choice(policies_low: float, policies_vs_static: float | None, static_ci: Sequence[float] | None,
+                      static_is_grid_choice: bool = False) -> str:
     """What a temperature's controllers become (`OFF_SWITCH_RULE`): "policies", "static" or "plain".
 
-    policies_low / static_low: the lower ends of the policies' and the static config's paired 95% intervals over
-    plain steps (static_low None: no drafting static config was measured); policies_vs_static: the policies' ratio
-    over the static config. The static config is the grid's at that temperature (its greedy one where the grid does
-    not draft at T), measured in the same interleaved rounds: when the policies do not pay but it does, deploying
-    plain steps would leave the run slower than a config it measured."""
+    policies_low: the lower end of the policies' paired 95% interval over plain steps; policies_vs_static: their
+    ratio over the static config; static_ci: the static config's paired 95% interval over plain steps (None: no
+    drafting static config was measured). Policies that do not pay fall back to what the grid deploys at that
+    temperature: its config there already measured faster than plain steps when the grid chose it
+    (static_is_grid_choice), so it stays unless this measurement finds it slower (interval below 1); a static config
+    the grid did not choose at T (its greedy one) replaces plain steps only when it measures faster here."""
     if policies_low > 1.0:
         return "static" if policies_vs_static is not None and policies_vs_static < 1.0 else "policies"
-    return "static" if static_low is not None and static_low > 1.0 else "plain"
+    if static_ci is None:
+        return "plain"
+    if static_is_grid_choice:
+        return "plain" if static_ci[1] < 1.0 else "static"
+    return "static" if static_ci[0] > 1.0 else "plain"
 
 
 def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temperature: float, repeats: int = 2,
-                     seed: int = 0, max_new_tokens: int = 64, static: tuple[int, int] | None = None) -> dict:
+                     seed: int = 0, max_new_tokens: int = 64, static: tuple[int, int] | None = None,
+                     static_is_grid_choice: bool = False) -> dict:
     """Measure the index's "ltd" controller against plain target steps (and the static (depth, size) config, when
-    given and drafting) live at `temperature`, choose with `off_switch_choice` and write the verdict into the index
+    given and drafting; `static_is_grid_choice`: the grid deploys it at this temperature) live at `temperature`,
+    choose with `off_switch_choice` and write the verdict into the index
     (`off_switch`: {"plain_steps": bool, "static": [depth, size] | None, "ratio", "ci", "vs_static",
     "static_vs_plain", "rule", ...}); returns it."""
     from specpilot.eval.runner import measure_controllers
@@ -171,7 +191,7 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
     vs_static = res["ltd"]["vs"].get("static")
     static_vs_plain = res["static"]["vs_baseline"] if "static" in controllers else None
     choice = off_switch_choice(res["ltd"]["vs_baseline"]["ci"][0], vs_static and vs_static["ratio"],
-                               static_vs_plain and static_vs_plain["ci"][0])
+                               static_vs_plain and static_vs_plain["ci"], static_is_grid_choice)
     config = [int(static[0]), int(static[1])] if static is not None else None
     verdict = {"plain_steps": choice == "plain", "ratio": res["ltd"]["vs_baseline"]["ratio"],
                "ci": res["ltd"]["vs_baseline"]["ci"],
@@ -180,6 +200,7 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
                "static_vs_plain": static_vs_plain and {"config": config, "ratio": static_vs_plain["ratio"],
                                                        "ci": static_vs_plain["ci"]},
                **verdict_basis(index.parent, pair, prompts, tree=tree, temperature=temperature, repeats=repeats,
-                               seed=seed, max_new_tokens=max_new_tokens, static=static)}
+                               seed=seed, max_new_tokens=max_new_tokens, static=static,
+                               static_is_grid_choice=static_is_grid_choice)}
     _save_verdict(index, verdict)
     return verdict
