@@ -9,17 +9,17 @@ RUN/sampled/T<t>/policies.json, which evaluation uses at that temperature.
 
 The off-switch: the fine-tuned policies are then measured live on the validation prompts at T against plain target
 steps (depth 0) and against the grid's static config at T, interleaved (`off_switch_choice`). The policies are kept
-when they are measurably faster than plain steps (the paired 95% interval lies above 1) and the static config did not
-measure faster than them (at T > 0 the fine-tuned policies often settle on the static config's own choice and then
-only add their decision time; else the static config is recorded). When the policies do not pay, they give way to what the grid
-deploys at T: its config there (which measured faster than plain steps when the grid chose it) unless this
-measurement finds it slower than plain steps, a static config the grid did not choose at T only when it measures
-faster; else the index records plain steps and loaders give controllers that never draft at that temperature: speculation
-that does not pay switches itself off, as serving engines do per batch size, instead of costing the user a few
-percent. Loaders give the recorded config under the policies' names. The verdict records the rule and what it was
-measured for (the policy zips' digest, seed, units, static config, pair, device kind, dtype, prompts, tree and
-length): a rerun whose training came out the same (an interrupted demo's train stage, run again) keeps it instead of
-measuring again under another load; a verdict of an earlier rule is measured again.
+when they are measurably faster than plain steps (the paired 95% interval lies above 1) and the static config did
+not measure faster than them (at T > 0 the fine-tuned policies often settle on the static config's own choice and
+then only add their decision time; else the static config is recorded). When the policies do not pay, they give way
+to what the grid deploys at T: its config there (which measured faster than plain steps when the grid chose it)
+unless this measurement finds it slower than plain steps, a static config the grid did not choose at T only when it
+measures faster; else the index records plain steps and loaders give controllers that never draft at that
+temperature: speculation that does not pay switches itself off, as serving engines do per batch size, instead of
+costing the user a few percent. Loaders give the recorded config under the policies' names. The verdict records the
+rule and what it was measured for (the policy zips' digest, seed, units, static config, pair, device kind, dtype,
+prompts, tree and length): a rerun whose training came out the same (an interrupted demo's train stage, run again)
+keeps it instead of measuring again under another load; a verdict of an earlier rule is measured again.
 """
 from __future__ import annotations
 
