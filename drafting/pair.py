@@ -421,14 +421,14 @@ def auto_probe_too_big(source, *, available: int | None = None) -> str | None:
     stored = _stored_dtype(folder) or "float32"
     params = sum(f.stat().st_size for f in weights) / {"float32": 4, "float64": 8}.get(stored, 2)
     needed = 6 * params
-    available = _available_memory() if available is None else available
+    available = available_memory() if available is None else available
     if available is None or needed <= 0.8 * available:
         return None
     return (f"fp32 and bf16 copies of this target to time would need ~{needed / 2**30:.1f} GiB, over 80% of the "
             f"{available / 2**30:.1f} GiB available")
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """Bytes of memory available to new work (MemAvailable in /proc/meminfo), None where there is no such file."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.drafting.cliargs import add_pair_arguments, non_negative_int, output_dir, positive_int, seed
@@ -29,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode the profile prompts again until the profile holds at least N cycles (0: one "
                              "pass)")
     parser.add_argument("--seed", type=seed, default=0, help="seed of the profile's random (depth, size) draws")
+    parser.add_argument("--processes", type=non_negative_int, default=0,
+                        help="record the traces on N local processes side by side (one torch thread each; on a CPU "
+                             "where batch-1 decoding gains little from a second thread), then measure the latency "
+                             "profile and AR timing in this process alone (default: 0, this process records; not "
+                             "with --ray)")
 
 
 def check_room(pair, prompts: list[str], *, max_new_tokens: int, max_depth: int) -> None:
@@ -45,6 +52,23 @@ def check_room(pair, prompts: list[str], *, max_new_tokens: int, max_depth: int)
                              "--max-new-tokens, or shorten the prompt")
 
 
+@contextmanager
+def trace_processes(executor, args: argparse.Namespace) -> Iterator:
+    """A `ProcessPool` of args.processes processes loading the executor's pair (same models, device and dtype), or
+    None for fewer than 2; closed after the block."""
+    if args.processes < 2:
+        yield None
+        return
+    from specpilot.train.scale.cluster import PairSpec
+    from specpilot.train.scale.processes import ProcessPool
+
+    pair = executor.pair
+    spec = PairSpec(args.target, args.draft, args.eagle, device=str(pair.device), threads=1,
+                    dtype=str(pair.dtype).replace("torch.", ""))
+    with ProcessPool(spec, args.processes) as pool:
+        yield pool
+
+
 def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.decoder import SpeculativeDecoder
     from specpilot.drafting.executor import LocalExecutor
@@ -59,23 +83,29 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--profile-prompts {args.profile_prompts} is more than the {len(prompts)} prompt(s) "
                          "recorded: give --profile-prompts "
                          f"{len(prompts)} or less{', or a larger --limit' if args.limit else ''}")
+    if args.processes and getattr(args, "ray", None):
+        raise ValueError("--processes records on local processes and --ray on Ray workers: give one of them")
     check_recording_writable(args.out)  # before the models load (record_task checks the shard folders again)
-    with output_lock(args.out, what="--out"), open_executor(args) as executor:
+    with output_lock(args.out, what="--out"), open_executor(args) as executor, \
+            trace_processes(executor, args) as processes:
         max_size = args.max_size or max(max(default_size_actions(executor.device)), TreeConfig().max_size)
         tree = TreeConfig(width=args.width, max_depth=args.max_depth, max_size=max_size)
         if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= vocabulary) before hours of work
             SpeculativeDecoder(executor.pair, tree)
             check_room(executor.pair, prompts, max_new_tokens=args.max_new_tokens, max_depth=args.max_depth)
-        print(f"recording {len(prompts)} prompts from {args.suite!r} on {len(executor)} worker(s) "
-              f"({', '.join(sorted({w['device'] for w in executor.workers}))}), tree {tree}, "
+        recorders = processes or executor
+        print(f"recording {len(prompts)} prompts from {args.suite!r} on {len(recorders)} "
+              f"{'process(es) side by side' if processes else 'worker(s)'} "
+              f"({', '.join(sorted({w['device'] for w in recorders.workers}))}), tree {tree}, "
               f"max_new_tokens={args.max_new_tokens}")
         try:
             trace_dir, profile_path = record_task(None, tree, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                                   profile_prompts=args.profile_prompts,
                                                   profile_cycles=args.profile_cycles, seed=args.seed, progress=True,
-                                                  executor=executor, ar=True)  # the AR reference of replay speedups
+                                                  executor=executor, ar=True,  # the AR reference of replay speedups
+                                                  trace_workers=processes)
         except KeyboardInterrupt:  # finished shards are kept (done.json): the same command resumes from them
-            done = len(list(Path(args.out).glob("shards/*/done.json")))
+            done = len(list(Path(args.out).glob("shards/shard-*/done.json")))
             kept = (f"{done} finished shard(s) kept under {Path(args.out) / 'shards'}: run the same command again to "
                     "resume from them" if done else "no shard had finished, so nothing was kept")
             print(f"specpilot record: interrupted; {kept}", file=sys.stderr)

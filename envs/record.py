@@ -56,6 +56,7 @@ from specpilot.envs import shards as sh
 from specpilot.envs.profile import share_of
 
 NO_RANK = np.iinfo(np.int16).max
+TIMING_DIR = "timing"  # OUT/shards/timing/: the profile samples and AR timing measured apart from the trace workers
 
 
 @dataclass
@@ -355,7 +356,8 @@ def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progr
 @holds_output("out_dir", what="trace folder (--out)")
 def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_tokens: int = 128,
                 profile_prompts: int | None = None, profile_cycles: int = 0, seed: int = 0, progress: bool = False,
-                executor=None, ar: bool = False, shard_size: int | None = None) -> tuple[Path, Path]:
+                executor=None, ar: bool = False, shard_size: int | None = None,
+                trace_workers=None) -> tuple[Path, Path]:
     """Write out_dir/trace.npz + trace.json and out_dir/profile.json (and ar.json when `ar`: the live
     autoregressive timing of the prompts); return (trace dir, profile path).
 
@@ -364,13 +366,23 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     latency profile is measured on the first `profile_prompts` prompts (default: all) with random (depth, size)
     per cycle (`specpilot.envs.profile.collect_samples`), each shard seeding its draws with (seed, shard), and
     decoding them again until the profile holds at least `profile_cycles` cycles (shared by the shards in
-    proportion to their profile prompts)."""
+    proportion to their profile prompts).
+
+    trace_workers: an executor of processes that share this machine's cores (`specpilot.train.scale.processes.
+    ProcessPool`, one torch thread each): they record the traces' shards side by side, and the latency profile and
+    the AR timing, which read clocks, are measured afterwards on `pair` / `executor` alone (OUT/shards/timing/; with
+    `ar`, ar.json then times the AR generations of the profile prompts, one after each prompt's profile cycles).
+    Recording reads no clock, so the trace is the same either way (its pair is checked to be the same)."""
     out_dir = check_recording_writable(out_dir)  # before minutes of recording
     executor = as_executor(pair, executor)
+    apart = trace_workers is not None  # the clocks apart from the recording processes
+    recorders = trace_workers if apart else executor
     items = [getattr(p, "prompt", p) for p in prompts]
     n_profile = len(items) if not profile_prompts else min(int(profile_prompts), len(items))
     tree = {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size}
     worker = executor.workers[0]
+    if apart:
+        check_same_pair(worker, recorders.workers)
 
     def plan_of(ranges) -> tuple[str, dict, tuple[str]]:
         """(key, fields, older key) of the plan recording `ranges` (`specpilot.envs.shards.plan_key`)."""
@@ -378,37 +390,65 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
         # given relatively, absolutely or copied elsewhere resumes the shards already recorded
         parts = dict(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile_prompts=n_profile, seed=seed,
                      ar=ar, profile_cycles=int(profile_cycles), shards=[list(r) for r in ranges],
-                     **sh.pair_content(worker["pair"], worker.get("dtype")))
+                     **sh.pair_content(worker["pair"], worker.get("dtype")), **({"timing": "apart"} if apart else {}))
+        if apart:  # (shards without profile samples: never those of a recording that timed in its shards)
+            return sh.plan_key(**parts), sh.plan_fields(**parts), ()
         legacy = sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed,
                              ar=ar, ranges=ranges, pair=worker["pair"],
                              **({"profile_cycles": int(profile_cycles)} if profile_cycles else {}))  # older done.json
         return sh.plan_key(**parts), sh.plan_fields(**parts), (legacy,)
 
-    ranges = _shard_layout(out_dir, len(items), len(executor), shard_size, plan_of)
+    # apart: one prompt a shard, so no process idles while another records a last long shard (a shard costs a
+    # small file; the timing is not per shard)
+    ranges = _shard_layout(out_dir, len(items), len(recorders), shard_size or (1 if apart else None), plan_of)
     key, plan, legacy = plan_of(ranges)
     started = time.perf_counter()
     dirs = [out_dir / sh.SHARDS_DIR / f"shard-{i:04d}" for i in range(len(ranges))]
     finished = [i for i, d in enumerate(dirs) if sh.read_done(d, key, plan=plan, also=legacy) is not None]
     damaged = {i: why for i in finished
-               if (why := _unreadable_shard(dirs[i], samples=ranges[i][0] < n_profile, ar=ar)) is not None}
+               if (why := _unreadable_shard(dirs[i], samples=ranges[i][0] < n_profile and not apart,
+                                            ar=ar and not apart)) is not None}
     for i, why in damaged.items():  # found before recording the rest, not at the merge: resuming records it again
         (dirs[i] / sh.DONE_FILE).unlink()
         print(f"  shard {dirs[i]} is damaged ({why}): recording it again", file=sys.stderr, flush=True)
     finished = [i for i in finished if i not in damaged]
     check_recording_writable(out_dir, [d for i, d in enumerate(dirs) if i not in finished])
     tasks = [ShardTask(i, {"prompts": items[lo:hi], "tree": tree, "max_new_tokens": max_new_tokens,
-                           "profile_prompts": items[lo:min(hi, n_profile)], "seed": [seed, i], "ar": ar,
-                           "profile_cycles": share_of(profile_cycles, max(0, min(hi, n_profile) - lo), n_profile),
-                           "progress": progress}, list(range(lo, hi)))
+                           "profile_prompts": [] if apart else items[lo:min(hi, n_profile)], "seed": [seed, i],
+                           "ar": ar and not apart, "progress": progress,
+                           "profile_cycles": 0 if apart else share_of(profile_cycles,
+                                                                      max(0, min(hi, n_profile) - lo), n_profile)},
+                       list(range(lo, hi)))
              for i, (lo, hi) in enumerate(ranges) if i not in finished]
     say = (lambda msg: print(f"  {msg}", flush=True)) if progress else None
     if say and finished:
         say(f"resuming: {len(finished)} of {len(ranges)} shards already recorded under {out_dir / sh.SHARDS_DIR}")
-    executor.map(record_shard, tasks, progress=say,
-                 on_done=lambda task, outcome: write_shard(dirs[task.shard], outcome, key, ranges[task.shard],
-                                                            plan=plan))
-    summary = merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed, plan=plan, also=legacy)
-    summary.update(workers=executor.workers, wall_s=time.perf_counter() - started)
+    recorders.map(record_shard, tasks, progress=say,
+                  on_done=lambda task, outcome: write_shard(dirs[task.shard], outcome, key, ranges[task.shard],
+                                                             plan=plan))
+    timing = None
+    if apart:  # every recording process is idle now: the clocks are read by one process alone
+        timing = out_dir / sh.SHARDS_DIR / TIMING_DIR
+        done = sh.read_done(timing, key, plan=plan)
+        if done is not None and (why := _unreadable_shard(timing, samples=True, ar=ar, trace=False)) is not None:
+            (timing / sh.DONE_FILE).unlink()
+            print(f"  {timing} is damaged ({why}): measuring it again", file=sys.stderr, flush=True)
+            done = None
+        if done is None:
+            task = ShardTask(len(ranges), {"profile_prompts": items[:n_profile], "tree": tree,
+                                           "max_new_tokens": max_new_tokens, "seed": [seed, len(ranges)], "ar": ar,
+                                           "profile_cycles": int(profile_cycles), "recorders": len(recorders)},
+                             list(range(n_profile)))
+            t0 = time.perf_counter()
+            [outcome] = executor.map(time_shard, [task], progress=say)
+            write_shard(timing, outcome, key, (0, n_profile), plan=plan)
+            if say:
+                say(f"latency profile{' and AR timing' if ar else ''} on {n_profile} prompt(s), measured alone after "
+                    f"the traces ({time.perf_counter() - t0:.1f}s)")
+    summary = merge_shards(out_dir, dirs, ranges, key, resumed=finished, ar=ar, seed=seed, plan=plan, also=legacy,
+                           timing=timing)
+    summary.update(workers=recorders.workers, wall_s=time.perf_counter() - started,
+                   **({"timing_worker": worker} if apart else {}))
     atomic_write_text(out_dir / sh.CLUSTER_FILE, json.dumps(summary, indent=1, default=str))
     if say and summary["retried_prompts"]:
         say(f"retried prompts (their shard failed once): {summary['retried_prompts']}")
@@ -483,6 +523,40 @@ def record_shard(worker, *, prompts: list, tree: dict, max_new_tokens: int, prof
     return out
 
 
+def time_shard(worker, *, profile_prompts: list, tree: dict, max_new_tokens: int, seed: list[int], ar: bool,
+               profile_cycles: int = 0, recorders: int = 1) -> dict:
+    """The work unit of the timing measured apart from the recording processes (`record_task(trace_workers=...)`):
+    profile samples of `profile_prompts`, with `ar` each prompt followed by a timed AR generation
+    (`collect_samples_with_ar`), whose timing is the recording's ar.json."""
+    from specpilot.drafting.types import TreeConfig
+    from specpilot.envs.profile import collect_samples, collect_samples_with_ar
+
+    kw = dict(max_new_tokens=max_new_tokens, rng=np.random.default_rng(seed), min_cycles=profile_cycles,
+              warmup_cycles=16 if worker.first("profile") else 0)
+    tree_config = TreeConfig(**tree)
+    if not ar:
+        samples = collect_samples(worker.pair, tree_config, profile_prompts, **kw)
+        return {"header": None, "arrays": None, "samples": sh.samples_to_dict(samples), "ar": None}
+    samples = collect_samples_with_ar(worker.pair, tree_config, profile_prompts, ar_warmup=worker.first("ar"), **kw)
+    timing = [(int(samples.meta["ar_tokens"]), float(samples.meta["ar_s"]))]
+    source = (f"AR generations of the {len(profile_prompts)} profile prompts (max_new_tokens each, prefill included), "
+              f"each timed after its prompt's profile cycles, alone: the trace was recorded on {recorders} processes "
+              "side by side, whose clocks were not used")
+    return {"header": None, "arrays": None, "samples": sh.samples_to_dict(samples),
+            "ar": sh.ar_summary(timing, prompts=len(profile_prompts), max_new_tokens=max_new_tokens, source=source)}
+
+
+def check_same_pair(timer: dict, recorders: Sequence[dict]) -> None:
+    """Refuse recording processes whose pair (weights by hash, dtype) is not the timing process's: the trace and the
+    profile of one recording describe one pair."""
+    want = sh.pair_content(timer["pair"], timer.get("dtype"))
+    for other in recorders:
+        if sh.pair_content(other["pair"], other.get("dtype")) != want:
+            raise ValueError(f"trace worker {other.get('worker')} holds another pair than the process that times the "
+                             f"recording ({other['pair']} in {other.get('dtype')} vs {timer['pair']} in "
+                             f"{timer.get('dtype')}): start the trace workers with the same models and dtype")
+
+
 def merge_traces(traces: Sequence[Trace]) -> Trace:
     """One Trace from shard traces in prompt order: per-prompt arrays concatenated, `*_offsets` re-based."""
     if not traces:
@@ -510,11 +584,12 @@ def merge_traces(traces: Sequence[Trace]) -> Trace:
     return Trace(header, arrays)
 
 
-def _unreadable_shard(shard_dir: Path, *, samples: bool, ar: bool) -> str | None:
+def _unreadable_shard(shard_dir: Path, *, samples: bool, ar: bool, trace: bool = True) -> str | None:
     """Why a finished shard's files cannot be merged (a truncated trace.npz, a garbage samples.json, a missing
     ar.json), None when they can: the same reads the merge makes, so resume finds it before recording the rest."""
     try:
-        Trace.load(shard_dir)
+        if trace:
+            Trace.load(shard_dir)
         if samples:
             sh.samples_from_dict(read_json(shard_dir / "samples.json", what="profile samples of a shard", fix=""))
         if ar:
@@ -527,7 +602,8 @@ def _unreadable_shard(shard_dir: Path, *, samples: bool, ar: bool) -> str | None
 def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int], *, plan: dict | None = None) -> None:
     shard_dir.mkdir(parents=True, exist_ok=True)
     res = outcome.result
-    Trace(res["header"], res["arrays"]).save(shard_dir)
+    if res["header"] is not None:  # (the timing measured apart has no trace)
+        Trace(res["header"], res["arrays"]).save(shard_dir)
     if res["samples"] is not None:
         atomic_write_json(shard_dir / "samples.json", res["samples"], indent=None)
     if res["ar"] is not None:
@@ -538,8 +614,9 @@ def write_shard(shard_dir: Path, outcome, key: str, prompts: tuple[int, int], *,
 
 
 def merge_shards(out_dir: Path, dirs: list[Path], ranges, key: str, *, resumed: list[int], ar: bool,
-                 seed: int, plan: dict | None = None, also: Sequence[str] = ()) -> dict:
-    """Merge the shard folders into out_dir's trace, profile (and ar.json); describe the shards."""
+                 seed: int, plan: dict | None = None, also: Sequence[str] = (), timing: Path | None = None) -> dict:
+    """Merge the shard folders into out_dir's trace, profile (and ar.json); describe the shards. `timing`: the
+    folder of the profile samples (and AR timing) measured apart from the shards, which then hold traces only."""
     traces = [Trace.load(d) for d in dirs]
     trace = merge_traces(traces)
     trace.save(out_dir)
@@ -551,13 +628,20 @@ def merge_shards(out_dir: Path, dirs: list[Path], ranges, key: str, *, resumed: 
         if (d / "samples.json").is_file():
             data = read_json(d / "samples.json", what="profile samples of a shard", fix=fix)
             samples.append((str(device), sh.samples_from_dict(data)))
-        if ar:
+        if ar and timing is None:
             ar_parts.append(read_json(d / sh.AR_FILE, what="AR timing of a shard", fix=fix))
         if done.get("retried"):
             retried.extend(range(*ranges[i]))
         shards.append({"shard": i, "prompts": list(range(*ranges[i])), "device": device,
                        "worker": (done.get("worker") or {}).get("worker"), "attempts": done.get("attempts"),
                        "retried": done.get("retried"), "resumed": i in resumed})
+    if timing is not None:
+        fix = "delete the folder to measure it again"
+        done = sh.read_done(timing, key, plan=plan)
+        data = read_json(timing / "samples.json", what="profile samples measured apart", fix=fix)
+        samples.append((str((done.get("worker") or {}).get("device")), sh.samples_from_dict(data)))
+        if ar:
+            ar_parts.append(read_json(timing / sh.AR_FILE, what="AR timing measured apart", fix=fix))
     if samples:
         pooled = sh.merge_samples(samples)
         pooled.meta["seed"] = seed

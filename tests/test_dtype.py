@@ -352,7 +352,7 @@ def test_auto_does_not_time_a_target_whose_two_copies_would_not_fit(tmp_path, fl
         raise AssertionError("timed a target too big for two copies")
 
     monkeypatch.setattr(pair_mod, "measure_half", no_timing)
-    monkeypatch.setattr(pair_mod, "_available_memory", lambda: 10_000)
+    monkeypatch.setattr(pair_mod, "available_memory", lambda: 10_000)
     for name, seed in (("target", 0), ("draft", 1)):
         tiny_model(seed=seed).save_pretrained(tmp_path / name)
     pair = ModelPair.from_pretrained(tmp_path / "target", tmp_path / "draft", dtype="auto")

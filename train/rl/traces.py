@@ -127,9 +127,12 @@ def _shown(key: str, value) -> str:
 
 def record_traces(pair, out_dir: str | Path, *, train_prompts: Sequence, val_prompts: Sequence,
                   tree: TreeConfig | None = None, max_new_tokens: int = 64, profile_prompts: int | None = 8,
-                  profile_cycles: int = 0, seed: int = 0, progress: bool = False, executor=None) -> TaskTraces:
+                  profile_cycles: int = 0, seed: int = 0, progress: bool = False, executor=None,
+                  trace_workers=None) -> TaskTraces:
     """Record out_dir/train and out_dir/validation (trace + latency profile + live AR timing, `ar.json`) on `pair`
-    in this process or on `executor` (e.g. a Ray WorkerPool; `specpilot.envs.record.record_task`).
+    in this process or on `executor` (e.g. a Ray WorkerPool; `specpilot.envs.record.record_task`); `trace_workers`
+    (a `specpilot.train.scale.processes.ProcessPool`) records the traces side by side and leaves the timing to
+    `pair` / `executor` alone.
 
     Prompts are strings or token-id lists (callers resolve suite names: `specpilot.eval.suites.load_suite`); the
     recorded tree defaults to TreeConfig with max_size raised to the largest size action of the device.
@@ -145,5 +148,6 @@ def record_traces(pair, out_dir: str | Path, *, train_prompts: Sequence, val_pro
     for prompts, path in ((train_prompts, out.train), (val_prompts, out.validation)):
         prompts = [getattr(p, "prompt", p) for p in prompts]
         record_task(None, tree, prompts, path, max_new_tokens=max_new_tokens, profile_prompts=profile_prompts,
-                    profile_cycles=profile_cycles, seed=seed, progress=progress, executor=executor, ar=True)
+                    profile_cycles=profile_cycles, seed=seed, progress=progress, executor=executor, ar=True,
+                    trace_workers=trace_workers)
     return out

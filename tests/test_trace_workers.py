@@ -1,0 +1,135 @@
+"""Traces recorded on local processes side by side (`ProcessPool`), the clocks read by one process alone: the trace
+equals a one-process recording, the profile and ar.json come from the timing process, a re-run resumes every shard
+and the timing, a pool of another pair is refused, and the evaluation's held-out trace recorded on the pool is the
+one `heldout_trace` then reuses."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specpilot.drafting.pair import ModelPair
+from specpilot.drafting.types import TreeConfig
+from specpilot.envs.profile import LatencyProfile
+from specpilot.envs.record import TIMING_DIR, Trace, record_task
+from specpilot.envs.shards import CLUSTER_FILE
+from specpilot.train.scale.cluster import PairSpec
+from specpilot.train.scale.processes import ProcessPool, trace_worker_count
+
+TREE = TreeConfig(width=2, max_depth=3, max_size=6)
+PROMPTS = ["def f(x):\n    return", "def g(y):", "return x + 1", "def add(a, b):", "x = f(1)", "def h():"]
+
+
+@pytest.fixture(scope="module")
+def local_pair(saved_pair):
+    return ModelPair.from_pretrained(str(saved_pair / "target"), str(saved_pair / "draft"), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def pool(saved_pair):
+    with ProcessPool(PairSpec(str(saved_pair / "target"), str(saved_pair / "draft"), device="cpu"), 2) as workers:
+        yield workers
+
+
+def _assert_same_tables(a: Trace, b: Trace) -> None:
+    assert set(a.arrays) == set(b.arrays)
+    for key, value in b.arrays.items():
+        if np.issubdtype(value.dtype, np.integer):
+            np.testing.assert_array_equal(a.arrays[key], value, err_msg=key)
+        else:  # the same kernels on the same CPU: equal up to float rounding
+            np.testing.assert_allclose(a.arrays[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.heavy
+def test_traces_on_processes_with_the_timing_apart(pool, local_pair, tmp_path, capsys):
+    apart, alone = tmp_path / "apart", tmp_path / "alone"
+    record_task(local_pair, TREE, PROMPTS, apart, max_new_tokens=12, profile_prompts=3, ar=True, trace_workers=pool)
+    record_task(local_pair, TREE, PROMPTS, alone, max_new_tokens=12, profile_prompts=3, ar=True)
+    got, want = Trace.load(apart), Trace.load(alone)
+    _assert_same_tables(got, want)
+    for key in ("tree", "prompts", "positions", "max_new_tokens", "eos_token_id", "device"):
+        assert got.header[key] == want.header[key], key
+    summary = json.loads((apart / CLUSTER_FILE).read_text())
+    assert {s["worker"] for s in summary["shards"]} <= {0, 1}
+    assert summary["timing_worker"]["pid"] not in {w["pid"] for w in pool.workers}
+    # the shards hold traces only; the profile and the AR timing were measured by this process, after them
+    assert not list((apart / "shards").glob("shard-*/samples.json"))
+    assert (apart / "shards" / TIMING_DIR / "samples.json").is_file()
+    profile = LatencyProfile.load(apart / "profile.json")
+    assert profile.meta["cycles"] > 0 and profile.meta.get("ar_seconds_per_token", 0) > 0
+    assert set(profile.to_dict()) == set(LatencyProfile.load(alone / "profile.json").to_dict())
+    ar = json.loads((apart / "ar.json").read_text())
+    assert ar["tokens"] > 0 and ar["prompts"] == 3 and "alone" in ar["shards"][0]["source"]
+    # a re-run records and times nothing again
+    capsys.readouterr()
+    record_task(local_pair, TREE, PROMPTS, apart, max_new_tokens=12, profile_prompts=3, ar=True, trace_workers=pool,
+                progress=True)
+    assert "resuming" in capsys.readouterr().out
+    again = json.loads((apart / CLUSTER_FILE).read_text())
+    assert again["resumed_shards"] == list(range(len(summary["shards"])))
+    _assert_same_tables(Trace.load(apart), got)
+
+
+def test_a_lost_timing_is_measured_again_and_the_shards_kept(pool, local_pair, tmp_path):
+    record_task(local_pair, TREE, PROMPTS[:4], tmp_path, max_new_tokens=8, profile_prompts=1, trace_workers=pool)
+    (tmp_path / "shards" / TIMING_DIR / "samples.json").write_text("{garbage")  # damaged after it finished
+    record_task(local_pair, TREE, PROMPTS[:4], tmp_path, max_new_tokens=8, profile_prompts=1, trace_workers=pool)
+    summary = json.loads((tmp_path / CLUSTER_FILE).read_text())
+    assert summary["resumed_shards"] == list(range(len(summary["shards"])))
+    assert LatencyProfile.load(tmp_path / "profile.json").meta["cycles"] > 0
+
+
+def test_trace_workers_of_another_pair_are_refused(pool, tmp_path):
+    from tiny import tiny_pair
+
+    with pytest.raises(ValueError, match="another pair"):
+        record_task(tiny_pair(), TREE, [[5, 17, 3, 42]], tmp_path, max_new_tokens=4, trace_workers=pool)
+    assert not (tmp_path / "trace.npz").exists()
+
+
+def test_the_heldout_trace_recorded_on_processes_is_reused(pool, local_pair, tmp_path, monkeypatch):
+    import specpilot.envs.record as record
+    from specpilot.eval.replay_eval import REPLAY_CACHE, heldout_trace, record_on_workers
+
+    record_on_workers(pool, TREE, PROMPTS, tmp_path, max_new_tokens=10)
+    ids = [local_pair.encode(p) for p in PROMPTS]
+    want = record.record_trace(local_pair, TREE, ids, max_new_tokens=10)
+
+    def must_not_record(*args, **kwargs):
+        raise AssertionError("heldout_trace recorded again instead of reusing the trace recorded on the pool")
+
+    monkeypatch.setattr(record, "record_trace", must_not_record)
+    got = heldout_trace(local_pair, TREE, ids, tmp_path, max_new_tokens=10)
+    assert got.header["recorded_by"] == REPLAY_CACHE and got.header["sharded"]["shards"] >= 2
+    _assert_same_tables(got, want)
+
+
+@pytest.mark.parametrize("device, cores, available, count", [
+    ("cpu", 2, 64 * 2**30, 2), ("cpu", 16, 64 * 2**30, 16), ("cpu", 1, 64 * 2**30, 0),
+    ("cpu", 8, 3 * 10**6, 3), ("cpu", 8, 10**6, 0), ("meta", 8, 64 * 2**30, 0)])
+def test_trace_worker_count(device, cores, available, count):
+    import torch
+
+    class Pair:  # 500,000 bytes of weights
+        target = torch.nn.Linear(125, 1000, bias=False)
+        draft = eagle = None
+
+    Pair.device = torch.device(device)
+    got, why = trace_worker_count(Pair(), cores=cores, available=available)
+    assert got == count and why
+
+
+def test_record_cli_on_processes(saved_pair, tmp_path, capsys):
+    from specpilot.cli import main
+
+    settings = ["record", "--suite", "train", "--limit", "3", "--max-new-tokens", "6", "--profile-prompts", "1",
+                "--profile-cycles", "0", "--width", "2", "--max-depth", "3", "--max-size", "6", "--target",
+                str(saved_pair / "target"), "--draft", str(saved_pair / "draft")]
+    assert main([*settings, "--out", str(tmp_path / "t"), "--processes", "2"]) == 0
+    assert "on 2 process(es) side by side" in capsys.readouterr().out
+    assert (tmp_path / "t" / "trace.npz").is_file() and (tmp_path / "t" / "shards" / TIMING_DIR / "done.json").is_file()
+    assert json.loads((tmp_path / "t" / CLUSTER_FILE).read_text())["timing_worker"]["worker"] == 0
+    code = main([*settings, "--out", str(tmp_path / "r"), "--processes", "2", "--ray", "local"])
+    err = capsys.readouterr().err
+    assert code == 2 and "give one of them" in err and "Traceback" not in err and not (tmp_path / "r").exists()
