@@ -74,6 +74,14 @@ class DemoBudget:
         (`specpilot.train.rl.seeds.run_seeds`); the one best on validation is deployed and is the only one
         fine-tuned live at T > 0 and evaluated live; every seed's ltd vs grid is replayed on the held-out trace.
         `--quick` trains 1 seed (no aggregate over seeds).
+    trace_workers: processes that record the greedy traces side by side (the record stage's train and validation
+        traces, the evaluation's held-out trace; `specpilot.train.scale.processes.ProcessPool`, one torch thread
+        each), while the latency profiles, the AR timing and every live measurement run in this process alone;
+        None: one per usable core on a CPU where the copies of the pair fit half the available memory
+        (`trace_worker_count`), 0 or 1: none (this process records). Not with an executor (Ray's workers record
+        there). A trace prompt took 3.5 s on one thread and 3.7 s on two on the 2-core AMD EPYC; two one-thread
+        processes side by side 3.97 s each: 1.8x the prompts a second. Not part of any stage's key: the traces are
+        the same either way (greedy tokens and ranks; draft scores to float round-off);
     seed_workers: seeds trained at once, each in its own process (`run_seeds(workers=...)`; None: as many as
         the CPU has cores, at most `seeds`). On the 2-core machine one seed took 169 s alone on 2 threads, two
         seeds side by side on one thread each 143 s together: the small replay networks do not use a second
@@ -141,6 +149,7 @@ class DemoBudget:
     bc_epochs: int = 20
     seeds: int = 3
     seed_workers: int | None = None
+    trace_workers: int | None = None
 
     @classmethod
     def quick(cls) -> "DemoBudget":
@@ -367,6 +376,8 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
                                      **({"eagle": eagle} if eagle else {}))
     if kept:
         pair.dtype_reason = f"{kept['reason']} (kept from this run's first start: its finished stages are reused)"
+    trace_workers = TraceWorkers(pair, target=target, draft=draft, eagle=eagle, count=budget.trace_workers,
+                                 executor=executor)
     executor = executor or LocalExecutor(pair)
     identity = {**pair.identity(), "dtype": str(pair.dtype).replace("torch.", ""),
                 "dtype_reason": getattr(pair, "dtype_reason", None)}
@@ -388,46 +399,49 @@ def run_demo(out: str | Path = "runs/demo", *, quick: bool = False, target: str 
 
     stale_training_errors = (ResumeSettingsError, BudgetPassedError)  # a resume refused: other settings, less budget
     stages = tqdm(STAGES, desc="specpilot demo", unit="stage")
-    for stage in stages:
-        stages.set_postfix_str(stage)
-        key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]},
-                   *([heldout_suite["name"], chat_template] if stage == "eval" else []))  # other prompts: again
-        previous = state.done(stage, key)
-        damage = damaged_outputs(stage, run_dir) if previous is not None else None
-        if damage:  # finished once, but a file it made is missing or corrupted now: made again, not trusted
-            tqdm.write(f"[{stage}] finished before, but {damage}: running it again")
-            previous = None
-        if previous is not None:
-            results[stage], timings[stage] = previous["result"], previous["seconds"]
-            reused.append(stage)
-            tqdm.write(f"[{stage}] reused from {state.path}")
-            continue
-        state.invalidate_after(stage)
-        resumable = state.started_with(stage) == key  # an interrupted start of these very settings
-        state.start(stage, key)
-        t0 = time.perf_counter()
-        run_stage = partial(STAGE_FUNCTIONS[stage], run_dir=run_dir, pair=pair, tree=tree, budget=budget, seed=seed,
-                            train=train, val=val, heldout=heldout, wandb=wandb, executor=executor,
-                            suite=heldout_suite)
-        try:
+    try:  # the trace-recording processes end with the stages, however they end
+        for stage in stages:
+            stages.set_postfix_str(stage)
+            key = _key(key, stage, {f: budget_fields[f] for f in STAGE_FIELDS[stage]},
+                       *([heldout_suite["name"], chat_template] if stage == "eval" else []))  # other prompts: again
+            previous = state.done(stage, key)
+            damage = damaged_outputs(stage, run_dir) if previous is not None else None
+            if damage:  # finished once, but a file it made is missing or corrupted now: made again, not trusted
+                tqdm.write(f"[{stage}] finished before, but {damage}: running it again")
+                previous = None
+            if previous is not None:
+                results[stage], timings[stage] = previous["result"], previous["seconds"]
+                reused.append(stage)
+                tqdm.write(f"[{stage}] reused from {state.path}")
+                continue
+            state.invalidate_after(stage)
+            resumable = state.started_with(stage) == key  # an interrupted start of these very settings
+            state.start(stage, key)
+            t0 = time.perf_counter()
+            run_stage = partial(STAGE_FUNCTIONS[stage], run_dir=run_dir, pair=pair, tree=tree, budget=budget, seed=seed,
+                                train=train, val=val, heldout=heldout, wandb=wandb, executor=executor,
+                                suite=heldout_suite, trace_workers=trace_workers)
             try:
+                try:
+                    results[stage] = run_stage()
+                except BaseException as err:  # Ctrl-C or an error: the resumed start's time will include this one's
+                    if not isinstance(err, stale_training_errors):  # (retried below in this start, on the same clock)
+                        state.interrupted(stage, key, time.perf_counter() - t0)
+                    raise
+            except stale_training_errors as err:
+                # training resumes its stages from checkpoints and refuses other settings (it never mixes two runs'
+                # steps); the demo's own earlier training under other settings (a --quick run's folder reused by a
+                # full one, a re-run grid that chose another static config) is set aside and training starts over
+                moved = set_aside_stale_training(run_dir) if stage == "train" and not resumable else None
+                if moved is None:
+                    raise
+                tqdm.write(f"[train] the earlier training used other settings ({one_line(err)}); its files moved to "
+                           f"{moved}, training starts over")
                 results[stage] = run_stage()
-            except BaseException as err:  # Ctrl-C or an error: the resumed start's time will include this one's
-                if not isinstance(err, stale_training_errors):  # (retried below in this start, on the same clock)
-                    state.interrupted(stage, key, time.perf_counter() - t0)
-                raise
-        except stale_training_errors as err:
-            # training resumes its stages from checkpoints and refuses other settings (it never mixes two runs'
-            # steps); the demo's own earlier training under other settings (a --quick run's folder reused by a
-            # full one, a re-run grid that chose another static config) is set aside and training starts over
-            moved = set_aside_stale_training(run_dir) if stage == "train" and not resumable else None
-            if moved is None:
-                raise
-            tqdm.write(f"[train] the earlier training used other settings ({one_line(err)}); its files moved to "
-                       f"{moved}, training starts over")
-            results[stage] = run_stage()
-        timings[stage] = state.finish(stage, key, results[stage], time.perf_counter() - t0)
-        tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
+            timings[stage] = state.finish(stage, key, results[stage], time.perf_counter() - t0)
+            tqdm.write(f"[{stage}] done in {timings[stage]:.0f}s")
+    finally:
+        trace_workers.close()
     summary = summarise(run_dir, results, timings, time.perf_counter() - started, identity, budget, reused=reused)
     atomic_write_json(run_dir / "summary.json", summary, default=str)
     _log_summary(run_dir, summary, wandb)
@@ -467,15 +481,54 @@ def damaged_outputs(stage: str, run_dir: Path) -> str | None:
     return None
 
 
+class TraceWorkers:
+    """The demo's trace-recording processes (`DemoBudget.trace_workers`): started when a stage first records a
+    trace (`get()`; None where there are none: with an executor, on an accelerator, one core, too little memory, or
+    a count below 2) and kept until `close()`, so the record stage and the evaluation share one start-up."""
+
+    def __init__(self, pair, *, target=None, draft=None, eagle=None, count: int | None = None, executor=None) -> None:
+        from specpilot.train.scale.processes import trace_worker_count
+
+        self.pair, self.pool = pair, None
+        self.spec = dict(target=target, draft=draft, eagle=eagle)
+        if executor is not None:
+            self.count, self.why = 0, "the executor's workers record"
+        elif count is None:
+            self.count, self.why = trace_worker_count(pair)
+        else:
+            self.count, self.why = int(count), "DemoBudget.trace_workers"
+
+    def get(self):
+        if self.count < 2:
+            return None
+        if self.pool is None:
+            from specpilot.train.scale.cluster import PairSpec
+            from specpilot.train.scale.processes import ProcessPool
+
+            spec = PairSpec(**self.spec, device=str(self.pair.device), threads=1,
+                            dtype=str(self.pair.dtype).replace("torch.", ""))
+            started = time.perf_counter()
+            self.pool = ProcessPool(spec, self.count)
+            tqdm.write(f"  recording traces on {self.count} processes side by side ({self.why}; one torch thread "
+                       f"each, started in {time.perf_counter() - started:.0f}s); profiles, AR timing and live "
+                       "measurements in this process alone")
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
 # -- stages --------------------------------------------------------------------------------------------------------
 
-def _record(*, run_dir, tree, budget, seed, train, val, executor, **_) -> dict:
+def _record(*, run_dir, tree, budget, seed, train, val, executor, trace_workers, **_) -> dict:
     from specpilot.train.rl.pipeline import record_traces
 
     traces = record_traces(None, run_dir / "traces", tree=tree, train_prompts=[p.prompt for p in train],
                            val_prompts=[p.prompt for p in val], max_new_tokens=budget.max_new_tokens,
                            profile_prompts=min(8, len(train)), profile_cycles=budget.profile_cycles, seed=seed,
-                           progress=True, executor=executor)
+                           progress=True, executor=executor, trace_workers=trace_workers.get())
     return {"train": str(traces.train), "validation": str(traces.validation)}
 
 
@@ -525,10 +578,12 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
-def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) -> dict:
+def _eval(*, run_dir, tree, budget, seed, heldout, executor, trace_workers, suite=None, **_) -> dict:
+    from specpilot.artifacts.trace import is_trace
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.methods import METHODS
 
+    recorded = is_trace(run_dir / "traces" / "heldout")  # (a trace there is reused or replaced by evaluation)
     result, paths = full_evaluation(
         heldout, executor=executor, tree=tree, out_dir=run_dir / "eval", trace_dir=run_dir / "traces" / "heldout",
         check_profiles={"grid search and training": profile_path(run_dir / "traces" / "train")},
@@ -540,7 +595,8 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, suite=None, **_) ->
         methods=[m for m in METHODS if m not in budget.eval_replay_only],
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods), profile_cycles=budget.profile_cycles,
-        progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite)
+        progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite,
+        trace_workers=None if recorded else trace_workers.get())
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
             "rounds": result.meta.get("rounds"), "seeds": _heldout_seeds(run_dir)}
 

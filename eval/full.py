@@ -21,6 +21,7 @@ from pathlib import Path
 
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.artifacts.profile import profile_path as profile_file
+from specpilot.artifacts.trace import is_trace
 from specpilot.drafting.executor import Executor, ShardTask, as_executor
 from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.stopping import stopping_options
@@ -28,6 +29,7 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.eval.compare import DECIDE
 from specpilot.eval.costcheck import check_records, profile_age_s
 from specpilot.eval.methods import EvalContext, replay_controllers
+from specpilot.eval.replay_eval import record_on_workers
 from specpilot.eval.report import write_report
 from specpilot.eval.runner import EvalResult, evaluate
 from specpilot.eval.suites import Prompt
@@ -47,7 +49,8 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
                     methods: list[str] | None = None, sampled_methods: list[str] | None = None, seed: int = 0,
                     tolerance: float = 0.25, prior_checks: dict[str, dict] | None = None, plots: bool = True,
                     progress: Callable[[str], None] | None = None, suite: dict | None = None,
-                    replay_only: Sequence[str] = (), **evaluate_kwargs) -> tuple[EvalResult, dict]:
+                    replay_only: Sequence[str] = (), trace_workers=None,
+                    **evaluate_kwargs) -> tuple[EvalResult, dict]:
     """Run the steps of the module docstring on `pair` in this process or on `executor` (steps 1-2 on its first
     worker, step 3 on all: `evaluate`); return (the EvalResult with replay and cost_check set, report paths).
     `trace_dir`: where the trace and the fresh profile are kept (None: not saved; with an executor it must be
@@ -55,7 +58,9 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
     run's live runs; `prior_checks`: {title: `costcheck.check_and_refresh` result} of earlier checks (e.g. before
     the grid search), reported first; `suite`: {"name", "chosen_by"} of the prompts, named in the report;
     `replay_only`: controller methods evaluated in replay only (step 4, no live runs: exact and nearly free; leave
-    them out of `methods`); `evaluate_kwargs`: the other settings of `evaluate` (top_k, decide, ...)."""
+    them out of `methods`); `trace_workers`: processes that record step 1's trace side by side into `trace_dir`
+    when it holds none (`replay_eval.record_on_workers`; the profile of step 2 is still measured alone);
+    `evaluate_kwargs`: the other settings of `evaluate` (top_k, decide, ...)."""
     say = progress or (lambda msg: None)
     started = time.perf_counter()
     prompts = list(prompts)
@@ -66,6 +71,11 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
                          "token or the budget; evaluate live only (replay=False, no --replay-dir)")
     executor = as_executor(pair, executor)
     trace = profile = lookup = None
+    if replay and trace_workers is not None and trace_dir is not None and not is_trace(trace_dir):
+        t0 = time.perf_counter()
+        record_on_workers(trace_workers, tree, [p.prompt for p in prompts], trace_dir, max_new_tokens=max_new_tokens)
+        say(f"greedy trace of {len(prompts)} prompts on {len(trace_workers)} processes side by side "
+            f"({time.perf_counter() - t0:.0f}s)")
     if replay:
         task = ShardTask(0, dict(texts=[p.prompt for p in prompts], tree=tree, trace_dir=trace_dir,
                                  max_new_tokens=max_new_tokens, profile_prompts=profile_prompts,
@@ -154,16 +164,31 @@ def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str 
     from specpilot.eval.replay_eval import heldout_trace
 
     t0 = time.perf_counter()
+    before = _created(trace_dir)
     trace = heldout_trace(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens)
     t1 = time.perf_counter()
+    how = "reused" if before is not None and trace.header.get("created") == before else f"{t1 - t0:.0f}s"
+
     profile = measure_with_ar(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed,
                               min_cycles=profile_cycles)
     if trace_dir is not None:
         profile.save(profile_file(trace_dir))
     say = progress or (lambda msg: None)
-    say(f"greedy trace of {len(ids)} prompts ({t1 - t0:.0f}s), latency profile re-measured on "
+    say(f"greedy trace of {len(ids)} prompts ({how}), latency profile re-measured on "
         f"{min(len(ids), max(1, profile_prompts))} of them ({time.perf_counter() - t1:.0f}s)")
     return trace, profile
+
+
+def _created(trace_dir: str | Path | None) -> str | None:
+    """When the trace in trace_dir was recorded (its header's "created"), None when there is none readable."""
+    from specpilot.artifacts.trace import TraceHeader
+
+    if trace_dir is None or not is_trace(trace_dir):
+        return None
+    try:
+        return TraceHeader.load(trace_dir).data.get("created")
+    except (OSError, ValueError):
+        return None
 
 
 def measure_with_ar(pair, tree: TreeConfig, ids: list[list[int]], *, max_new_tokens: int, seed: int = 0,

@@ -99,6 +99,26 @@ def heldout_trace(pair, tree: TreeConfig, ids: Sequence[Sequence[int]], out_dir:
     return trace
 
 
+def record_on_workers(trace_workers, tree: TreeConfig, texts: Sequence[str], out_dir: str | Path, *,
+                      max_new_tokens: int) -> Path:
+    """Record the greedy trace of `texts` into out_dir on the processes of `trace_workers` side by side (a
+    `specpilot.train.scale.processes.ProcessPool`: recording reads no clock), in shards of prompts merged in prompt
+    order, marked as evaluation's cache: `heldout_trace` then finds it there (same prompts, pair, tree and budget)
+    instead of recording it in one process."""
+    from specpilot.drafting.executor import ShardTask, shard_ranges
+    from specpilot.envs.record import Trace, merge_traces, record_shard
+
+    shape = {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size}
+    tasks = [ShardTask(i, {"prompts": list(texts[lo:hi]), "tree": shape, "max_new_tokens": max_new_tokens,
+                           "profile_prompts": [], "seed": [0, i], "ar": False}, list(range(lo, hi)))
+             for i, (lo, hi) in enumerate(shard_ranges(len(texts), len(trace_workers)))]
+    outcomes = trace_workers.map(record_shard, tasks)
+    trace = merge_traces([Trace(o.result["header"], o.result["arrays"]) for o in outcomes])
+    trace.header["recorded_by"] = REPLAY_CACHE  # (a pair other than the evaluation's: heldout_trace records again)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return trace.save(out_dir)
+
+
 def ar_seconds_per_token(records: Sequence[RunRecord]) -> float:
     """Decode seconds per token of the live greedy `ar` runs (wall time minus prefill, pooled)."""
     ar = [r for r in records if r.method == "ar" and r.temperature == 0.0 and r.concurrency == 1]
