@@ -522,13 +522,14 @@ class TraceWorkers:
 
 # -- stages --------------------------------------------------------------------------------------------------------
 
-def _record(*, run_dir, tree, budget, seed, train, val, executor, trace_workers, **_) -> dict:
+def _record(*, run_dir, tree, budget, seed, train, val, executor, trace_workers=None, **_) -> dict:
     from specpilot.train.rl.pipeline import record_traces
 
     traces = record_traces(None, run_dir / "traces", tree=tree, train_prompts=[p.prompt for p in train],
                            val_prompts=[p.prompt for p in val], max_new_tokens=budget.max_new_tokens,
                            profile_prompts=min(8, len(train)), profile_cycles=budget.profile_cycles, seed=seed,
-                           progress=True, executor=executor, trace_workers=trace_workers.get())
+                           progress=True, executor=executor,
+                           trace_workers=trace_workers.get() if trace_workers else None)
     return {"train": str(traces.train), "validation": str(traces.validation)}
 
 
@@ -578,7 +579,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     return json.loads(json.dumps(out, default=str))
 
 
-def _eval(*, run_dir, tree, budget, seed, heldout, executor, trace_workers, suite=None, **_) -> dict:
+def _eval(*, run_dir, tree, budget, seed, heldout, executor, trace_workers=None, suite=None, **_) -> dict:
     from specpilot.artifacts.trace import is_trace
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.methods import METHODS
@@ -596,7 +597,7 @@ def _eval(*, run_dir, tree, budget, seed, heldout, executor, trace_workers, suit
         temperatures=budget.temperatures, max_new_tokens=budget.max_new_tokens, grid=run_dir / GRID_FILE,
         run_dir=run_dir, seed=seed, sampled_methods=list(budget.sampled_methods), profile_cycles=budget.profile_cycles,
         progress=lambda msg: tqdm.write(f"  {msg}"), suite=suite,
-        trace_workers=None if recorded else trace_workers.get())
+        trace_workers=None if recorded or not trace_workers else trace_workers.get())
     return {"report": {k: str(v) for k, v in paths.items()}, "skipped": result.meta.get("skipped"),
             "rounds": result.meta.get("rounds"), "seeds": _heldout_seeds(run_dir)}
 

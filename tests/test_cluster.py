@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from specpilot.drafting.pair import ModelPair
@@ -18,9 +17,8 @@ from specpilot.eval.suites import Prompt
 from specpilot.drafting.errors import InputFileError
 from specpilot.envs.shards import CLUSTER_FILE
 from specpilot.train.grid.search import grid_search
+from sharded import PROMPTS, TREE, assert_same_tables
 
-TREE = TreeConfig(width=2, max_depth=3, max_size=6)
-PROMPTS = ["def f(x):\n    return", "def g(y):", "return x + 1", "def add(a, b):", "x = f(1)", "def h():"]
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +33,12 @@ def sharded(ray_pool, tmp_path_factory):
     return out, json.loads((out / CLUSTER_FILE).read_text())
 
 
-def _assert_same_tables(a: Trace, b: Trace) -> None:
-    assert set(a.arrays) == set(b.arrays)
-    for key, value in b.arrays.items():
-        assert a.arrays[key].dtype == value.dtype, key
-        if np.issubdtype(value.dtype, np.integer):
-            np.testing.assert_array_equal(a.arrays[key], value, err_msg=key)
-        else:  # the same kernels on the same CPU: equal up to float rounding
-            np.testing.assert_allclose(a.arrays[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-
-
 @pytest.mark.heavy
 def test_sharded_record_writes_what_a_single_process_record_writes(sharded, local_pair, tmp_path):
     out, summary = sharded
     record_task(local_pair, TREE, PROMPTS, tmp_path, max_new_tokens=12, profile_prompts=4)
     got, want = Trace.load(out), Trace.load(tmp_path)
-    _assert_same_tables(got, want)
+    assert_same_tables(got, want)
     for key in ("pair", "tree", "prompts", "positions", "max_new_tokens", "eos_token_id", "device"):
         assert got.header[key] == want.header[key], key
     profile = LatencyProfile.load(out / "profile.json")
@@ -70,7 +58,7 @@ def test_a_rerun_resumes_from_the_shards_already_written(sharded, ray_pool):
     record_task(None, TREE, PROMPTS, out, max_new_tokens=12, profile_prompts=4, ar=True, executor=ray_pool)
     again = json.loads((out / CLUSTER_FILE).read_text())
     assert again["resumed_shards"] == [i for i in range(len(summary["shards"])) if i != 2]
-    _assert_same_tables(Trace.load(out), before)
+    assert_same_tables(Trace.load(out), before)
 
 
 def test_shards_of_another_recording_are_refused(sharded, ray_pool):
@@ -170,7 +158,7 @@ def test_a_failed_shard_is_retried_and_its_prompts_reported(ray_pool, local_pair
     assert summary["retried_prompts"] == [1]
     shard = summary["shards"][1]
     assert shard["attempts"] == 2 and f"{verb}" in shard["retried"]
-    _assert_same_tables(Trace.load(tmp_path), record_trace(local_pair, TREE, PROMPTS[:4], max_new_tokens=8))
+    assert_same_tables(Trace.load(tmp_path), record_trace(local_pair, TREE, PROMPTS[:4], max_new_tokens=8))
     record_task(None, TREE, PROMPTS[:4], tmp_path / "after", max_new_tokens=8, profile_prompts=1, executor=ray_pool)
     assert json.loads((tmp_path / "after" / CLUSTER_FILE).read_text())["retried_prompts"] == []  # the pool still has working workers
 

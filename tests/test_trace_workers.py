@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from specpilot.drafting.pair import ModelPair
-from specpilot.drafting.types import TreeConfig
 from specpilot.envs.profile import LatencyProfile
 from specpilot.envs.record import TIMING_DIR, Trace, record_task
 from specpilot.envs.shards import CLUSTER_FILE
 from specpilot.train.scale.cluster import PairSpec
 from specpilot.train.scale.processes import ProcessPool, trace_worker_count
-
-TREE = TreeConfig(width=2, max_depth=3, max_size=6)
-PROMPTS = ["def f(x):\n    return", "def g(y):", "return x + 1", "def add(a, b):", "x = f(1)", "def h():"]
+from sharded import PROMPTS, TREE, assert_same_tables
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +28,13 @@ def pool(saved_pair):
         yield workers
 
 
-def _assert_same_tables(a: Trace, b: Trace) -> None:
-    assert set(a.arrays) == set(b.arrays)
-    for key, value in b.arrays.items():
-        if np.issubdtype(value.dtype, np.integer):
-            np.testing.assert_array_equal(a.arrays[key], value, err_msg=key)
-        else:  # the same kernels on the same CPU: equal up to float rounding
-            np.testing.assert_allclose(a.arrays[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-
-
 @pytest.mark.heavy
 def test_traces_on_processes_with_the_timing_apart(pool, local_pair, tmp_path, capsys):
     apart, alone = tmp_path / "apart", tmp_path / "alone"
     record_task(local_pair, TREE, PROMPTS, apart, max_new_tokens=12, profile_prompts=3, ar=True, trace_workers=pool)
     record_task(local_pair, TREE, PROMPTS, alone, max_new_tokens=12, profile_prompts=3, ar=True)
     got, want = Trace.load(apart), Trace.load(alone)
-    _assert_same_tables(got, want)
+    assert_same_tables(got, want)
     for key in ("tree", "prompts", "positions", "max_new_tokens", "eos_token_id", "device"):
         assert got.header[key] == want.header[key], key
     summary = json.loads((apart / CLUSTER_FILE).read_text())
@@ -68,7 +55,7 @@ def test_traces_on_processes_with_the_timing_apart(pool, local_pair, tmp_path, c
     assert "resuming" in capsys.readouterr().out
     again = json.loads((apart / CLUSTER_FILE).read_text())
     assert again["resumed_shards"] == list(range(len(summary["shards"])))
-    _assert_same_tables(Trace.load(apart), got)
+    assert_same_tables(Trace.load(apart), got)
 
 
 def test_a_lost_timing_is_measured_again_and_the_shards_kept(pool, local_pair, tmp_path):
@@ -102,7 +89,7 @@ def test_the_heldout_trace_recorded_on_processes_is_reused(pool, local_pair, tmp
     monkeypatch.setattr(record, "record_trace", must_not_record)
     got = heldout_trace(local_pair, TREE, ids, tmp_path, max_new_tokens=10)
     assert got.header["recorded_by"] == REPLAY_CACHE and got.header["sharded"]["shards"] >= 2
-    _assert_same_tables(got, want)
+    assert_same_tables(got, want)
 
 
 @pytest.mark.parametrize("device, cores, available, count", [
