@@ -168,7 +168,6 @@ def prepare_replay(pair, tree: TreeConfig, ids: list[list[int]], trace_dir: str 
     trace = heldout_trace(pair, tree, ids, trace_dir, max_new_tokens=max_new_tokens)
     t1 = time.perf_counter()
     how = "reused" if before is not None and trace.header.get("created") == before else f"{t1 - t0:.0f}s"
-
     profile = measure_with_ar(pair, tree, ids[: max(1, profile_prompts)], max_new_tokens=max_new_tokens, seed=seed,
                               min_cycles=profile_cycles)
     if trace_dir is not None:

@@ -109,9 +109,10 @@ def record_on_workers(trace_workers, tree: TreeConfig, texts: Sequence[str], out
     from specpilot.envs.record import Trace, merge_traces, record_shard
 
     shape = {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size}
+    # one prompt a shard: no process idles at the end while another records a long last shard
     tasks = [ShardTask(i, {"prompts": list(texts[lo:hi]), "tree": shape, "max_new_tokens": max_new_tokens,
                            "profile_prompts": [], "seed": [0, i], "ar": False}, list(range(lo, hi)))
-             for i, (lo, hi) in enumerate(shard_ranges(len(texts), len(trace_workers)))]
+             for i, (lo, hi) in enumerate(shard_ranges(len(texts), len(trace_workers), 1))]
     outcomes = trace_workers.map(record_shard, tasks)
     trace = merge_traces([Trace(o.result["header"], o.result["arrays"]) for o in outcomes])
     trace.header["recorded_by"] = REPLAY_CACHE  # (a pair other than the evaluation's: heldout_trace records again)
