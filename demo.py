@@ -93,7 +93,8 @@ class DemoBudget:
     at T=1, PPO in replay ~500-1000 env steps/s. The evaluation's floor is not eval_budget_s: every prompt runs at
     least two rounds at T=0 (the first with every live method) and eval_sampled_min_rounds at T > 0, so its cost
     grows with heldout_prompts x max_new_tokens x methods. Quiet-machine estimates in brackets:
-    - record: 77 train + 21 validation prompts x 48 positions [98 x 2.35 s + two profiles ~0.4 min: ~4.3 min;
+    - record: 77 train + 21 validation prompts x 48 positions [98 x 2.35 s + two profiles ~0.4 min: ~4.3 min
+      before the traces were recorded side by side (`trace_workers`) and one profile shared by the splits;
       ar.json's live AR timing is taken from the recording's own greedy generations (it was a second AR pass over
       every prompt, ~1.2 min)]. More prompts, fewer tokens each: more varied training states for the same cost;
       the prefill is ~5% of a 48-token generation and dilutes every method's speedup alike;
@@ -528,7 +529,7 @@ def _record(*, run_dir, tree, budget, seed, train, val, executor, trace_workers=
     traces = record_traces(None, run_dir / "traces", tree=tree, train_prompts=[p.prompt for p in train],
                            val_prompts=[p.prompt for p in val], max_new_tokens=budget.max_new_tokens,
                            profile_prompts=min(8, len(train)), profile_cycles=budget.profile_cycles, seed=seed,
-                           progress=True, executor=executor,
+                           progress=True, executor=executor, shared_profile=True,
                            trace_workers=trace_workers.get() if trace_workers else None)
     return {"train": str(traces.train), "validation": str(traces.validation)}
 

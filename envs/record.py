@@ -357,7 +357,7 @@ def record_trace(pair, tree_config, prompts, *, max_new_tokens: int = 128, progr
 def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_tokens: int = 128,
                 profile_prompts: int | None = None, profile_cycles: int = 0, seed: int = 0, progress: bool = False,
                 executor=None, ar: bool = False, shard_size: int | None = None,
-                trace_workers=None) -> tuple[Path, Path]:
+                trace_workers=None, measure: bool = True) -> tuple[Path, Path]:
     """Write out_dir/trace.npz + trace.json and out_dir/profile.json (and ar.json when `ar`: the live
     autoregressive timing of the prompts); return (trace dir, profile path).
 
@@ -372,13 +372,18 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
     ProcessPool`, one torch thread each): they record the traces' shards side by side, and the latency profile and
     the AR timing, which read clocks, are measured afterwards on `pair` / `executor` alone (OUT/shards/timing/; with
     `ar`, ar.json then times the AR generations of the profile prompts, one after each prompt's profile cycles).
-    Recording reads no clock, so the trace is the same either way (its pair is checked to be the same)."""
+    Recording reads no clock, so the trace is the same either way (its pair is checked to be the same).
+
+    measure=False records the trace only (no profile.json, no ar.json; profile_prompts, profile_cycles and ar are
+    then unused): for a split that takes the latency profile measured with another split (`record_traces`)."""
     out_dir = check_recording_writable(out_dir)  # before minutes of recording
+    if not measure:
+        profile_cycles, ar = 0, False
     executor = as_executor(pair, executor)
     apart = trace_workers is not None  # the clocks apart from the recording processes
     recorders = trace_workers if apart else executor
     items = [getattr(p, "prompt", p) for p in prompts]
-    n_profile = len(items) if not profile_prompts else min(int(profile_prompts), len(items))
+    n_profile = 0 if not measure else len(items) if not profile_prompts else min(int(profile_prompts), len(items))
     tree = {"width": tree_config.width, "max_depth": tree_config.max_depth, "max_size": tree_config.max_size}
     worker = executor.workers[0]
     if apart:
@@ -390,8 +395,9 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
         # given relatively, absolutely or copied elsewhere resumes the shards already recorded
         parts = dict(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile_prompts=n_profile, seed=seed,
                      ar=ar, profile_cycles=int(profile_cycles), shards=[list(r) for r in ranges],
-                     **sh.pair_content(worker["pair"], worker.get("dtype")), **({"timing": "apart"} if apart else {}))
-        if apart:  # (shards without profile samples: never those of a recording that timed in its shards)
+                     **sh.pair_content(worker["pair"], worker.get("dtype")), **({"timing": "apart"} if apart else {}),
+                     **({} if measure else {"measure": False}))
+        if apart or not measure:  # (shards without profile samples: never those of a recording that timed in them)
             return sh.plan_key(**parts), sh.plan_fields(**parts), ()
         legacy = sh.plan_key(prompts=items, tree=tree, max_new_tokens=max_new_tokens, profile=n_profile, seed=seed,
                              ar=ar, ranges=ranges, pair=worker["pair"],
@@ -427,7 +433,7 @@ def record_task(pair, tree_config, prompts, out_dir: str | Path, *, max_new_toke
                   on_done=lambda task, outcome: write_shard(dirs[task.shard], outcome, key, ranges[task.shard],
                                                              plan=plan))
     timing = None
-    if apart:  # every recording process is idle now: the clocks are read by one process alone
+    if apart and measure:  # every recording process is idle now: the clocks are read by one process alone
         timing = out_dir / sh.SHARDS_DIR / TIMING_DIR
         done = sh.read_done(timing, key, plan=plan)
         if done is not None and (why := _unreadable_shard(timing, samples=True, ar=ar, trace=False)) is not None:

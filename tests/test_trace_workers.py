@@ -120,3 +120,23 @@ def test_record_cli_on_processes(saved_pair, tmp_path, capsys):
     code = main([*settings, "--out", str(tmp_path / "r"), "--processes", "2", "--ray", "local"])
     err = capsys.readouterr().err
     assert code == 2 and "give one of them" in err and "Traceback" not in err and not (tmp_path / "r").exists()
+
+
+def test_the_splits_share_one_measured_profile(pool, local_pair, tmp_path):
+    from specpilot.train.rl.traces import TaskTraces, record_traces
+
+    traces = record_traces(local_pair, tmp_path, train_prompts=PROMPTS[:4], val_prompts=PROMPTS[4:], tree=TREE,
+                           max_new_tokens=8, profile_prompts=1, trace_workers=pool, shared_profile=True)
+    TaskTraces.resolve(tmp_path)  # the contract of the two splits and their profiles holds
+    train = LatencyProfile.load(traces.train / "profile.json")
+    val = LatencyProfile.load(traces.validation / "profile.json")
+    assert val.meta.pop("shared_from") == str(traces.train) and val.to_dict() == train.to_dict()
+    assert json.loads((traces.validation / "ar.json").read_text())["shared_from"] == str(traces.train)
+    assert not (traces.validation / "shards" / TIMING_DIR).exists()  # measured once, with the train split
+    assert Trace.load(traces.validation).num_prompts == 2
+
+
+def test_a_trace_without_measuring(local_pair, tmp_path):
+    record_task(local_pair, TREE, PROMPTS[:2], tmp_path, max_new_tokens=6, ar=True, measure=False)
+    assert Trace.load(tmp_path).num_prompts == 2
+    assert not (tmp_path / "profile.json").exists() and not (tmp_path / "ar.json").exists()

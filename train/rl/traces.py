@@ -128,11 +128,14 @@ def _shown(key: str, value) -> str:
 def record_traces(pair, out_dir: str | Path, *, train_prompts: Sequence, val_prompts: Sequence,
                   tree: TreeConfig | None = None, max_new_tokens: int = 64, profile_prompts: int | None = 8,
                   profile_cycles: int = 0, seed: int = 0, progress: bool = False, executor=None,
-                  trace_workers=None) -> TaskTraces:
+                  trace_workers=None, shared_profile: bool = False) -> TaskTraces:
     """Record out_dir/train and out_dir/validation (trace + latency profile + live AR timing, `ar.json`) on `pair`
     in this process or on `executor` (e.g. a Ray WorkerPool; `specpilot.envs.record.record_task`); `trace_workers`
     (a `specpilot.train.scale.processes.ProcessPool`) records the traces side by side and leaves the timing to
-    `pair` / `executor` alone.
+    `pair` / `executor` alone. shared_profile: the latency profile and AR timing are measured once, with the train
+    split, and the validation split gets a copy (meta "shared_from"): one cost model of the machine behind grid
+    search, training and validation (the demo's cost check refreshes both with one measurement too), one
+    measurement less (~1 min of the demo on the 2-core CPU).
 
     Prompts are strings or token-id lists (callers resolve suite names: `specpilot.eval.suites.load_suite`); the
     recorded tree defaults to TreeConfig with max_size raised to the largest size action of the device.
@@ -149,5 +152,20 @@ def record_traces(pair, out_dir: str | Path, *, train_prompts: Sequence, val_pro
         prompts = [getattr(p, "prompt", p) for p in prompts]
         record_task(None, tree, prompts, path, max_new_tokens=max_new_tokens, profile_prompts=profile_prompts,
                     profile_cycles=profile_cycles, seed=seed, progress=progress, executor=executor, ar=True,
-                    trace_workers=trace_workers)
+                    trace_workers=trace_workers, measure=not (shared_profile and path == out.validation))
+    if shared_profile:
+        share_profile(out.train, out.validation)
     return out
+
+
+def share_profile(source: Path, to: Path) -> None:
+    """Copy source's profile.json and ar.json to the trace folder `to`, each marked with where it was measured."""
+    from specpilot.drafting.files import atomic_write_json
+    from specpilot.envs.profile import LatencyProfile
+
+    profile = LatencyProfile.load(profile_path(source))
+    profile.meta["shared_from"] = str(source)
+    profile.save(profile_path(to))
+    if (source / AR_FILE).is_file():
+        ar = read_json(source / AR_FILE, what="AR timing (ar.json)", fix="record the traces again")
+        atomic_write_json(to / AR_FILE, {**ar, "shared_from": str(source)})
