@@ -509,7 +509,15 @@ class TraceWorkers:
             spec = PairSpec(**self.spec, device=str(self.pair.device), threads=1,
                             dtype=str(self.pair.dtype).replace("torch.", ""))
             started = time.perf_counter()
-            self.pool = ProcessPool(spec, self.count)
+            try:
+                self.pool = ProcessPool(spec, self.count)
+            except Exception as err:  # (e.g. memory): the traces are recorded in this process instead, as before
+                from specpilot.drafting.errors import one_line
+
+                self.count = 0
+                tqdm.write(f"  the trace-recording processes did not start ({one_line(err)}): recording in this "
+                           "process")
+                return None
             tqdm.write(f"  recording traces on {self.count} processes side by side ({self.why}; one torch thread "
                        f"each, started in {time.perf_counter() - started:.0f}s); profiles, AR timing and live "
                        "measurements in this process alone")

@@ -140,3 +140,15 @@ def test_a_trace_without_measuring(local_pair, tmp_path):
     record_task(local_pair, TREE, PROMPTS[:2], tmp_path, max_new_tokens=6, ar=True, measure=False)
     assert Trace.load(tmp_path).num_prompts == 2
     assert not (tmp_path / "profile.json").exists() and not (tmp_path / "ar.json").exists()
+
+
+def test_a_pool_whose_pair_cannot_load_fails_with_its_error(local_pair, tmp_path, capsys):
+    from specpilot.demo import TraceWorkers
+
+    # the process that fails aborts the start barrier: the others stop waiting, and the load error is raised
+    with pytest.raises(Exception, match="missing"):
+        ProcessPool(PairSpec(str(tmp_path / "missing"), str(tmp_path / "missing"), device="cpu"), 2)
+    # the demo then records in its own process instead
+    workers = TraceWorkers(local_pair, target=str(tmp_path / "missing"), draft=str(tmp_path / "missing"), count=2)
+    assert workers.get() is None and workers.count == 0
+    assert "did not start" in capsys.readouterr().out

@@ -19,6 +19,7 @@ retry (a failure on this machine repeats).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Callable
 
@@ -53,7 +54,6 @@ _SETUP: tuple | None = None  # in a pool process: (spec, index, barrier), set by
 def _init(spec: PairSpec, counter, barrier, parent: int) -> None:
     """Initializer of a pool process: its number, Ctrl-C left to the main process, a watch on the main process."""
     import signal
-    import threading
 
     global _SETUP
     with counter.get_lock():
@@ -75,7 +75,11 @@ def _start() -> dict:
     process of its own), describe the worker."""
     global _WORKER
     spec, index, barrier = _SETUP
-    _WORKER = _ProcessWorker(spec, index)
+    try:
+        _WORKER = _ProcessWorker(spec, index)
+    except BaseException:
+        barrier.abort()  # the others stop waiting at once: the pool fails with this error, not a timeout
+        raise
     barrier.wait(START_TIMEOUT_S)
     return describe_worker(_WORKER.pair, index)
 
@@ -103,6 +107,9 @@ class ProcessPool:
                                          initargs=(spec, *self._sync, os.getpid()))
         try:
             futures = [self._pool.submit(_start) for _ in range(int(workers))]
+            errors = [err for f in futures if (err := f.exception()) is not None]
+            if errors:  # the load error itself, not the others' broken barrier
+                raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
             self.workers: list[dict] = sorted((f.result() for f in futures), key=lambda w: w["worker"])
             self._interrupted = False
         except BaseException:
