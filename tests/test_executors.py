@@ -148,7 +148,9 @@ def test_demo_on_ray_writes_the_files_of_the_demo_without_it(ray_pool, saved_pai
     local, ray = tmp_path / "local", tmp_path / "ray"
     # profile.stale.json is kept only when the cost-model check (in the driver) finds the profile stale: an outcome
     # of the measurement on this noisy machine, not of the executor
-    assert sorted(f for f in files(local) ^ files(ray) if not f.endswith(".stale.json")) == []
+    # traces/*/shards/ is a recording's resumption state, laid out by how it recorded: Ray's shards time their own
+    # profile samples; the local demo's trace processes leave the timing to shards/timing/ (measured alone)
+    assert sorted(f for f in files(local) ^ files(ray) if not f.endswith(".stale.json") and "/shards/" not in f) == []
     # likewise the cost-model check's outcome (whether it found the profile stale and acted: its "action" and
     # "(re-measured)" keys) is a measurement in the driver, seen to differ between two runs of this test on one
     # loaded machine at the same code; a profile the check found stale is re-measured in the driver, in the
