@@ -112,3 +112,13 @@ def test_a_damaged_demo_state_entry_reruns_its_stage(tmp_path, entry):
     assert DemoState(tmp_path).done("record", "k") is None
     (tmp_path / "demo_state.json").write_text(json.dumps({"record": {"key": "k", "result": {}, "seconds": 1.0}}))
     assert DemoState(tmp_path).done("record", "k") == {"key": "k", "result": {}, "seconds": 1.0}
+
+
+def test_a_users_wandb_run_id_gives_each_seed_worker_its_own_run(traces, tmp_path, monkeypatch):  # noqa: F811
+    """$WANDB_RUN_ID names one run: the seed workers each log into a run of their own, derived from it."""
+    monkeypatch.setenv("WANDB_RUN_ID", "mine")
+    run_seeds(tmp_path, traces, seeds=2, workers=2, size_steps=64, depth_steps=64, rounds=0,
+              options=_options(seed=5), size_actions=[2, 4, 8], wandb="offline")
+    for k in range(2):
+        runs = [p.name for p in (tmp_path / f"seed{k}" / "wandb").glob("offline-run-*")]
+        assert len(runs) == 1 and runs[0].endswith(f"-mine-seed{k}-run"), runs

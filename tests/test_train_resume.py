@@ -439,3 +439,19 @@ def test_an_interrupt_while_wandb_starts_leaves_no_orphan_run(tmp_path, monkeypa
         rerun = run_logger.wandb_run.id
     assert len(seen[0]) == 8 and rerun == seen[0]
     assert json.loads((tmp_path / "wandb" / "run_ids.json").read_text()) == {"train size": seen[0]}
+
+
+def test_a_users_wandb_run_id_names_the_command_and_the_other_runs_derive_from_it(tmp_path, monkeypatch):
+    from specpilot.train.rl import logging as run_logging
+
+    monkeypatch.setenv("WANDB_RUN_ID", "mine")
+    monkeypatch.setenv("WANDB_NAME", "named")
+    monkeypatch.setattr(run_logging, "_USER_ID_TAKEN", set())
+    got = []
+    for folder, config in ((tmp_path / "seed0", {"pipeline": True}), (tmp_path / "run", {"stage": "sampled_T1"}),
+                           (tmp_path / "run", {"command": "demo"}), (tmp_path / "run", {"command": "eval"})):
+        with RunLogger(folder, config, mode="offline") as run_logger:
+            run_logger.log({"s/val/score": 1.0}, step=1)
+            got.append((run_logger.wandb_run.id, run_logger.wandb_run.name))
+    assert got == [("mine-seed0-run", "named-seed0-run"), ("mine-run-sampled_T1", "named-run-sampled_T1"),
+                   ("mine", "named"), ("mine-run-eval", "named-run-eval")]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import warnings
 from collections import defaultdict
@@ -78,6 +79,19 @@ def _usable_cache(fallback: Path):
 
 
 RUN_IDS_FILE = "run_ids.json"  # RUN/wandb/run_ids.json: {command or stage: wandb run id}, so a resume continues it
+_USER_ID_TAKEN: set[str] = set()  # the user's $WANDB_RUN_ID once a command's run in this process has taken it
+
+
+def derived_run_id(user_id: str, run_dir: Path, key: str, *, command: bool) -> str | None:
+    """The wandb id of a run when the user set $WANDB_RUN_ID: None (the user's id itself) for the first command's
+    run of this process, else `<user id>-<run folder name>-<command or stage>` (wandb's reserved characters
+    replaced). A command starts several runs (`train all --seeds 3`: one per seed, in worker processes; the demo:
+    seeds, sampled stages and its summary): each gets its own id, derived from the user's so they are found
+    together, instead of all of them writing into one run."""
+    if command and user_id not in _USER_ID_TAKEN:
+        _USER_ID_TAKEN.add(user_id)
+        return None
+    return f"{user_id}-" + re.sub(r"[^A-Za-z0-9_.+=-]+", "_", f"{run_dir.name}-{key}")
 
 
 class RunLogger:
@@ -86,9 +100,11 @@ class RunLogger:
     Both start with the first record, so a command refused before it logs anything leaves neither (nor a wandb run).
     The wandb run's id is kept per command (or stage) in RUN/wandb/run_ids.json: the same command on the same run
     folder (a `--resume`) continues that run (`resume="allow"`) instead of starting another. $WANDB_PROJECT,
-    $WANDB_NAME and $WANDB_RUN_ID are honoured. Online, a server that cannot be reached within
-    ONLINE_INIT_TIMEOUT_S falls back to offline logging in the run folder (`wandb sync` uploads it later): nothing
-    logged is lost. resume=False starts a new wandb run each time (`specpilot eval` into a folder it wrote before)."""
+    $WANDB_NAME and $WANDB_RUN_ID are honoured: the user's id names the command's run, and the other runs the
+    command starts (seeds, stages) get ids derived from it (`derived_run_id`). Online, a server that cannot be
+    reached within ONLINE_INIT_TIMEOUT_S falls back to offline logging in the run folder (`wandb sync` uploads it
+    later): nothing logged is lost. resume=False starts a new wandb run each time (`specpilot eval` into a folder it
+    wrote before)."""
 
     def __init__(self, run_dir: str | Path, config: dict | None = None, mode: str | None = None, *,
                  project: str | None = None, name: str | None = None, resume: bool = True,
@@ -147,9 +163,15 @@ class RunLogger:
             return None
         key = str(self.config.get("command") or self.config.get("stage") or "run")
         ids = self._saved_ids()
-        saved = None if os.environ.get("WANDB_RUN_ID") or not self.resume else ids.get(key)
+        user_id, name = os.environ.get("WANDB_RUN_ID"), self.name
+        derived = user_id and derived_run_id(user_id, self.run_dir, key, command="command" in self.config)
+        if derived and os.environ.get("WANDB_NAME"):
+            name = f"{name}{derived.removeprefix(user_id)}"  # the user's name, told apart like the ids
+        # the user's id is passed explicitly: wandb reads $WANDB_RUN_ID once per process, not at every init
+        saved = derived or user_id or (ids.get(key) if self.resume else None)
+        resume = (os.environ.get("WANDB_RESUME") or "allow") if user_id and not derived else "allow"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if saved is None and not os.environ.get("WANDB_RUN_ID"):
+        if saved is None:
             # the id is chosen and kept before wandb starts: a run interrupted while wandb starts (its folder made,
             # its id not yet returned) is continued by the rerun, not left as an orphan beside a new one
             saved = new_run_id()
@@ -157,8 +179,8 @@ class RunLogger:
 
         def start(mode: str):
             settings = wandb.Settings(silent=True, console="off", init_timeout=ONLINE_INIT_TIMEOUT_S)
-            return wandb.init(project=self.project, name=self.name, dir=str(self.run_dir), mode=mode,
-                              config=self.config, id=saved, resume="allow" if saved else None,
+            return wandb.init(project=self.project, name=name, dir=str(self.run_dir), mode=mode,
+                              config=self.config, id=saved, resume=resume,
                               allow_val_change=True, reinit="create_new", settings=settings)
 
         try:
