@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-dir", type=output_dir, default=None,
                         help="record (or reuse) greedy traces of the prompts here and report exact replay beside "
                              "live (default: no replay)")
+    parser.add_argument("--processes", type=non_negative_int, default=0,
+                        help="with --replay-dir: record its greedy trace on N local processes side by side (one "
+                             "torch thread each; recording reads no clock), then measure everything else in this "
+                             "process alone (default: 0, this process records; not with --ray)")
     parser.add_argument("--check-profile", action="append", default=[], metavar="PROFILE_JSON",
                         help="with --replay-dir: check this latency profile against the live runs (repeatable; "
                              "default: none)")
@@ -171,6 +175,11 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     if ending and args.replay_dir:
         raise ValueError(f"--replay-dir cannot be combined with {', '.join(ending)}: replay's traces are greedy "
                          "decodings to the end token or --max-new-tokens; drop one of them")
+    if args.processes and not args.replay_dir:
+        raise ValueError("--processes records the --replay-dir trace on processes side by side: give --replay-dir, "
+                         "or drop --processes (live measurements always run in this process alone)")
+    if args.processes and getattr(args, "ray", None):
+        raise ValueError("--processes records on local processes and --ray on Ray workers: give one of them")
     if args.check_profile and not args.replay_dir:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
     for path in args.check_profile:
@@ -253,6 +262,14 @@ def check_replay_dir(replay_dir, identity: dict, *, tree=None, max_new_tokens: i
         check_replaceable_trace(replay_dir, tree=tree, max_new_tokens=max_new_tokens, num_prompts=num_prompts)
 
 
+def _records_trace(args: argparse.Namespace) -> bool:
+    """Whether --processes has a trace to record: --replay-dir holds none yet (a trace there is reused, or recorded
+    again in this process when it was made for other prompts)."""
+    from specpilot.artifacts.trace import is_trace
+
+    return args.processes >= 2 and args.replay_dir is not None and not is_trace(args.replay_dir)
+
+
 def check_batch_options(args: argparse.Namespace) -> None:
     """--batch-sizes runs the batched evaluation (in this process): options it cannot honour are refused."""
     conflicts = [o for o, given in (("--replay-dir", args.replay_dir), ("--check-profile", args.check_profile),
@@ -270,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.executor import LocalExecutor, prompt_lengths
     from specpilot.drafting.folder_lock import output_lock
     from specpilot.drafting.stopping import check_stop_token_ids
+    from specpilot.envs.cli import trace_processes
     from specpilot.eval.full import full_evaluation
     from specpilot.eval.inputs import EvalInputError, check_inputs_pair, check_methods
     from specpilot.eval.methods import assisted_refusal_on
@@ -281,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
             return run_batches(args, plan)
     with output_lock(args.out, what="--out"), \
             output_lock(args.replay_dir, what="--replay-dir") if args.replay_dir else nullcontext(), \
-            open_executor(args) as executor:
+            open_executor(args) as executor, \
+            trace_processes(executor, args) if _records_trace(args) else nullcontext() as processes:
         if isinstance(executor, LocalExecutor):  # the tree fits the drafter (width <= its vocabulary)
             SpeculativeDecoder(executor.pair, plan.tree)
         identity = executor.workers[0]["pair"]
@@ -323,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
             plots=not args.no_plots, progress=say, top_k=args.top_k, top_p=args.top_p, min_rounds=args.min_rounds,
             max_rounds=args.max_rounds, target_half_width=args.target_half_width, decide=plan.decide,
             warmup=args.warmup, concurrency=args.concurrency, suite=plan.suite, stop_strings=args.stop,
-            stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos)
+            stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, trace_workers=processes)
     for name, reason in result.meta["skipped"].items():
         say(f"skipped {name}: {reason}")
     if result.meta["executor"]["retried_prompts"]:

@@ -152,3 +152,32 @@ def test_a_pool_whose_pair_cannot_load_fails_with_its_error(local_pair, tmp_path
     workers = TraceWorkers(local_pair, target=str(tmp_path / "missing"), draft=str(tmp_path / "missing"), count=2)
     assert workers.get() is None and workers.count == 0
     assert "did not start" in capsys.readouterr().out
+
+
+def test_eval_cli_records_its_replay_trace_on_processes(saved_pair, tmp_path, capsys):
+    from specpilot.artifacts.trace import TraceHeader
+    from specpilot.cli import main
+    from specpilot.eval.replay_eval import REPLAY_CACHE
+
+    suite = tmp_path / "suite.txt"
+    suite.write_text("def f(x):\ndef g(y):\nclass A:\n")
+    settings = ["eval", "--suite", str(suite), "--target", str(saved_pair / "target"), "--draft",
+                str(saved_pair / "draft"), "--width", "2", "--max-depth", "2", "--max-size", "4", "--methods", "fixed",
+                "--temperatures", "0", "--rounds", "1", "--max-new-tokens", "4", "--no-plots", "--replay-dir",
+                str(tmp_path / "t"), "--processes", "2"]
+    assert main([*settings, "--out", str(tmp_path / "e")]) == 0
+    assert "greedy trace of 3 prompts on 2 processes side by side" in capsys.readouterr().err
+    assert TraceHeader.load(tmp_path / "t").data["recorded_by"] == REPLAY_CACHE
+    assert main([*settings, "--out", str(tmp_path / "e2")]) == 0  # the trace is reused: no processes started
+    assert "side by side" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, fragment", [([], "give --replay-dir"),
+                                               (["--replay-dir", "{tmp}/t", "--ray", "local"], "give one of them")])
+def test_eval_processes_without_a_trace_to_record_is_refused(tmp_path, capsys, options, fragment):
+    from specpilot.cli import main
+
+    options = [o.replace("{tmp}", str(tmp_path)) for o in options]
+    code = main(["eval", "--methods", "fixed", "--out", str(tmp_path / "e"), "--processes", "2", *options])
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and "Traceback" not in err and not (tmp_path / "e").exists()
