@@ -82,10 +82,11 @@ class DemoBudget:
         there). A trace prompt took 3.5 s on one thread and 3.7 s on two on the 2-core AMD EPYC; two one-thread
         processes side by side 3.97 s each: 1.8x the prompts a second. Not part of any stage's key: the traces are
         the same either way (greedy tokens and ranks; draft scores to float round-off);
-    seed_workers: seeds trained at once, each in its own process (`run_seeds(workers=...)`; None: as many as
-        the CPU has cores, at most `seeds`). On the 2-core machine one seed took 169 s alone on 2 threads, two
-        seeds side by side on one thread each 143 s together: the small replay networks do not use a second
-        thread, so 3 seeds take about two seeds' time.
+    seed_workers: seeds trained at once, each in its own process (`run_seeds(workers=...)`; None:
+        `seeds.seed_worker_count(seeds, usable cores)`, the count whose schedule ends first: 3 on 2 cores, all
+        seeds at once, not two waves with a core idle in the second). On the 2-core machine one seed took 169 s
+        alone on 2 threads, two seeds side by side on one thread each 143 s together: the small replay networks
+        do not use a second thread; 3 seeds on 3 processes took 0.81x the time of 2 processes in two waves.
 
     Time (the full run must fit ~25 minutes on a quiet 2-core CPU). Unit costs of the embedded pair (fp32, 2
     threads), read from the quiet parts of the 06ba190 run's log: a recorded trace prompt (48 positions of the full
@@ -563,7 +564,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
     from specpilot.train.rl.pipeline import TaskTraces, TrainOptions
     from specpilot.train.rl.ppo import PPOOverrides
     from specpilot.train.rl.sampled import train_sampled
-    from specpilot.train.rl.seeds import run_seeds
+    from specpilot.train.rl.seeds import run_seeds, seed_worker_count
 
     traces = TaskTraces(run_dir / "traces" / "train", run_dir / "traces" / "validation")
     ppo = PPOOverrides(n_steps=budget.n_steps, batch_size=budget.batch_size, n_epochs=budget.n_epochs,
@@ -572,7 +573,7 @@ def _train(*, run_dir, pair, budget, seed, wandb, train, **_) -> dict:
                            bc_iters=budget.bc_iters, bc_epochs=budget.bc_epochs)
     # budget.seeds whole pipelines in replay (RUN/seed<k>/, seed + k), the best on validation deployed to
     # RUN/policies.json; RUN/seeds.json has every seed's validation ratio over the grid's best
-    workers = budget.seed_workers or min(budget.seeds, usable_cores())
+    workers = budget.seed_workers or seed_worker_count(budget.seeds, usable_cores())
     out = run_seeds(run_dir, traces, seeds=budget.seeds, options=options, workers=workers,
                     progress=lambda msg: tqdm.write(f"  {msg}"), size_steps=budget.size_steps,
                     depth_steps=budget.depth_steps, coadapt_steps=budget.coadapt_steps, rounds=budget.rounds,

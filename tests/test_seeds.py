@@ -122,3 +122,11 @@ def test_a_users_wandb_run_id_gives_each_seed_worker_its_own_run(traces, tmp_pat
     for k in range(2):
         runs = [p.name for p in (tmp_path / f"seed{k}" / "wandb").glob("offline-run-*")]
         assert len(runs) == 1 and runs[0].endswith(f"-mine-seed{k}-run"), runs
+
+
+@pytest.mark.parametrize("seeds, cores, workers", [(1, 2, 1), (2, 2, 2), (3, 2, 3), (4, 2, 2), (5, 2, 3), (3, 1, 1),
+                                                   (6, 4, 6), (8, 4, 4)])
+def test_seed_worker_count_ends_the_schedule_first(seeds, cores, workers):
+    from specpilot.train.rl.seeds import seed_worker_count
+
+    assert seed_worker_count(seeds, cores) == workers

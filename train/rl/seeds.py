@@ -52,6 +52,23 @@ def choose_seed(scores: dict[int, float]) -> int:
     return min(scores, key=lambda s: (-scores[s], s))
 
 
+def seed_worker_count(seeds: int, cores: int) -> int:
+    """Worker processes for `seeds` replay pipelines on `cores` cores (one torch thread each): the count whose
+    schedule ends first, fewest processes on ties. A pipeline in replay keeps one core busy and its seeds take
+    about equal time, so k of them on `cores` cores take max(1, k / cores) pipelines' time; workers take the seeds
+    in waves. 3 seeds on 2 cores: 3 workers (1.5 pipelines' time) rather than 2 (two waves, one core idle in the
+    second); measured on the 2-core AMD EPYC with the demo's traces (3 seeds, 2 DAgger iterations and 2 rounds of
+    6k PPO steps each, alternating): 65.2 / 63.7 s against 80.8 / 76.9 s, the same policies."""
+    if seeds < 1 or cores < 1:
+        raise ValueError(f"seeds and cores must be >= 1, got {seeds} and {cores}")
+
+    def makespan(workers: int) -> float:
+        full, rest = divmod(seeds, workers)
+        return full * max(1.0, workers / cores) + (max(1.0, rest / cores) if rest else 0.0)
+
+    return min(range(1, seeds + 1), key=lambda w: (makespan(w), w))
+
+
 def _copy_policies(src: Path, dest: Path) -> None:
     """dest/policies.json (+ zips, made relative to dest) pointing at the same policies as src/policies.json."""
     import shutil
