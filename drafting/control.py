@@ -7,7 +7,8 @@ controller built on it. The decoder calls, in each cycle:
     should_stop(state) after every draft forward (never at max_depth: the decoder stops there by itself),
     choose_size(state) once drafting stopped, returning how many drafted candidates to verify (>= 1),
     observe(record) after verification (feedback for adaptive heuristics).
-reset() is called at the start of every generation. The decoder times every call; controllers need not.
+reset() is called at the start of every generation, and may_draft() (default True) before its prefill. The decoder
+times every call; controllers need not.
 """
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ class Controller(ABC):
 
     def observe(self, record: CycleRecord) -> None:
         """Feedback after verification."""
+
+    def may_draft(self) -> bool:
+        """False when this controller skips drafting on every cycle (a depth-0 config): `generate` then starts a
+        target-only session (no drafter prefill, no EAGLE features; every cycle a plain step), so speculation
+        switched off costs what autoregressive decoding costs."""
+        return True
 
     def check_tree(self, tree) -> None:
         """Raise ValueError when this controller cannot steer `tree` as configured (its depths or sizes would be
@@ -96,6 +103,9 @@ class FixedController(Controller):
     def skip_drafting(self, state: DraftState) -> bool:
         return self.depth == 0
 
+    def may_draft(self) -> bool:
+        return self.depth > 0
+
     def should_stop(self, state: DraftState) -> bool:
         return state.depth >= self.depth
 
@@ -141,6 +151,10 @@ class DuckController(Controller):
         if callable(getattr(self.inner, "observe", None)):
             self.inner.observe(record)
 
+    def may_draft(self) -> bool:
+        may = getattr(self.inner, "may_draft", None)
+        return bool(may()) if callable(may) else True
+
     def check_tree(self, tree) -> None:
         fits_tree(self.inner, tree)
 
@@ -180,6 +194,9 @@ class DecisionLog(Controller):
 
     def skip_drafting(self, state: DraftState) -> bool:
         return self.inner.skip_drafting(state)
+
+    def may_draft(self) -> bool:
+        return self.inner.may_draft()
 
     def should_stop(self, state: DraftState) -> bool:
         return self.inner.should_stop(state)

@@ -63,7 +63,7 @@ class DecodingSession:
 
     def __init__(self, decoder: "SpeculativeDecoder", prompt: list[int], *, max_new_tokens: int,
                  temperature: float, top_k: int, top_p: float, seed: int | None, stop_strings=None,
-                 stop_token_ids=None, ignore_eos: bool = False, streamer=None) -> None:
+                 stop_token_ids=None, ignore_eos: bool = False, streamer=None, drafting: bool = True) -> None:
         _check_sampling(max_new_tokens, temperature, top_k, top_p, seed)
         pair, tree = decoder.pair, decoder.tree
         self.eos, self.stops, self.stop_ids = request_ending(pair, stop_strings, stop_token_ids, ignore_eos)
@@ -88,7 +88,11 @@ class DecodingSession:
         self.near_ties = 0  # cycles the guard cut short
         self.drafter = TreeDrafter(make_drafter(pair), tree.width, tree.max_depth,
                                    sample=self.sampling is not None and tree.sampled_children)
-        self.needs_features = self.drafter.drafter.needs_features
+        # drafting=False (a controller that never drafts, `Controller.may_draft`): a target-only session, plain steps
+        # as autoregressive decoding takes them, without the drafter's prompt prefill or the EAGLE features
+        # (together ~2% of a 48-token generation of the embedded pair on CPU)
+        self.drafting = drafting
+        self.needs_features = drafting and self.drafter.drafter.needs_features
         self.target_cache = new_cache(pair.target)
         self.target_mask_layout = MaskLayout.of(pair.target)
         # EAGLE: the target's aux hidden states, kept unfused: the fc runs once per cycle over the rows the head
@@ -103,7 +107,8 @@ class DecodingSession:
         self.start_time = self.clock.now()
 
     def _prefill(self, prompt: list[int]) -> float:
-        """Both caches take prompt[:-1] (not timed as generation; returns its duration)."""
+        """Both caches take prompt[:-1] (the target's only in a target-only session; not timed as generation;
+        returns its duration)."""
         with decoding_mode(self.device):
             t0 = self.clock.now()
             if len(prompt) > 1:
@@ -111,7 +116,8 @@ class DecodingSession:
                 out = self.pair.target(input_ids=ids, cache=self.target_cache, use_cache=True, logits_to_keep=1,
                                        output_hidden_states=self.needs_features)
                 self._keep_features(out, None, 0)
-                self.drafter.prefill(prompt[:-1], self._features_for(prompt[:-1]))
+                if self.drafting:
+                    self.drafter.prefill(prompt[:-1], self._features_for(prompt[:-1]))
             return self.clock.now() - t0
 
     # -- target features for an EAGLE drafter ---------------------------------------------------------------------
@@ -181,9 +187,9 @@ class DecodingSession:
 
     @property
     def can_draft(self) -> bool:
-        """False for an EAGLE drafter whose whole context is one token (no target feature yet) and where the
-        context has no position left for a draft (max_depth 0)."""
-        return self.max_depth > 0 and self.drafter.can_start(len(self.committed) - self.drafter.committed)
+        """False for an EAGLE drafter whose whole context is one token (no target feature yet), where the
+        context has no position left for a draft (max_depth 0), and in a target-only session (drafting=False)."""
+        return self.drafting and self.max_depth > 0 and self.drafter.can_start(len(self.committed) - self.drafter.committed)
 
     def cycle_state(self) -> DraftState:
         """The state before this cycle's first draft forward (depth 0)."""
@@ -196,6 +202,8 @@ class DecodingSession:
         """Run one draft forward (the first of a cycle also catches the draft up) and return the new state."""
         if self.done:
             raise RuntimeError("the generation is finished; start a new session")
+        if not self.drafting:
+            raise RuntimeError("this session was started with drafting=False (target-only): it takes plain steps")
         with decoding_mode(self.device):
             t0 = self.clock.now()
             if self.drafter.tree is None:
@@ -376,11 +384,13 @@ class SpeculativeDecoder:
 
     def start(self, prompt, *, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
               top_p: float = 1.0, seed: int | None = None, stop_strings=None, stop_token_ids=None,
-              ignore_eos: bool = False, streamer=None) -> DecodingSession:
+              ignore_eos: bool = False, streamer=None, drafting: bool = True) -> DecodingSession:
+        """A session on `prompt`, prefilled. drafting=False: target-only (every cycle a plain step; the drafter is
+        never fed), what `generate` starts for a controller that never drafts (`Controller.may_draft`)."""
         return DecodingSession(self, self.pair.encode(prompt), max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                stop_strings=stop_strings, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                               streamer=streamer)
+                               streamer=streamer, drafting=drafting)
 
     def generate(self, prompt, *, controller=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_strings=None,
@@ -400,7 +410,7 @@ class SpeculativeDecoder:
         warn_generation_config(self.pair)
         session = self.start(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed, stop_strings=stop_strings, stop_token_ids=stop_token_ids,
-                             ignore_eos=ignore_eos, streamer=streamer)
+                             ignore_eos=ignore_eos, streamer=streamer, drafting=controller.may_draft())
         run_generation(session, controller)
         return session.output()
 
