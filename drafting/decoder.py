@@ -189,7 +189,8 @@ class DecodingSession:
     def can_draft(self) -> bool:
         """False for an EAGLE drafter whose whole context is one token (no target feature yet), where the
         context has no position left for a draft (max_depth 0), and in a target-only session (drafting=False)."""
-        return self.drafting and self.max_depth > 0 and self.drafter.can_start(len(self.committed) - self.drafter.committed)
+        unseen = len(self.committed) - self.drafter.committed
+        return self.drafting and self.max_depth > 0 and self.drafter.can_start(unseen)
 
     def cycle_state(self) -> DraftState:
         """The state before this cycle's first draft forward (depth 0)."""
