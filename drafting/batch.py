@@ -49,7 +49,7 @@ class BatchSession:
 
     def __init__(self, decoder, prompts: list[list[int]], *, max_new_tokens, sampling: tuple | None = None,
                  seed: int | None = None, max_batch: int | None = None, stop_strings=None, stop_token_ids=None,
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, drafting: bool = True) -> None:
         pair, tree = decoder.pair, decoder.tree
         self.eos, self.stops, self.stop_ids = request_ending(pair, stop_strings, stop_token_ids, ignore_eos)
         self.pair, self.tree_config = pair, tree
@@ -67,7 +67,9 @@ class BatchSession:
         self.active: list[BatchRow] = self.rows[: self.max_batch]
         self.queue: list[BatchRow] = self.rows[self.max_batch:]    # continuous batching: admitted as rows finish
         self.drafter = make_drafter(pair)
-        self.needs_features = self.drafter.needs_features
+        # drafting=False (a controller that never drafts, `Controller.may_draft`): target-only, as DecodingSession
+        self.drafting = drafting
+        self.needs_features = drafting and self.drafter.needs_features
         self.offset = self.drafter.offset
         self.target = RaggedCache(pair.target, len(self.active), self.device)
         self.draft = RaggedCache(None, len(self.active), self.device, drafter=self.drafter)
@@ -198,8 +200,11 @@ class BatchSession:
     @property
     def can_draft(self) -> bool:
         """A draft LM can while the context has room (max_depth > 0); an EAGLE head also needs a target feature
-        before every row's root (False while some row's whole context is one token: the cycle is a plain step)."""
-        return self.max_depth > 0 and (self.offset == 0 or all(len(r.committed) > self.offset for r in self.active))
+        before every row's root (False while some row's whole context is one token: the cycle is a plain step).
+        Never in a target-only session (drafting=False)."""
+        if not self.drafting or self.max_depth == 0:
+            return False
+        return self.offset == 0 or all(len(r.committed) > self.offset for r in self.active)
 
     def add_policy_time(self, seconds: float) -> None:
         self._policy_s += seconds
@@ -241,6 +246,8 @@ class BatchSession:
         roots' top-W children; level d >= 2 feeds every row's W frontier nodes with its own tree mask."""
         if self.done:
             raise RuntimeError("the generation is finished; start a new session")
+        if not self.drafting:
+            raise RuntimeError("this session was started with drafting=False (target-only): it takes plain steps")
         with decoding_mode(self.device):
             t0 = self.clock.now()
             if self._depth == 0:

@@ -450,7 +450,8 @@ class SpeculativeDecoder:
         ids, budgets = batch_inputs(self.pair, prompts, max_new_tokens, lookahead=0)  # BatchSession.max_depth
         sampling = (temperature, top_k, top_p) if temperature > 0 else None
         session = BatchSession(self, ids, max_new_tokens=budgets, sampling=sampling, seed=seed, max_batch=max_batch,
-                               stop_strings=stop_strings, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+                               stop_strings=stop_strings, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                               drafting=controller.may_draft())
         run_generation(session, controller)
         return session.outputs()
 

@@ -1,6 +1,6 @@
 """A controller that never drafts (depth 0: speculation switched off) gets a target-only session
 (`Controller.may_draft`, `SpeculativeDecoder.start(drafting=False)`): no drafter prefill, no EAGLE features, every
-cycle a plain step, the tokens of target-only decoding (greedy and sampled with the same seed)."""
+cycle a plain step, the tokens of target-only decoding (greedy and sampled with the same seed); in a batch too."""
 import pytest
 
 from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_generate
@@ -82,3 +82,24 @@ class _Duck:
     (as_controller(_Duck(False)), False)])
 def test_may_draft(controller, expected):
     assert controller.may_draft() is expected
+
+
+BATCH = [PROMPT, [3, 9, 27, 81, 50], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.mark.parametrize("kind", list(PAIRS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_batch_that_never_drafts_is_target_only_and_equals_batched_ar(kind, temperature):
+    from specpilot.drafting.batch import BatchSession
+    from specpilot.drafting.batch_ar import autoregressive_generate_batch
+
+    pair = PAIRS[kind]()
+    decoder = SpeculativeDecoder(pair, TREE)
+    outs = decoder.generate_batch(BATCH, controller=FixedController(0, 0), max_new_tokens=10,
+                                  temperature=temperature, seed=[1, 2, 3])
+    ars = autoregressive_generate_batch(pair, BATCH, max_new_tokens=10, temperature=temperature, seed=[1, 2, 3])
+    assert [o.tokens for o in outs] == [a.tokens for a in ars]
+    session = BatchSession(decoder, BATCH, max_new_tokens=10, drafting=False)
+    assert not session.can_draft and not session.needs_features
+    with pytest.raises(RuntimeError, match="drafting=False"):
+        session.draft_level()
