@@ -24,6 +24,7 @@ from specpilot.drafting.cache import check_transformers
 from specpilot.drafting.checks import check_int
 from specpilot.drafting.errors import InputFileError
 from specpilot.drafting.files import damaged_weights, model_files_fix, not_enough_memory, out_of_memory, read_json
+from specpilot.drafting.linear_kernels import enable_small_row_linears, wanted
 
 DEFAULT_PAIR_DIR = Path(__file__).resolve().parent / "default_pair"
 # The embedded drafter `ModelPair.from_pretrained()` uses: the EAGLE-3 head when it is shipped, else the separate
@@ -553,6 +554,9 @@ class ModelPair:
     name: str = "custom"
     eagle: torch.nn.Module | None = None
     dtype_reason: str = ""  # why the pair runs in its dtype (`resolve_dtype`): for reports and manifests
+    # on CPU, 2-8-row linears (verify blocks, draft levels) on every thread (`drafting/linear_kernels.py`); None:
+    # yes unless SPECPILOT_SMALL_ROW_LINEARS=0
+    small_row_linears: bool | None = None
 
     def __post_init__(self) -> None:
         check_transformers()
@@ -601,6 +605,11 @@ class ModelPair:
             from specpilot.drafting.eagle import check_fits_target
 
             check_fits_target(self.eagle.config, self.target)
+        self.small_row_linears = wanted(self.small_row_linears)
+        if self.small_row_linears:
+            for module in (self.target, self.draft, self.eagle):
+                if module is not None:
+                    enable_small_row_linears(module)
         if not self.dtype_reason:  # built from models in memory: their dtype is the caller's
             self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: the models as given"
             if self.drafter_dtype != self.dtype:  # decoding stays exact (the target verifies); reports say it
@@ -668,6 +677,10 @@ class ModelPair:
                 module.to(device=device, dtype=dtype)
         if (self.dtype, self.drafter_dtype) != before:  # reports quote the reason: it must name this conversion
             self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: converted with ModelPair.to"
+        if self.small_row_linears:  # layers moved to the CPU or to another dtype: measured now, not in a timed step
+            for module in (self.target, self.draft, self.eagle):
+                if module is not None:
+                    enable_small_row_linears(module)
         return self
 
     def identity(self) -> dict:
