@@ -9,9 +9,10 @@ against 9.0 ms over one, and 8.4 ms with the product turned. With one thread the
 
 `enable_small_row_linears(model)` turns every plain `torch.nn.Linear` of `model` whose weight is large enough to
 matter (>= MIN_WEIGHT_ELEMENTS, on CPU) into a `SmallRowLinear`: the same module (weights, state_dict, pickling)
-whose forward takes W @ x^T for the row counts where `faster_rows()` measured it faster on this machine, at the
-current thread count and dtype, and `F.linear` otherwise. The values are the same product, rounded in another
-order (float round-off; greedy speculative output still equals the target's greedy output, as tests check).
+whose forward takes W @ x^T for 2..MAX_ROWS rows when `measure()` found it faster on this machine (a probe chain of
+layers, at the current thread count and dtype, once per process: ~0.3 s), and `F.linear` otherwise. The values are
+the same product rounded in another order (greedy speculative output still equals the target's greedy output, as
+tests check). Reports record the measurement (`describe`; report.json meta `small_row_linears`).
 `ModelPair` enables it on CPU unless asked not to (`small_row_linears=False`, or SPECPILOT_SMALL_ROW_LINEARS=0).
 """
 from __future__ import annotations
@@ -24,12 +25,12 @@ import torch.nn.functional as F
 
 MAX_ROWS = 8  # verify blocks and draft levels of the demo's trees; longer inputs keep torch's own linear
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller layers cost less than the Python around them: not worth a branch
-MIN_GAIN = 0.9  # W @ x^T taken where it measured at most 90% of F.linear's time (a near tie stays with torch)
-PROBE_SHAPE = (4096, 1024)  # a 16 MB fp32 weight: past the caches, as a model's layers are during a forward
-PROBE_REPEATS = 7
+MIN_GAIN = 0.9  # W @ x^T taken when the probe ran it in at most 90% of F.linear's time (a near tie stays with torch)
+PROBE_LAYERS, PROBE_WIDTH = 8, 1024  # a chain of 8 1024x1024 layers (32 MB in fp32): past the caches, as a model
+PROBE_REPEATS = 5
 ENV_SWITCH = "SPECPILOT_SMALL_ROW_LINEARS"
 
-_FASTER: dict[tuple[torch.dtype, int], frozenset[int]] = {}
+_MEASURED: dict[tuple[torch.dtype, int], dict] = {}
 
 
 def wanted(asked: bool | None) -> bool:
@@ -39,43 +40,55 @@ def wanted(asked: bool | None) -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
 
 
-def _timed_us(fn, order: list) -> None:
-    t0 = time.perf_counter()
-    fn()
-    order.append(1e6 * (time.perf_counter() - t0))
+def measure(dtype: torch.dtype = torch.float32, threads: int | None = None) -> dict:
+    """{"ratio", "rows", "threads", "dtype"}: W @ x^T over F.linear on a probe chain (PROBE_LAYERS layers of
+    PROBE_WIDTH, run as a model's layers run: each weight read from memory), summed over 2..MAX_ROWS rows, each the
+    fastest of PROBE_REPEATS interleaved calls (on a shared machine other work only adds time); `rows` is 2..MAX_ROWS
+    when ratio <= MIN_GAIN, else empty. One decision for the whole range: the slow path is how the BLAS threads a
+    narrow product, and per-row timings of a few hundred microseconds flip with the machine's load. Measured once per
+    process per (dtype, threads); one thread or a dtype other than fp32 / bf16 / fp16: not measured, no rows."""
+    threads = torch.get_num_threads() if threads is None else int(threads)
+    key = (dtype, threads)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    out = {"ratio": None, "rows": [], "threads": threads, "dtype": str(dtype).removeprefix("torch.")}
+    if threads > 1 and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            layers = [torch.randn(PROBE_WIDTH, PROBE_WIDTH, generator=gen).to(dtype) for _ in range(PROBE_LAYERS)]
+            fastest = {False: 0.0, True: 0.0}
+            with torch.inference_mode():
+                for rows in range(2, MAX_ROWS + 1):
+                    x = torch.randn(1, rows, PROBE_WIDTH, generator=gen).to(dtype)
+                    best = {False: float("inf"), True: float("inf")}
+                    for r in range(PROBE_REPEATS + 1):
+                        for turned in ((False, True) if r % 2 else (True, False)):
+                            t0 = time.perf_counter()
+                            _probe_chain(x, layers, turned)
+                            if r:  # the first pass warms up
+                                best[turned] = min(best[turned], time.perf_counter() - t0)
+                    for turned in best:
+                        fastest[turned] += best[turned]
+            out["ratio"] = round(fastest[True] / fastest[False], 4)
+            out["rows"] = list(range(2, MAX_ROWS + 1)) if out["ratio"] <= MIN_GAIN else []
+        finally:
+            torch.set_num_threads(before)
+    _MEASURED[key] = out
+    out["rows_set"] = frozenset(out["rows"])
+    return out
 
 
 def faster_rows(dtype: torch.dtype = torch.float32, threads: int | None = None) -> frozenset[int]:
-    """Row counts 2..MAX_ROWS where W @ x^T measured faster than F.linear (<= MIN_GAIN of its median time) on a
-    PROBE_SHAPE weight of `dtype` at `threads` (default: torch's current count); measured once per process per
-    (dtype, threads), the two interleaved. One thread: none (there is no second thread to gain)."""
-    threads = torch.get_num_threads() if threads is None else int(threads)
-    key = (dtype, threads)
-    if key in _FASTER:
-        return _FASTER[key]
-    if threads <= 1 or dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        _FASTER[key] = frozenset()
-        return _FASTER[key]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(*PROBE_SHAPE, generator=gen).to(dtype)
-        chosen = set()
-        with torch.inference_mode():
-            for rows in range(2, MAX_ROWS + 1):
-                x = torch.randn(1, rows, PROBE_SHAPE[1], generator=gen).to(dtype)
-                plain, turned = [], []
-                for r in range(PROBE_REPEATS + 2):
-                    for fn, out in ((lambda: F.linear(x, weight), plain), (lambda: _turned(x, weight, None), turned)):
-                        _timed_us(fn, out)
-                plain, turned = sorted(plain[2:]), sorted(turned[2:])  # two warm-up calls each
-                if turned[len(turned) // 2] <= MIN_GAIN * plain[len(plain) // 2]:
-                    chosen.add(rows)
-    finally:
-        torch.set_num_threads(before)
-    _FASTER[key] = frozenset(chosen)
-    return _FASTER[key]
+    """Row counts taken as W @ x^T at `dtype` and `threads` (default: torch's current count): `measure`'s rows."""
+    return measure(dtype, threads)["rows_set"]
+
+
+def _probe_chain(x: torch.Tensor, layers: list[torch.Tensor], turned: bool) -> torch.Tensor:
+    for weight in layers:
+        x = _turned(x, weight, None) if turned else F.linear(x, weight)
+    return x
 
 
 def _turned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -119,3 +132,14 @@ def disable_small_row_linears(model: torch.nn.Module) -> int:
             module.__class__ = torch.nn.Linear
             undone += 1
     return undone
+
+
+def describe(models) -> dict:
+    """What reports record: whether any of `models` (None entries skipped) has SmallRowLinear layers, and the
+    measurement deciding the rows they take at the current thread count."""
+    dtypes = {m.weight.dtype for model in models if model is not None for m in model.modules()
+              if type(m) is SmallRowLinear}
+    if not dtypes:
+        return {"enabled": False}
+    return {"enabled": True, "measured": [{k: v for k, v in measure(d).items() if k != "rows_set"}
+                                          for d in sorted(dtypes, key=str)]}

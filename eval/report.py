@@ -72,6 +72,10 @@ def measurement_label(meta: dict) -> str:
     s = meta.get("sampling", {})
     mix = meta.get("prompt_mix", {})
     threads = f", {meta['torch_threads']} threads" if meta.get("torch_threads") else ""
+    turned = [m for m in (meta.get("small_row_linears") or {}).get("measured", []) if m.get("rows")]
+    if turned:  # drafting/linear_kernels.py: 2-8-row products taken as W @ x^T (measured faster on this machine)
+        threads += f", {turned[0]['rows'][0]}-{turned[0]['rows'][-1]}-row linears as W @ x^T"
+
     temperatures = ",".join(f"{t:g}" for t in s.get("temperatures") or []) or "?"
     splits = mix.get("by_split") or {}
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"

@@ -39,6 +39,7 @@ import torch
 from specpilot.drafting.checks import prompt_room
 from specpilot.drafting.executor import (Executor, ShardOutcome, ShardTask, as_executor, assign_groups,
                                          shard_report)
+from specpilot.drafting.linear_kernels import describe as describe_small_rows
 from specpilot.drafting.pair import ModelPair
 from specpilot.drafting.stopping import check_stop_token_ids, request_ending, stopping_options
 from specpilot.drafting.types import TreeConfig
@@ -508,6 +509,8 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # the CPU kernel choice for 2-8-row products (drafting/linear_kernels.py)
+        "small_row_linears": describe_small_rows([getattr(pair, k, None) for k in ("target", "draft", "eagle")]),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": _version("transformers"), "specpilot": _version("specpilot")},

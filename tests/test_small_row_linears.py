@@ -12,7 +12,7 @@ from specpilot.drafting import SpeculativeDecoder, TreeConfig, autoregressive_ge
 from specpilot.drafting import linear_kernels
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
-from specpilot.drafting.linear_kernels import (MAX_ROWS, SmallRowLinear, disable_small_row_linears,
+from specpilot.drafting.linear_kernels import (MAX_ROWS, SmallRowLinear, describe, disable_small_row_linears,
                                                enable_small_row_linears, faster_rows)
 from specpilot.drafting.pair import ModelPair
 
@@ -63,7 +63,17 @@ def test_one_thread_takes_no_rows_and_choices_are_kept_per_dtype_and_threads():
     assert faster_rows(torch.float32, threads=1) == frozenset()
     assert faster_rows(torch.float64, threads=2) == frozenset()  # dtypes it does not measure: torch's linear
     first = faster_rows(torch.float32, threads=2)
-    assert first <= frozenset(range(2, MAX_ROWS + 1)) and faster_rows(torch.float32, threads=2) is first
+    assert first in (frozenset(), frozenset(range(2, MAX_ROWS + 1)))  # one decision for the whole range
+    assert faster_rows(torch.float32, threads=2) is first  # measured once
+
+
+def test_describe_says_what_reports_record():
+    layer = torch.nn.Linear(512, 256)
+    assert describe([layer, None]) == {"enabled": False}
+    enable_small_row_linears(layer)
+    got = describe([None, layer])
+    assert got["enabled"] and got["measured"][0]["dtype"] == "float32" and "rows_set" not in got["measured"][0]
+    assert got["measured"][0]["threads"] == torch.get_num_threads()
 
 
 @pytest.mark.parametrize("asked,env,turned", [(None, None, True), (None, "0", False), (False, None, False),
