@@ -1,5 +1,5 @@
-"""Speculative decoding stays exact on other architectures: absolute positions (GPT-2), parallel blocks (GPT-NeoX,
-Phi), eager attention, MLA caches (DeepSeek-V3: keys and values of other head dims), and sliding windows the
+"""Speculative decoding stays exact on other architectures: absolute positions (GPT-2, OPT), parallel blocks (GPT-NeoX,
+Phi, GPT-J), eager attention, MLA caches (DeepSeek-V3: keys and values of other head dims), and sliding windows the
 sequences outgrow (Mistral, Gemma 2's mixed layers); models that cannot take tree masks (BLOOM's ALiBi), windows the
 masks cannot model (GPT-Neo's local layers, Doge's kept keys) are refused, and LongRoPE pairs decode only within
 their original context. References are transformers' own generate()."""
@@ -31,6 +31,20 @@ ARCHS = {
     "llama_eager": dict(SMALL, attn_implementation="eager"),
     "mistral_window": dict(SMALL, num_key_value_heads=1, sliding_window=WINDOW),
     "gemma2_mixed_window": dict(SMALL, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW),
+    # more families as transformers 5 builds them: learned positions (OPT, GPT-BigCode: multi-query), rotary on part
+    # of the head (GPT-J), QK norms (Qwen3), fused projections (Phi-3, Falcon), MoE routing (Mixtral), sliding
+    # windows on every layer with a local rope base (Gemma 3)
+    "opt": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64, max_position_embeddings=128,
+                word_embed_proj_dim=32),
+    "gpt_bigcode": dict(n_embd=32, n_layer=2, n_head=2, n_positions=128),
+    "gptj": dict(n_embd=32, n_layer=2, n_head=2, n_positions=128, rotary_dim=8),
+    "qwen3": dict(SMALL, num_key_value_heads=1, head_dim=16),
+    "phi3": dict(SMALL, num_key_value_heads=1),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, alibi=False,
+                   new_decoder_architecture=False, max_position_embeddings=128),
+    "starcoder2": SMALL,
+    "mixtral": dict(SMALL, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2),
+    "gemma3_text_window": dict(SMALL, num_key_value_heads=1, head_dim=16, sliding_window=WINDOW),
     # MLA: keys (nope + rope head dims) and values (v_head_dim) differ in head dim; a small MoE
     "deepseek_v3": dict(SMALL, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
@@ -91,6 +105,8 @@ def test_windows_are_read_as_transformers_masks_them(arch_pair):
         assert windows == {"sliding_attention": WINDOW}
     elif name == "gemma2_mixed_window":
         assert windows == {"full_attention": None, "sliding_attention": WINDOW}
+    elif name == "gemma3_text_window":
+        assert windows == {"sliding_attention": WINDOW}
     else:
         assert set(windows.values()) == {None}
 
