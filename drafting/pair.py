@@ -606,10 +606,7 @@ class ModelPair:
 
             check_fits_target(self.eagle.config, self.target)
         self.small_row_linears = wanted(self.small_row_linears)
-        if self.small_row_linears:
-            for module in (self.target, self.draft, self.eagle):
-                if module is not None:
-                    enable_small_row_linears(module)
+        self._turn_small_rows()
         if not self.dtype_reason:  # built from models in memory: their dtype is the caller's
             self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: the models as given"
             if self.drafter_dtype != self.dtype:  # decoding stays exact (the target verifies); reports say it
@@ -677,11 +674,15 @@ class ModelPair:
                 module.to(device=device, dtype=dtype)
         if (self.dtype, self.drafter_dtype) != before:  # reports quote the reason: it must name this conversion
             self.dtype_reason = f"{str(self.dtype).removeprefix('torch.')}: converted with ModelPair.to"
-        if self.small_row_linears:  # layers moved to the CPU or to another dtype: measured now, not in a timed step
+        self._turn_small_rows()  # layers moved to the CPU or to another dtype: measured now, not in a timed step
+        return self
+
+    def _turn_small_rows(self) -> None:
+        """Turn the models' CPU linears into SmallRowLinear when `small_row_linears` (drafting/linear_kernels.py)."""
+        if self.small_row_linears:
             for module in (self.target, self.draft, self.eagle):
                 if module is not None:
                     enable_small_row_linears(module)
-        return self
 
     def identity(self) -> dict:
         """Names and content hashes, for manifests, reports and export validation ("draft"/"draft_hash" name the

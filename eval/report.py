@@ -75,7 +75,6 @@ def measurement_label(meta: dict) -> str:
     turned = [m for m in (meta.get("small_row_linears") or {}).get("measured", []) if m.get("rows")]
     if turned:  # drafting/linear_kernels.py: 2-8-row products taken as W @ x^T (measured faster on this machine)
         threads += f", {turned[0]['rows'][0]}-{turned[0]['rows'][-1]}-row linears as W @ x^T"
-
     temperatures = ",".join(f"{t:g}" for t in s.get("temperatures") or []) or "?"
     splits = mix.get("by_split") or {}
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"
