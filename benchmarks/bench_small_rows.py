@@ -2,12 +2,17 @@
 
     .venv/bin/python benchmarks/bench_small_rows.py [--drafter eagle|draft] [--temperatures 0,1] [--prompts 12]
         [--max-new-tokens 48] [--repeats 2] [--configs 1x1,2x6,4x16] [--threads 2]
+    .venv/bin/python benchmarks/bench_small_rows.py --forwards 1,2,3,8,9,12,17,33 [--repeats 10]
 
 For each temperature: AR (`autoregressive_generate`) and FixedController(depth, size) for each --configs entry, each
 with the pair's linears turned (`enable_small_row_linears`) and plain (`disable_small_row_linears`), on the same
 prompts with the same seeds; every (method, switch) runs each prompt in turn, the order rotating per prompt and
 repeat, after a warm-up pass. Prints tokens/s (prefill included), each speculative method's ratio over AR with the
 switch in the same position, and on/off ratios with a 95% cluster-bootstrap interval over prompts.
+
+--forwards N,...: instead, the target's own forward over N new tokens (a 4-D mask, after a 150-token cache), the
+turned product forced for every listed N against torch's linear, interleaved --repeats times (after one warm-up
+pair): the median ms of each and their ratio. This is how MAX_ROWS was chosen.
 """
 from __future__ import annotations
 
@@ -19,10 +24,50 @@ import numpy as np
 import torch
 
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
+from specpilot.drafting import linear_kernels
+from specpilot.drafting.cache import crop_to, new_cache
 from specpilot.drafting.linear_kernels import disable_small_row_linears, enable_small_row_linears, faster_rows
 from specpilot.eval.stats import cluster_ratio_interval, verdict
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
+
+
+def forward_times(pair: ModelPair, tokens: list[int], repeats: int) -> None:
+    """Print the target's forward time over each count of new tokens, turned product forced vs torch's linear."""
+    model, context = pair.target, 150
+    cache = new_cache(model)
+    gen = torch.Generator().manual_seed(0)
+    measured, measured_max = linear_kernels.faster_rows, linear_kernels.MAX_ROWS
+    forced = frozenset(range(2, max(tokens) + 1))
+
+    def forward(n: int, turned: bool) -> float:
+        linear_kernels.MAX_ROWS = max(tokens) if turned else 0  # 0: no row count takes the turned product
+        linear_kernels.faster_rows = lambda *a, **k: forced
+        ids = torch.randint(5, pair.vocab_size, (1, n), generator=gen)
+        mask = torch.ones(1, 1, n, context + n, dtype=torch.bool)
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(context, context + n)[None], cache=cache,
+              use_cache=True)
+        seconds = time.perf_counter() - t0
+        crop_to(cache, context)
+        return seconds
+
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.randint(5, pair.vocab_size, (1, context), generator=gen), cache=cache,
+                  use_cache=True)
+            for n in tokens:
+                times = {True: [], False: []}
+                for r in range(repeats + 1):
+                    for turned in ((True, False) if r % 2 else (False, True)):
+                        t = forward(n, turned)
+                        if r:  # the first pair warms up
+                            times[turned].append(t)
+                on, off = (float(np.median(times[k])) for k in (True, False))
+                print(f"  {n:3d} tokens: turned {1e3 * on:6.2f} ms, torch's linear {1e3 * off:6.2f} ms, "
+                      f"ratio {on / off:.3f}")
+    finally:
+        linear_kernels.faster_rows, linear_kernels.MAX_ROWS = measured, measured_max
 
 
 def main(argv=None) -> int:
@@ -35,9 +80,16 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="1x1,2x6,4x16", help="depth x size of each FixedController")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--suite", default="heldout_code")
+    ap.add_argument("--forwards", default=None, help="comma-separated token counts: time target forwards instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     pair = ModelPair.from_pretrained(**{args.drafter: "embedded"})
+    if args.forwards:
+        print(f"{pair.name} target, cpu {str(pair.dtype).replace('torch.', '')}, "
+              f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; medians of "
+              f"{args.repeats} interleaved forwards")
+        forward_times(pair, [int(n) for n in args.forwards.split(",")], args.repeats)
+        return 0
     models = [m for m in (pair.target, pair.draft, pair.eagle) if m is not None]
     prompts = [pair.encode(p.prompt) for p in load_suite(args.suite)][: args.prompts]
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=8, max_size=32))
