@@ -60,15 +60,19 @@ class Executor(Protocol):
 
 
 def describe_worker(pair, index: int, *, gpu_ids: Sequence[str] = (), node_ip: str | None = None) -> dict:
-    """Where a worker runs: its number, device (and GPU name), dtype, host, pid, torch threads (the same keys in
-    this process and on Ray, where `gpu_ids` and `node_ip` are filled in)."""
+    """Where a worker runs: its number, device (and GPU name), dtype, host, pid, torch threads and its small-row
+    linear choice (`linear_kernels.describe`: measured in the worker's own process, at its thread count); the same
+    keys in this process and on Ray, where `gpu_ids` and `node_ip` are filled in."""
     import torch
+
+    from specpilot.drafting.linear_kernels import describe
 
     device = pair.device
     return {"worker": index, "device": str(device), "dtype": str(pair.dtype).replace("torch.", ""),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "gpu_ids": list(gpu_ids), "host": socket.gethostname(), "node_ip": node_ip, "pid": os.getpid(),
-            "torch_threads": torch.get_num_threads(), "pair": pair.identity()}
+            "torch_threads": torch.get_num_threads(), "pair": pair.identity(),
+            "small_row_linears": describe([getattr(pair, k, None) for k in ("target", "draft", "eagle")])}
 
 
 class LocalExecutor:
