@@ -10,9 +10,9 @@ prompts with the same seeds; every (method, switch) runs each prompt in turn, th
 repeat, after a warm-up pass. Prints tokens/s (prefill included), each speculative method's ratio over AR with the
 switch in the same position, and on/off ratios with a 95% cluster-bootstrap interval over prompts.
 
---forwards N,...: instead, the target's own forward over N new tokens (a 4-D mask, after a 150-token cache), the
-turned product forced for every listed N against torch's linear, interleaved --repeats times (after one warm-up
-pair): the median ms of each and their ratio. This is how MAX_ROWS was chosen.
+--forwards N,...: instead, the target's own forward over N new tokens (a 4-D mask, after a 150-token cache) with
+the row plan measured for it against torch's linear, interleaved --repeats times (after one warm-up pair): the
+median ms of each, their ratio and the plan's width for N.
 """
 from __future__ import annotations
 
@@ -24,25 +24,24 @@ import numpy as np
 import torch
 
 from specpilot.drafting import ModelPair, SpeculativeDecoder, TreeConfig, autoregressive_generate
-from specpilot.drafting import linear_kernels
 from specpilot.drafting.cache import crop_to, new_cache
-from specpilot.drafting.linear_kernels import disable_small_row_linears, enable_small_row_linears, faster_rows
+from specpilot.drafting.linear_kernels import describe, disable_small_row_linears, enable_small_row_linears
 from specpilot.eval.stats import cluster_ratio_interval, verdict
 from specpilot.eval.suites import load_suite
 from specpilot.policies import FixedController
 
 
 def forward_times(pair: ModelPair, tokens: list[int], repeats: int) -> None:
-    """Print the target's forward time over each count of new tokens, turned product forced vs torch's linear."""
+    """Print the target's forward time over each count of new tokens, with the measured row plan (turned layers)
+    and with torch's linear (the layers switched back), interleaved."""
     model, context = pair.target, 150
     cache = new_cache(model)
     gen = torch.Generator().manual_seed(0)
-    measured, measured_max = linear_kernels.faster_rows, linear_kernels.MAX_ROWS
-    forced = frozenset(range(2, max(tokens) + 1))
+    plan = describe([model])["measured"][0]["plan"] if describe([model])["enabled"] else []
+    widths = dict(plan)
 
     def forward(n: int, turned: bool) -> float:
-        linear_kernels.MAX_ROWS = max(tokens) if turned else 0  # 0: no row count takes the turned product
-        linear_kernels.faster_rows = lambda *a, **k: forced
+        (enable_small_row_linears if turned else disable_small_row_linears)(model)
         ids = torch.randint(5, pair.vocab_size, (1, n), generator=gen)
         mask = torch.ones(1, 1, n, context + n, dtype=torch.bool)
         t0 = time.perf_counter()
@@ -52,22 +51,20 @@ def forward_times(pair: ModelPair, tokens: list[int], repeats: int) -> None:
         crop_to(cache, context)
         return seconds
 
-    try:
-        with torch.inference_mode():
-            model(input_ids=torch.randint(5, pair.vocab_size, (1, context), generator=gen), cache=cache,
-                  use_cache=True)
-            for n in tokens:
-                times = {True: [], False: []}
-                for r in range(repeats + 1):
-                    for turned in ((True, False) if r % 2 else (False, True)):
-                        t = forward(n, turned)
-                        if r:  # the first pair warms up
-                            times[turned].append(t)
-                on, off = (float(np.median(times[k])) for k in (True, False))
-                print(f"  {n:3d} tokens: turned {1e3 * on:6.2f} ms, torch's linear {1e3 * off:6.2f} ms, "
-                      f"ratio {on / off:.3f}")
-    finally:
-        linear_kernels.faster_rows, linear_kernels.MAX_ROWS = measured, measured_max
+    with torch.inference_mode():
+        model(input_ids=torch.randint(5, pair.vocab_size, (1, context), generator=gen), cache=cache, use_cache=True)
+        for n in tokens:
+            times = {True: [], False: []}
+            for r in range(repeats + 1):
+                for turned in ((True, False) if r % 2 else (False, True)):
+                    t = forward(n, turned)
+                    if r:  # the first pair warms up
+                        times[turned].append(t)
+            on, off = (float(np.median(times[k])) for k in (True, False))
+            how = f"W @ x^T over {widths[n]} rows" if n in widths else "torch's linear either way"
+            print(f"  {n:3d} tokens: planned {1e3 * on:6.2f} ms, torch's linear {1e3 * off:6.2f} ms, "
+                  f"ratio {on / off:.3f} ({how})")
+    enable_small_row_linears(model)
 
 
 def main(argv=None) -> int:
@@ -95,8 +92,9 @@ def main(argv=None) -> int:
     decoder = SpeculativeDecoder(pair, TreeConfig(width=4, max_depth=8, max_size=32))
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     print(f"{pair.name} ({pair.drafter_kind}), cpu {str(pair.dtype).replace('torch.', '')}, "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; rows taken as W @ x^T: "
-          f"{sorted(faster_rows(pair.dtype))}; {len(prompts)} {args.suite} prompts x {args.repeats}, "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads; row plans (rows, width) "
+          f"{[m['plan'] for m in describe(models).get('measured', [])]}; {len(prompts)} {args.suite} prompts x "
+          f"{args.repeats}, "
           f"{args.max_new_tokens} new tokens")
 
     def switch(on: bool) -> None:

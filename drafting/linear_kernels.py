@@ -1,18 +1,24 @@
-"""Small-row linears on CPU: the 2-8 rows of a verify block or a draft level computed as one product on every thread.
+"""Small-row linears on CPU: the few rows of a decoding step computed as a product that uses every thread.
 
-A speculative cycle feeds its models a few rows at a time: a verify forward the root and V candidates, a draft level
-the beam's W nodes. On the reference machine (2-core AMD EPYC, AVX2, torch 2.13 with MKL 2024.2, 2 threads) torch's
-CPU linear over 2-8 rows ran about as one thread would, while the same product taken the other way round, W @ x^T
-(the rows as the narrow side of the product), used both: the embedded target's forward over 2 tokens took 13.2 ms
-against 9.0 ms over one, and 8.4 ms with the product turned. With one thread the two ways cost the same; one row
-(autoregressive decoding, plain steps) is left as torch computes it either way, so baselines keep their speed.
+Decoding feeds its models a few rows at a time: an autoregressive step or a plain step one, a verify forward the root
+and V candidates, a draft level the beam's W nodes. On the reference machine (2-core AMD EPYC, AVX2, torch 2.13 with
+MKL 2024.2, 2 threads) torch's CPU linear over 2-8 rows ran about as one thread would, while the same product taken
+the other way round, W @ x^T (the rows as the narrow side of the product), used both: the embedded target's forward
+over 2 tokens took 13.2 ms against 9.0 ms over one, and 8.4 ms with the product turned. The turned product is also
+fastest at some widths (on that machine: 2, 4, 8, 16, 24, 32 rows), so a block of 10-15 rows runs faster padded with
+zero rows to 16 and a single row padded to 2 than either way unpadded. With one thread both ways cost the same; in
+bf16 on that CPU the turned product is slower.
 
 `enable_small_row_linears(model)` turns every plain `torch.nn.Linear` of `model` whose weight is large enough to
 matter (>= MIN_WEIGHT_ELEMENTS, on CPU) into a `SmallRowLinear`: the same module (weights, state_dict, pickling)
-whose forward takes W @ x^T for 2..MAX_ROWS rows when `measure()` found it faster on this machine (a probe chain of
-layers, at the current thread count and dtype, once per process: ~0.3 s), and `F.linear` otherwise. The values are
-the same product rounded in another order (greedy speculative output still equals the target's greedy output, as
-tests check). Reports record the measurement (`describe`; report.json meta `small_row_linears`).
+whose forward follows a row plan, {rows: width}: `rows` rows are computed as W @ x^T over `width` rows (the input
+padded with zero rows, the padded outputs dropped), other row counts by `F.linear`. `measure()` makes the plan on
+this machine, once per process for each (layer shapes, dtype, thread count): a probe chain of random layers shaped as
+the model's own (in module order, up to PROBE_BYTES: past the caches, as in a model), every row count 1..MAX_ROWS
+timed both ways, each the fastest of PROBE_REPEATS interleaved calls; a row count takes the width whose turned time is
+lowest when that is at most MIN_GAIN of `F.linear`'s (~1 s for the embedded target). Each output row is the same
+dot products rounded in another order (greedy speculative output still equals the target's greedy output, as tests
+check). Reports record the plan (`describe`; report.json meta `small_row_linears`).
 `ModelPair` enables it on CPU unless asked not to (`small_row_linears=False`, or SPECPILOT_SMALL_ROW_LINEARS=0).
 """
 from __future__ import annotations
@@ -23,14 +29,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8  # verify blocks and draft levels of the demo's trees; longer inputs keep torch's own linear
+MAX_ROWS = 33  # the plan covers 1..MAX_ROWS rows (verify blocks of V <= 32 with the root, draft levels) and pads to it
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller layers cost less than the Python around them: not worth a branch
-MIN_GAIN = 0.9  # W @ x^T taken when the probe ran it in at most 90% of F.linear's time (a near tie stays with torch)
-PROBE_LAYERS, PROBE_WIDTH = 8, 1024  # a chain of 8 1024x1024 layers (32 MB in fp32): past the caches, as a model
-PROBE_REPEATS = 5
+MIN_GAIN = 0.9  # the turned product taken when the probe ran it in at most 90% of F.linear's time (a near tie: torch)
+PROBE_BYTES = 128 << 20  # the probe chain: a model of the embedded size whole (its weights stream from memory)
+PROBE_REPEATS = 2
+DEFAULT_SHAPES = ((1024, 1024),) * 8  # the probe without a model: 8 layers of 1024x1024 (32 MB in fp32)
 ENV_SWITCH = "SPECPILOT_SMALL_ROW_LINEARS"
 
-_MEASURED: dict[tuple[torch.dtype, int], dict] = {}
+_MEASURED: dict[tuple[str, torch.dtype, int], dict] = {}
 
 
 def wanted(asked: bool | None) -> bool:
@@ -40,86 +47,135 @@ def wanted(asked: bool | None) -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
 
 
-def measure(dtype: torch.dtype = torch.float32, threads: int | None = None) -> dict:
-    """{"ratio", "rows", "threads", "dtype"}: W @ x^T over F.linear on a probe chain (PROBE_LAYERS layers of
-    PROBE_WIDTH, run as a model's layers run: each weight read from memory), summed over 2..MAX_ROWS rows, each the
-    fastest of PROBE_REPEATS interleaved calls (on a shared machine other work only adds time); `rows` is 2..MAX_ROWS
-    when ratio <= MIN_GAIN, else empty. One decision for the whole range: the slow path is how the BLAS threads a
-    narrow product, and per-row timings of a few hundred microseconds flip with the machine's load. Measured once per
-    process per (dtype, threads); one thread or a dtype other than fp32 / bf16 / fp16: not measured, no rows."""
+def shapes_key(shapes) -> str:
+    """The probe's layer shapes [(out, in), ...] as a string ("384x384,1024x384"): the key layers carry (a string
+    hashes once, and survives pickling into another process, which measures its own plan)."""
+    return ",".join(f"{int(o)}x{int(i)}" for o, i in shapes)
+
+
+def _shapes(key: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in part.split("x")) for part in key.split(",")]
+
+
+DEFAULT_KEY = shapes_key(DEFAULT_SHAPES)
+
+
+def probe_shapes(model: torch.nn.Module) -> str:
+    """`model`'s turnable layer shapes in module order, up to PROBE_BYTES of fp32 weights (at least one layer), as a
+    `shapes_key`; DEFAULT_KEY when it has none."""
+    shapes, total = [], 0
+    for module in model.modules():
+        if _turnable(module) and total < PROBE_BYTES:
+            shapes.append(tuple(module.weight.shape))
+            total += 4 * module.weight.numel()
+    return shapes_key(shapes) if shapes else DEFAULT_KEY
+
+
+def measure(dtype: torch.dtype = torch.float32, threads: int | None = None, key: str = DEFAULT_KEY) -> dict:
+    """{"ratio", "rows", "plan", "threads", "dtype", "layers"}: the row plan for layers shaped as `key` (module
+    docstring): "plan" [[rows, width], ...] (JSON-friendly; "widths" the same as a dict), "rows" the row counts it
+    turns, "ratio" the probe chain's time with the plan over F.linear's, summed over 1..MAX_ROWS rows. Measured once
+    per process per (key, dtype, threads); one thread or a dtype other than fp32 / bf16 / fp16: not measured, no
+    rows."""
     threads = torch.get_num_threads() if threads is None else int(threads)
-    key = (dtype, threads)
-    if key in _MEASURED:
-        return _MEASURED[key]
-    out = {"ratio": None, "rows": [], "threads": threads, "dtype": str(dtype).removeprefix("torch.")}
+    index = (key, dtype, threads)
+    if index in _MEASURED:
+        return _MEASURED[index]
+    shapes = _shapes(key)
+    out = {"ratio": None, "rows": [], "plan": [], "threads": threads, "dtype": str(dtype).removeprefix("torch."),
+           "layers": len(shapes)}
     if threads > 1 and dtype in (torch.float32, torch.bfloat16, torch.float16):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            gen = torch.Generator().manual_seed(0)
-            layers = [torch.randn(PROBE_WIDTH, PROBE_WIDTH, generator=gen).to(dtype) for _ in range(PROBE_LAYERS)]
-            fastest = {False: 0.0, True: 0.0}
-            with torch.inference_mode():
-                for rows in range(2, MAX_ROWS + 1):
-                    x = torch.randn(1, rows, PROBE_WIDTH, generator=gen).to(dtype)
-                    best = {False: float("inf"), True: float("inf")}
-                    for r in range(PROBE_REPEATS + 1):
-                        for turned in ((False, True) if r % 2 else (True, False)):
-                            t0 = time.perf_counter()
-                            _probe_chain(x, layers, turned)
-                            if r:  # the first pass warms up
-                                best[turned] = min(best[turned], time.perf_counter() - t0)
-                    for turned in best:
-                        fastest[turned] += best[turned]
-            out["ratio"] = round(fastest[True] / fastest[False], 4)
-            out["rows"] = list(range(2, MAX_ROWS + 1)) if out["ratio"] <= MIN_GAIN else []
+            plain, turned = _probe(shapes, dtype)
         finally:
             torch.set_num_threads(before)
-    _MEASURED[key] = out
-    out["rows_set"] = frozenset(out["rows"])
+        plan = {}
+        for rows in plain:
+            width = min((w for w in turned if w >= rows), key=turned.__getitem__)
+            if turned[width] <= MIN_GAIN * plain[rows]:
+                plan[rows] = width
+        planned = sum(turned[plan[r]] if r in plan else plain[r] for r in plain)
+        out.update(ratio=round(planned / sum(plain.values()), 4), rows=sorted(plan),
+                   plan=[[r, w] for r, w in sorted(plan.items())])
+    out["widths"] = {r: w for r, w in out["plan"]}
+    _MEASURED[index] = out
     return out
 
 
-def faster_rows(dtype: torch.dtype = torch.float32, threads: int | None = None) -> frozenset[int]:
-    """Row counts taken as W @ x^T at `dtype` and `threads` (default: torch's current count): `measure`'s rows."""
-    return measure(dtype, threads)["rows_set"]
+def _probe(shapes: list[tuple[int, int]], dtype: torch.dtype) -> tuple[dict[int, float], dict[int, float]]:
+    """The chain's fastest time over 1..MAX_ROWS rows with F.linear and turned, interleaved (the first pass warms
+    up; the order alternates so neither way always runs on the other's warm caches)."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(o, i, generator=gen).to(dtype) for o, i in shapes]
+    inputs = {(rows, i): torch.randn(rows, i, generator=gen).to(dtype)
+              for rows in range(1, MAX_ROWS + 1) for i in {i for _, i in shapes}}
+    fastest = {False: {}, True: {}}
+    with torch.inference_mode():
+        for r in range(PROBE_REPEATS + 1):
+            for rows in range(1, MAX_ROWS + 1):
+                for turned in ((False, True) if (r + rows) % 2 else (True, False)):
+                    t0 = time.perf_counter()
+                    for weight in layers:
+                        x = inputs[rows, weight.shape[1]]
+                        _turned(x, weight, None, rows) if turned else F.linear(x, weight)
+                    seconds = time.perf_counter() - t0
+                    if r:
+                        fastest[turned][rows] = min(fastest[turned].get(rows, seconds), seconds)
+    return fastest[False], fastest[True]
 
 
-def _probe_chain(x: torch.Tensor, layers: list[torch.Tensor], turned: bool) -> torch.Tensor:
-    for weight in layers:
-        x = _turned(x, weight, None) if turned else F.linear(x, weight)
-    return x
+def row_plan(dtype: torch.dtype = torch.float32, threads: int | None = None, key: str = DEFAULT_KEY) -> dict[int, int]:
+    """{rows: width} taken as W @ x^T at `dtype` and `threads` (default: torch's current count): `measure`'s plan."""
+    return measure(dtype, threads, key)["widths"]
 
 
-def _turned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) as (weight @ x^T)^T, returned contiguous (the layers after it view it)."""
+def _turned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int) -> torch.Tensor:
+    """F.linear(x, weight, bias) as (weight @ x^T)^T over `width` >= its rows (zero rows padded, their outputs
+    dropped), returned contiguous (the layers after it view it)."""
     rows = x.numel() // x.shape[-1]
-    y = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    flat = x.reshape(rows, x.shape[-1])
+    if width > rows:
+        flat = torch.cat((flat, flat.new_zeros(width - rows, flat.shape[1])))
+    y = torch.mm(weight, flat.t())
+    y = (y[:, :rows] if width > rows else y).t().contiguous()
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class SmallRowLinear(torch.nn.Linear):
-    """A torch.nn.Linear whose forward takes W @ x^T for the row counts `faster_rows` chose (module docstring)."""
+    """A torch.nn.Linear whose forward follows the row plan `measure` made for its model's layer shapes (module
+    docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features if self.in_features else 0
-        if 1 < rows <= MAX_ROWS and x.is_cpu and rows in faster_rows(self.weight.dtype):
-            return _turned(x, self.weight, self.bias)
+        if x.is_cpu and self.in_features:
+            index = (getattr(self, "probe_key", DEFAULT_KEY), self.weight.dtype, torch.get_num_threads())
+            plan = (_MEASURED.get(index) or measure(*index[1:], key=index[0]))["widths"]
+            width = plan.get(x.numel() // self.in_features)
+            if width:
+                return _turned(x, self.weight, self.bias, width)
         return F.linear(x, self.weight, self.bias)
+
+
+def _turnable(module: torch.nn.Module) -> bool:
+    return type(module) in (torch.nn.Linear, SmallRowLinear) and module.weight.device.type == "cpu" \
+        and module.weight.numel() >= MIN_WEIGHT_ELEMENTS
 
 
 def enable_small_row_linears(model: torch.nn.Module) -> int:
     """Turn `model`'s plain nn.Linear layers (not subclasses: quantised or custom layers keep their forward) with at
-    least MIN_WEIGHT_ELEMENTS weights on CPU into SmallRowLinear, and measure `faster_rows` for their dtype now (not
-    inside a timed step); returns how many are SmallRowLinear now. Idempotent; `disable_small_row_linears` undoes it."""
+    least MIN_WEIGHT_ELEMENTS weights on CPU into SmallRowLinear, and make their row plan now (`measure`, for the
+    model's layer shapes and each dtype: not inside a timed step); returns how many are SmallRowLinear now.
+    Idempotent; `disable_small_row_linears` undoes it."""
+    key = probe_shapes(model)
     turned = 0
     for module in model.modules():
-        if type(module) in (torch.nn.Linear, SmallRowLinear) and module.weight.device.type == "cpu" \
-                and module.weight.numel() >= MIN_WEIGHT_ELEMENTS:
+        if _turnable(module):
             module.__class__ = SmallRowLinear
-            faster_rows(module.weight.dtype)
+            module.probe_key = key
+            measure(module.weight.dtype, key=key)
             turned += 1
     return turned
 
@@ -130,16 +186,21 @@ def disable_small_row_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is SmallRowLinear:
             module.__class__ = torch.nn.Linear
+            module.__dict__.pop("probe_key", None)
             undone += 1
     return undone
 
 
 def describe(models) -> dict:
     """What reports record: whether any of `models` (None entries skipped) has SmallRowLinear layers, and the
-    measurement deciding the rows they take at the current thread count."""
-    dtypes = {m.weight.dtype for model in models if model is not None for m in model.modules()
-              if type(m) is SmallRowLinear}
-    if not dtypes:
+    plan each of their (layer shapes, dtype) follows at the current thread count, in the order of `models` (the
+    target's first where callers pass it first)."""
+    kinds = []
+    for model in models:
+        for m in (model.modules() if model is not None else ()):
+            if type(m) is SmallRowLinear and (getattr(m, "probe_key", DEFAULT_KEY), m.weight.dtype) not in kinds:
+                kinds.append((getattr(m, "probe_key", DEFAULT_KEY), m.weight.dtype))
+    if not kinds:
         return {"enabled": False}
-    return {"enabled": True, "measured": [{k: v for k, v in measure(d).items() if k != "rows_set"}
-                                          for d in sorted(dtypes, key=str)]}
+    return {"enabled": True, "measured": [{k: v for k, v in measure(dtype, key=key).items() if k != "widths"}
+                                          for key, dtype in kinds]}

@@ -554,7 +554,7 @@ class ModelPair:
     name: str = "custom"
     eagle: torch.nn.Module | None = None
     dtype_reason: str = ""  # why the pair runs in its dtype (`resolve_dtype`): for reports and manifests
-    # on CPU, 2-8-row linears (verify blocks, draft levels) on every thread (`drafting/linear_kernels.py`); None:
+    # on CPU, few-row linears (steps, verify blocks, draft levels) by a measured row plan (`linear_kernels`); None:
     # yes unless SPECPILOT_SMALL_ROW_LINEARS=0
     small_row_linears: bool | None = None
 

@@ -65,6 +65,17 @@ def ending_note(sampling: dict) -> str:
     return "".join(f", {p}" for p in parts)
 
 
+def row_ranges(rows: list[int]) -> str:
+    """[1, 2, 3, 5, 9, 10] -> "1-3, 5, 9-10"."""
+    parts, start = [], None
+    for i, r in enumerate(rows):
+        start = r if start is None else start
+        if i + 1 == len(rows) or rows[i + 1] != r + 1:
+            parts.append(f"{start}-{r}" if r > start else f"{r}")
+            start = None
+    return ", ".join(parts)
+
+
 def measurement_label(meta: dict) -> str:
     """What a number was measured on: models, precision, device and hardware, sampling, suite and prompt mix."""
     models = meta.get("models", {})
@@ -73,8 +84,8 @@ def measurement_label(meta: dict) -> str:
     mix = meta.get("prompt_mix", {})
     threads = f", {meta['torch_threads']} threads" if meta.get("torch_threads") else ""
     turned = [m for m in (meta.get("small_row_linears") or {}).get("measured", []) if m.get("rows")]
-    if turned:  # drafting/linear_kernels.py: 2-8-row products taken as W @ x^T (measured faster on this machine)
-        threads += f", {turned[0]['rows'][0]}-{turned[0]['rows'][-1]}-row linears as W @ x^T"
+    if turned:  # drafting/linear_kernels.py: the target's row plan (products of few rows taken as W @ x^T)
+        threads += f", linears of {row_ranges(turned[0]['rows'])} rows as W @ x^T"
     temperatures = ",".join(f"{t:g}" for t in s.get("temperatures") or []) or "?"
     splits = mix.get("by_split") or {}
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"

@@ -509,7 +509,7 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        # the CPU kernel choice for 2-8-row products (drafting/linear_kernels.py)
+        # the CPU row plan of few-row products, per model (drafting/linear_kernels.py)
         "small_row_linears": describe_small_rows([getattr(pair, k, None) for k in ("target", "draft", "eagle")]),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,

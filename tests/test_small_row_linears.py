@@ -1,6 +1,7 @@
-"""Small-row linears (`drafting/linear_kernels.py`): the turned product equals F.linear up to round-off, only plain
-CPU nn.Linear layers are turned (and back), the choice is measured once per (dtype, threads), ModelPair turns its
-models unless told not to, and speculative decoding through turned layers stays exact (greedy = target-only greedy)."""
+"""Small-row linears (`drafting/linear_kernels.py`): the turned product, padded or not, equals F.linear up to
+round-off, only plain CPU nn.Linear layers are turned (and back), the row plan is measured once per (layer shapes,
+dtype, threads) and only ever pads upwards, ModelPair turns its models unless told not to, and speculative decoding
+through turned layers stays exact (greedy = target-only greedy)."""
 import copy
 import pickle
 
@@ -13,7 +14,8 @@ from specpilot.drafting import linear_kernels
 from specpilot.drafting.control import FixedController
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
 from specpilot.drafting.linear_kernels import (MAX_ROWS, SmallRowLinear, describe, disable_small_row_linears,
-                                               enable_small_row_linears, faster_rows)
+                                               enable_small_row_linears, measure, probe_shapes, row_plan,
+                                               shapes_key)
 from specpilot.drafting.pair import ModelPair
 
 from tiny import noisy_copy, tiny_model
@@ -21,12 +23,27 @@ from tiny import noisy_copy, tiny_model
 PROMPTS = [[5, 17, 33, 2, 41, 7, 19, 60], [3, 9], list(range(20, 41))]
 
 
-@pytest.fixture
-def every_row_turned(monkeypatch):
-    """Every layer turned and every row count 2..MAX_ROWS taken as W @ x^T, whatever this machine measures."""
+class _Forced(dict):
+    """A plan table answering every (layer shapes, dtype, threads) with one plan, whatever this machine measures."""
+
+    def __init__(self, widths: dict[int, int]):
+        super().__init__()
+        self.entry = {"widths": widths}
+
+    def get(self, key, default=None):
+        return self.entry
+
+
+PLANS = {"unpadded": {r: r for r in range(1, MAX_ROWS + 1)},
+         "padded": {r: -(-r // 8) * 8 for r in range(1, MAX_ROWS + 1)}}  # to the next multiple of 8 (9 -> 16)
+
+
+@pytest.fixture(params=sorted(PLANS))
+def every_row_turned(request, monkeypatch):
+    """Every layer turned and every row count 1..MAX_ROWS taken as W @ x^T, unpadded or padded."""
     monkeypatch.setattr(linear_kernels, "MIN_WEIGHT_ELEMENTS", 0)
-    monkeypatch.setattr(linear_kernels, "faster_rows", lambda dtype=None, threads=None:
-                        frozenset(range(2, MAX_ROWS + 1)))
+    monkeypatch.setattr(linear_kernels, "_MEASURED", _Forced(PLANS[request.param]))
+    monkeypatch.setattr(linear_kernels, "measure", lambda *a, **k: {"widths": PLANS[request.param]})
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 33])
@@ -57,14 +74,31 @@ def test_only_plain_cpu_linears_large_enough_are_turned_and_back():
     copied = pickle.loads(pickle.dumps(model[0]))
     assert type(copy.deepcopy(model)[0]) is SmallRowLinear and type(copied) is SmallRowLinear
     assert disable_small_row_linears(model) == 1 and type(model[0]) is torch.nn.Linear
+    assert not hasattr(model[0], "probe_key")
 
 
-def test_one_thread_takes_no_rows_and_choices_are_kept_per_dtype_and_threads():
-    assert faster_rows(torch.float32, threads=1) == frozenset()
-    assert faster_rows(torch.float64, threads=2) == frozenset()  # dtypes it does not measure: torch's linear
-    first = faster_rows(torch.float32, threads=2)
-    assert first in (frozenset(), frozenset(range(2, MAX_ROWS + 1)))  # one decision for the whole range
-    assert faster_rows(torch.float32, threads=2) is first  # measured once
+def test_one_thread_takes_no_rows_and_plans_are_kept_per_shapes_dtype_and_threads():
+    small = shapes_key([(256, 512), (512, 256)])
+    assert row_plan(torch.float32, threads=1, key=small) == {}
+    assert row_plan(torch.float64, threads=2, key=small) == {}  # dtypes it does not measure: torch's linear
+    first = measure(torch.float32, threads=2, key=small)
+    assert measure(torch.float32, threads=2, key=small) is first  # measured once
+    assert measure(torch.float32, threads=2, key=shapes_key([(256, 512)])) is not first
+    assert first["layers"] == 2 and first["rows"] == [r for r, _ in first["plan"]] and 0 < first["ratio"] <= 1.0
+    for rows, width in first["plan"]:  # pads upwards only, within the probed range
+        assert 1 <= rows <= width <= MAX_ROWS and first["widths"][rows] == width
+
+
+def test_probe_shapes_are_the_turnable_layers_in_module_order_up_to_the_cap(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(8, 8), torch.nn.Linear(256, 1024),
+                                torch.nn.Linear(1024, 512))
+    assert probe_shapes(model) == "256x512,1024x256,512x1024"
+    monkeypatch.setattr(linear_kernels, "PROBE_BYTES", 4 * 256 * 512 + 1)  # the cap stops after the layer past it
+    assert probe_shapes(model) == "256x512,1024x256"
+    assert probe_shapes(torch.nn.Sequential(torch.nn.Linear(8, 8))) == linear_kernels.DEFAULT_KEY
+    enable_small_row_linears(model)
+    assert {m.probe_key for m in model.modules() if type(m) is SmallRowLinear} == {"256x512,1024x256"}
+    assert pickle.loads(pickle.dumps(model[0])).probe_key == "256x512,1024x256"  # a worker re-measures it
 
 
 def test_describe_says_what_reports_record():
@@ -72,8 +106,9 @@ def test_describe_says_what_reports_record():
     assert describe([layer, None]) == {"enabled": False}
     enable_small_row_linears(layer)
     got = describe([None, layer])
-    assert got["enabled"] and got["measured"][0]["dtype"] == "float32" and "rows_set" not in got["measured"][0]
-    assert got["measured"][0]["threads"] == torch.get_num_threads()
+    assert got["enabled"] and got["measured"][0]["dtype"] == "float32" and "widths" not in got["measured"][0]
+    assert got["measured"][0]["threads"] == torch.get_num_threads() and got["measured"][0]["layers"] == 1
+    assert {"ratio", "rows", "plan"} <= set(got["measured"][0])
 
 
 @pytest.mark.parametrize("asked,env,turned", [(None, None, True), (None, "0", False), (False, None, False),
