@@ -14,7 +14,8 @@ matter (>= MIN_WEIGHT_ELEMENTS, on CPU) into a `SmallRowLinear`: the same module
 whose forward follows a row plan, {rows: width}: `rows` rows are computed as W @ x^T over `width` rows (the input
 padded with zero rows, the padded outputs dropped), other row counts by `F.linear`. `measure()` makes the plan on
 this machine, once per process for each (layer shapes, dtype, thread count): a probe chain of random layers shaped as
-the model's own (in module order, up to PROBE_BYTES: past the caches, as in a model), every row count 1..MAX_ROWS
+the model's own (in module order, up to PROBE_BYTES, repeated up to PROBE_MIN_BYTES: past the caches, as in
+decoding), every row count 1..MAX_ROWS
 timed both ways, each the fastest of PROBE_REPEATS interleaved calls; a row count takes the width whose turned time is
 lowest when that is at most MIN_GAIN of `F.linear`'s (~1 s for the embedded target). Each output row is the same
 dot products rounded in another order (greedy speculative output still equals the target's greedy output, as tests
@@ -33,6 +34,7 @@ MAX_ROWS = 33  # the plan covers 1..MAX_ROWS rows (verify blocks of V <= 32 with
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller layers cost less than the Python around them: not worth a branch
 MIN_GAIN = 0.9  # the turned product taken when the probe ran it in at most 90% of F.linear's time (a near tie: torch)
 PROBE_BYTES = 128 << 20  # the probe chain: a model of the embedded size whole (its weights stream from memory)
+PROBE_MIN_BYTES = 32 << 20  # and at least this much (a small model's layers repeated): past the caches
 PROBE_REPEATS = 2
 DEFAULT_SHAPES = ((1024, 1024),) * 8  # the probe without a model: 8 layers of 1024x1024 (32 MB in fp32)
 ENV_SWITCH = "SPECPILOT_SMALL_ROW_LINEARS"
@@ -61,14 +63,18 @@ DEFAULT_KEY = shapes_key(DEFAULT_SHAPES)
 
 
 def probe_shapes(model: torch.nn.Module) -> str:
-    """`model`'s turnable layer shapes in module order, up to PROBE_BYTES of fp32 weights (at least one layer), as a
-    `shapes_key`; DEFAULT_KEY when it has none."""
+    """`model`'s turnable layer shapes in module order, up to PROBE_BYTES of fp32 weights (at least one layer), and
+    repeated until they reach PROBE_MIN_BYTES (a small model's layers would stay in the caches across probe calls,
+    while in decoding the other model's forward evicts them), as a `shapes_key`; DEFAULT_KEY when it has none."""
     shapes, total = [], 0
     for module in model.modules():
         if _turnable(module) and total < PROBE_BYTES:
             shapes.append(tuple(module.weight.shape))
             total += 4 * module.weight.numel()
-    return shapes_key(shapes) if shapes else DEFAULT_KEY
+    if not shapes:
+        return DEFAULT_KEY
+    repeats = -(-PROBE_MIN_BYTES // total)
+    return shapes_key(shapes * repeats)
 
 
 def measure(dtype: torch.dtype = torch.float32, threads: int | None = None, key: str = DEFAULT_KEY) -> dict:

@@ -92,10 +92,14 @@ def test_one_thread_takes_no_rows_and_plans_are_kept_per_shapes_dtype_and_thread
 def test_probe_shapes_are_the_turnable_layers_in_module_order_up_to_the_cap(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(8, 8), torch.nn.Linear(256, 1024),
                                 torch.nn.Linear(1024, 512))
+    monkeypatch.setattr(linear_kernels, "PROBE_MIN_BYTES", 1)
     assert probe_shapes(model) == "256x512,1024x256,512x1024"
     monkeypatch.setattr(linear_kernels, "PROBE_BYTES", 4 * 256 * 512 + 1)  # the cap stops after the layer past it
     assert probe_shapes(model) == "256x512,1024x256"
+    monkeypatch.setattr(linear_kernels, "PROBE_MIN_BYTES", 4 * 256 * 512 * 7)  # 1.5 MB repeated to the 3.5 MB floor
+    assert probe_shapes(model) == ",".join(["256x512,1024x256"] * 3)
     assert probe_shapes(torch.nn.Sequential(torch.nn.Linear(8, 8))) == linear_kernels.DEFAULT_KEY
+    monkeypatch.setattr(linear_kernels, "PROBE_MIN_BYTES", 1)
     enable_small_row_linears(model)
     assert {m.probe_key for m in model.modules() if type(m) is SmallRowLinear} == {"256x512,1024x256"}
     assert pickle.loads(pickle.dumps(model[0])).probe_key == "256x512,1024x256"  # a worker re-measures it
@@ -107,7 +111,7 @@ def test_describe_says_what_reports_record():
     enable_small_row_linears(layer)
     got = describe([None, layer])
     assert got["enabled"] and got["measured"][0]["dtype"] == "float32" and "widths" not in got["measured"][0]
-    assert got["measured"][0]["threads"] == torch.get_num_threads() and got["measured"][0]["layers"] == 1
+    assert got["measured"][0]["threads"] == torch.get_num_threads() and got["measured"][0]["layers"] == -(-linear_kernels.PROBE_MIN_BYTES // (4 * 512 * 256))
     assert {"ratio", "rows", "plan"} <= set(got["measured"][0])
 
 
