@@ -105,6 +105,33 @@ def test_probe_shapes_are_the_turnable_layers_in_module_order_up_to_the_cap(monk
     assert pickle.loads(pickle.dumps(model[0])).probe_key == "256x512,1024x256"  # a worker re-measures it
 
 
+def test_a_layer_keeps_its_plan_per_thread_count_and_a_copy_measures_its_own(monkeypatch):
+    calls = []
+
+    def fake_plan(dtype=torch.float32, threads=None, key=linear_kernels.DEFAULT_KEY):
+        calls.append((dtype, threads))
+        return {2: 2} if threads > 1 else {}
+
+    layer = torch.nn.Linear(512, 256)
+    enable_small_row_linears(layer)
+    monkeypatch.setattr(linear_kernels, "row_plan", fake_plan)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        x = torch.randn(2, 512)
+        want = F.linear(x, layer.weight, layer.bias)
+        for _ in range(3):
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        assert calls == [(torch.float32, 2)]  # looked up once, then kept
+        torch.set_num_threads(1)
+        layer(x)
+        assert calls[-1] == (torch.float32, 1)
+        for copied in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+            assert "_plan" not in copied.__dict__ and copied.probe_key == layer.probe_key
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_describe_says_what_reports_record():
     layer = torch.nn.Linear(512, 256)
     assert describe([layer, None]) == {"enabled": False}
