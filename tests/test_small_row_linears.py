@@ -23,17 +23,6 @@ from tiny import noisy_copy, tiny_model
 PROMPTS = [[5, 17, 33, 2, 41, 7, 19, 60], [3, 9], list(range(20, 41))]
 
 
-class _Forced(dict):
-    """A plan table answering every (layer shapes, dtype, threads) with one plan, whatever this machine measures."""
-
-    def __init__(self, widths: dict[int, int]):
-        super().__init__()
-        self.entry = {"widths": widths}
-
-    def get(self, key, default=None):
-        return self.entry
-
-
 PLANS = {"unpadded": {r: r for r in range(1, MAX_ROWS + 1)},
          "padded": {r: -(-r // 8) * 8 for r in range(1, MAX_ROWS + 1)}}  # to the next multiple of 8 (9 -> 16)
 
@@ -42,7 +31,6 @@ PLANS = {"unpadded": {r: r for r in range(1, MAX_ROWS + 1)},
 def every_row_turned(request, monkeypatch):
     """Every layer turned and every row count 1..MAX_ROWS taken as W @ x^T, unpadded or padded."""
     monkeypatch.setattr(linear_kernels, "MIN_WEIGHT_ELEMENTS", 0)
-    monkeypatch.setattr(linear_kernels, "_MEASURED", _Forced(PLANS[request.param]))
     monkeypatch.setattr(linear_kernels, "measure", lambda *a, **k: {"widths": PLANS[request.param]})
 
 
