@@ -15,11 +15,11 @@ whose forward follows a row plan, {rows: width}: `rows` rows are computed as W @
 padded with zero rows, the padded outputs dropped), other row counts by `F.linear`. `measure()` makes the plan on
 this machine, once per process for each (layer shapes, dtype, thread count): a probe chain of random layers shaped as
 the model's own (in module order, up to PROBE_BYTES, repeated up to PROBE_MIN_BYTES: past the caches, as in
-decoding), every row count 1..MAX_ROWS
-timed both ways, each the fastest of PROBE_REPEATS interleaved calls; a row count takes the width whose turned time is
-lowest when that is at most MIN_GAIN of `F.linear`'s (~1 s for the embedded target). Each output row is the same
-dot products rounded in another order (greedy speculative output still equals the target's greedy output, as tests
-check). Reports record the plan (`describe`; report.json meta `small_row_linears`).
+decoding), every row count 1..MAX_ROWS timed both ways, each the fastest of PROBE_REPEATS interleaved calls; a row
+count takes the width whose turned time is lowest when that is at most MIN_GAIN of `F.linear`'s (~2 s for the
+embedded target), kept on disk for later processes on the same machine (`plan_cache`; SPECPILOT_ROW_PLAN_CACHE=0:
+every process probes). Each output row is the same dot products rounded in another order (greedy speculative output
+still equals the target's greedy output, as tests check). Reports record the plan (`describe`; report.json meta `small_row_linears`).
 `ModelPair` enables it on CPU unless asked not to (`small_row_linears=False`, or SPECPILOT_SMALL_ROW_LINEARS=0).
 """
 from __future__ import annotations
@@ -29,6 +29,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from specpilot.drafting import plan_cache
 
 MAX_ROWS = 33  # the plan covers 1..MAX_ROWS rows (verify blocks of V <= 32 with the root, draft levels) and pads to it
 MIN_WEIGHT_ELEMENTS = 1 << 16  # smaller layers cost less than the Python around them: not worth a branch
@@ -78,19 +80,28 @@ def probe_shapes(model: torch.nn.Module) -> str:
 
 
 def measure(dtype: torch.dtype = torch.float32, threads: int | None = None, key: str = DEFAULT_KEY) -> dict:
-    """{"ratio", "rows", "plan", "threads", "dtype", "layers"}: the row plan for layers shaped as `key` (module
-    docstring): "plan" [[rows, width], ...] (JSON-friendly; "widths" the same as a dict), "rows" the row counts it
-    turns, "ratio" the probe chain's time with the plan over F.linear's, summed over 1..MAX_ROWS rows. Measured once
-    per process per (key, dtype, threads); one thread or a dtype other than fp32 / bf16 / fp16: not measured, no
-    rows."""
+    """{"ratio", "rows", "plan", "threads", "dtype", "layers", "source", "measured_at"}: the row plan for layers
+    shaped as `key` (module docstring): "plan" [[rows, width], ...] (JSON-friendly; "widths" the same as a dict),
+    "rows" the row counts it turns, "ratio" the probe chain's time with the plan over F.linear's, summed over
+    1..MAX_ROWS rows, "source" "probe" (measured by this process), "cache" (by an earlier one on this machine:
+    `plan_cache`) or "none". Made once per process per (key, dtype, threads); one thread or a dtype other than
+    fp32 / bf16 / fp16: not measured, no rows."""
     threads = torch.get_num_threads() if threads is None else int(threads)
     index = (key, dtype, threads)
     if index in _MEASURED:
         return _MEASURED[index]
     shapes = _shapes(key)
-    out = {"ratio": None, "rows": [], "plan": [], "threads": threads, "dtype": str(dtype).removeprefix("torch."),
-           "layers": len(shapes)}
-    if threads > 1 and dtype in (torch.float32, torch.bfloat16, torch.float16):
+    name = str(dtype).removeprefix("torch.")
+    probed = threads > 1 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    cached = plan_cache.load(key, name, threads, len(shapes), MAX_ROWS) if probed else None
+    if cached is not None:
+        cached["widths"] = {r: w for r, w in cached["plan"]}
+        _MEASURED[index] = cached
+        return cached
+    out = {"ratio": None, "rows": [], "plan": [], "threads": threads, "dtype": name, "layers": len(shapes),
+           "source": "probe" if probed else "none",
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z") if probed else None}
+    if probed:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -105,6 +116,7 @@ def measure(dtype: torch.dtype = torch.float32, threads: int | None = None, key:
         planned = sum(turned[plan[r]] if r in plan else plain[r] for r in plain)
         out.update(ratio=round(planned / sum(plain.values()), 4), rows=sorted(plan),
                    plan=[[r, w] for r, w in sorted(plan.items())])
+        plan_cache.store(key, out)
     out["widths"] = {r: w for r, w in out["plan"]}
     _MEASURED[index] = out
     return out

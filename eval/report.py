@@ -86,6 +86,8 @@ def measurement_label(meta: dict) -> str:
     turned = [m for m in (meta.get("small_row_linears") or {}).get("measured", []) if m.get("rows")]
     if turned:  # drafting/linear_kernels.py: the target's row plan (products of few rows taken as W @ x^T)
         threads += f", linears of {row_ranges(turned[0]['rows'])} rows as W @ x^T"
+        if turned[0].get("source") == "cache":  # measured by an earlier process on this machine (plan_cache)
+            threads += f" (plan cached {str(turned[0].get('measured_at'))[:16]})"
     temperatures = ",".join(f"{t:g}" for t in s.get("temperatures") or []) or "?"
     splits = mix.get("by_split") or {}
     return (f"{models.get('name', '?')} (target {models.get('target_hash', '?')}, draft {models.get('draft_hash', '?')})"

@@ -6,6 +6,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# Every test process measures its own row plans (drafting/plan_cache.py): no test reads or writes the user's cache.
+os.environ.setdefault("SPECPILOT_ROW_PLAN_CACHE", "0")
 sys.path.insert(0, os.path.dirname(__file__))
 # Tests use tiny models: intra-op threads only add synchronisation cost, and stall when cores are shared.
 torch.set_num_threads(1)
