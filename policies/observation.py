@@ -225,9 +225,14 @@ def observe(state: DraftState, spec: ObservationSpec) -> np.ndarray:
     return depth_observation(state, spec) if spec.kind == "depth" else size_observation(state, spec)
 
 
+CPU_SIZE_ACTIONS = [3, 4, 5, 7, 8, 15, 23, 31]  # with the root, verify blocks of 4, 5, 6, 8, 9, 16, 24, 32 rows
+
+
 def default_size_actions(device: str | None = None) -> list[int]:
-    """Verification sizes the size policy chooses from: small trees on CPU; on GPU the paper's 12 linear bins
-    over 20..240."""
+    """Verification sizes the size policy chooses from (and the grid sweeps, with 1): on GPU the paper's 12 linear
+    bins over 20..240; on CPU small trees whose verify block (the candidates and the root) is a row count the CPU
+    linears run at full width: a CPU product over 13 rows costs what it costs over 16 (`linear_kernels`' row plan
+    pads 10-16 rows to 16), so 15 candidates are verified for the price of 12 (CPU_SIZE_ACTIONS)."""
     if device is not None and str(device).startswith("cuda"):
         return [int(v) for v in np.linspace(20, 240, 12)]
-    return [2, 4, 6, 8, 12, 16, 24, 32]
+    return list(CPU_SIZE_ACTIONS)

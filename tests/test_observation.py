@@ -117,7 +117,7 @@ def test_spec_json_round_trip_and_version_check():
         ObservationSpec.from_dict({**data, "version": 999})
 
 
-@pytest.mark.parametrize("device, expected_len, lo, hi", [("cpu", 8, 2, 32), (None, 8, 2, 32), ("cuda", 12, 20, 240)])
+@pytest.mark.parametrize("device, expected_len, lo, hi", [("cpu", 8, 3, 31), (None, 8, 3, 31), ("cuda", 12, 20, 240)])
 def test_default_size_actions(device, expected_len, lo, hi):
     actions = default_size_actions(device)
     assert len(actions) == expected_len and actions[0] == lo and actions[-1] == hi

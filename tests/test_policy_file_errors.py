@@ -29,7 +29,7 @@ from specpilot.policies.ppo import PolicyLoadError, load_run_controllers, load_s
 from specpilot.train.export.writer import ExportError, export_run
 from specpilot.train.rl.ppo import settings_for, train_policy, write_policies_index
 
-TRACE_W, TRACE_D, TRACE_SIZES = 3, 4, [2, 4, 6, 8]  # test_bad_options' traces; its CPU size actions that fit 8
+TRACE_W, TRACE_D, TRACE_SIZES = 3, 4, [3, 4, 5, 7, 8]  # test_bad_options' traces; its CPU size actions that fit 8
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +139,13 @@ def _trace_policy(path: Path, kind: str, *, width: int = TRACE_W, sizes: list[in
 
 INIT_MISMATCH = {
     "depth policy for a size stage": ("size", lambda d: _trace_policy(d / "depth.zip", "depth"),
-                                      ["it is a depth policy (2 actions", "trains a size policy (4 actions",
+                                      ["it is a depth policy (2 actions", "trains a size policy (5 actions",
                                        "start from a size policy"]),
     "size policy for a depth stage": ("depth", lambda d: _trace_policy(d / "size.zip", "size"),
-                                      ["it is a size policy (4 actions", "trains a depth policy (2 actions",
+                                      ["it is a size policy (5 actions", "trains a depth policy (2 actions",
                                        "start from a depth policy"]),
     "size policy of another tree": ("size", lambda d: _trace_policy(d / "w2.zip", "size", width=2, sizes=[2, 4, 8]),
-                                    ["it is a size policy (3 actions", "trains a size policy (4 actions",
+                                    ["it is a size policy (3 actions", "trains a size policy (5 actions",
                                      "width 3, max_depth 4", "another tree"]),
     "truncated zip": ("size", lambda d: (_truncate(p := _trace_policy(d / "cut.zip", "size")), p)[1],
                       ["cut.zip", "SB3 PPO zip", "restore the file"]),

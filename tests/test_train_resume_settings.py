@@ -87,7 +87,7 @@ def _snapshot(run) -> dict:
     (["--reward", "throughput"], ["--reward saved dinkelbach, given throughput"]),
     (["--static", "3,4"], ["--static saved 2,4, given 3,4"]),
     (["--depth-range", "1,2"], ["--depth-range saved 1,4, given 1,2"]),
-    (["--size-actions", "2,4"], ["--size-actions saved 2,4,6,8, given 2,4"]),
+    (["--size-actions", "2,4"], ["--size-actions saved 3,4,5,7,8, given 2,4"]),
     (["--gamma", "0.5"], ["--gamma saved 0.9, given 0.5"]),
     (["--n-steps", "128"], ["--n-steps saved 64, given 128"]),
     (["--batch-size", "64"], ["--batch-size saved 32, given 64"]),
