@@ -222,6 +222,16 @@ def disable_small_row_linears(model: torch.nn.Module) -> int:
     return undone
 
 
+def target_row_plan(model: torch.nn.Module | None) -> list[list[int]]:
+    """[[rows, width], ...]: the row plan `model`'s first SmallRowLinear follows at the current thread count ([]
+    when it has none: on GPU, switched off, one thread). Latency profiles record it (`envs.profile`: a verify block
+    the plan pads costs what the padded block does)."""
+    for m in (model.modules() if model is not None else ()):
+        if type(m) is SmallRowLinear:
+            return [list(p) for p in measure(m.weight.dtype, key=getattr(m, "probe_key", DEFAULT_KEY))["plan"]]
+    return []
+
+
 def describe(models) -> dict:
     """What reports record: whether any of `models` (None entries skipped) has SmallRowLinear layers, and the
     plan each of their (layer shapes, dtype) follows at the current thread count, in the order of `models` (the

@@ -10,8 +10,10 @@ Model of one cycle's time (seconds) with depth d, verified size V, context lengt
         first(n)  time of a cycle's first draft forward when it feeds n new tokens (catch-up + root): the tokens
                   emitted by plain steps are caught up here, charged to the next cycle that drafts
         level(l)  time of the l-th draft forward (it attends to (l-1)*W fed tree nodes)
-    verify(V, L) = m(V) + o(bucket(L))               V >= 1: one target forward over the root and V candidates
+    verify(V, L) = m(V') + o(bucket(L))              V >= 1: one target forward over the root and V candidates
         m(V)      verify time at size V pooled over contexts
+        V'        V, or width - 1 where the target's CPU linears pad V + 1 rows to `width` (meta "row_plan":
+                  13 rows cost what 16 do, so V = 12 is priced at the measured V = 15, not between 8 and 15)
         o(b)      mean residual of the samples in context bucket b (edges `context_edges`); 0 for empty buckets
     verify(0, L) = plain(L)                          a plain step (depth 0): one target forward on the root alone
         plain(L)  fitted on plain steps only, over context length (`plain`): the decoder takes them on the
@@ -156,13 +158,21 @@ class LatencyProfile:
         """[len(context_lens), max_size + 1] verify time by (context, V); V = 0 is a plain target step (the root
         alone: one token, no draft), priced by `plain_time` when it has a price (a plain model or the AR reference)."""
         context_lens = np.asarray(context_lens)
-        m = _curve(self.verify_size, np.arange(max_size + 1), self.shrink)
+        m = _curve(self.verify_size, self.priced_sizes(max_size), self.shrink)
         offset = np.asarray(self.context_offset)[self.bucket(context_lens)]
         table = np.maximum(m[None, :] + offset[:, None], 1e-9)
         plain = self.plain_time(context_lens)
         if plain is not None:
             table[:, 0] = plain
         return table
+
+    def priced_sizes(self, max_size: int) -> np.ndarray:
+        """The size whose time each V = 0..max_size costs: V itself, or where the target's CPU linears pad a verify
+        block of V + 1 rows to `width` rows (meta "row_plan", `linear_kernels`' plan when the profile was measured),
+        width - 1: a block of 13 rows padded to 16 costs what 15 candidates do, not a point on the line between the
+        measured sizes around it (a profile without a plan, e.g. on GPU, prices V as V)."""
+        widths = {int(r): int(w) for r, w in (self.meta or {}).get("row_plan") or ()}
+        return np.array([widths.get(v + 1, v + 1) - 1 if v else 0 for v in range(max_size + 1)])
 
     def verify_time(self, size: int, context_len: int) -> float:
         return float(self.verify_table(size, np.array([context_len]))[0, size])
@@ -404,6 +414,7 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
     """
     from specpilot.drafting.cycle import run_cycle
     from specpilot.drafting.decoder import SpeculativeDecoder
+    from specpilot.drafting.linear_kernels import target_row_plan
     from specpilot.policies.observation import default_size_actions
 
     decoder = SpeculativeDecoder(pair, tree)
@@ -414,6 +425,7 @@ def collect_samples(pair, tree, prompts, *, max_new_tokens: int = 128, sizes: li
     if samples is None:
         samples = ProfileSamples(max_depth=tree.max_depth, width=tree.width,
                                  meta={"device": str(pair.device), "dtype": str(pair.dtype), "sizes": sizes,
+                                       "row_plan": target_row_plan(pair.target),
                                        "max_new_tokens": max_new_tokens, "measured_s": 0.0,
                                        "created": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime())})
     probe = None
@@ -526,6 +538,7 @@ def collect_batch_samples(pair, tree, prompts, batch_sizes: list[int], *, max_ne
     from specpilot.drafting.batch_ar import batch_inputs
     from specpilot.drafting.cycle import run_cycle
     from specpilot.drafting.decoder import SpeculativeDecoder
+    from specpilot.drafting.linear_kernels import target_row_plan
     from specpilot.policies.observation import default_size_actions
 
     decoder = SpeculativeDecoder(pair, tree)
