@@ -19,7 +19,8 @@ decoding), every row count 1..MAX_ROWS timed both ways, each the fastest of PROB
 count takes the width whose turned time is lowest when that is at most MIN_GAIN of `F.linear`'s (~2 s for the
 embedded target), kept on disk for later processes on the same machine (`plan_cache`; SPECPILOT_ROW_PLAN_CACHE=0:
 every process probes). Each output row is the same dot products rounded in another order (greedy speculative output
-still equals the target's greedy output, as tests check). Reports record the plan (`describe`; report.json meta `small_row_linears`).
+still equals the target's greedy output, as tests check). Reports record the plan (`describe`; report.json meta
+`small_row_linears`), latency profiles the target's (`target_row_plan`: a padded verify block is priced padded).
 `ModelPair` enables it on CPU unless asked not to (`small_row_linears=False`, or SPECPILOT_SMALL_ROW_LINEARS=0).
 """
 from __future__ import annotations
