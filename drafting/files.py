@@ -5,6 +5,8 @@ with errors that name the file.
                                           reverse), before a command measures anything
     atomic_path(path) / atomic_write_text  write to a temporary sibling, then os.replace: a crash or Ctrl-C never
                                           leaves a half-written report, trace or config behind
+    atomic_dir(path) / swap_in_dir        the same for a whole folder (a saved model, an export): written beside
+                                          `path`, swapped in complete
     read_json(path, what=..., fix=...)    a JSON object, or FileNotFoundError / InputFileError naming the file
     load_weights(path, what=..., fix=...) a safetensors / torch weights file's tensors, or InputFileError naming
                                           the file when it is truncated, empty or garbage
@@ -16,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -186,6 +189,40 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise OSError(err.errno, f"{err.strerror} while writing {path}") from err
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def swap_in_dir(staging: Path, out_dir: Path) -> None:
+    """Put the complete folder `staging` at out_dir: an earlier out_dir is moved aside, the new one renamed in, the
+    old one deleted (or moved back if the rename fails)."""
+    if not out_dir.exists():
+        os.replace(staging, out_dir)
+        return
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out_dir, old)
+    try:
+        os.replace(staging, out_dir)
+    except BaseException:
+        os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `path` to write a whole folder into (`save_pretrained`); on success it
+    replaces `path` (`swap_in_dir`), on an exception (or Ctrl-C) it is deleted and `path` is left as it was: an
+    interrupted save never leaves a model folder with a truncated weights file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        swap_in_dir(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str, encoding: str = "utf-8") -> Path:

@@ -45,7 +45,7 @@ from specpilot.artifacts.run import (BEST_JSON, CHECKPOINTS_DIR, MANIFEST_FILE, 
                                      owning_run, read_progress, run_root)
 from specpilot.artifacts.trace import TraceHeader, is_trace
 from specpilot.drafting.control import FixedController, default_static_config
-from specpilot.drafting.files import atomic_path, check_writable
+from specpilot.drafting.files import atomic_path, check_writable, swap_in_dir
 from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.types import TreeConfig
 from specpilot.policies.actor import Actor
@@ -348,7 +348,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
                             identity=identity, grid_best=grid_best, grid_path=grid_path, measure_live=measure_live,
                             num_prompts=num_prompts, max_new_tokens=max_new_tokens, num_random=num_random,
                             seed=seed, log=log)
-        _swap_in(staging, out_dir)
+        swap_in_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return meta
@@ -378,23 +378,6 @@ def _check_replaceable(out_dir: Path) -> None:
         raise ExportError(f"{out_dir} is an earlier export that also holds files an export does not write "
                           f"({shown}); an export replaces its folder as a whole, so move them out or give a new "
                           "folder")
-
-
-def _swap_in(staging: Path, out_dir: Path) -> None:
-    """Put the complete export at out_dir: the earlier folder is moved aside, the new one renamed in, the old one
-    deleted (or moved back if the rename fails)."""
-    if not out_dir.exists():
-        os.replace(staging, out_dir)
-        return
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(out_dir, old)
-    try:
-        os.replace(staging, out_dir)
-    except BaseException:
-        os.replace(old, out_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _export_into(out_dir: Path, final_dir: Path, run_dir: Path, root: Path, index: dict, index_path: Path, *, pair,

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.drafting.eagle import Eagle3Config, Eagle3Head
+from specpilot.drafting.files import atomic_dir
 from specpilot.train.models.training import bf16_teacher, log, random_windows, steps_for, train_loop
 from specpilot.train.models.optim import use_bf16
 
@@ -191,8 +192,8 @@ def build_eagle_head(out_dir: str | Path, target, train_stream: torch.Tensor, *,
         f"{config.aux_layer_ids}, draft vocabulary {config.draft_vocab_size}")
     train = train_eagle_head(head, teacher, train_stream, pool, budget=budget, seed=seed, device=device)
     del teacher
-    out = Path(out_dir)
-    head.to(torch.bfloat16).save_pretrained(out)  # bf16 on disk like the target and draft
+    with atomic_dir(out_dir) as staging:  # an interrupted save leaves the earlier head (or none), never a torn one
+        head.to(torch.bfloat16).save_pretrained(staging)  # bf16 on disk like the target and draft
     head.float()
     return head, {"config": config.to_dict(), "params": sum(p.numel() for p in head.parameters()),
                   "vocabulary": vocab_stats, "train": train}

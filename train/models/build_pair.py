@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specpilot.drafting.files import atomic_dir
 from specpilot.drafting.folder_lock import LOCK_FILE
 from specpilot.train.models.training import (bf16_teacher, generate, latency_summary, log, random_windows, steps_for,
                                            train_loop)
@@ -392,12 +393,21 @@ def _model_summary(model, train: dict | None, held: dict[str, torch.Tensor], *, 
 BUILD_MARKERS = ("metrics.json", "corpus_manifest.json")  # written by a build (the second as soon as the target is)
 
 
+def save_folder(model, path: Path) -> None:
+    """`model.save_pretrained(path)` written beside `path` and swapped in complete (`drafting.files.atomic_dir`): a
+    build interrupted while saving leaves the earlier folder (or none), never one with a truncated weights file."""
+    with atomic_dir(path) as staging:
+        model.save_pretrained(staging)
+
+
 def check_build_folder(out: Path, *, quick: bool = False) -> None:
     """A full build writes tokenizer/, target/ and draft/ into `out` and removes a stale eagle/: `out` must be new,
     empty, or an earlier build's folder (it holds metrics.json or corpus_manifest.json), never someone's models;
     and a quick build never replaces a full one (its metrics.json says "quick": false)."""
-    held = (LOCK_FILE,)  # this build's own lock (`specpilot models build` holds its --out) is not someone's files
-    if out.is_dir() and any(p.name not in held for p in out.iterdir()) and \
+    def held(p: Path) -> bool:  # this build's own lock (`models build` holds its --out), a killed save's staging
+        return p.name == LOCK_FILE or (p.name.startswith(".") and ".partial-" in p.name)
+
+    if out.is_dir() and any(not held(p) for p in out.iterdir()) and \
             not any((out / name).is_file() for name in BUILD_MARKERS):
         raise ValueError(f"{out} holds files but is not an earlier `specpilot models build` folder (no "
                          f"{' or '.join(BUILD_MARKERS)}): a build overwrites target/, draft/ and tokenizer/ there "
@@ -490,8 +500,8 @@ def _target_stage(out: Path, tokenizer, train_stream: torch.Tensor, t_cfg, manif
                          max_minutes=budget.target_max_minutes)
     timings["target_minutes"] = round((time.time() - t0) / 60, 2)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out / "tokenizer")
-    target.to(torch.bfloat16).save_pretrained(out / "target")  # bf16 on disk; loading casts to fp32 on CPU
+    save_folder(tokenizer, out / "tokenizer")
+    save_folder(target.to(torch.bfloat16), out / "target")  # bf16 on disk; loading casts to fp32 on CPU
     target.float()
     (out / "corpus_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     if (out / "eagle").exists() and not keep_head:
@@ -550,7 +560,7 @@ def _draft_stage(out: Path, target, train_stream: torch.Tensor, held: dict[str, 
                                    device=device, batch=budget.draft_batch, seq=budget.seq,
                                    max_minutes=budget.draft_max_minutes)
         timings["draft_minutes"] = round((time.time() - t0) / 60, 2)
-        draft.to(torch.bfloat16).save_pretrained(out / "draft")
+        save_folder(draft.to(torch.bfloat16), out / "draft")
         draft.float()
     log("measuring the draft against the target on held-out code")
     agreement_args = dict(prompts=4, prompt_len=16, new_tokens=16) if quick else dict(prompts=32, prompt_len=64,
