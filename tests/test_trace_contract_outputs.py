@@ -1,6 +1,6 @@
 """Output places `record` and `export` write besides --out itself are checked before any work, with one clear line
 (exit 2): a read-only shards/ folder failed with a raw "[Errno 1]" after recording a shard, an export whose --out
-parent is read-only with a raw "[Errno 1] ... .x.export-PID" (the export is staged beside --out)."""
+parent is read-only with a raw "[Errno 1] ... .x.partial-PID" (the export is staged beside --out)."""
 from __future__ import annotations
 
 import tempfile

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from specpilot.artifacts.run import (BEST_JSON, CHECKPOINTS_DIR, MANIFEST_FILE, 
                                      owning_run, read_progress, run_root)
 from specpilot.artifacts.trace import TraceHeader, is_trace
 from specpilot.drafting.control import FixedController, default_static_config
-from specpilot.drafting.files import atomic_path, check_writable, swap_in_dir
+from specpilot.drafting.files import atomic_dir, atomic_path, check_writable
 from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.types import TreeConfig
 from specpilot.policies.actor import Actor
@@ -340,17 +339,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, pair=None, onnx: boo
     _check_replaceable(out_dir)
     # all or nothing: everything is written into a temporary sibling folder, swapped in only when complete; a
     # failure (or Ctrl-C) leaves an earlier export byte-identical and a new folder absent
-    staging = out_dir.parent / f".{out_dir.name}.export-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with atomic_dir(out_dir) as staging:
         meta = _export_into(staging, out_dir, run_dir, root, index, index_path, pair=pair, onnx=onnx, trace=trace,
                             identity=identity, grid_best=grid_best, grid_path=grid_path, measure_live=measure_live,
                             num_prompts=num_prompts, max_new_tokens=max_new_tokens, num_random=num_random,
                             seed=seed, log=log)
-        swap_in_dir(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return meta
 
 
