@@ -15,8 +15,10 @@ PROFILE_VERSION = 2  # 2: optional per-batch-size profiles ("batch"); version-1 
 PROFILE_VERSIONS_READ = (1, 2)
 # cycles a profile keeps at least where specpilot measures one itself (`collect_samples(min_cycles=...)`): one pass
 # over 6-8 prompts of 48 tokens kept 130-180 cycles (4-15 per verification size), and the replay verdicts of the
-# same policies under two such profiles of one machine differed by up to 2.5% (ltd vs grid 1.042 and 1.064)
-DEFAULT_PROFILE_CYCLES = 600
+# same policies under two such profiles of one machine differed by up to 2.5% (ltd vs grid 1.042 and 1.064); 600
+# cycles (30-40 per size, each size's mean +-1.5%) still moved static configs' replay ratios by +-2% between three
+# profiles of one machine, against live lockstep's ratios; 3000 (150-350 per size, +-0.5%) matched them within 0.6%
+DEFAULT_PROFILE_CYCLES = 3000
 
 
 def profile_path(trace: str | Path) -> Path:

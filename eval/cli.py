@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.drafting.cliargs import (add_pair_arguments, add_stop_arguments, batch_sizes, float_list,
                                         given_options, name_list, non_negative_float, non_negative_int, output_dir,
                                         positive_float, positive_int, probability, run_folder, say, seed)
@@ -98,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --replay-dir: record its greedy trace on N local processes side by side (one "
                              "torch thread each; recording reads no clock), then measure everything else in this "
                              "process alone (default: 0, this process records; not with --ray)")
+    parser.add_argument("--profile-cycles", type=non_negative_int, default=DEFAULT_PROFILE_CYCLES,
+                        help="with --replay-dir: decode the profile prompts again until the latency profile "
+                             "re-measured for replay holds at least N cycles (0: one pass)")
     parser.add_argument("--check-profile", action="append", default=[], metavar="PROFILE_JSON",
                         help="with --replay-dir: check this latency profile against the live runs (repeatable; "
                              "default: none)")
@@ -182,6 +186,9 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
         raise ValueError("--processes records on local processes and --ray on Ray workers: give one of them")
     if args.check_profile and not args.replay_dir:
         raise ValueError("--check-profile needs --replay-dir (the profile is checked against replay of the runs)")
+    if "--profile-cycles" in given_options(args) and not args.replay_dir:
+        raise ValueError("--profile-cycles sets the latency profile replay uses: give --replay-dir, or drop "
+                         "--profile-cycles (live measurements need no profile)")
     for path in args.check_profile:
         LatencyProfile.load(path)
     # the round plan's own checks (e.g. --min-rounds above --max-rounds) before the replay recording, not after it
@@ -342,7 +349,8 @@ def run(args: argparse.Namespace) -> int:
             plots=not args.no_plots, progress=say, top_k=args.top_k, top_p=args.top_p, min_rounds=args.min_rounds,
             max_rounds=args.max_rounds, target_half_width=args.target_half_width, decide=plan.decide,
             warmup=args.warmup, concurrency=args.concurrency, suite=plan.suite, stop_strings=args.stop,
-            stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, trace_workers=processes)
+            stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, trace_workers=processes,
+            profile_cycles=args.profile_cycles)
     for name, reason in result.meta["skipped"].items():
         say(f"skipped {name}: {reason}")
     if result.meta["executor"]["retried_prompts"]:

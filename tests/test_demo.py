@@ -10,7 +10,8 @@ from specpilot.demo import DemoBudget, run_demo
 TINY = DemoBudget(train_prompts=3, val_prompts=2, heldout_prompts=3, max_new_tokens=16, width=2, max_depth=4,
                   max_size=8, size_steps=256, depth_steps=256, coadapt_steps=128, rounds=1, n_steps=128,
                   batch_size=64, n_epochs=1, live_top=1, temperatures=(0.0, 1.0), sampled_methods=("grid", "ltd"),
-                  eval_budget_s=5.0, check_rounds=2, sampled_depth_steps=64, sampled_size_steps=64, seeds=2)
+                  eval_budget_s=5.0, check_rounds=2, sampled_depth_steps=64, sampled_size_steps=64, seeds=2,
+                  profile_cycles=200)
 
 
 @pytest.mark.heavy

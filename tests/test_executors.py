@@ -106,7 +106,7 @@ def test_report_json_has_the_same_keys_on_either_executor(ray_pool, local, tmp_p
             EVAL_PROMPTS, executor=executor, tree=TreeConfig(width=2, max_depth=4, max_size=8),
             out_dir=tmp_path / name, trace_dir=tmp_path / f"trace-{name}", methods=["fixed", "svip"],
             temperatures=(0.0,), rounds=2, full_rounds=None, max_new_tokens=8, decide=("svip", "fixed"),
-            profile_prompts=1, plots=False)
+            profile_prompts=1, profile_cycles=200, plots=False)
         reports[name] = read(tmp_path / name / "report.json")
         assert files(tmp_path / name) == {"report.json", "report.md"}
     a, b = reports["local"], reports["ray"]

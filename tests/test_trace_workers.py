@@ -164,7 +164,7 @@ def test_eval_cli_records_its_replay_trace_on_processes(saved_pair, tmp_path, ca
     settings = ["eval", "--suite", str(suite), "--target", str(saved_pair / "target"), "--draft",
                 str(saved_pair / "draft"), "--width", "2", "--max-depth", "2", "--max-size", "4", "--methods", "fixed",
                 "--temperatures", "0", "--rounds", "1", "--max-new-tokens", "4", "--no-plots", "--replay-dir",
-                str(tmp_path / "t"), "--processes", "2"]
+                str(tmp_path / "t"), "--processes", "2", "--profile-cycles", "200"]
     assert main([*settings, "--out", str(tmp_path / "e")]) == 0
     assert "greedy trace of 3 prompts on 2 processes side by side" in capsys.readouterr().err
     assert TraceHeader.load(tmp_path / "t").data["recorded_by"] == REPLAY_CACHE
@@ -181,3 +181,11 @@ def test_eval_processes_without_a_trace_to_record_is_refused(tmp_path, capsys, o
     code = main(["eval", "--methods", "fixed", "--out", str(tmp_path / "e"), "--processes", "2", *options])
     err = capsys.readouterr().err
     assert code == 2 and fragment in err and "Traceback" not in err and not (tmp_path / "e").exists()
+
+
+def test_eval_profile_cycles_without_a_replay_dir_is_refused(tmp_path, capsys):
+    from specpilot.cli import main
+
+    code = main(["eval", "--methods", "fixed", "--out", str(tmp_path / "e"), "--profile-cycles", "200"])
+    err = capsys.readouterr().err
+    assert code == 2 and "give --replay-dir" in err and "Traceback" not in err and not (tmp_path / "e").exists()
