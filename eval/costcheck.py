@@ -54,11 +54,16 @@ def profile_age_s(profile, path: str | Path | None = None) -> tuple[float | None
     return (now - when).total_seconds(), when.isoformat(timespec="seconds")
 
 
-def default_configs(trace) -> list[tuple[int, int]]:
+def default_configs(trace, sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """The plain step (depth 0, against live ar) and three static configs spanning the trace's tree: shallow and
-    narrow, middle, deepest and widest."""
+    narrow, middle, deepest and widest. `sizes`: the verification sizes the profile measured (its meta["sizes"]);
+    the middle config takes the largest of them up to half the tree's size, so the check tests measured prices
+    (an unmeasured size is interpolated between its neighbours: on a CPU whose row plan leaves 17 rows to the
+    default kernel, V=16 ran 20% slower than priced from V=15 and V=20, a config no policy or grid cell uses)."""
     d, s, w = trace.max_depth, trace.max_size, trace.width
-    return sorted({PLAIN, (1, min(w, s)), (max(1, d // 2), max(1, s // 2)), (d, s)})
+    middle = max(1, s // 2)
+    measured = [int(v) for v in sizes or () if 1 <= int(v) <= middle]
+    return sorted({PLAIN, (1, min(w, s)), (max(1, d // 2), max(measured, default=middle)), (d, s)})
 
 
 def config_name(depth: int, size: int) -> str:
@@ -143,7 +148,8 @@ def check_profile(pair, trace, profile, prompts: int | Sequence[int] = 3, *,
     indices = list(range(min(prompts, trace.num_prompts))) if isinstance(prompts, int) else list(prompts)
     if not indices:
         raise ValueError("check_profile needs at least one trace prompt")
-    configs = [(min(int(d), trace.max_depth), int(s)) for d, s in (configs or default_configs(trace))]
+    configs = [(min(int(d), trace.max_depth), int(s))
+               for d, s in (configs or default_configs(trace, (profile.meta or {}).get("sizes")))]
     records = measure_live(pair, trace, configs, indices, rounds=rounds, seed=seed, progress=progress)
     out = compare_rates(predicted(trace, profile, configs, indices), records, tolerance=tolerance)
     age, created = profile_age_s(profile, profile_path)

@@ -1,10 +1,12 @@
 """The cost-model check: predicted (replay) vs measured (live) tokens/s, the noise band, staleness, refresh."""
 import json
+import types
 
 import pytest
 import torch
 
 from specpilot.drafting import TreeConfig
+from specpilot.envs.profile import LatencyProfile
 from specpilot.eval.costcheck import (check_and_refresh, check_profile, compare_rates, default_configs,
                                       profile_age_s)
 from specpilot.eval.metrics import RunRecord
@@ -77,7 +79,9 @@ def test_check_profile_measures_live_configs(recorded):
     out = check_profile(pair, trace_dir, profile_path, 2, rounds=2, profile_path=profile_path)
     from specpilot.envs.record import Trace
 
-    assert [c["config"] for c in out["configs"]] == [f"d{d}_s{s}" for d, s in default_configs(Trace.load(trace_dir))]
+    sizes = LatencyProfile.load(profile_path).meta["sizes"]
+    assert [c["config"] for c in out["configs"]] == [f"d{d}_s{s}" for d, s in default_configs(Trace.load(trace_dir),
+                                                                                            sizes)]
     assert out["configs"][0]["config"] == "d0_s0" and out["configs"][0]["method"] == "ar"  # plain steps vs live ar
     assert all(len(c["measured_by_round"]) == 2 for c in out["configs"])
     assert out["prompts"] == [0, 1] and out["age_s"] is not None and out["live"]
@@ -110,3 +114,10 @@ def test_stale_profile_is_re_measured_and_saved(recorded, tmp_path):
     assert json.loads(other.read_text())["meta"] == json.loads(stale.read_text())["meta"]
     assert any("re-measuring" in line for line in said)
     json.dumps(out)  # JSON-able: the demo stores it
+
+
+@pytest.mark.parametrize("sizes, middle", [(None, 16), ([], 16), ([1, 3, 4, 5, 7, 8, 15, 23, 31, 32], 15),
+                                           ([1, 4, 8, 32], 8), ([20, 32], 16)])
+def test_the_middle_check_config_takes_a_measured_size(sizes, middle):
+    trace = types.SimpleNamespace(max_depth=8, max_size=32, width=4)
+    assert default_configs(trace, sizes) == [(0, 0), (1, 4), (4, middle), (8, 32)]
