@@ -16,8 +16,9 @@ PROFILE_VERSIONS_READ = (1, 2)
 # cycles a profile keeps at least where specpilot measures one itself (`collect_samples(min_cycles=...)`): one pass
 # over 6-8 prompts of 48 tokens kept 130-180 cycles (4-15 per verification size), and the replay verdicts of the
 # same policies under two such profiles of one machine differed by up to 2.5% (ltd vs grid 1.042 and 1.064); 600
-# cycles (30-40 per size, each size's mean +-1.5%) still moved static configs' replay ratios by +-2% between three
-# profiles of one machine, against live lockstep's ratios; 3000 (150-350 per size, +-0.5%) matched them within 0.6%
+# cycles (30-40 per size, each size's mean +-1.5%) still put static configs' replay ratios up to 3.4 points off the
+# ratios measured live in lockstep (three profiles of one machine); 3000 (145-350 per size, +-0.5%) at most 0.8 points
+# off (`benchmarks/bench_profile_fit.py`; README, "Reading the report")
 DEFAULT_PROFILE_CYCLES = 3000
 
 
