@@ -46,7 +46,7 @@ from specpilot.drafting.types import TreeConfig
 from specpilot.eval.degeneracy import degeneracy_report, greedy_outputs, measure
 from specpilot.eval.compare import DECIDE, compare, comparisons, decision_stats, group_comparisons, unit_records
 from specpilot.eval.metrics import RunRecord, aggregate, pooled_tau
-from specpilot.eval.stats import paired_ratio_interval
+from specpilot.eval.stats import paired_ratio_interval, same_decisions
 from specpilot.eval.rounds import Measurer, MemoryMonitor, RoundPlan, method_order, run_rounds, timed
 from specpilot.eval.methods import (METHODS, ARMethod, ControllerMethod, EvalContext, Method,  # noqa: F401
                                     MethodUnavailable, build_methods)
@@ -128,7 +128,8 @@ def measure_controllers(pair: ModelPair | None, controllers: dict, prompts, *, t
     Returns {name: {tokens, time_s, tokens_per_s, speedup, mean_accepted_length, policy_s, policy_overhead,
     depth_mean, size_mean, vs_baseline}}: vs_baseline is the throughput ratio over `baseline` ("ar" or one of the
     controllers) with its paired 95% bootstrap interval over (prompt, round) units; `vs` the same against each of
-    `baseline` and `also_vs` ({name: {"baseline", "ratio", "ci"}}). With `executor` (instead of
+    `baseline` and `also_vs` ({name: {"baseline", "ratio", "ci", "same_decisions"}}; same_decisions: both chose the
+    same (depth, size) on every cycle of every unit, `eval.stats.same_decisions`). With `executor` (instead of
     `pair`) the prompts are shared out over its workers and the numbers pooled over all their units."""
     items = [getattr(p, "prompt", p) for p in prompts]
     if not items:
@@ -147,6 +148,7 @@ def measure_controllers(pair: ModelPair | None, controllers: dict, prompts, *, t
     out = {name: _throughput([r for r in result.records if r.method == name]) for name in names}
     units = {name: {(r.repeat, r.prompt_id): (r.n_tokens, r.wall_s) for r in result.records if r.method == name}
              for name in names}
+    cycles = {name: {(r.repeat, r.prompt_id): r.cycles for r in result.records if r.method == name} for name in names}
     for name, row in out.items():
         row["speedup"] = row["tokens_per_s"] / out["ar"]["tokens_per_s"]
         row["vs"] = {}
@@ -154,7 +156,9 @@ def measure_controllers(pair: ModelPair | None, controllers: dict, prompts, *, t
             keys = sorted(units[name].keys() & units[other].keys())  # the (round, prompt) units both ran
             a, b = [units[name][k] for k in keys], [units[other][k] for k in keys]
             ci = paired_ratio_interval([u[0] for u in a], [u[1] for u in a], [u[0] for u in b], [u[1] for u in b])
-            row["vs"][other] = {"baseline": other, "ratio": ci.ratio, "ci": ci.ci()}
+            row["vs"][other] = {"baseline": other, "ratio": ci.ratio, "ci": ci.ci(),
+                                "same_decisions": same_decisions([cycles[name][k] for k in keys],
+                                                                 [cycles[other][k] for k in keys])}
         row["vs_baseline"] = row["vs"][baseline]
     return out
 

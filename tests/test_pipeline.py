@@ -198,6 +198,31 @@ def test_off_switch_choice(policies_low, policies_vs_static, static_ci, grid_cho
     assert off_switch_choice(policies_low, policies_vs_static, static_ci, grid_choice) == expected
 
 
+@pytest.mark.parametrize("policies_vs_static, same_as_static, expected", [
+    (1.002, True, "static"),  # the policies chose the static config's depth and size on every cycle: decision time only
+    (1.030, True, "static"),  # ... whatever timing noise made of it
+    (1.002, False, "policies"),  # different decisions that did not measure slower
+    (0.980, False, "static"),  # the static config measured faster
+])
+def test_policies_that_decide_like_the_static_config_give_way_to_it(policies_vs_static, same_as_static, expected):
+    from specpilot.train.rl.sampled import off_switch_choice
+
+    assert off_switch_choice(1.05, policies_vs_static, (1.20, 1.30), True, same_as_static) == expected
+
+
+@pytest.mark.parametrize("other, same", [((2, 3), True), ((3, 3), False), ((2, 2), False)])
+def test_measure_controllers_says_when_two_controllers_decided_alike(other, same):
+    from specpilot.eval.runner import measure_controllers
+    from specpilot.policies import FixedController
+
+    pair = tiny_pair(noise=0.2, eos=None)
+    out = measure_controllers(pair, {"a": FixedController(2, 3), "b": FixedController(*other)}, [[1, 2, 3], [4, 5]],
+                              tree=TREE, max_new_tokens=6, repeats=2, warmup=0, baseline="b", temperature=1.0,
+                              also_vs=["ar"])
+    assert out["a"]["vs"]["b"]["same_decisions"] is same
+    assert out["a"]["vs"]["ar"]["same_decisions"] is False  # plain decoding has no cycles to compare
+
+
 @pytest.mark.parametrize("at_t1, grid_choice, static", [
     ({"width": 4, "depth": 1, "size": 1}, (1, 1), (1, 1)),  # the grid drafts at T=1: its config there
     ({"width": 4, "depth": 0, "size": 0}, None, (3, 8)),  # plain steps at T=1: the greedy config is measured
@@ -238,8 +263,10 @@ def test_switch_to_the_static_config_when_it_measured_faster(traces, tmp_path):
     verdict = check_off_switch(run / "policies.json", pair, [[1, 2, 3], [4, 5, 6]], tree=TREE, temperature=1.0,
                                repeats=2, max_new_tokens=8, static=(2, 3))
     assert verdict["vs_static"]["config"] == [2, 3] and len(verdict["vs_static"]["ci"]) == 2
+    assert isinstance(verdict["vs_static"]["same_decisions"], bool)
     assert verdict["static_vs_plain"]["config"] == [2, 3] and len(verdict["static_vs_plain"]["ci"]) == 2
-    choice = off_switch_choice(verdict["ci"][0], verdict["vs_static"]["ratio"], verdict["static_vs_plain"]["ci"])
+    choice = off_switch_choice(verdict["ci"][0], verdict["vs_static"]["ratio"], verdict["static_vs_plain"]["ci"],
+                               same_as_static=verdict["vs_static"]["same_decisions"])
     assert verdict["static_is_grid_choice"] is False
     assert verdict["static"] == ([2, 3] if choice == "static" else None)
     assert verdict["plain_steps"] == (choice == "plain") and verdict["rule"] == OFF_SWITCH_RULE

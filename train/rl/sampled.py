@@ -9,9 +9,10 @@ RUN/sampled/T<t>/policies.json, which evaluation uses at that temperature.
 
 The off-switch: the fine-tuned policies are then measured live on the validation prompts at T against plain target
 steps (depth 0) and against the grid's static config at T, interleaved (`off_switch_choice`). The policies are kept
-when they are measurably faster than plain steps (the paired 95% interval lies above 1) and the static config did
-not measure faster than them (at T > 0 the fine-tuned policies often settle on the static config's own choice and
-then only add their decision time; else the static config is recorded). When the policies do not pay, they give way
+when they are measurably faster than plain steps (the paired 95% interval lies above 1), the static config did
+not measure faster than them and they did not choose the static config's depth and size on every cycle (at T > 0 the
+fine-tuned policies often settle on the static config's own choice and then only add their decision time; else the
+static config is recorded). When the policies do not pay, they give way
 to what the grid deploys at T: its config there (which measured faster than plain steps when the grid chose it)
 unless this measurement finds it slower than plain steps, a static config the grid did not choose at T only when it
 measures faster; else the index records plain steps and loaders give controllers that never draft at that
@@ -145,13 +146,14 @@ def _earlier_verdict(folder: Path) -> dict | None:
 
 
 OFF_SWITCH_RULE = ("the policies when their paired 95% interval over plain steps lies above 1, unless the static "
-                   "config measured faster (ratio below 1), then the static config; else the grid's own config at "
+                   "config measured faster (ratio below 1) or the policies chose its depth and size on every cycle "
+                   "(they would only add their decision time), then the static config; else the grid's own config at "
                    "the temperature unless its interval over plain steps lies below 1, or another static config "
                    "only when its interval lies above 1; else plain steps")
 
 
 def off_switch_choice(policies_low: float, policies_vs_static: float | None, static_ci: Sequence[float] | None,
-                      static_is_grid_choice: bool = False) -> str:
+                      static_is_grid_choice: bool = False, same_as_static: bool = False) -> str:
     """What a temperature's controllers become (`OFF_SWITCH_RULE`): "policies", "static" or "plain".
 
     policies_low: the lower end of the policies' paired 95% interval over plain steps; policies_vs_static: their
@@ -159,9 +161,14 @@ def off_switch_choice(policies_low: float, policies_vs_static: float | None, sta
     drafting static config was measured). Policies that do not pay fall back to what the grid deploys at that
     temperature: its config there already measured faster than plain steps when the grid chose it
     (static_is_grid_choice), so it stays unless this measurement finds it slower (interval below 1); a static config
-    the grid did not choose at T (its greedy one) replaces plain steps only when it measures faster here."""
+    the grid did not choose at T (its greedy one) replaces plain steps only when it measures faster here.
+    same_as_static: the policies chose the static config's (depth, size) on every cycle of the measurement; then
+    their ratio over it is decision time plus timing noise (at T=1 a 1.002x [0.984, 1.020] kept policies that decided
+    exactly like d1 V3 and then read 0.989x "slower" in the evaluation), so the static config is deployed."""
     if policies_low > 1.0:
-        return "static" if policies_vs_static is not None and policies_vs_static < 1.0 else "policies"
+        if policies_vs_static is not None and (same_as_static or policies_vs_static < 1.0):
+            return "static"
+        return "policies"
     if static_ci is None:
         return "plain"
     if static_is_grid_choice:
@@ -190,13 +197,15 @@ def check_off_switch(index: str | Path, pair, prompts, *, tree: TreeConfig, temp
                               also_vs=["static"] if "static" in controllers else [])
     vs_static = res["ltd"]["vs"].get("static")
     static_vs_plain = res["static"]["vs_baseline"] if "static" in controllers else None
+    same_as_static = bool(vs_static and vs_static.get("same_decisions"))
     choice = off_switch_choice(res["ltd"]["vs_baseline"]["ci"][0], vs_static and vs_static["ratio"],
-                               static_vs_plain and static_vs_plain["ci"], static_is_grid_choice)
+                               static_vs_plain and static_vs_plain["ci"], static_is_grid_choice, same_as_static)
     config = [int(static[0]), int(static[1])] if static is not None else None
     verdict = {"plain_steps": choice == "plain", "ratio": res["ltd"]["vs_baseline"]["ratio"],
                "ci": res["ltd"]["vs_baseline"]["ci"],
                "static": config if choice == "static" else None,
-               "vs_static": vs_static and {"config": config, "ratio": vs_static["ratio"], "ci": vs_static["ci"]},
+               "vs_static": vs_static and {"config": config, "ratio": vs_static["ratio"], "ci": vs_static["ci"],
+                                           "same_decisions": same_as_static},
                "static_vs_plain": static_vs_plain and {"config": config, "ratio": static_vs_plain["ratio"],
                                                        "ci": static_vs_plain["ci"]},
                **verdict_basis(index.parent, pair, prompts, tree=tree, temperature=temperature, repeats=repeats,
