@@ -35,10 +35,10 @@ from specpilot.policies import FixedController
 from specpilot.policies.ppo import load_run_controllers
 
 
-def price(profile: LatencyProfile, max_size: int, record) -> tuple[float, float]:
-    """The profile's (draft, verify) seconds for one live CycleRecord, as replay prices it."""
-    table = profile.draft_table()
-    draft = float(table[min(record.fed, table.shape[0] - 1), record.depth]) if record.depth else 0.0
+def price(profile: LatencyProfile, draft_table: np.ndarray, max_size: int, record) -> tuple[float, float]:
+    """The profile's (draft, verify) seconds for one live CycleRecord, as replay prices it (`draft_table`: the
+    profile's `draft_table()`, built once)."""
+    draft = float(draft_table[min(record.fed, draft_table.shape[0] - 1), record.depth]) if record.depth else 0.0
     verify = float(profile.verify_table(max_size, np.array([record.context_len]))[0, record.size])
     return draft, verify
 
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
 
     kept = {tuple(pair.encode(p.prompt)) for p in load_suite("heldout_code") if p.id not in flagged}
     indices = [i for i in range(trace.num_prompts) if tuple(trace.prompt(i)) in kept][:args.prompts]  # as the verdicts
+    draft_tables = [profile.draft_table() for profile in profiles.values()]
     rng = np.random.default_rng(args.seed)
     seen: dict = defaultdict(int)  # cycles per (depth, size), all methods
     live = {m: defaultdict(float) for m in controllers}
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
                     cell[0] += record.draft_s
                     cell[1] += record.verify_s
                     for k, profile in enumerate(profiles.values()):
-                        cell[2 + 2 * k: 4 + 2 * k] += price(profile, tree.max_size, record)
+                        cell[2 + 2 * k: 4 + 2 * k] += price(profile, draft_tables[k], tree.max_size, record)
             if r == 0 and pair.dtype == torch.float32:
                 for m, s in sessions.items():
                     out = list(s.output().tokens)  # the trace records a few tokens past the budget (lookahead)

@@ -146,19 +146,17 @@ def measure_controllers(pair: ModelPair | None, controllers: dict, prompts, *, t
         if b not in names:
             raise ValueError(f"baseline {b!r} is neither 'ar' nor one of the controllers {list(controllers)}")
     out = {name: _throughput([r for r in result.records if r.method == name]) for name in names}
-    units = {name: {(r.repeat, r.prompt_id): (r.n_tokens, r.wall_s) for r in result.records if r.method == name}
-             for name in names}
-    cycles = {name: {(r.repeat, r.prompt_id): r.cycles for r in result.records if r.method == name} for name in names}
+    units = {name: {(r.repeat, r.prompt_id): r for r in result.records if r.method == name} for name in names}
     for name, row in out.items():
         row["speedup"] = row["tokens_per_s"] / out["ar"]["tokens_per_s"]
         row["vs"] = {}
         for other in dict.fromkeys((baseline, *also_vs)):
             keys = sorted(units[name].keys() & units[other].keys())  # the (round, prompt) units both ran
             a, b = [units[name][k] for k in keys], [units[other][k] for k in keys]
-            ci = paired_ratio_interval([u[0] for u in a], [u[1] for u in a], [u[0] for u in b], [u[1] for u in b])
+            ci = paired_ratio_interval([r.n_tokens for r in a], [r.wall_s for r in a],
+                                       [r.n_tokens for r in b], [r.wall_s for r in b])
             row["vs"][other] = {"baseline": other, "ratio": ci.ratio, "ci": ci.ci(),
-                                "same_decisions": same_decisions([cycles[name][k] for k in keys],
-                                                                 [cycles[other][k] for k in keys])}
+                                "same_decisions": same_decisions([r.cycles for r in a], [r.cycles for r in b])}
         row["vs_baseline"] = row["vs"][baseline]
     return out
 
