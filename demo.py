@@ -39,7 +39,11 @@ class DemoBudget:
     train_prompts / val_prompts / heldout_prompts: prompts used per split (0 = all of the bundled suite);
     max_new_tokens: tokens per recorded / evaluated generation;
     width / max_depth / max_size: the draft tree recorded and searched;
-    size_steps / depth_steps / coadapt_steps / rounds: PPO budgets in env steps (replay backend);
+    size_steps / depth_steps / coadapt_steps / rounds: PPO budgets in env steps (replay backend). coadapt_steps
+        40k (was 20k): the three seeds of demo R (127157d) retrained on its own traces with 40k steps a round took
+        66.0 / 62.1 / 65.4% of the oracle's gain on its held-out trace instead of 63.7 / 61.7 / 62.9% (60k: 64.3 /
+        62.2 / 66.6%; behaviour cloning alone 62.4 / 58.8 / 63.2%), and the seeds' train stage ~240 s instead of
+        ~140 s; a fourth round (depth) gained nothing;
     n_steps / batch_size / n_epochs: PPO rollout settings (the paper's 2048/256; 10 epochs instead of 20, so the
         budget buys more environment steps: on replay, steps are cheap and the updates are the cost);
     pi_arch / vf_arch: actor and critic layers. The paper's [1024, 256] actor costs ~0.1-0.5 ms per decision on
@@ -101,7 +105,7 @@ class DemoBudget:
       the prefill is ~5% of a 48-token generation and dilutes every method's speedup alike;
     - grid: the cost-model check (re-measured when stale), live_top 3 over the 21 validation prompts at T=0 and
       the sampled candidates at T=1 [2.8 min measured: 0.5 + 0.85 + 1.45];
-    - train: 3 seeds x (BC ~10 s + 3 rounds x coadapt_steps 20k) in replay + the deployed seed's live T=1
+    - train: 3 seeds x (BC ~10 s + 3 rounds x coadapt_steps 40k) in replay + the deployed seed's live T=1
       fine-tuning, 2048 depth + 512 size live cycles, and its off-switch check [8.4 min measured with the seeds
       one after another; 7.5 min (447 s) with them on 2 worker processes (seed_workers), eda45ea];
     - eval: 30 held-out prompts (5 per code group, the fewest a group verdict needs; the headline interval
@@ -127,7 +131,7 @@ class DemoBudget:
     max_size: int = 32
     size_steps: int = 40_000
     depth_steps: int = 120_000
-    coadapt_steps: int = 20_000
+    coadapt_steps: int = 40_000
     rounds: int = 3
     n_steps: int = 2048
     batch_size: int = 256
