@@ -40,10 +40,10 @@ class DemoBudget:
     max_new_tokens: tokens per recorded / evaluated generation;
     width / max_depth / max_size: the draft tree recorded and searched;
     size_steps / depth_steps / coadapt_steps / rounds: PPO budgets in env steps (replay backend). coadapt_steps
-        40k (was 20k): the three seeds of demo R (127157d) retrained on its own traces with 40k steps a round took
-        66.0 / 62.1 / 65.4% of the oracle's gain on its held-out trace instead of 63.7 / 61.7 / 62.9% (60k: 64.3 /
-        62.2 / 66.6%; behaviour cloning alone 62.4 / 58.8 / 63.2%), and the seeds' train stage ~240 s instead of
-        ~140 s; a fourth round (depth) gained nothing;
+        40k (was 20k): the seeds of three demos, each retrained on its own traces at both budgets, took on their
+        held-out traces +2.3 / +0.4 / +2.5, -1.7 / +3.1 / +1.9 and -0.4 / -2.7 / +0.9 points of the oracle's gain
+        with 40k (mean +0.7, within seed noise; the deployed seed +3.1, 0 and +1.7); the seeds' train stage takes
+        ~240 s instead of ~140-190 s (README, "A longer PPO fine-tune");
     n_steps / batch_size / n_epochs: PPO rollout settings (the paper's 2048/256; 10 epochs instead of 20, so the
         budget buys more environment steps: on replay, steps are cheap and the updates are the cost);
     pi_arch / vf_arch: actor and critic layers. The paper's [1024, 256] actor costs ~0.1-0.5 ms per decision on
