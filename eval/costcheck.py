@@ -126,7 +126,7 @@ def compare_rates(predicted_tps: dict[str, float], records: Sequence[RunRecord],
 
 def _verdict(rows: list[dict], tolerance: float) -> dict:
     """The check's result over its config rows; `worst_spread` is the live spread of the config with the largest
-    error (a large error "within the noise" says why: the live rounds themselves moved that much)."""
+    error (a large error "within tolerance" says why: the live rounds themselves moved that much)."""
     worst = max(rows, key=lambda r: abs(r["error"]), default=None)
     return {"configs": rows, "tolerance": tolerance, "stale": any(r["off"] for r in rows),
             "max_abs_error": abs(worst["error"]) if worst else None,
@@ -221,7 +221,8 @@ def summary_line(check: dict) -> str:
     age = check.get("age_s")
     age_text = f"; profile age {age / 60:.1f} min" if age is not None else "; profile age unknown"
     return ("predicted/measured tokens/s " + ", ".join(parts) + age_text
-            + ("; STALE" if check["stale"] else "; within the noise"))
+            + ("; STALE" if check["stale"] else f"; within tolerance (stale past the spread + "
+                                                f"{100 * check['tolerance']:.0f}%)"))
 
 
 def _now() -> str:

@@ -379,7 +379,7 @@ def _cost_lines(cost: dict | None) -> list[str]:
             continue
         age = entry.get("age_s")
         age_text = f"{age / 60:.1f} min" if age is not None else "unknown"
-        state = "STALE" if entry["stale"] else "within the noise"
+        state = "STALE" if entry["stale"] else "within tolerance"
         lines += [f"**{entry.get('title', key)}** (profile age {age_text}, tolerance "
                   f"{100 * entry['tolerance']:.0f}%): {state}"
                   + (f"; {entry['action']}" if entry.get("action") else ""), ""] + _check_table(entry) + [""]

@@ -61,7 +61,8 @@ def summarise_report(report: dict, *, temperature: float = 0.0) -> dict:
                    "comparisons": replay.get("comparisons", []), "oracle": replay.get("oracle"),
                    "decision_us": replay.get("decision_us") or {}} if replay else None,
         "cost_check": {k: {"stale": v["stale"], "max_abs_error": v.get("max_abs_error"), "age_s": v.get("age_s"),
-                           "worst_spread": v.get("worst_spread"), "title": v.get("title", k)}
+                           "worst_spread": v.get("worst_spread"), "tolerance": v.get("tolerance"),
+                           "title": v.get("title", k)}
                        for k, v in (report.get("cost_check") or {}).items()},
     }
 
@@ -204,7 +205,11 @@ def _cost_lines(checks: dict) -> list[str]:
         err = f"max error {100 * c['max_abs_error']:.0f}%" if _ok(c.get("max_abs_error")) else "no fixed config"
         if _ok(c.get("max_abs_error")) and _ok(c.get("worst_spread")) and c["worst_spread"] > 0:
             err += f" where the live rounds spread +-{100 * c['worst_spread']:.0f}%"
-        out.append(f"cost model ({c['title']}): {'STALE' if c['stale'] else 'within the noise'} ({err}{age})")
+        if _ok(c.get("max_abs_error")) and _ok(c.get("tolerance")):
+            # the rule (costcheck.compare_rates): stale past the live spread plus the tolerance, so say it: a 9%
+            # error called "within the noise" beside a +-1% spread read as a contradiction
+            err += f"; stale past that spread + {100 * c['tolerance']:.0f}%"
+        out.append(f"cost model ({c['title']}): {'STALE' if c['stale'] else 'within tolerance'} ({err}{age})")
     return out
 
 

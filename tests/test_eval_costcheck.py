@@ -8,7 +8,7 @@ import torch
 from specpilot.drafting import TreeConfig
 from specpilot.envs.profile import LatencyProfile
 from specpilot.eval.costcheck import (check_and_refresh, check_profile, compare_rates, default_configs,
-                                      profile_age_s)
+                                      profile_age_s, summary_line)
 from specpilot.eval.metrics import RunRecord
 
 
@@ -38,6 +38,15 @@ def test_worst_spread_is_the_spread_of_the_config_with_the_largest_error():
     a, b = out["configs"]
     assert abs(b["error"]) > abs(a["error"]) and b["spread"] > 0 == a["spread"]
     assert out["max_abs_error"] == pytest.approx(abs(b["error"])) and out["worst_spread"] == b["spread"]
+
+
+@pytest.mark.parametrize("predicted, state", [
+    (109.0, "within tolerance (stale past the spread + 25%)"),  # 9% off with a 0% spread: not "within the noise"
+    (140.0, "STALE"),
+])
+def test_the_check_line_names_the_rule_it_applied(predicted, state):
+    line = summary_line(compare_rates({"d2_s8": predicted}, _runs("d2_s8", [100.0, 100.0]), tolerance=0.25))
+    assert line.endswith("; " + state) and "within the noise" not in line
 
 
 def test_measured_rate_is_decode_time_without_prefill():
