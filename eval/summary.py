@@ -203,12 +203,13 @@ def _cost_lines(checks: dict) -> list[str]:
     for c in checks.values():
         age = f", profile age {c['age_s'] / 60:.1f} min" if _ok(c.get("age_s")) else ""
         err = f"max error {100 * c['max_abs_error']:.0f}%" if _ok(c.get("max_abs_error")) else "no fixed config"
-        if _ok(c.get("max_abs_error")) and _ok(c.get("worst_spread")) and c["worst_spread"] > 0:
+        spread = _ok(c.get("max_abs_error")) and _ok(c.get("worst_spread")) and c["worst_spread"] > 0
+        if spread:
             err += f" where the live rounds spread +-{100 * c['worst_spread']:.0f}%"
         if _ok(c.get("max_abs_error")) and _ok(c.get("tolerance")):
             # the rule (costcheck.compare_rates): stale past the live spread plus the tolerance, so say it: a 9%
             # error called "within the noise" beside a +-1% spread read as a contradiction
-            err += f"; stale past that spread + {100 * c['tolerance']:.0f}%"
+            err += f"; stale past {'that spread + ' if spread else ''}{100 * c['tolerance']:.0f}%"
         out.append(f"cost model ({c['title']}): {'STALE' if c['stale'] else 'within tolerance'} ({err}{age})")
     return out
 
