@@ -93,6 +93,7 @@ class DraftState:
     level_scores: the last level's scores in drafting order (a view of `scores`: no sort).
     frontier_scores: the last level's scores sorted descending.
     candidate_scores: all candidates' scores sorted descending (the pool the verification size is taken from).
+    candidate_depths: the tree depth (1..depth, float32) of each candidate in candidate_scores' order.
     last_top_prob: draft probability of the best child at the last level, conditional on its parent (1.0 at depth 0).
     last_entropy: entropy (nats) of the draft distribution the last level's best child was taken from (0 at depth 0).
     new_tokens: tokens emitted so far in this generation; max_new_tokens: its budget.
@@ -110,7 +111,7 @@ class DraftState:
     __slots__ = ("depth", "max_depth", "width", "context_len", "new_tokens", "max_new_tokens", "prev_accepted",
                  "prev_depth", "acceptance", "last_top_prob", "last_entropy", "batch_size", "context_max",
                  "context_mean", "_scores", "_level_start",
-                 "_sorted_source", "_np", "_frontier", "_candidates")
+                 "_sorted_source", "_np", "_frontier", "_candidates", "_depths")
 
     def __init__(self, *, depth: int, max_depth: int, width: int, context_len: int, scores=None,
                  level_start: int = 0, last_top_prob: float = 1.0, last_entropy: float = 0.0, new_tokens: int = 0,
@@ -128,7 +129,7 @@ class DraftState:
         self._level_start = level_start
         # optional provider of the candidates sorted descending (the decoder passes the sort verification uses)
         self._sorted_source = sorted_scores
-        self._np = self._frontier = self._candidates = None
+        self._np = self._frontier = self._candidates = self._depths = None
 
     @classmethod
     def from_levels(cls, levels: list, **fields) -> "DraftState":
@@ -179,6 +180,16 @@ class DraftState:
             else:
                 self._candidates = _to_numpy(values)
         return self._candidates
+
+    @property
+    def candidate_depths(self) -> np.ndarray:
+        if self._depths is None:
+            # the verification order (scores descending, ties by node id: `DraftTree.ranking`); node ids are level by
+            # level, W at level 1 and W*W at each later one, so an id gives its depth
+            ids = np.argsort(-self._all(), kind="stable")
+            w = self.width
+            self._depths = np.where(ids < w, 1, 2 + (ids - w) // (w * w)).astype(np.float32)
+        return self._depths
 
     def __repr__(self) -> str:
         return (f"DraftState(depth={self.depth}/{self.max_depth}, width={self.width}, "

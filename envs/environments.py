@@ -31,8 +31,8 @@ from specpilot.envs.rewards import Reward, make_reward
 from specpilot.envs.spaces import observation_space
 from specpilot.policies.heuristics import RandomDepthController
 from specpilot.policies.learned import STOP as STOP_ACTION
-from specpilot.policies.observation import (BATCH_FEATURES, DEFAULT_FEATURES, ObservationSpec, default_size_actions,
-                                            depth_observation, size_observation)
+from specpilot.policies.observation import (BATCH_FEATURES, DEFAULT_FEATURES, DEFAULT_SIZE_FEATURES, ObservationSpec,
+                                            default_size_actions, depth_observation, size_observation)
 
 RESET_OPTIONS = ("prompt_index", "batch_size")  # what reset(options=...) takes
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
@@ -177,15 +177,17 @@ def check_batch_sizes(batch_sizes: Sequence[int], profile) -> tuple[int, ...]:
     return sizes
 
 
-def env_features(source, features: Sequence[str] | None) -> tuple[str, ...]:
-    """The optional observation features of an env: `features` when given, else the defaults, plus the batch
-    features (`BATCH_FEATURES`) when the source replays batches."""
+def env_features(source, features: Sequence[str] | None, kind: str = "depth") -> tuple[str, ...]:
+    """The optional observation features of a `kind` env: `features` when given, else the defaults (a size env's
+    include `DEFAULT_SIZE_FEATURES`, the candidates' depths), plus the batch features (`BATCH_FEATURES`) when the
+    source replays batches."""
     if isinstance(features, (str, bytes)):
         raise TypeError(f"features must be a list of feature names, got the string {features!r} (write "
                         f"[{features!r}])")
     if features is not None:
         return tuple(features)
-    return DEFAULT_FEATURES + (BATCH_FEATURES if getattr(source, "batch_sizes", None) else ())
+    return (DEFAULT_FEATURES + (DEFAULT_SIZE_FEATURES if kind == "size" else ())
+            + (BATCH_FEATURES if getattr(source, "batch_sizes", None) else ()))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -424,7 +426,8 @@ class DepthEnv(_DecisionEnv):
     max_context: context length mapped to 1.0 in the observation. skip_decisions: False leaves the skip decision to
     the partner (the agent then only decides after draft forwards). reset(options={"prompt_index": i}) picks a
     prompt explicitly (options are checked before the reset changes anything). features: optional observation
-    features (default: none; the batch features `batch, context_max` when the source replays batches). Batches
+    features (default: none; a SizeEnv's: `candidate_depths`; plus the batch features `batch, context_max` when the
+    source replays batches). Batches
     (`ReplaySource(batch_sizes=...)`): one decision per cycle for the whole batch, the reward scores the batch's
     cycle (every row's emitted tokens: batch tokens/s), reset(options={"batch_size": b}) fixes the size, info adds
     `batch_size` (reset; cycles: the rows in the cycle) and `batch_emitted`.
@@ -522,7 +525,8 @@ class SizeEnv(_DecisionEnv):
         self.depth_controller = as_depth_controller(own_copy(depth_controller, "depth_controller"), self.device)
         fits_tree(self.depth_controller, self.tree)
         self.spec_obs = ObservationSpec.for_size(self.tree.width, self.tree.max_depth, size_actions=sizes,
-                                                 max_context=self.max_context, features=env_features(source, features))
+                                                 max_context=self.max_context,
+                                                 features=env_features(source, features, "size"))
         self.observation_space = observation_space(self.spec_obs)
         self.action_space = gym.spaces.Discrete(len(sizes))
 

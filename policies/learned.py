@@ -24,7 +24,8 @@ def check_actor(actor: Actor, spec: ObservationSpec | None, kind: str, n_actions
         raise ValueError(f"{actor.source}: a {kind} policy needs a {kind} observation spec")
     if actor.in_features != spec.dim:
         raise ValueError(f"{actor.source}: the actor takes {actor.in_features} inputs but its {kind} observation "
-                         f"spec produces {spec.dim} (2 x {spec.num_scores} scores/mask + {spec.num_scalars} scalars): "
+                         f"spec produces {spec.dim} ({spec.scalar_start // spec.num_scores} x {spec.num_scores} "
+                         f"scores/mask{'/depths' if spec.candidate_depths else ''} + {spec.num_scalars} scalars): "
                          "observation-spec mismatch (was the policy trained with another specpilot version?)")
     if actor.n_actions != n_actions:
         raise ValueError(f"{actor.source}: the actor has {actor.n_actions} actions but {n_actions} are expected")

@@ -2,12 +2,16 @@
 controllers at inference and the exporter (so training and inference can never drift apart). It imports neither
 gymnasium nor SB3: exported decoders load it (`specpilot.envs.spaces.observation_space` gives the matching Box).
 
-Layout of an observation vector (float32, length 2*num_scores + 6):
+Layout of an observation vector (float32, length 2*num_scores + 6, or 3*num_scores + 6 with candidate depths):
 
     [0, n)        scores: cumulative draft log-probs (depth: drafting order; size: sorted descending), clipped at
                   score_floor, divided by -score_floor, so in [-1, 0]; padding slots hold -1.0 ("improbable")
     [n, 2n)       mask: 1.0 for a real score, 0.0 for padding (padding is explicit: log p = 0 would mean p = 1)
-    2n            depth / max_depth                       [0, 1]   (0: before drafting, the skip decision)
+    [2n, 3n)      only with the `candidate_depths` feature (size policies; on by default for them): the tree depth
+                  of each sorted candidate / max_depth, in (0, 1]; padding 0. Sorted scores alone do not say
+                  whether the 5th best candidate is a sibling at level 1 or a grandchild at level 3, which decides
+                  what verifying it is worth (measured: README, "Candidate depths")
+    2n (3n)       depth / max_depth                       [0, 1]   (0: before drafting, the skip decision)
     2n + 1        min(context_len / max_context, 1)       [0, 1]
     2n + 2        min(new_tokens / max_new_tokens, 1)     [0, 1]
     2n + 3        min(prev_accepted / max_depth, 1)       [0, 1]   the previous cycle's outcome (history: the
@@ -41,10 +45,12 @@ SPEC_VERSION = 4  # 2: + previous cycle's accepted length and depth; 3: + depth-
 READABLE_VERSIONS = (3, 4)
 NUM_SCALARS = 6  # depth, context length, generation progress, previous accepted, previous depth, acceptance
 FEATURES = ("top_prob", "entropy", "batch", "context_max")  # optional extra scalars, in this order
+SLOT_FEATURES = ("candidate_depths",)  # optional per-candidate slots (size policies only)
 ENTROPY_SCALE = 5.0  # nats mapped to 1.0 (a near-uniform draft distribution over >= e^5 ~ 150 tokens)
 BATCH_LOG2_SCALE = 6.0  # log2(batch size) mapped to 1.0: batch size 64 (larger batches saturate)
 BATCH_FEATURES = ("batch", "context_max")  # what a batch-aware policy observes on top of the defaults
 DEFAULT_FEATURES: tuple[str, ...] = ()  # what for_depth / for_size (and so the environments) observe by default
+DEFAULT_SIZE_FEATURES = ("candidate_depths",)  # what size policies observe on top of DEFAULT_FEATURES by default
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,8 @@ class ObservationSpec:
     num_scores: score slots (depth: W*W; size: the largest verification size).
     score_floor: log-probs below it are clipped to it (-20: p < 2e-9 is indistinguishable from 0 for a policy).
     max_context: context length mapped to 1.0 (longer contexts saturate).
-    features: optional drafter features appended to the scalars (a subset of FEATURES, kept in FEATURES order).
+    features: optional drafter features appended to the scalars (a subset of FEATURES, kept in FEATURES order), and
+        "candidate_depths" (size only: each candidate's depth, a block of num_scores slots after the mask).
     """
 
     kind: str
@@ -71,10 +78,14 @@ class ObservationSpec:
     features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = [f for f in self.features if f not in FEATURES]
+        known = FEATURES + SLOT_FEATURES
+        unknown = [f for f in self.features if f not in known]
         if unknown:
-            raise ValueError(f"ObservationSpec.features: unknown feature(s) {unknown}; known: {list(FEATURES)}")
-        object.__setattr__(self, "features", tuple(f for f in FEATURES if f in self.features))
+            raise ValueError(f"ObservationSpec.features: unknown feature(s) {unknown}; known: {list(known)}")
+        object.__setattr__(self, "features", tuple(f for f in known if f in self.features))
+        if self.kind == "depth" and self.candidate_depths:
+            raise ValueError("ObservationSpec.features: candidate_depths is a size-policy feature (a depth policy "
+                             "sees one level, whose candidates all have the same depth)")
         if self.kind not in ("depth", "size"):
             raise ValueError(f"ObservationSpec.kind must be 'depth' or 'size', got {self.kind!r}")
         if self.num_scores < 1 or self.width < 1 or self.max_depth < 1 or self.max_context < 1:
@@ -83,12 +94,22 @@ class ObservationSpec:
             raise ValueError(f"ObservationSpec.score_floor must be negative, got {self.score_floor}")
 
     @property
+    def candidate_depths(self) -> bool:
+        """Whether the observation carries each candidate's depth (a third block of num_scores slots)."""
+        return "candidate_depths" in self.features
+
+    @property
     def num_scalars(self) -> int:
-        return NUM_SCALARS + len(self.features)
+        return NUM_SCALARS + sum(f in FEATURES for f in self.features)
+
+    @property
+    def scalar_start(self) -> int:
+        """Index of the first scalar slot: after the scores, the mask and (with candidate_depths) the depths."""
+        return (3 if self.candidate_depths else 2) * self.num_scores
 
     @property
     def dim(self) -> int:
-        return 2 * self.num_scores + self.num_scalars
+        return self.scalar_start + self.num_scalars
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -124,7 +145,7 @@ class ObservationSpec:
             if not size_actions:
                 raise ValueError("ObservationSpec.for_size needs size_actions or num_scores")
             num_scores = max(size_actions)
-        kw.setdefault("features", DEFAULT_FEATURES)
+        kw.setdefault("features", DEFAULT_FEATURES + DEFAULT_SIZE_FEATURES)
         return cls(kind="size", width=width, max_depth=max_depth, num_scores=int(num_scores), **kw)
 
 
@@ -134,7 +155,7 @@ def _template(spec: ObservationSpec) -> tuple[np.ndarray, np.float32]:
     entry = spec.__dict__.get("_template")
     if entry is None:
         n = spec.num_scores
-        blank = np.zeros(2 * n + spec.num_scalars, dtype=np.float32)
+        blank = np.zeros(spec.dim, dtype=np.float32)
         blank[:n] = -1.0
         entry = (blank, np.float32(-1.0 / spec.score_floor))
         object.__setattr__(spec, "_template", entry)  # frozen dataclass: set past the frozen __setattr__
@@ -184,7 +205,9 @@ def _build(scores: np.ndarray, state: DraftState, spec: ObservationSpec) -> np.n
     np.maximum(head, -1.0, out=head)  # two ufuncs: np.clip adds a Python-level wrapper
     np.minimum(head, 0.0, out=head)
     out[n:n + k] = 1.0
-    out[2 * n:] = scalars(state, spec)
+    if spec.candidate_depths:
+        np.multiply(state.candidate_depths[:k], np.float32(1.0 / spec.max_depth), out=out[2 * n:2 * n + k])
+    out[spec.scalar_start:] = scalars(state, spec)
     return out
 
 
@@ -196,15 +219,21 @@ def fold_first_layer(spec: ObservationSpec, weight: np.ndarray, bias: np.ndarray
 
     up to float round-off (scores are log-probs, <= 0: the observation's clip at 0 only guards round-off). The score
     scale goes into the score rows; the constant slots (k mask ones, n - k padding scores at -1) and the bias into
-    the last row, so a decision reads only the k real scores and the scalars. Folded in float64 and rounded once."""
+    the last row, so a decision reads only the k real scores and the scalars. Folded in float64 and rounded once.
+    With candidate_depths the input is [scores[:k], depths[:k], scalars, 1] (raw depths: 1 / max_depth is folded
+    into their rows; padding depths are 0) and A_k has 2k + num_scalars + 1 rows."""
     n, m = spec.num_scores, spec.num_scalars
     w = np.asarray(weight, dtype=np.float64)
     b = np.zeros(w.shape[0]) if bias is None else np.asarray(bias, dtype=np.float64)
     scale = -1.0 / spec.score_floor
+    first = spec.scalar_start
     folded = []
     for k in range(n + 1):
         const = b + w[:, n:n + k].sum(axis=1) - w[:, k:n].sum(axis=1)
-        rows = np.concatenate([w[:, :k].T * scale, w[:, 2 * n:2 * n + m].T, const[None, :]], axis=0)
+        blocks = [w[:, :k].T * scale]
+        if spec.candidate_depths:
+            blocks.append(w[:, 2 * n:2 * n + k].T / spec.max_depth)
+        rows = np.concatenate(blocks + [w[:, first:first + m].T, const[None, :]], axis=0)
         folded.append(np.ascontiguousarray(rows, dtype=np.float32))
     return folded
 

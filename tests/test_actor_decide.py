@@ -28,7 +28,8 @@ W, DMAX, SIZES = 3, 5, [2, 4, 6, 9]
 TREE = TreeConfig(width=W, max_depth=DMAX, max_size=max(SIZES))
 SPECS = {
     "depth": ObservationSpec.for_depth(W, DMAX, max_context=256),
-    "size": ObservationSpec.for_size(W, DMAX, size_actions=SIZES, max_context=256),
+    "size": ObservationSpec.for_size(W, DMAX, size_actions=SIZES, max_context=256),  # with candidate depths
+    "size-no-depths": ObservationSpec.for_size(W, DMAX, size_actions=SIZES, max_context=256, features=()),
     "depth+features": ObservationSpec.for_depth(W, DMAX, max_context=256, features=("top_prob", "entropy")),
     "size+features": ObservationSpec.for_size(W, DMAX, size_actions=SIZES, max_context=256,
                                               features=("top_prob", "entropy")),
@@ -141,10 +142,12 @@ def test_fold_first_layer_reproduces_the_layer(name, recorded_states):
     weight = rng.normal(size=(12, spec.dim)).astype(np.float32)
     bias = rng.normal(size=12).astype(np.float32)
     folded = fold_first_layer(spec, weight, bias)
-    assert [m.shape for m in folded] == [(k + spec.num_scalars + 1, 12) for k in range(spec.num_scores + 1)]
+    slots = 2 if spec.candidate_depths else 1
+    assert [m.shape for m in folded] == [(slots * k + spec.num_scalars + 1, 12) for k in range(spec.num_scores + 1)]
     for state in recorded_states[:200] + edge_states():
         values = (state.level_scores if spec.kind == "depth" else state.candidate_scores)[:spec.num_scores]
-        x = np.concatenate([np.maximum(values, spec.score_floor), scalars(state, spec), [1.0]])
+        depths = state.candidate_depths[:values.shape[0]] if spec.candidate_depths else []
+        x = np.concatenate([np.maximum(values, spec.score_floor), depths, scalars(state, spec), [1.0]])
         np.testing.assert_allclose(x @ folded[values.shape[0]], weight @ observe(state, spec) + bias,
                                    rtol=1e-4, atol=1e-4)  # (a score clipped at 0 there is above 0 by round-off)
 

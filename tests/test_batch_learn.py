@@ -17,7 +17,7 @@ from specpilot.envs.batch_replay import BatchReplaySession, replay_batch
 from specpilot.envs.environments import DepthEnv, ReplaySource, SizeEnv
 from specpilot.envs.record import record_trace
 from specpilot.envs.replay import ReplayModel
-from specpilot.policies.observation import BATCH_FEATURES, ObservationSpec, depth_observation
+from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_SIZE_FEATURES, ObservationSpec, depth_observation
 from specpilot.policies.ppo import BATCH_GUARD_FILE
 from specpilot.train.rl import pipeline as P
 from specpilot.train.rl.ppo import PPOOverrides
@@ -87,7 +87,7 @@ def test_size_env_episode_at_batch_size_equals_batch_replay(task, batch_size, de
     cycles, the same times, and rewards summing every row's tokens per batch cycle."""
     source = ReplaySource(task.train, batch_sizes=BATCH_SIZES)
     env = SizeEnv(source, reward="throughput", size_actions=[2, 4], depth_controller=depth)
-    assert env.spec_obs.features == BATCH_FEATURES
+    assert env.spec_obs.features == BATCH_FEATURES + DEFAULT_SIZE_FEATURES  # (kept in this order)
     obs, info = env.reset(seed=7, options={"batch_size": batch_size})
     assert info["batch_size"] == batch_size and env.observation_space.contains(obs)
     rows = [r.index for r in env.session.rows]

@@ -74,7 +74,7 @@ def test_batch_oracle_ceiling_is_never_below_a_static_cell_or_the_table(task, ba
 @pytest.mark.parametrize("rates", [None, {1: 50.0, 4: 120.0}], ids=["ratio", "dinkelbach"])
 def test_batch_labels_replay_to_the_per_cycle_oracle(task, rates):
     """Answering every question with its batch label, through run_cycle, takes the oracle's decisions."""
-    from specpilot.policies.observation import DEFAULT_FEATURES
+    from specpilot.policies.observation import DEFAULT_FEATURES, DEFAULT_SIZE_FEATURES
 
     model = ReplayModel(task.train)
     labels = BatchOracleLabels(model, SIZES, rates=rates)
@@ -124,7 +124,7 @@ def test_behaviour_cloning_over_batches_reproduces_the_batch_oracle_labels(task,
     assert fit["depth"]["accuracy"] == 1.0 and fit["size"]["accuracy"] == 1.0
     # the cloned controller (loaded as any run, the inference path) answers every question whose answer matters
     # (a wrong answer costs > 1 us) as the per-batch oracle labels it
-    from specpilot.policies.observation import DEFAULT_FEATURES
+    from specpilot.policies.observation import DEFAULT_FEATURES, DEFAULT_SIZE_FEATURES
     from specpilot.policies.ppo import load_run_controllers
     from specpilot.train.rl.imitation import batch_rates
 
@@ -134,7 +134,7 @@ def test_behaviour_cloning_over_batches_reproduces_the_batch_oracle_labels(task,
     features = DEFAULT_FEATURES + BATCH_FEATURES
     expert = LabellingController(labels, ObservationSpec.for_depth(TREE.width, TREE.max_depth, features=features),
                                  ObservationSpec.for_size(TREE.width, TREE.max_depth, size_actions=SIZES,
-                                                          features=features), SIZES, None)
+                                                          features=features + DEFAULT_SIZE_FEATURES), SIZES, None)
     rollout_batches(model, expert, (1, 4), times=labels.times)
     for actor, data in ((ltd.depth_actor, expert.depth_data), (ltd.size_actor, expert.size_data)):
         obs, best = data.arrays()[0], data.best_mask()

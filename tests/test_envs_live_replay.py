@@ -449,12 +449,13 @@ def test_the_last_observation_is_the_state_the_generation_ended_in(kind, source,
     steps = _rollout(env, seed=0, action_seed=3, options={"prompt_index": 0})
     (before, *_), (last, _, _, truncated, info) = steps[-2], steps[-1]
     spec, n = env.unwrapped.spec_obs, env.unwrapped.spec_obs.num_scores
+    a = spec.scalar_start  # (a size policy's observation also holds the candidates' depths before the scalars)
     assert truncated and env.observation_space.contains(last) and not np.array_equal(last, before)
-    assert last[2 * n] == 0.0 and not last[n:2 * n].any()                      # nothing drafted
-    assert last[2 * n + 2] == 1.0                                               # the budget is spent
-    assert last[2 * n + 1] == pytest.approx((len(prompts[0]) + max_new) / spec.max_context)
-    assert last[2 * n + 3] == pytest.approx(min(info["accepted"] / spec.max_depth, 1))
-    assert last[2 * n + 4] == pytest.approx(min(info["depth"] / spec.max_depth, 1))
+    assert last[a] == 0.0 and not last[n:a].any()                              # nothing drafted
+    assert last[a + 2] == 1.0                                                   # the budget is spent
+    assert last[a + 1] == pytest.approx((len(prompts[0]) + max_new) / spec.max_context)
+    assert last[a + 3] == pytest.approx(min(info["accepted"] / spec.max_depth, 1))
+    assert last[a + 4] == pytest.approx(min(info["depth"] / spec.max_depth, 1))
 
 
 def test_the_last_observation_of_a_replay_is_the_next_cycles_state(recorded):

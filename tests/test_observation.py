@@ -65,8 +65,8 @@ def test_observation_before_drafting_has_no_scores_and_depth_zero():
         obs = build(state, spec)
         n = spec.num_scores
         np.testing.assert_array_equal(obs[:n], -1.0)
-        np.testing.assert_array_equal(obs[n:2 * n], 0.0)
-        np.testing.assert_allclose(obs[2 * n:], [0.0, 0.25, 0.25, 0.5, 4 / 6, 0.25])
+        np.testing.assert_array_equal(obs[n:spec.scalar_start], 0.0)  # mask (and candidate depths): all padding
+        np.testing.assert_allclose(obs[spec.scalar_start:], [0.0, 0.25, 0.25, 0.5, 4 / 6, 0.25])
         assert observation_space(spec).contains(obs)
 
 
@@ -123,3 +123,39 @@ def test_default_size_actions(device, expected_len, lo, hi):
     assert len(actions) == expected_len and actions[0] == lo and actions[-1] == hi
     assert actions == sorted(set(actions))
 
+
+
+def test_size_observation_carries_each_candidate_depth():
+    # W=3: level 1 holds node ids 0-2, level 2 ids 3-11; sorted: -0.1 (d1), -0.2 (d2), -0.3 (d2), -1.0 (d1), ...
+    level1, level2 = [-0.1, -1.0, -5.0], [-0.2, -0.3, -1.5, -6.0, -6.5, -7.0, -8.0, -9.0, -9.5]
+    state = make_state(level2, earlier=level1)
+    spec = ObservationSpec.for_size(W, MAX_DEPTH, size_actions=[2, 4, 6, 8], max_context=200)
+    assert spec.candidate_depths and spec.dim == 3 * 8 + NUM_SCALARS
+    obs = size_observation(state, spec)
+    np.testing.assert_array_equal(state.candidate_depths[:5], [1, 2, 2, 1, 2])
+    np.testing.assert_allclose(obs[16:24], np.array([1, 2, 2, 1, 2, 1, 2, 2]) / MAX_DEPTH)
+    assert observation_space(spec).contains(obs)
+    short = size_observation(make_state([-0.5, -0.1]), spec)  # two candidates: the other depth slots are padding
+    np.testing.assert_allclose(short[16:24], [1 / MAX_DEPTH] * 2 + [0.0] * 6)
+    plain = ObservationSpec.for_size(W, MAX_DEPTH, size_actions=[2, 4, 6, 8], max_context=200, features=())
+    assert plain.dim == 2 * 8 + NUM_SCALARS
+    np.testing.assert_array_equal(size_observation(state, plain)[16:], obs[24:])
+
+
+@pytest.mark.parametrize("width, levels", [(1, 5), (2, 4), (4, 3)])
+def test_candidate_depths_follow_the_verification_order(width, levels):
+    # the order DraftTree.ranking verifies in: scores descending, ties by node id (a torch stable sort); ties on purpose
+    rng = np.random.default_rng(width)
+    sizes = [width] + [width * width] * (levels - 1)
+    scores = [np.round(rng.normal(-3.0, 1.0, size=n), 1).astype(np.float32) for n in sizes]
+    state = DraftState.from_levels(scores, max_depth=levels, width=width, context_len=10)
+    _, ids = torch.sort(torch.from_numpy(np.concatenate(scores)), descending=True, stable=True)
+    depth_of_id = np.concatenate([np.full(n, d + 1) for d, n in enumerate(sizes)])
+    np.testing.assert_array_equal(state.candidate_depths, depth_of_id[ids.numpy()])
+
+
+def test_candidate_depths_are_a_size_feature():
+    with pytest.raises(ValueError, match="size-policy feature"):
+        ObservationSpec.for_depth(W, MAX_DEPTH, features=("candidate_depths",))
+    spec = ObservationSpec.for_size(W, MAX_DEPTH, size_actions=[2, 4])
+    assert ObservationSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec

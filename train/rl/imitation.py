@@ -503,7 +503,7 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     from specpilot.policies.ppo import PPOController
     from specpilot.train.rl.coadapt import write_index
     from specpilot.train.rl.ppo import update_manifest, write_json
-    from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_FEATURES
+    from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_FEATURES, DEFAULT_SIZE_FEATURES
     from specpilot.train.rl.stages import (StageResult, TaskTraces, TrainOptions, batch_profile_for, size_actions_for,
                                         static_config)
     from specpilot.train.rl.validation import evaluate_batches, evaluate_replay, replay_ar
@@ -535,7 +535,7 @@ def imitate(run_dir: str | Path, traces, *, size_actions: Sequence[int] | None =
     depth_spec = ObservationSpec.for_depth(trace.width, trace.max_depth, max_context=options.max_context,
                                            features=features)
     size_spec = ObservationSpec.for_size(trace.width, trace.max_depth, size_actions=actions,
-                                         max_context=options.max_context, features=features)
+                                         max_context=options.max_context, features=features + DEFAULT_SIZE_FEATURES)
     depth_ppo = _ppo_model("depth", source, actions, options, 0, fallback)
     size_ppo = _ppo_model("size", source, actions, options, 1, fallback)
     if batch_sizes:  # batches: the per-batch oracle, Dinkelbach at the best static cell's rate per batch size

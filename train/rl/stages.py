@@ -25,7 +25,8 @@ from specpilot.drafting.control import Controller, FixedController
 from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.types import TreeConfig
 from specpilot.envs.replay import ReplayModel
-from specpilot.policies.observation import BATCH_FEATURES, DEFAULT_FEATURES, ObservationSpec, default_size_actions
+from specpilot.policies.observation import (BATCH_FEATURES, DEFAULT_FEATURES, DEFAULT_SIZE_FEATURES, ObservationSpec,
+                                            default_size_actions)
 from specpilot.train.rl.ppo import PPOOverrides
 from specpilot.train.rl.traces import TaskTraces, check_profile_belongs
 from specpilot.train.rl.validation import validation_fn
@@ -251,7 +252,7 @@ def stage_observation(kind: str, width: int, max_depth: int, actions: Sequence[i
     features = DEFAULT_FEATURES + (BATCH_FEATURES if batch else ())
     if kind == "size":
         return ObservationSpec.for_size(width, max_depth, size_actions=list(actions), max_context=max_context,
-                                        features=features)
+                                        features=features + DEFAULT_SIZE_FEATURES)
     return ObservationSpec.for_depth(width, max_depth, max_context=max_context, features=features)
 
 
