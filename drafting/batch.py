@@ -223,6 +223,7 @@ class BatchSession:
             depth=self._depth, max_depth=self.tree_config.max_depth, width=self.width, context_len=len(row.committed),
             scores=scores, level_start=level_start,
             sorted_scores=tree.sorted_scores if tree is not None else None,
+            sorted_ids=tree.sorted_ids if tree is not None else None,
             last_top_prob=self._last_top_prob if tree is not None else 1.0,
             last_entropy=self._last_entropy if tree is not None else 0.0,
             new_tokens=len(row.new_tokens), max_new_tokens=row.max_new_tokens,

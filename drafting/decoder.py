@@ -179,6 +179,7 @@ class DecodingSession:
             context_len=len(self.committed),
             scores=scores, level_start=level_start,
             sorted_scores=tree.sorted_scores if tree is not None else None,
+            sorted_ids=tree.sorted_ids if tree is not None else None,
             last_top_prob=self.drafter.last_top_prob if tree is not None else 1.0,
             last_entropy=self.drafter.last_entropy if tree is not None else 0.0,
             new_tokens=len(self.new_tokens), max_new_tokens=self.max_new_tokens,

@@ -57,6 +57,7 @@ class DraftTree:
     _ranked_size: int = -1
     scores_view: np.ndarray | None = None           # CPU trees: a numpy view of `scores` (reading it costs no torch op)
     _sorted_view: np.ndarray | None = None          # CPU trees: a numpy view of the ranking's sorted scores
+    _ids_view: np.ndarray | None = None             # CPU trees: a numpy view of the ranking's node ids
 
     @classmethod
     def empty(cls, capacity: int, device: torch.device, sampled: bool = False) -> "DraftTree":
@@ -123,12 +124,19 @@ class DraftTree:
             # taken here, beside the sort (drafting time): a size policy then reads numpy without a conversion
             # (measured: the PPO size decision 86 -> 57 us of CPU time, median, at 1 thread on the demo's policies)
             self._sorted_view = values.numpy() if self.scores_view is not None else None
+            self._ids_view = ids.numpy() if self.scores_view is not None else None
         return self._ranking
 
     def sorted_scores(self) -> np.ndarray | torch.Tensor:
         """The candidates' priorities sorted descending (`ranking()[0]`): a numpy view on CPU trees."""
         values = self.ranking()[0]
         return values if self._sorted_view is None else self._sorted_view
+
+    def sorted_ids(self) -> np.ndarray | torch.Tensor:
+        """The candidates' node ids in verification order (`ranking()[1]`): a numpy view on CPU trees (a size
+        policy that observes the candidates' depths reads them from the ids)."""
+        ids = self.ranking()[1]
+        return ids if self._ids_view is None else self._ids_view
 
     def ranked(self) -> torch.Tensor:
         """All node ids by (priority desc, id asc)."""

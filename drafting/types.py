@@ -93,7 +93,8 @@ class DraftState:
     level_scores: the last level's scores in drafting order (a view of `scores`: no sort).
     frontier_scores: the last level's scores sorted descending.
     candidate_scores: all candidates' scores sorted descending (the pool the verification size is taken from).
-    candidate_depths: the tree depth (1..depth, float32) of each candidate in candidate_scores' order.
+    candidate_ids / candidate_depths: the node id (int64) / tree depth (1..depth, float32) of each candidate in
+        candidate_scores' order.
     last_top_prob: draft probability of the best child at the last level, conditional on its parent (1.0 at depth 0).
     last_entropy: entropy (nats) of the draft distribution the last level's best child was taken from (0 at depth 0).
     new_tokens: tokens emitted so far in this generation; max_new_tokens: its budget.
@@ -111,13 +112,13 @@ class DraftState:
     __slots__ = ("depth", "max_depth", "width", "context_len", "new_tokens", "max_new_tokens", "prev_accepted",
                  "prev_depth", "acceptance", "last_top_prob", "last_entropy", "batch_size", "context_max",
                  "context_mean", "_scores", "_level_start",
-                 "_sorted_source", "_np", "_frontier", "_candidates", "_depths")
+                 "_sorted_source", "_ids_source", "_np", "_frontier", "_candidates", "_ids", "_depths")
 
     def __init__(self, *, depth: int, max_depth: int, width: int, context_len: int, scores=None,
                  level_start: int = 0, last_top_prob: float = 1.0, last_entropy: float = 0.0, new_tokens: int = 0,
                  max_new_tokens: int = 1, prev_accepted: int = 0, prev_depth: int = 0, acceptance: float = 1.0,
                  sorted_scores=None, batch_size: int = 1, context_max: int | None = None,
-                 context_mean: float | None = None) -> None:
+                 context_mean: float | None = None, sorted_ids=None) -> None:
         self.depth, self.max_depth, self.width, self.context_len = depth, max_depth, width, context_len
         self.batch_size = batch_size
         self.context_max = context_len if context_max is None else context_max
@@ -129,7 +130,8 @@ class DraftState:
         self._level_start = level_start
         # optional provider of the candidates sorted descending (the decoder passes the sort verification uses)
         self._sorted_source = sorted_scores
-        self._np = self._frontier = self._candidates = self._depths = None
+        self._ids_source = sorted_ids  # the same for their node ids (DraftTree.sorted_ids)
+        self._np = self._frontier = self._candidates = self._ids = self._depths = None
 
     @classmethod
     def from_levels(cls, levels: list, **fields) -> "DraftState":
@@ -182,12 +184,20 @@ class DraftState:
         return self._candidates
 
     @property
+    def candidate_ids(self) -> np.ndarray:
+        if self._ids is None:
+            ids = self._ids_source() if callable(self._ids_source) else self._ids_source
+            if ids is None or ids.shape[0] != self.num_candidates:  # none given, or the tree grew since this state
+                # the verification order: scores descending, ties by node id (`DraftTree.ranking`'s stable sort)
+                ids = np.argsort(-self._all(), kind="stable")
+            self._ids = np.asarray(ids.cpu() if hasattr(ids, "cpu") else ids, dtype=np.int64)
+        return self._ids
+
+    @property
     def candidate_depths(self) -> np.ndarray:
         if self._depths is None:
-            # the verification order (scores descending, ties by node id: `DraftTree.ranking`); node ids are level by
-            # level, W at level 1 and W*W at each later one, so an id gives its depth
-            ids = np.argsort(-self._all(), kind="stable")
-            w = self.width
+            # node ids are level by level, W at level 1 and W*W at each later one, so an id gives its depth
+            ids, w = self.candidate_ids, self.width
             self._depths = np.where(ids < w, 1, 2 + (ids - w) // (w * w)).astype(np.float32)
         return self._depths
 

@@ -244,18 +244,20 @@ class Actor:
         # one cached spec, compared by identity: hashing a spec (8 fields) would cost more than the rest
         folded = self._folded if spec is self._fold_spec else self._fold(spec, steps[0])
         values = state.level_scores if folded[0] else state.candidate_scores
+        if folded[3] is not None and values.dtype == np.float32:  # one compiled call (`policies.kernel`)
+            run = folded[3]
+            try:
+                if folded[4]:  # candidate depths: the kernel reads each one from the candidate's node id
+                    return run[0](values, state.candidate_ids, scalars(state, spec), run[1], run[2])
+                return run[0](values, scalars(state, spec), run[1], run[2])
+            except TypeError:  # scores the compiled signature cannot unbox (never seen: a guard): numpy decides
+                pass
         k = values.shape[0]
         if k > folded[1]:
             k = folded[1]
             values = values[:k]
-        if folded[4]:  # candidate depths: the kernel reads [scores, depths] as one input of 2k slots
+        if folded[4]:  # numpy reads [scores, depths] as one input of 2k slots
             values = np.concatenate((values, state.candidate_depths[:k]))
-        if folded[3] is not None and values.dtype == np.float32:  # one compiled call (`policies.kernel`)
-            run = folded[3]
-            try:
-                return run[0](values, scalars(state, spec), run[1], run[2])
-            except TypeError:  # scores the compiled signature cannot unbox (never seen: a guard): numpy decides
-                pass
         matrix, x, head, tail, floor = folded[2][k]
         if k:  # (depth 0, the skip decision, has no scores)
             # clip at score_floor (the scale is in the matrix); an array bound of the same dtype takes numpy's
@@ -282,7 +284,7 @@ class Actor:
             x = np.ones(matrix.shape[0], np.float32)
             tables.append((matrix, x, x[:slots * k], x[slots * k:-1], floor[:slots * k]))
         self._fold_spec, self._folded = spec, (spec.kind == "depth", spec.num_scores, tables,
-                                               self._pack(spec, matrices, slots), slots == 2)
+                                               self._pack(spec, matrices), slots == 2)
         return self._folded
 
     def prepare(self, spec: ObservationSpec) -> None:
@@ -296,12 +298,13 @@ class Actor:
         """Whether decisions run through the compiled kernel (for the spec folded last)."""
         return self._folded is not None and self._folded[3] is not None
 
-    def _pack(self, spec: ObservationSpec, matrices: list[np.ndarray], slots: int = 1) -> tuple | None:
+    def _pack(self, spec: ObservationSpec, matrices: list[np.ndarray]) -> tuple | None:
         """(the compiled kernel, its weights, its layout) for `spec`, compiled now and tried on contiguous and
         strided score views, or None where the kernel cannot run this actor (no numba, an activation it lacks, a
-        failed compile). slots: inputs per candidate; with 2 (scores, then depths) the kernel indexes its folded
-        matrices by input count, so A_k sits at 2k (odd counts never occur)."""
-        run = kernel.compiled(spec.num_scalars)
+        failed compile). With candidate depths it is `decide_depths`, which reads them from the node ids (no numpy
+        call per decision: after a model forward each one costs tens of microseconds)."""
+        depths = spec.candidate_depths
+        run = kernel.compiled(spec.num_scalars, depths=depths)
         if run is None:
             return None
         codes = []  # the activation after each Linear (0: none)
@@ -310,16 +313,14 @@ class Actor:
             if code is None:
                 return None
             codes.append(code)
-        by_inputs = [matrices[j // slots] if j % slots == 0 else  # (odd counts: A_k and a zero row, in bounds)
-                     np.insert(matrices[j // slots], 2 * (j // slots), 0.0, axis=0)
-                     for j in range(slots * spec.num_scores + 1)]
-        packed = kernel.pack(by_inputs, [step[0] for step in self._numpy_steps[1:]], codes, spec.num_scalars,
-                             spec.score_floor)
+        packed = kernel.pack(matrices, [step[0] for step in self._numpy_steps[1:]], codes, spec.num_scalars,
+                             spec.score_floor, width=spec.width if depths else None)
         try:
-            probe = np.full(2 * slots * spec.num_scores, spec.score_floor / 2, np.float32)
+            probe = np.full(2 * spec.num_scores, spec.score_floor / 2, np.float32)
+            ids = np.arange(2 * spec.num_scores, dtype=np.int64)
             blank = (0.5,) * spec.num_scalars
-            for scores in (probe[:slots * spec.num_scores], probe[::2]):  # contiguous and strided score views
-                run(scores, blank, *packed)
+            for scores in (probe[:spec.num_scores], probe[::2]):  # contiguous and strided score views
+                run(scores, ids[::2], blank, *packed) if depths else run(scores, blank, *packed)
         except Exception:  # noqa: BLE001 - the numpy path decides instead
             return None
         return (run, *packed)

@@ -39,26 +39,29 @@ def _build():
 KERNEL = _build()
 
 
-def compiled(num_scalars: int):
+def compiled(num_scalars: int, depths: bool = False):
     """`KERNEL.decide` for `num_scalars` scalar slots as a native entry point: (scores, scalars, weights, layout)
     -> action, scores a float32 1-D array (any stride), scalars a tuple of `num_scalars` floats, (weights, layout)
-    from `pack`. None without numba, or when compiling fails (the numpy path decides)."""
+    from `pack`. depths: `KERNEL.decide_depths` instead, (scores, ids, scalars, weights, layout) with the candidates'
+    int64 node ids (a size policy observing their depths; `pack(..., width=W)`). None without numba, or when
+    compiling fails (the numpy path decides)."""
     if KERNEL is None:
         return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return KERNEL.entry_point(num_scalars)
+            return (KERNEL.entry_point_depths if depths else KERNEL.entry_point)(num_scalars)
     except Exception:  # noqa: BLE001 - the numpy path decides instead
         return None
 
 
 def pack(folded_first: list[np.ndarray], later: list[np.ndarray], codes: list[int], num_scalars: int,
-         score_floor: float) -> tuple[np.ndarray, np.ndarray]:
+         score_floor: float, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(weights, layout) for `KERNEL`: folded_first[k] is the first layer folded for k real scores
     ((k + num_scalars + 1, width): `observation.fold_first_layer`, k = 0..num_scores), later the [W.T; bias] matrices
     of the other layers (`Actor._numpy_plan`), codes the activation after each layer (ACTIVATION_CODES). Everything
-    the kernel needs travels in these two arrays (each further argument costs a cold decision microseconds)."""
+    the kernel needs travels in these two arrays (each further argument costs a cold decision microseconds); width:
+    the tree's W, last in the layout, for `decide_depths`."""
     parts, layout_rest, offset = [np.array([score_floor], np.float32)], [], 1  # weights[0]: the score floor
     for matrix, code in zip(later, codes[1:]):
         layout_rest += [offset, matrix.shape[0] - 1, matrix.shape[1], code]
@@ -70,6 +73,6 @@ def pack(folded_first: list[np.ndarray], later: list[np.ndarray], codes: list[in
         parts.append(matrix.ravel())
         offset += matrix.size
     layout = [num_scalars, folded_first[0].shape[1], codes[0], len(later), len(folded_first) - 1, *layout_rest,
-              *first_offsets]
+              *first_offsets, *([] if width is None else [width])]  # width: decide_depths' id -> depth
     return (np.ascontiguousarray(np.concatenate(parts), dtype=np.float32),
             np.ascontiguousarray(layout, dtype=np.int64))

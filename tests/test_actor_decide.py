@@ -249,3 +249,27 @@ def test_size_actions_the_policy_cannot_have_observed_are_refused(sizes):
 
     with pytest.raises(ValueError, match=r"outside 1\.\.\d+, the candidates the size policy observes"):
         probe_controller(2, 3, sizes)
+
+
+def test_a_size_policy_reads_live_candidates_depths_from_the_trees_ranking(decision_path):
+    """In the decoder a state's candidate ids come from the tree's own ranking (the sort verification uses), not from
+    a sort of its own: they must be the ids and depths the observation sees, and decide as SB3 does on it."""
+    spec = SPECS["size"]
+    policies = [sb3_policy(spec, [16], torch.nn.Tanh, seed=seed) for seed in range(8)]
+    actors = [Actor.from_sb3(policy) for policy in policies]
+    seen: list[list[tuple]] = [[] for _ in policies]
+
+    class Checking(FixedController):
+        def choose_size(self, state: DraftState) -> int:
+            detached = state.detached()  # no tree: ids from a stable sort of the scores
+            np.testing.assert_array_equal(state.candidate_ids, detached.candidate_ids)
+            obs = observe(detached, spec)[None]
+            for actor, policy, decisions in zip(actors, policies, seen):
+                decisions.append((actor.decide(state, spec), int(sb3_actions(policy, obs)[0])))
+            return super().choose_size(state)
+
+    decoder = SpeculativeDecoder(tiny_pair(), TREE)
+    for prompt in ([7], list(range(10, 30))):
+        decoder.generate(prompt, controller=Checking(DMAX, max(SIZES)), max_new_tokens=16)
+    assert all(a == b for decisions in seen for a, b in decisions), seen
+    assert any(len({b for _, b in decisions}) > 1 for decisions in seen)  # decisions that vary: informative
