@@ -64,6 +64,13 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 
+def _fitting_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """The default feature layers of a new head, kept within 0..L: a target of fewer than 3 layers would otherwise get
+    ids it does not have (2 or L-3 < 0); from 3 layers on they are the defaults. The head's config names its ids,
+    so the engines read these and not their own defaults."""
+    return tuple(min(max(i, 0), num_target_layers) for i in default_aux_layer_ids(num_target_layers))
+
+
 def engine_layer_fields(aux_layer_ids, num_target_layers: int | None = None) -> dict:
     """The config.json fields that name the feature layers so that vLLM and SGLang both capture `aux_layer_ids`
     (HF `hidden_states` indices: the state entering layer i). The engines read them differently:
@@ -126,7 +133,7 @@ class Eagle3Config:
                    intermediate_size=int(intermediate_size or mlp),
                    vocab_size=int(target_config.vocab_size), draft_vocab_size=int(draft_vocab_size),
                    target_hidden_size=hidden,
-                   aux_layer_ids=tuple(aux_layer_ids or default_aux_layer_ids(target_config.num_hidden_layers)),
+                   aux_layer_ids=tuple(aux_layer_ids or _fitting_aux_layer_ids(int(target_config.num_hidden_layers))),
                    rms_norm_eps=float(eps),
                    rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", None) or 10000.0)),
                    max_position_embeddings=int(getattr(target_config, "max_position_embeddings", None) or 2048))

@@ -482,6 +482,10 @@ def _load_lm(source, what: str, dtype):
         damaged = damaged_weights(source, what=f"{what} model", fix=model_files_fix(source)) if local else None
         if damaged is not None:
             raise damaged from err
+        if local and isinstance(err, RuntimeError) and _shape_mismatch_error(err):
+            mismatch = _first_shape_mismatch(source, dtype) or "some tensors have other shapes"
+            raise InputFileError(f"the {what} model {source}: its weights do not fit the model its config.json "
+                                 f"describes ({mismatch}); {model_files_fix(source)}") from err
         if isinstance(err, SafetensorError) and not local:
             raise InputFileError(f"the {what} model {source!r}: its downloaded weights are damaged or incomplete "
                                  f"({' '.join(str(err).split())}); delete its copy in the Hugging Face cache "
@@ -498,6 +502,36 @@ def _load_lm(source, what: str, dtype):
         if problem is None:
             raise
         raise problem from err
+
+
+def _shape_mismatch_error(err: BaseException) -> bool:
+    """Whether transformers refused weights whose shapes differ from the config's model (its size-mismatch report:
+    "size mismatch for ..." / "ignore_mismatched_sizes")."""
+    text = str(err)
+    return "ignore_mismatched_sizes" in text or "size mismatch" in text
+
+
+def _first_shape_mismatch(folder: Path, dtype) -> str | None:
+    """"tensor NAME has shape [...] in the weights, the config builds [...]" for the first safetensors tensor whose
+    shape differs from the config's model (built on the meta device: no memory), or None when none is found."""
+    try:
+        import torch
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=dtype)
+        expected = {name: list(t.shape) for name, t in model.state_dict().items()}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    got = list(f.get_slice(name).get_shape())
+                    want = expected.get(name)
+                    if want is not None and want != got:
+                        return f"tensor {name!r} has shape {got} in {file.name}, the config builds {want}"
+    except Exception:  # noqa: BLE001 - naming the tensor is a courtesy: the error stands without it
+        return None
+    return None
 
 
 def tokenizer_rows(encoding) -> list:

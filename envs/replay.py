@@ -44,6 +44,13 @@ def load_profile(profile: str | Path | LatencyProfile | None, trace: Trace) -> L
             raise FileNotFoundError("no latency profile: pass profile= (a LatencyProfile or profile.json path) or "
                                     "keep profile.json next to trace.npz (`specpilot record` writes both)")
         profile = profile_path(trace.path)
+    # a profile measured with another pair, dtype or tree would time these decisions with another model's latencies
+    # (a profile.json copied next to a trace, or profile= from another run): refused, as training refuses it
+    from specpilot.train.rl.traces import check_profile_belongs
+
+    check_profile_belongs(trace, profile, given=f"the latency profile {profile}",
+                          fix="replay a trace with the profile recorded beside it (`specpilot record` writes both), "
+                              "or measure one with the trace's pair")
     return LatencyProfile.load(profile)
 
 

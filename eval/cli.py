@@ -189,14 +189,18 @@ def prepare(args: argparse.Namespace) -> EvalPlan:
     if "--profile-cycles" in given_options(args) and not args.replay_dir:
         raise ValueError("--profile-cycles sets the latency profile replay uses: give --replay-dir, or drop "
                          "--profile-cycles (live measurements need no profile)")
-    for path in args.check_profile:
-        LatencyProfile.load(path)
+    checked = [(path, LatencyProfile.load(path)) for path in args.check_profile]
     # the round plan's own checks (e.g. --min-rounds above --max-rounds) before the replay recording, not after it
     RoundPlan.make(args.rounds, min_rounds=args.min_rounds, max_rounds=args.max_rounds, time_budget_s=args.time_budget,
                    target_half_width=args.target_half_width, decide=tuple(args.decide), full_rounds=args.full_rounds)
     if getattr(args, "batch_sizes", None):
         check_batch_options(args)
     tree = resolve_tree(args.run_dir, width=args.width, max_depth=args.max_depth, max_size=args.max_size)
+    for path, profile in checked:  # replay of the --replay-dir trace would refuse it, but only after recording it
+        if profile.max_depth < tree.max_depth:
+            raise ValueError(f"--check-profile {path} covers draft depths up to {profile.max_depth}, but this "
+                             f"evaluation's tree drafts up to {tree.max_depth}: give a profile measured with this "
+                             "tree (or --max-depth)")
     check_not_in_use(args.out, what="--out")  # refused in its one line, before any note
     if args.replay_dir:
         check_not_in_use(args.replay_dir, what="--replay-dir")

@@ -258,3 +258,67 @@ def test_eval_never_records_over_a_trace_it_did_not_record(saved_pair, tmp_path,
     assert_one_line(code, err, "holds a trace this evaluation did not record", "that trace is left as it is")
     assert {f.name: f.read_bytes() for f in (tmp_path / "t").iterdir() if f.is_file()} == before
     assert not (tmp_path / "e" / "report.json").exists()
+
+
+def _with_foreign_profile(run, tmp_path):
+    """A copy of RUN/traces whose train profile.json says it was measured with another pair."""
+    import json
+    import shutil
+
+    traces = tmp_path / "traces"
+    shutil.copytree(run / "traces", traces)
+    pair = dict(json.loads((traces / "train" / "trace.json").read_text())["pair"])
+    pair.update(target_hash="0" * 16, draft_hash="1" * 16, target="another/target")
+    profile = json.loads((traces / "train" / "profile.json").read_text())
+    profile["meta"] = {**(profile.get("meta") or {}), "pair": pair}
+    (traces / "train" / "profile.json").write_text(json.dumps(profile))
+    return traces
+
+
+def test_replay_refuses_a_profile_measured_with_another_pair(run, tmp_path, capsys):
+    from specpilot.artifacts.contract import ContractError
+    from specpilot.envs.replay import ReplayModel
+
+    traces = _with_foreign_profile(run, tmp_path)
+    with pytest.raises(ContractError, match="does not belong with"):
+        ReplayModel(traces / "train")
+    ReplayModel(run / "traces" / "train")  # its own profile still loads
+    code, err = run_cli(["grid", "--traces", str(traces / "train"), "--out", str(tmp_path / "g.json"),
+                         "--live-top", "0"], capsys)
+    assert_one_line(code, err, "profile.json", "does not belong with")
+    assert not (tmp_path / "g.json").exists()
+
+
+def test_grid_never_replaces_a_file_that_is_not_a_grid(run, tmp_path, capsys):
+    other = tmp_path / "policies.json"
+    other.write_text('{"depth": "depth.zip"}')
+    code, err = run_cli(["grid", "--traces", str(run / "traces"), "--out", str(other), "--live-top", "0"], capsys)
+    assert_one_line(code, err, f"--out {other}", "not a grid result")
+    assert other.read_text() == '{"depth": "depth.zip"}'
+    grid = tmp_path / "grid.json"
+    for _ in range(2):  # an older grid.json is replaced
+        code, err = run_cli(["grid", "--traces", str(run / "traces"), "--out", str(grid), "--live-top", "0"], capsys)
+        assert code == 0, err
+
+
+@pytest.mark.parametrize("option", ["--batch-size", "--n-steps"])
+def test_ppo_minibatches_of_one_are_refused_before_any_work(run, tmp_path, capsys, option):
+    code, err = run_cli(["train", "size", "--run", str(tmp_path / "r"), "--traces", str(run / "traces"), "--steps",
+                         "64", "--static", "2,4", option, "1"], capsys)
+    assert code == 2 and f"{option}: expected an integer >= 2" in err, err
+    assert not (tmp_path / "r").exists()
+    from specpilot.train.rl.ppo import settings_for
+
+    with pytest.raises(ValueError, match="at least 2"):
+        settings_for("size", batch_size=1)
+    with pytest.raises(ValueError, match="at least 2"):
+        settings_for("size", n_steps=1)
+
+
+def test_eval_refuses_a_check_profile_for_a_shallower_tree_before_recording(tmp_path, capsys):
+    shallow = tmp_path / "shallow.json"
+    synthetic_profile(TreeConfig(width=3, max_depth=2, max_size=8)).save(shallow)
+    code, err = run_cli(["eval", "--out", str(tmp_path / "e"), "--replay-dir", str(tmp_path / "replay"),
+                         "--check-profile", str(shallow), "--max-depth", "4", "--limit", "1"], capsys)
+    assert_one_line(code, err, f"--check-profile {shallow}", "depths up to 2", "drafts up to 4")
+    assert not (tmp_path / "replay").exists() and not (tmp_path / "e").exists()

@@ -139,3 +139,12 @@ def test_init_from_target_copies_the_draft_vocabulary_rows(target):
     init_from_target(head, target)
     assert torch.equal(head.lm_head.weight, target.get_output_embeddings().weight[[1, 2, 7, 30, 95]])
     assert torch.equal(head.norm.weight, target.model.norm.weight)
+
+
+@pytest.mark.parametrize("layers, expected", [(1, (1, 0, 0)), (2, (2, 1, 0)), (3, (2, 1, 0)), (8, (2, 4, 5))])
+def test_a_new_head_takes_feature_layers_its_target_has(layers, expected):
+    # the engines' defaults (2, L//2, L-3) name layers a target of fewer than 3 layers does not have
+    shallow = tiny_model(vocab=VOCAB, hidden=HIDDEN, layers=layers)
+    config = Eagle3Config.for_target(shallow.config, draft_vocab_size=VOCAB)
+    assert config.aux_layer_ids == expected
+    Eagle3Head(config, shallow)  # builds: the ids are checked against the target

@@ -56,6 +56,15 @@ def _file_at(p, rel: str) -> str:
     return str(path.parent)
 
 
+def _dangling_at(p, rel: str) -> str:
+    """p["root"]/rel made a symbolic link to nowhere (a folder no run can write into); returns the folder above."""
+    path = p["root"] / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_symlink():
+        path.symlink_to(p["root"] / "no-such-folder")
+    return str(path.parent)
+
+
 # (argv builder, fragments of the one line) -- parse-time refusals and library validation alike
 CASES = {
     "width 0": (lambda p: ["generate", "--prompt", "x", "--width", "0"], ["--width", ">= 1"]),
@@ -123,6 +132,8 @@ CASES = {
                                     "--max-new-tokens", "4"], ["context", "shorten the prompt"]),
     "eval tb folder is a file": (lambda p: ["eval", "--out", _file_at(p, "evt/tb"), "--limit", "1"],
                                  ["evt/tb is a file", "TensorBoard", "another --out folder"]),
+    "eval tb folder leads nowhere": (lambda p: ["eval", "--out", _dangling_at(p, "evd/tb"), "--limit", "1"],
+                                     ["TensorBoard logs' folder", "evd/tb", "leads nowhere"]),
     "record out is a file": (lambda p: ["record", "--out", p["file"]], ["--out", "not a folder"]),
     "record width 0": (lambda p: ["record", "--out", str(p["root"] / "r"), "--width", "0"], ["--width"]),
     "grid out is a folder": (lambda p: ["grid", "--traces", "x", "--out", str(p["root"])], ["--out", "is a folder"]),

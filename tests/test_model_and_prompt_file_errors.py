@@ -256,3 +256,19 @@ def test_cli_damaged_tokenizer_in_one_line(good, tmp_path, capsys, damage):
     code, err = run_cli(["generate", "--prompt", "x", "--max-new-tokens", "4", "--target", str(folder), "--draft",
                          str(good["draft"])], capsys)
     assert_one_line(code, err, f"the tokenizer files in {folder} cannot be read", "damaged or incomplete")
+
+
+@pytest.mark.parametrize("role", ("target", "draft"))
+def test_a_config_that_does_not_fit_the_weights_names_the_tensor(good, tmp_path, capsys, role):
+    folder = _copy(good[role], tmp_path, f"reshaped_{role}")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = int(config["intermediate_size"]) + 4  # the MLP weights no longer fit
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputFileError) as info:
+        ModelPair.from_pretrained(**_pair_kwargs(good, role, folder), device="cpu")
+    message = str(info.value)
+    assert str(folder) in message and "do not fit the model its config.json describes" in message, message
+    assert "mlp" in message and "model.safetensors" in message, message  # the first tensor that differs
+    code, err = run_cli(["generate", "--prompt", "def f(x):", "--max-new-tokens", "4",
+                         *_pair_args(good, role, folder)], capsys)
+    assert_one_line(code, err, str(folder), "config.json")

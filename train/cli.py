@@ -31,9 +31,9 @@ from pathlib import Path
 
 from specpilot.artifacts.grid import GRID_FILE
 from specpilot.artifacts.run import RunManifest
-from specpilot.drafting.cliargs import (add_pair_arguments, batch_sizes, float_in, given_options, int_list,
-                                        load_pair, name_list, non_negative_float, options_config, output_dir,
-                                        positive_float, positive_int, seed, stage_name)
+from specpilot.drafting.cliargs import (add_pair_arguments, batch_sizes, float_in, given_options, int_at_least,
+                                        int_list, load_pair, name_list, non_negative_float, options_config,
+                                        output_dir, positive_float, positive_int, seed, stage_name)
 from specpilot.train.scale.cluster_cli import add_cluster_arguments, open_pool
 
 COMMANDS = ("size", "depth", "coadapt", "ablation", "all")
@@ -80,8 +80,10 @@ def _common(p: argparse.ArgumentParser, steps: int | None) -> None:
                         "refused; the budget may grow); finished stages are skipped")
     p.add_argument("--seed", type=seed, default=0, help="seed of PPO and of the environments")
     g = p.add_argument_group("PPO overrides (default: the paper's, scaled for small budgets)")
-    g.add_argument("--n-steps", type=positive_int, default=None, help="rollout length (default: paper 2048, scaled)")
-    g.add_argument("--batch-size", type=positive_int, default=None, help="minibatch (default: paper 256, scaled)")
+    g.add_argument("--n-steps", type=int_at_least(2), default=None,
+                   help="rollout length (default: paper 2048, scaled)")
+    g.add_argument("--batch-size", type=int_at_least(2), default=None,
+                   help="minibatch, >= 2 (default: paper 256, scaled)")
     g.add_argument("--n-epochs", type=positive_int, default=None, help="epochs per update (default: paper 20)")
     g.add_argument("--pi-arch", type=int_list(1), default=None,
                    help="actor layers, e.g. 1024,256 (default: paper's, size 1024,256; depth 1024)")

@@ -35,6 +35,7 @@ from specpilot.artifacts.contract import check_pair
 from specpilot.artifacts.grid import save_grid
 from specpilot.artifacts.trace import ARRAYS_FILE, is_trace
 from specpilot.drafting.control import FixedController
+from specpilot.drafting.errors import InputFileError, one_line
 from specpilot.drafting.executor import as_executor
 from specpilot.drafting.files import atomic_path, check_writable
 from specpilot.drafting.folder_lock import holds_output
@@ -623,7 +624,24 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.drafting.folder_lock import output_lock
 
     with output_lock(args.out, what="--out", kind="file"):  # held from before the traces load to the result
+        check_replaceable_grid(args.out)
         return _run(args)
+
+
+def check_replaceable_grid(out: str | Path) -> None:
+    """InputFileError when `out` exists and is not a grid result: --out replaces an older grid.json, never a file of
+    another kind (a run's policies.json, a trace's header, a user's file), which would be lost."""
+    from specpilot.artifacts.grid import GridResult
+
+    path = Path(out)
+    if not path.is_file():
+        return
+    try:
+        GridResult.load(path)
+    except (InputFileError, OSError, ValueError) as err:
+        raise InputFileError(f"--out {path} exists and is not a grid result ({one_line(err)}): it would be "
+                             "replaced; choose another path for the grid (e.g. RUN/grid.json), or move that file "
+                             "away") from None
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.logger import KVWriter, Logger, TensorBoardOutputFormat
 
 from specpilot.drafting.errors import one_line
-from specpilot.drafting.files import atomic_write_json, nearest_existing
+from specpilot.drafting.files import atomic_write_json, check_writable, nearest_existing
 
 WANDB_MODES = ("online", "offline", "disabled")
 CYCLE_INFO_KEYS = ("accepted", "emitted", "depth", "size", "draft_s", "verify_s")
@@ -132,11 +132,13 @@ class RunLogger:
         return self._tb
 
     def check_folders(self) -> None:
-        """NotADirectoryError when a file sits where the TensorBoard logs go (said before a stage does any work)."""
+        """NotADirectoryError when a file sits where the TensorBoard logs go, OutputPathError when their folder
+        cannot be written (said before a stage or an evaluation does any work, not when the first record lands)."""
         folder = self.run_dir / "tb"
         if folder.exists() and not folder.is_dir():
             raise NotADirectoryError(f"{folder} is a file, where the run's TensorBoard logs go: move it away, or "
                                      f"write into another {self.folder_option} folder")
+        check_writable(folder, kind="dir", what="the TensorBoard logs' folder")
 
     def _wandb(self):
         """The wandb run, started at the first record (None when disabled or when it could not start)."""

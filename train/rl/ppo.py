@@ -125,6 +125,15 @@ class PPOSettings:
     verbose: int = 0
     """SB3 verbosity."""
 
+    def __post_init__(self) -> None:
+        # what SB3's PPO asserts (a minibatch of one has no advantage spread to normalise), said before any work
+        if self.batch_size < 2:
+            raise ValueError(f"PPO batch_size must be at least 2 (SB3 normalises advantages over a minibatch), got "
+                             f"{self.batch_size}")
+        if self.n_steps * self.n_envs < 2:
+            raise ValueError(f"PPO n_steps x n_envs must be at least 2 (one rollout step is no minibatch), got "
+                             f"n_steps={self.n_steps}, n_envs={self.n_envs}")
+
 
 _PAPER_DEFAULTS: dict[str, dict[str, Any]] = {
     "depth": dict(kind="depth", total_timesteps=1_000_000, pi_arch=[1024], vf_arch=[1024, 256], gamma=0.999),
