@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from specpilot.artifacts.run import FINISHED, RunManifest, read_progress
+from specpilot.artifacts.trace import TraceHeader
 from specpilot.drafting.errors import InputFileError
+from specpilot.drafting.files import read_json
 
 TREE_KEYS = ("width", "max_depth")
 
@@ -190,3 +193,64 @@ def check_grid(grid, contract: RunContract, *, grid_from: str, run: str, fix: st
         raise ContractError(f"{grid_from} was searched on tree {shapes}, but {run} has "
                             f"{tree_label({k: tree.get(k) for k in TREE_KEYS})}; {fix}")
 
+
+# what a trace's recording fixes that validation and replay timing rely on being the training trace's
+TRACE_CONTRACT = ("pair", "dtype", "width", "max_depth", "max_size", "max_new_tokens", "temperature")
+# what a latency profile records of the same (its meta holds the pair and dtype it was measured with)
+PROFILE_CONTRACT = ("pair", "dtype", "width", "max_depth")
+
+
+def check_profile_belongs(trace, profile: str | Path, *, given: str, fix: str) -> None:
+    """ContractError when `profile` (a profile.json path) was measured with another pair, dtype or tree than
+    `trace` (a loaded Trace or TraceHeader) records: replay would time these decisions with another model's or
+    tree's latencies. `given` names the file as the user gave it (e.g. "--batch-profile P"); `fix` says what to do.
+    A profile that is not a file is left to the loader's own error."""
+    if not Path(profile).is_file():
+        return
+    folder = getattr(trace, "path", None)
+    head = trace if isinstance(trace, TraceHeader) else TraceHeader.from_dict(trace.header, folder or "trace.json")
+    refuse_differences(trace_fields(head), profile_fields(Path(profile)), PROFILE_CONTRACT, given=given,
+                        expected=f"the trace {folder}" if folder else "the trace", fix=fix, label="trace")
+
+
+def trace_fields(head: TraceHeader) -> dict:
+    """The contract fields (TRACE_CONTRACT) a trace's header records."""
+    return {"pair": head.pair, "dtype": _dtype_name(head.dtype), **head.tree, "max_new_tokens": head.max_new_tokens,
+            "temperature": head.data.get("temperature")}
+
+
+def profile_fields(path: Path) -> dict:
+    """The contract fields a profile.json records; a malformed file yields None fields (LatencyProfile.load names
+    what is wrong with it when replay loads it)."""
+    data = read_json(path, what="latency profile", fix="measure it again with `specpilot record --out DIR`")
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    return {"pair": meta.get("pair"), "dtype": _dtype_name(meta.get("dtype")),
+            "width": data.get("width"), "max_depth": data.get("max_depth")}
+
+
+def _dtype_name(dtype) -> str | None:
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
+
+
+def refuse_differences(train: dict, got: dict, keys: Sequence[str], *, given: str, expected: str,
+                        fix: str, label: str = "training trace") -> None:
+    """ContractError listing each of `keys` whose value in `got` differs from the training trace's; a field one
+    side does not record (None: an older file) is not compared."""
+    differing = [f"{key} {_shown(key, got[key])} ({label}: {_shown(key, train[key])})" for key in keys
+                 if _differs(key, train.get(key), got.get(key))]
+    if differing:
+        raise ContractError(f"{given} does not belong with {expected}: {'; '.join(differing)}; {fix}")
+
+
+def _differs(key: str, a, b) -> bool:
+    if a is None or b is None:
+        return False
+    if key == "pair":
+        return not same_pair(a, b)
+    if key == "temperature":
+        return float(a) != float(b)
+    return str(a) != str(b)
+
+
+def _shown(key: str, value) -> str:
+    return pair_label(value) if key == "pair" else str(value)

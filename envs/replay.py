@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot.artifacts.contract import check_profile_belongs
 from specpilot.artifacts.profile import profile_path
 from specpilot.artifacts.trace import ARRAYS_FILE
 from specpilot.drafting.cycle_math import (FED_AT_START, clip_size, emitted_count, level_bounds, next_fed,
@@ -46,8 +47,6 @@ def load_profile(profile: str | Path | LatencyProfile | None, trace: Trace) -> L
         profile = profile_path(trace.path)
     # a profile measured with another pair, dtype or tree would time these decisions with another model's latencies
     # (a profile.json copied next to a trace, or profile= from another run): refused, as training refuses it
-    from specpilot.train.rl.traces import check_profile_belongs
-
     check_profile_belongs(trace, profile, given=f"the latency profile {profile}",
                           fix="replay a trace with the profile recorded beside it (`specpilot record` writes both), "
                               "or measure one with the trace's pair")

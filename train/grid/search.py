@@ -31,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from specpilot.artifacts.common import json_digest
-from specpilot.artifacts.contract import check_pair
+from specpilot.artifacts.contract import check_pair, check_profile_belongs
 from specpilot.artifacts.grid import save_grid
 from specpilot.artifacts.trace import ARRAYS_FILE, is_trace
 from specpilot.drafting.control import FixedController
@@ -46,7 +46,6 @@ from specpilot.envs.profile import LatencyProfile, measure_batch_profile
 from specpilot.envs.record import Trace
 from specpilot.envs.replay import ReplayModel, load_profile, load_trace
 from specpilot.policies.observation import default_size_actions
-from specpilot.train.rl.traces import check_profile_belongs
 from specpilot.train.rl.validation import replay_ar
 
 

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specpilot.artifacts.contract import RunContract, check_grid, check_pair, check_stage_finished, record_contract
+from specpilot.artifacts.contract import (RunContract, check_grid, check_pair, check_profile_belongs,
+                                         check_stage_finished, record_contract)
 from specpilot.artifacts.grid import GRID_FILE, GridResult
 from specpilot.artifacts.run import BEST_ZIP, MANIFEST_FILE, RunManifest, read_best
 from specpilot.artifacts.trace import TraceHeader
@@ -28,7 +29,7 @@ from specpilot.envs.replay import ReplayModel
 from specpilot.policies.observation import (BATCH_FEATURES, DEFAULT_FEATURES, DEFAULT_SIZE_FEATURES, ObservationSpec,
                                             default_size_actions)
 from specpilot.train.rl.ppo import PPOOverrides
-from specpilot.train.rl.traces import TaskTraces, check_profile_belongs
+from specpilot.train.rl.traces import TaskTraces
 from specpilot.train.rl.validation import validation_fn
 
 REWARD_MODES = ("throughput", "acceptance", "time", "dinkelbach")

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from specpilot.artifacts.contract import ContractError, pair_label, same_pair
+from specpilot.artifacts.contract import (PROFILE_CONTRACT, TRACE_CONTRACT, profile_fields, refuse_differences,
+                                         trace_fields)
 from specpilot.artifacts.profile import PROFILE_FILE, profile_path
 from specpilot.artifacts.trace import AR_FILE, TraceHeader, is_trace  # noqa: F401 (AR_FILE re-exported)
 from specpilot.drafting.files import read_json
@@ -42,12 +43,6 @@ class TaskTraces:
         return out
 
 
-# what a trace's recording fixes that validation and replay timing rely on being the training trace's
-TRACE_CONTRACT = ("pair", "dtype", "width", "max_depth", "max_size", "max_new_tokens", "temperature")
-# what a latency profile records of the same (its meta holds the pair and dtype it was measured with)
-PROFILE_CONTRACT = ("pair", "dtype", "width", "max_depth")
-
-
 def check_traces_agree(traces: TaskTraces) -> None:
     """ContractError, before anything is trained, when the validation trace or the profile.json beside either trace
     differs from the training trace in a contract field (pair, dtype, tree, budget, temperature): training would
@@ -55,74 +50,19 @@ def check_traces_agree(traces: TaskTraces) -> None:
     and each differing field with both values. Files missing here are left to the loaders' own errors."""
     if not (traces.train / "trace.json").is_file():
         return
-    train = _trace_fields(TraceHeader.load(traces.train))
+    train = trace_fields(TraceHeader.load(traces.train))
     expected = f"the training trace {traces.train}"
     if (traces.validation / "trace.json").is_file():
-        _refuse_differences(train, _trace_fields(TraceHeader.load(traces.validation)), TRACE_CONTRACT,
+        refuse_differences(train, trace_fields(TraceHeader.load(traces.validation)), TRACE_CONTRACT,
                             given=f"the validation trace {traces.validation}", expected=expected,
                             fix="record both splits with one pair and the same --width/--max-depth/--max-size/"
                                 "--max-new-tokens (`specpilot record --suite train|validation`)")
     for split in (traces.train, traces.validation):
         if profile_path(split).is_file():
-            _refuse_differences(train, _profile_fields(profile_path(split)), PROFILE_CONTRACT,
+            refuse_differences(train, profile_fields(profile_path(split)), PROFILE_CONTRACT,
                                 given=f"the latency profile {profile_path(split)}", expected=expected,
                                 fix=f"keep the {PROFILE_FILE} that `specpilot record` wrote with that trace "
                                     "(or record the trace again: it measures a new one)")
-
-
-def check_profile_belongs(trace, profile: str | Path, *, given: str, fix: str) -> None:
-    """ContractError when `profile` (a profile.json path) was measured with another pair, dtype or tree than
-    `trace` (a loaded Trace or TraceHeader) records: replay would time these decisions with another model's or
-    tree's latencies. `given` names the file as the user gave it (e.g. "--batch-profile P"); `fix` says what to do.
-    A profile that is not a file is left to the loader's own error."""
-    if not Path(profile).is_file():
-        return
-    folder = getattr(trace, "path", None)
-    head = trace if isinstance(trace, TraceHeader) else TraceHeader.from_dict(trace.header, folder or "trace.json")
-    _refuse_differences(_trace_fields(head), _profile_fields(Path(profile)), PROFILE_CONTRACT, given=given,
-                        expected=f"the trace {folder}" if folder else "the trace", fix=fix, label="trace")
-
-
-def _trace_fields(head: TraceHeader) -> dict:
-    return {"pair": head.pair, "dtype": _dtype_name(head.dtype), **head.tree, "max_new_tokens": head.max_new_tokens,
-            "temperature": head.data.get("temperature")}
-
-
-def _profile_fields(path: Path) -> dict:
-    """The contract fields a profile.json records; a malformed file yields None fields (LatencyProfile.load names
-    what is wrong with it when replay loads it)."""
-    data = read_json(path, what="latency profile", fix="measure it again with `specpilot record --out DIR`")
-    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
-    return {"pair": meta.get("pair"), "dtype": _dtype_name(meta.get("dtype")),
-            "width": data.get("width"), "max_depth": data.get("max_depth")}
-
-
-def _dtype_name(dtype) -> str | None:
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
-
-
-def _refuse_differences(train: dict, got: dict, keys: Sequence[str], *, given: str, expected: str,
-                        fix: str, label: str = "training trace") -> None:
-    """ContractError listing each of `keys` whose value in `got` differs from the training trace's; a field one
-    side does not record (None: an older file) is not compared."""
-    differing = [f"{key} {_shown(key, got[key])} ({label}: {_shown(key, train[key])})" for key in keys
-                 if _differs(key, train.get(key), got.get(key))]
-    if differing:
-        raise ContractError(f"{given} does not belong with {expected}: {'; '.join(differing)}; {fix}")
-
-
-def _differs(key: str, a, b) -> bool:
-    if a is None or b is None:
-        return False
-    if key == "pair":
-        return not same_pair(a, b)
-    if key == "temperature":
-        return float(a) != float(b)
-    return str(a) != str(b)
-
-
-def _shown(key: str, value) -> str:
-    return pair_label(value) if key == "pair" else str(value)
 
 
 def record_traces(pair, out_dir: str | Path, *, train_prompts: Sequence, val_prompts: Sequence,
