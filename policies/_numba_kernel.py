@@ -15,6 +15,26 @@ def activate(y, code):
 
 
 @njit(cache=True, nogil=True)
+def later_layers(y, weights, layout):
+    """The action from the first layer's activated output `y`: the later layers, then the argmax."""
+    rest = layout[3]
+    for layer in range(rest):
+        at = 5 + 4 * layer
+        offset, n_in, n_out = layout[at], layout[at + 1], layout[at + 2]
+        z = weights[offset + n_in * n_out: offset + (n_in + 1) * n_out].copy()  # the bias row
+        for i in range(n_in):
+            v = y[i]
+            row = offset + i * n_out
+            for j in range(n_out):
+                z[j] += v * weights[row + j]
+        activate(z, layout[at + 3])
+        y = z
+    if y.shape[0] == 1:  # two actions reduced to l1 - l0
+        return 1 if y[0] > 0.0 else 0
+    return np.argmax(y)
+
+
+@njit(cache=True, nogil=True)
 def decide(scores, scalars, weights, layout):
     """The action for a state's scores (clipped at the floor, the first num_scores of them) and scalar slots."""
     # layout: [num_scalars, first layer width, its activation, n later layers, num_scores, (offset, in, out,
@@ -38,20 +58,7 @@ def decide(scores, scalars, weights, layout):
         for j in range(h):
             y[j] += s * weights[row + j]
     activate(y, layout[2])
-    for layer in range(rest):
-        at = 5 + 4 * layer
-        offset, n_in, n_out = layout[at], layout[at + 1], layout[at + 2]
-        z = weights[offset + n_in * n_out: offset + (n_in + 1) * n_out].copy()  # the bias row
-        for i in range(n_in):
-            v = y[i]
-            row = offset + i * n_out
-            for j in range(n_out):
-                z[j] += v * weights[row + j]
-        activate(z, layout[at + 3])
-        y = z
-    if y.shape[0] == 1:  # two actions reduced to l1 - l0
-        return 1 if y[0] > 0.0 else 0
-    return np.argmax(y)
+    return later_layers(y, weights, layout)
 
 
 @njit(cache=True, nogil=True)
@@ -81,20 +88,7 @@ def decide_depths(scores, ids, scalars, weights, layout):
         for j in range(h):
             y[j] += s * weights[row + j]
     activate(y, layout[2])
-    for layer in range(rest):
-        at = 5 + 4 * layer
-        offset, n_in, n_out = layout[at], layout[at + 1], layout[at + 2]
-        z = weights[offset + n_in * n_out: offset + (n_in + 1) * n_out].copy()
-        for i in range(n_in):
-            v = y[i]
-            row = offset + i * n_out
-            for j in range(n_out):
-                z[j] += v * weights[row + j]
-        activate(z, layout[at + 3])
-        y = z
-    if y.shape[0] == 1:
-        return 1 if y[0] > 0.0 else 0
-    return np.argmax(y)
+    return later_layers(y, weights, layout)
 
 
 def entry_point_depths(num_scalars):
