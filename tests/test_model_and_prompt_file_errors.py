@@ -269,6 +269,7 @@ def test_a_config_that_does_not_fit_the_weights_names_the_tensor(good, tmp_path,
     message = str(info.value)
     assert str(folder) in message and "do not fit the model its config.json describes" in message, message
     assert "mlp" in message and "model.safetensors" in message, message  # the first tensor that differs
+    capsys.readouterr()  # (the library call's own output, e.g. transformers' loading bar: not the CLI's)
     code, err = run_cli(["generate", "--prompt", "def f(x):", "--max-new-tokens", "4",
                          *_pair_args(good, role, folder)], capsys)
     assert_one_line(code, err, str(folder), "config.json")
