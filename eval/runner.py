@@ -531,7 +531,7 @@ def build_meta(pair: ModelPair, *, tree: TreeConfig, prompts: list[Prompt], temp
                                  "together (4000 resamples, seeded); a round's timing-noise interval over (prompt, "
                                  "round) units decides when to stop adding rounds",
                      "itl": "gaps between successive token deliveries (a cycle's tokens are one delivery)",
-                     "peak_mem": "CUDA allocator peak" if device.type == "cuda" else "process RSS, sampled"},
+                     "peak_mem": MemoryMonitor.source(device)},
         "tree": {"width": tree.width, "max_depth": tree.max_depth, "max_size": tree.max_size},
         "methods": methods,
         "skipped": skipped,

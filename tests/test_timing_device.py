@@ -45,3 +45,37 @@ def test_cpu_clocks_wait_for_nothing(cuda_calls):
     rounds._sync(torch.device("cpu"))
     TimingStreamer(0.0, torch.device("cpu")).put(torch.tensor([1]))
     assert cuda_calls == []
+
+
+def _allocate_and_touch(megabytes: int) -> bytearray:
+    block = bytearray(megabytes * 2 ** 20)
+    block[::4096] = b"\x01" * len(block[::4096])  # touch every page: RSS, not just address space
+    return block
+
+
+@pytest.mark.skipif(not rounds.MemoryMonitor._reset_kernel_peak(), reason="no kernel peak-RSS mark to reset here")
+def test_cpu_peak_memory_is_the_kernels_high_water_mark_without_a_sampling_thread():
+    with rounds.MemoryMonitor(torch.device("cpu")) as memory:
+        assert memory.kernel_peak and memory._thread is None  # nothing runs beside the timed call
+        memory.begin()
+        before = memory.end()
+        block = _allocate_and_touch(64)
+        del block  # freed before end(): only a high-water mark (or a lucky sample) still sees it
+        peak = memory.end()
+        memory.begin()  # reset: the freed block no longer counts
+        after = memory.end()
+    assert peak >= before + 60
+    assert after < peak - 60
+    assert "high-water" in rounds.MemoryMonitor.source("cpu")
+
+
+def test_cpu_peak_memory_falls_back_to_sampling_where_the_kernel_keeps_no_mark(monkeypatch):
+    monkeypatch.setattr(rounds.MemoryMonitor, "CLEAR_REFS", "/nonexistent/clear_refs")
+    with rounds.MemoryMonitor(torch.device("cpu"), interval_s=0.001) as memory:
+        assert not memory.kernel_peak and memory._thread is not None
+        memory.begin()
+        block = _allocate_and_touch(64)
+        peak = memory.end()
+        del block
+    assert peak >= memory._rss_mb() - 1 and peak > 60
+    assert rounds.MemoryMonitor.source("cpu") == "process RSS, sampled"
