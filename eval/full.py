@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from specpilot.artifacts.contract import check_profile_belongs
 from specpilot.artifacts.profile import DEFAULT_PROFILE_CYCLES
 from specpilot.artifacts.profile import profile_path as profile_file
 from specpilot.artifacts.trace import is_trace
@@ -82,6 +83,11 @@ def full_evaluation(prompts: Sequence[Prompt], *, pair=None, executor: Executor 
                                  profile_cycles=profile_cycles, seed=seed))
         ids, trace, profile = executor.map(replay_inputs, [task], progress=say)[0].result
         lookup = dict(zip(task.payload["texts"], ids))  # the evaluated token ids are the trace's
+        for title, path in (check_profiles or {}).items():  # refused before the live rounds, not reported as stale
+            check_profile_belongs(trace, path, given=f"--check-profile {path}" if str(title) == str(path)
+                                  else f"{title} ({path})",
+                                  fix="check a profile measured with this pair, dtype and tree (a run's "
+                                  "traces/train/profile.json), or drop it")
     budget = None if time_budget_s is None else max(0.0, time_budget_s - (time.perf_counter() - started)
                                                     - REPORT_RESERVE_S)
     result = evaluate(prompts, executor=executor, methods=methods, temperatures=tuple(temperatures),

@@ -130,3 +130,28 @@ def test_stale_profile_is_re_measured_and_saved(recorded, tmp_path):
 def test_the_middle_check_config_takes_a_measured_size(sizes, middle):
     trace = types.SimpleNamespace(max_depth=8, max_size=32, width=4)
     assert default_configs(trace, sizes) == [(0, 0), (1, 4), (4, middle), (8, 32)]
+
+
+def test_full_evaluation_refuses_a_profile_to_check_from_another_pair_before_the_live_rounds(saved_pair, tmp_path):
+    """A profile measured with other models is a mismatched input, not a stale result: refused once the evaluation
+    knows its trace's pair, before any live round, and the trace it recorded is kept for the next run."""
+    from test_grid import synthetic_profile
+
+    from specpilot.artifacts.contract import ContractError
+    from specpilot.artifacts.trace import is_trace
+    from specpilot.drafting import ModelPair
+    from specpilot.eval.full import full_evaluation
+    from specpilot.eval.suites import Prompt
+
+    pair = ModelPair.from_pretrained(saved_pair / "target", saved_pair / "draft")
+    tree = TreeConfig(width=2, max_depth=3, max_size=6)
+    foreign = synthetic_profile(tree)
+    foreign.meta["pair"] = {"name": "other", "target_hash": "0" * 16, "draft_hash": "1" * 16}
+    path = foreign.save(tmp_path / "foreign.json")
+    prompts = [Prompt("c1", "code", "python", "heldout", "def f(x):\n")]
+    with pytest.raises(ContractError, match=f"--check-profile {path}") as err:
+        full_evaluation(prompts, pair=pair, tree=tree, out_dir=tmp_path / "eval", trace_dir=tmp_path / "trace",
+                        check_profiles={str(path): path}, methods=["fixed"], max_new_tokens=4, rounds=1,
+                        profile_prompts=1, profile_cycles=40, plots=False)
+    assert "other" in str(err.value)
+    assert not (tmp_path / "eval" / "report.json").exists() and is_trace(tmp_path / "trace")
