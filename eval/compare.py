@@ -117,13 +117,48 @@ CAUSES = {"decision time": "the difference is decision time",
           "timing beyond decision time": "decision time does not explain the whole difference"}
 
 
+REPLAY_OUTSIDE = "replay outside the interval"
+
+
+def flag_replay_outside(live: Sequence[dict], replayed: Sequence[dict]) -> None:
+    """Flag each greedy live comparison whose interval leaves out what exact replay of the same prompts gives for the
+    same pair. Every greedy comparison with a replayed counterpart keeps it under "replay" ({"ratio", "ci",
+    "inside"}: one schema whether flagged or not). Replay knows each cycle's acceptance exactly and
+    prices it with a profile measured in the same evaluation, so a live interval that misses it says that the live
+    rounds' load (or a stale profile) moved one method more than the other: the verdict stands as measured, and the
+    flag says to measure again before trusting its margin. Replay leaves the prefill out, so it reads ~1 point above
+    a live ratio (README, "Reading the report"), which this test does not correct for."""
+    by_pair = {(c["method"], c["baseline"]): c for c in replayed if float(c.get("temperature", 0.0)) == 0.0}
+    for c in live:
+        r = by_pair.get((c["method"], c["baseline"]))
+        low, high = c.get("ci") or (None, None)
+        if r is None or float(c.get("temperature", 0.0)) != 0.0:
+            continue
+        values = (r.get("ratio"), low, high)
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in values):
+            continue
+        inside = bool(low <= r["ratio"] <= high)
+        c["replay"] = {"ratio": float(r["ratio"]), "ci": r.get("ci"), "inside": inside}
+        c["flags"] = [f for f in c.get("flags") or [] if f != REPLAY_OUTSIDE] + ([] if inside else [REPLAY_OUTSIDE])
+
+
+def _replay_text(comparison: dict) -> str:
+    r = comparison.get("replay") or {}
+    if REPLAY_OUTSIDE not in (comparison.get("flags") or []) or not isinstance(r.get("ratio"), (int, float)):
+        return ""
+    return (f"exact replay of these prompts gives {r['ratio']:.3f}x {_ci_text(r.get('ci'))}, outside the live "
+            "interval: load during the live rounds (or a stale profile) moved one method more than the other; measure "
+            "again before trusting the margin")
+
+
 def flag_text(comparison: dict) -> str:
     """The flags of a comparison as one clause ("" without flags): "same decisions on every cycle: the
     difference is decision time (ltd 0.61 vs grid 0.19 ms deciding per generation, +1.9% of ltd's time;
-    without decision time 1.002x [0.990, 1.013])"."""
+    without decision time 1.002x [0.990, 1.013])", and/or the replay clause of `flag_replay_outside`."""
+    replay = _replay_text(comparison)
     same = comparison.get("same_decisions") or "same decisions" in (comparison.get("flags") or [])
     if not same:
-        return ""
+        return replay
     text = "same decisions on every cycle"
     cause = comparison.get("cause")
     if cause:
@@ -139,7 +174,7 @@ def flag_text(comparison: dict) -> str:
                         if isinstance(ratio, (int, float)) and math.isfinite(ratio) else "")
         text += (f" ({comparison['method']} {ms['method']:.2f} vs {comparison['baseline']} {ms['baseline']:.2f} ms "
                  f"deciding per generation{share_text}{without_text})")
-    return text
+    return f"{text}; {replay}" if replay else text
 
 
 def interval_verdict(comparison: dict) -> str:

@@ -27,7 +27,7 @@ from specpilot.drafting.executor import Executor, ShardTask, as_executor
 from specpilot.drafting.folder_lock import holds_output
 from specpilot.drafting.stopping import stopping_options
 from specpilot.drafting.types import TreeConfig
-from specpilot.eval.compare import DECIDE
+from specpilot.eval.compare import DECIDE, flag_replay_outside
 from specpilot.eval.costcheck import check_records, profile_age_s
 from specpilot.eval.methods import EvalContext, replay_controllers
 from specpilot.eval.replay_eval import record_on_workers
@@ -156,6 +156,7 @@ def attach_replay(result: EvalResult, trace, profile, prompts: Sequence[Prompt],
     if kept_prompts(result, prompts):
         result.replay = replay_evaluation(result, trace, profile, prompts=prompts, seed=seed, profile_info=info,
                                           replay_only=replay_only, decide=decide)
+        flag_replay_outside(result.comparisons or [], result.replay.get("comparisons") or [])
     else:  # as the live verdicts: speed on degenerate text is no verdict
         result.meta["skipped"]["replay"] = "the target's greedy output is degenerate on every prompt"
     result.cost_check = _cost_checks(result, trace, profile, prompts, check_profiles or {}, tolerance, say)

@@ -7,7 +7,8 @@ greedy was compared) says which methods' greedy output differs from ar's and why
 summary and results carry every speedup with its 95% paired interval `speedup_ci`; comparisons are method pairs
 per temperature {"method", "baseline", "temperature", "ratio", "ci", "verdict", "flags", "same_decisions", ...}:
 the verdict comes from the interval alone; a flag ("same decisions", with the decision time of both and its
-`cause`) explains a difference beside it (`specpilot.eval.compare`).
+`cause`; "replay outside the interval", with greedy comparisons' `replay` ratio) explains a difference beside it
+(`specpilot.eval.compare`).
 report.md leads with the verdicts, then speedups with intervals, the deciding pair by task group, replay beside
 live, the cost-model check, decision statistics and the per-group tables. Prompts whose greedy output is
 degenerate (`specpilot.eval.degeneracy`: the target loops or emits junk) are left out of the verdicts and the

@@ -99,3 +99,44 @@ def test_report_and_summary_show_the_ratio_and_the_flag(tmp_path):
     decide = next(line for line in lines if "ltd vs grid" in line)
     assert "slower" in decide and "flag: same decisions" in decide and "decision time" in decide
     assert summarise_report(report, temperature=1.0)["ltd_vs_grid"]["verdict"] == "slower"
+
+
+def _live(ratio, ci, temperature=0.0, flags=()):
+    return {"method": "ltd", "baseline": "grid", "temperature": temperature, "ratio": ratio, "ci": list(ci),
+            "verdict": "faster", "flags": list(flags), "n_units": 54, "same_decisions": "same decisions" in flags}
+
+
+@pytest.mark.parametrize("replay_ratio, flagged", [
+    (1.072, True),    # demo X: live 1.133x [1.091, 1.178], replay 1.072x
+    (1.094, False),   # inside the live interval
+    (1.200, True),    # above it
+    (float("nan"), False),
+])
+def test_a_live_interval_that_leaves_out_replay_is_flagged_not_changed(replay_ratio, flagged):
+    from specpilot.eval.compare import REPLAY_OUTSIDE, flag_replay_outside
+
+    live = [_live(1.133, (1.091, 1.178)), _live(1.01, (0.98, 1.03), temperature=1.0)]
+    replayed = [{"method": "ltd", "baseline": "grid", "temperature": 0.0, "ratio": replay_ratio,
+                 "ci": [replay_ratio - 0.02, replay_ratio + 0.02], "flags": [], "n_units": 27}]
+    flag_replay_outside(live, replayed)
+    flag_replay_outside(live, replayed)  # idempotent
+    assert live[0]["verdict"] == "faster" and live[0]["ratio"] == 1.133  # the verdict stands as measured
+    assert live[0]["flags"] == ([REPLAY_OUTSIDE] if flagged else [])
+    if np.isfinite(replay_ratio):  # one schema, flagged or not (report keys must not depend on timing)
+        assert live[0]["replay"] == {"ratio": replay_ratio, "ci": [replay_ratio - 0.02, replay_ratio + 0.02],
+                                     "inside": not flagged}
+    assert live[1]["flags"] == []  # sampled comparisons have no replay
+    line = describe(live[0])
+    assert ("flag: exact replay of these prompts gives" in line) is flagged
+    if flagged:
+        assert f"{replay_ratio:.3f}x" in line and "measure again" in line
+
+
+def test_the_replay_clause_follows_the_same_decisions_clause():
+    from specpilot.eval.compare import flag_replay_outside
+
+    live = [_live(0.99, (0.98, 0.995), flags=["same decisions"])]
+    flag_replay_outside(live, [{"method": "ltd", "baseline": "grid", "temperature": 0.0, "ratio": 1.0,
+                                "ci": [0.99, 1.01]}])
+    line = describe(live[0])
+    assert "flag: same decisions on every cycle; exact replay of these prompts gives 1.000x" in line
