@@ -719,11 +719,13 @@ def format_summary(summary: dict) -> str:
     lines += format_summary_lines(summary)  # its first line, "measured on: LABEL", says what was measured
     best = summary.get("grid_best")
     if best:
-        live = (f", live {best['live_tokens_per_s']:.1f} tok/s ({best['live_speedup']:.2f}x AR)"
+        # the grid stage's own numbers (training trace, validation prompts): not comparable with the held-out
+        # speedups printed above, so each says where it was measured
+        live = (f", live {best['live_tokens_per_s']:.1f} tok/s ({best['live_speedup']:.2f}x AR, validation prompts)"
                 if best.get("live_tokens_per_s") is not None else "")
         lines.append(f"grid best ({best.get('source')}): W={best.get('width')} depth={best.get('depth')} "
                      f"size={best.get('size')}, replay {best['replay_tokens_per_s']:.1f} tok/s "
-                     f"({best['replay_speedup']:.2f}x AR){live}")
+                     f"({best['replay_speedup']:.2f}x AR, training trace){live}")
     for width, entry in (summary.get("replay_oracle") or {}).items():
         oracle, ar = entry.get("oracle") or {}, entry.get("ar") or {}
         if oracle.get("tokens_per_s") and ar.get("tokens_per_s"):
