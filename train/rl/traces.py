@@ -54,15 +54,15 @@ def check_traces_agree(traces: TaskTraces) -> None:
     expected = f"the training trace {traces.train}"
     if (traces.validation / "trace.json").is_file():
         refuse_differences(train, trace_fields(TraceHeader.load(traces.validation)), TRACE_CONTRACT,
-                            given=f"the validation trace {traces.validation}", expected=expected,
-                            fix="record both splits with one pair and the same --width/--max-depth/--max-size/"
-                                "--max-new-tokens (`specpilot record --suite train|validation`)")
+                           given=f"the validation trace {traces.validation}", expected=expected,
+                           fix="record both splits with one pair and the same --width/--max-depth/--max-size/"
+                               "--max-new-tokens (`specpilot record --suite train|validation`)")
     for split in (traces.train, traces.validation):
         if profile_path(split).is_file():
             refuse_differences(train, profile_fields(profile_path(split)), PROFILE_CONTRACT,
-                                given=f"the latency profile {profile_path(split)}", expected=expected,
-                                fix=f"keep the {PROFILE_FILE} that `specpilot record` wrote with that trace "
-                                    "(or record the trace again: it measures a new one)")
+                               given=f"the latency profile {profile_path(split)}", expected=expected,
+                               fix=f"keep the {PROFILE_FILE} that `specpilot record` wrote with that trace "
+                                   "(or record the trace again: it measures a new one)")
 
 
 def record_traces(pair, out_dir: str | Path, *, train_prompts: Sequence, val_prompts: Sequence,
