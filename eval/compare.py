@@ -146,9 +146,11 @@ def _replay_text(comparison: dict) -> str:
     r = comparison.get("replay") or {}
     if REPLAY_OUTSIDE not in (comparison.get("flags") or []) or not isinstance(r.get("ratio"), (int, float)):
         return ""
-    return (f"exact replay of these prompts gives {r['ratio']:.3f}x {_ci_text(r.get('ci'))}, outside the live "
-            "interval: load during the live rounds (or a stale profile) moved one method more than the other; measure "
-            "again before trusting the margin")
+    # the ratio alone (its interval is in the replay section): a flag that timing noise raises must not change the
+    # shape of the report's rows (their bracketed intervals)
+    return (f"exact replay of these prompts gives {r['ratio']:.3f}x, outside the live interval: load during the live "
+            "rounds (or a stale profile) moved one method more than the other; measure again before trusting the "
+            "margin")
 
 
 def flag_text(comparison: dict) -> str:
